@@ -1,0 +1,247 @@
+"""Exact parameter accounting from the config alone, and matching a variant to a parameter budget.
+
+Counting. Every group is a closed form of the shape (a test checks it equals `sum(p.numel())` of the built model):
+
+    embedding  = V d (x2 when untied)
+    attention  = L (d q + 2 d kv + q d)            q = n_heads * head_dim, kv = n_kv_heads * head_dim
+    ffn        = 3 d * sum_l widths[l]             (SwiGLU and hourglass alike: each hidden unit owns W_1, W_2, W_u rows)
+    norm       = 2 L d + d  (+ L (q + kv) QK-norm, + L K d hourglass sub-norms)
+
+The budget counts `non_embedding` = attention + ffn (the papers' arithmetic: 113,246,208 at 113M; norm gains are
+excluded) or `total` = everything.
+
+Matching. A variant keeps its declared shape and solves its free dimension so that its counted parameters meet the
+budget of the scale's reference model:
+
+    ffn        the FFN widths (the schedule's shape is kept, its scale solved)
+    depth      L, at the target d_h, then the FFN widths            (hourglass: saved parameters become layers)
+    attention  n_heads at fixed head_dim, at the target d_h, then the FFN widths (saved parameters become attention)
+    width      d_model at fixed head_dim and d_h/d_model, then the FFN widths
+    none       nothing (the reference itself)
+
+Fine adjustment. One FFN hidden unit costs 3 d parameters (2,304 at d=768, 2e-5 of 113M), coarser than the 1e-5
+tolerance. Every parameter group is a multiple of d, so the budget gap is a multiple of d and the nearest whole number
+of hidden units leaves at most d parameters (6.8e-6 at 113M). Widths are first rounded to `multiple_of` by the
+largest-remainder rule; the few single units left over all go to one layer (the next in remainder order), so at most
+one layer is off the multiple, and for hourglass they spread over that layer's sub-MLPs, one unit each at most
+(`ModelConfig.sub_widths`). The result is a deterministic function of the config.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, replace
+
+from study.errors import StudyError
+from study.models.config import BLOCKS, FFN_KINDS, ModelConfig
+from study.schedules import schedule_shape
+
+MODES = ("non_embedding", "total")
+STRATEGIES = ("none", "ffn", "depth", "attention", "width")
+
+
+@dataclass
+class BudgetConfig:
+    mode: str = "non_embedding"
+    """What the budget counts: `non_embedding` (attention + FFN matrices) or `total` (every parameter)."""
+    match: str = "ffn"
+    """Free dimension solved to meet the budget: none, ffn, depth, attention or width."""
+    tolerance: float = 1e-5
+    """Largest accepted |counted - budget| / budget."""
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int
+    attention: int
+    ffn: int
+    norm: int
+    total: int
+    counted: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Matched:
+    """A variant's resolved shape and its accounting against the budget."""
+
+    model: ModelConfig
+    params: ParamCount
+    budget: int
+    mismatch: float
+
+
+def count_params(cfg: ModelConfig, mode: str = "non_embedding") -> ParamCount:
+    """Parameters of the model the config builds, per group, without building it."""
+    d, n_layers = cfg.d_model, cfg.n_layers
+    q, kv = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    embedding = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    attention = n_layers * (2 * d * q + 2 * d * kv)
+    ffn = 3 * d * sum(cfg.ffn.widths)
+    norm = 2 * n_layers * d + d
+    if cfg.qk_norm:
+        norm += n_layers * (q + kv)
+    if cfg.ffn.kind == "hourglass" and cfg.ffn.sub_norm:
+        norm += n_layers * cfg.ffn.k * d
+    total = embedding + attention + ffn + norm
+    counted = attention + ffn if mode == "non_embedding" else total
+    return ParamCount(embedding, attention, ffn, norm, total, counted)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N for every matmul weight, including the LM head but not the
+    embedding lookup, plus 12 L H Q T for attention scores and values (PaLM appendix B convention)."""
+    p = count_params(cfg, "non_embedding")
+    matmul = p.attention + p.ffn + cfg.vocab_size * cfg.d_model
+    return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+
+
+def reference_budget(reference: ModelConfig, mode: str) -> int:
+    """The budget a scale's reference conventional model defines: its own count, uniform widths."""
+    ref = copy.deepcopy(reference)
+    ref.ffn.widths = [ref.ffn.width * ref.ffn.k] * ref.n_layers
+    return count_params(ref, mode).counted
+
+
+def validate_shape(cfg: ModelConfig) -> None:
+    """Reject shapes no model can have, naming the field."""
+    if cfg.block not in BLOCKS:
+        raise StudyError("model.block", f"unknown block {cfg.block!r}", f"use one of {', '.join(BLOCKS)}")
+    if cfg.ffn.kind not in FFN_KINDS:
+        raise StudyError("model.ffn.kind", f"unknown FFN {cfg.ffn.kind!r}", f"use one of {', '.join(FFN_KINDS)}")
+    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        if getattr(cfg, name) <= 0:
+            raise StudyError(f"model.{name}", f"must be positive, got {getattr(cfg, name)}", "use a value > 0")
+    for name in ("width", "k", "multiple_of"):
+        if getattr(cfg.ffn, name) <= 0:
+            raise StudyError(f"model.ffn.{name}", f"must be positive, got {getattr(cfg.ffn, name)}", "use a value > 0")
+    if cfg.n_kv_heads < 0 or cfg.head_dim < 0:
+        raise StudyError("model.n_kv_heads", "n_kv_heads and head_dim must be >= 0", "use 0 for the default")
+    if not cfg.head_dim and cfg.d_model % cfg.n_heads:
+        raise StudyError("model.n_heads", f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}",
+                         "choose n_heads dividing d_model, or set model.head_dim")
+    if cfg.dim_head % 2:
+        raise StudyError("model.head_dim", f"head_dim {cfg.dim_head} is odd; RoPE rotates pairs", "use an even head_dim")
+    if cfg.n_heads % cfg.kv_heads:
+        raise StudyError("model.n_kv_heads", f"n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.kv_heads}",
+                         "choose n_kv_heads dividing n_heads")
+    if cfg.ffn.kind == "swiglu" and cfg.ffn.k != 1:
+        raise StudyError("model.ffn.k", "k > 1 needs the hourglass FFN", "set model.ffn.kind=hourglass or k=1")
+    if cfg.ffn.kind == "hourglass" and target_width(cfg) >= cfg.d_model:
+        raise StudyError("model.ffn.width", f"hourglass d_h {target_width(cfg)} >= d_model {cfg.d_model}",
+                         "an hourglass sub-MLP must be narrower than d_model: lower hidden_ratio or width")
+
+
+def target_width(cfg: ModelConfig) -> int:
+    """The per-sub-MLP hidden width the variant asks for (d_ff, or d_h = hidden_ratio * d_model)."""
+    if cfg.ffn.hidden_ratio > 0:
+        return max(1, round(cfg.ffn.hidden_ratio * cfg.d_model))
+    return cfg.ffn.width
+
+
+def round_widths(ideal: list[float], units: int, multiple: int) -> list[int]:
+    """Integer widths summing to `units`: multiples of `multiple` by largest remainder, leftovers on one layer."""
+    scaled = [x / multiple for x in ideal]
+    widths = [math.floor(s) * multiple for s in scaled]
+    order = sorted(range(len(ideal)), key=lambda i: (-(scaled[i] - math.floor(scaled[i])), i))
+    extra, leftover = divmod(units - sum(widths), multiple)
+    for i in range(extra):
+        widths[order[i % len(order)]] += multiple
+    widths[order[extra % len(order)]] += leftover
+    return widths
+
+
+def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    """Scale the schedule's shape so the counted parameters land on the budget (within d parameters)."""
+    k = cfg.ffn.k
+    shape = schedule_shape(cfg.ffn, cfg.n_layers, target_width(cfg) * k)
+    if shape is None:
+        return cfg
+    zero = replace(cfg, ffn=replace(cfg.ffn, widths=[0] * cfg.n_layers))
+    fixed = count_params(zero, mode).counted
+    per_unit = 3 * cfg.d_model
+    units = round((budget - fixed) / per_unit)
+    if units < k * cfg.n_layers:
+        raise StudyError("budget", f"the budget {budget:,} leaves no room for the FFN of this variant "
+                         f"({fixed:,} parameters outside the FFN)", "use a larger scale or fewer layers/heads")
+    total_shape = sum(shape)
+    widths = round_widths([units * s / total_shape for s in shape], units, cfg.ffn.multiple_of)
+    if min(widths) < k:
+        raise StudyError("model.ffn.widths", "a layer would get fewer hidden units than sub-MLPs",
+                         "raise the cosine end factor or the minimum width")
+    out = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
+    if cfg.ffn.kind == "hourglass" and max(max(out.sub_widths(l)) for l in range(cfg.n_layers)) >= cfg.d_model:
+        raise StudyError("model.ffn.width", f"matching needs hourglass d_h >= d_model ({cfg.d_model})",
+                         "move the parameters elsewhere: budget.match=depth or attention, or raise model.ffn.k")
+    return out
+
+
+def _with_target_widths(cfg: ModelConfig) -> ModelConfig:
+    w = target_width(cfg) * cfg.ffn.k
+    return replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers))
+
+
+def _solve_depth(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    one = count_params(_with_target_widths(replace(cfg, n_layers=1)), mode).counted
+    two = count_params(_with_target_widths(replace(cfg, n_layers=2)), mode).counted
+    per_layer, fixed = two - one, 2 * one - two
+    return replace(cfg, n_layers=max(1, round((budget - fixed) / per_layer)))
+
+
+def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    if cfg.n_kv_heads and cfg.n_kv_heads != cfg.n_heads:
+        raise StudyError("budget.match", "the attention strategy grows multi-head attention only",
+                         "set model.n_kv_heads=0 or use budget.match=ffn")
+    hd = cfg.dim_head
+    one = count_params(_with_target_widths(replace(cfg, n_heads=1, head_dim=hd)), mode).counted
+    two = count_params(_with_target_widths(replace(cfg, n_heads=2, head_dim=hd)), mode).counted
+    heads = math.floor((budget - (2 * one - two)) / (two - one))
+    if heads < 1:
+        raise StudyError("budget", "no attention head fits next to the target FFN", "lower the hourglass d_h or K")
+    return replace(cfg, n_heads=heads, head_dim=hd)
+
+
+def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    hd = cfg.dim_head
+    best, best_gap = None, None
+    for d in range(hd, 65_536 + 1, hd):
+        trial = replace(cfg, d_model=d, n_heads=d // hd, head_dim=hd)
+        gap = abs(count_params(_with_target_widths(trial), mode).counted - budget)
+        if best_gap is not None and gap > best_gap:
+            break
+        best, best_gap = trial, gap
+    return best
+
+
+def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
+    """Resolve the variant's free dimension so that its counted parameters meet `budget`."""
+    if budget_cfg.mode not in MODES:
+        raise StudyError("budget.mode", f"unknown mode {budget_cfg.mode!r}", f"use one of {', '.join(MODES)}")
+    if budget_cfg.match not in STRATEGIES:
+        raise StudyError("budget.match", f"unknown strategy {budget_cfg.match!r}", f"use one of {', '.join(STRATEGIES)}")
+    validate_shape(cfg)
+    mode, strategy = budget_cfg.mode, budget_cfg.match
+    if strategy == "depth":
+        cfg = _solve_depth(cfg, budget, mode)
+    elif strategy == "attention":
+        cfg = _solve_heads(cfg, budget, mode)
+    elif strategy == "width":
+        cfg = _solve_width(cfg, budget, mode)
+    if strategy == "none":
+        shape = schedule_shape(cfg.ffn, cfg.n_layers, target_width(cfg) * cfg.ffn.k)
+        widths = None if shape is None else [max(cfg.ffn.k, round(s)) for s in shape]
+        cfg = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
+    else:
+        cfg = solve_ffn(cfg, budget, mode)
+    if cfg.ffn.widths is None:
+        return Matched(cfg, None, budget, None)
+    params = count_params(cfg, mode)
+    mismatch = (params.counted - budget) / budget
+    if strategy != "none" and abs(mismatch) > budget_cfg.tolerance:
+        raise StudyError("budget.tolerance", f"the closest match is {mismatch:.2e} off the budget "
+                         f"(one hidden unit costs {3 * cfg.d_model} parameters)",
+                         "raise budget.tolerance for this small scale, or use a larger budget")
+    return Matched(cfg, params, budget, mismatch)

@@ -1,0 +1,20 @@
+"""User-facing errors: what is wrong, which field, and how to fix it."""
+
+from __future__ import annotations
+
+
+class StudyError(Exception):
+    """Bad input from the user. The CLI prints it as one paragraph and exits with status 2.
+
+    Tracebacks are reserved for bugs; everything a user can get wrong raises this instead.
+    """
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        return f"error in `{self.field}`: {self.problem}. Fix: {self.fix}"

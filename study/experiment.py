@@ -1,0 +1,114 @@
+"""Experiment files (`sweeps/experiment/*.yaml`): which variants, scales and seeds a study runs, and its stages."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from study.config import group_file, group_options, load_yaml, sweeps_dir
+from study.errors import StudyError
+
+KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common")
+
+
+@dataclass
+class Variant:
+    name: str
+    """Name in run names, tags and reports."""
+    model: str
+    """Preset in sweeps/model/ it starts from."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Dotted overrides on top of the preset (`model.ffn.k: 8`)."""
+
+
+@dataclass
+class Experiment:
+    name: str
+    """File name under sweeps/experiment/: the MLflow experiment name."""
+    baseline: str
+    """Variant every other variant is paired against."""
+    scales: list[str]
+    """Scale presets, in order."""
+    seeds: dict[str, list[int]]
+    """Seeds per scale."""
+    variants: list[Variant]
+    """Variants, in order."""
+    reference: tuple[str, int] | None = None
+    """(variant, seed) whose trained model is profiled for geometry-scheduled widths, per scale."""
+    common: dict[str, Any] = field(default_factory=dict)
+    """Overrides applied to every run."""
+    description: str = ""
+    """One line for the plan's title."""
+
+
+def _grid_variants(grid: Any) -> list[Variant]:
+    from omegaconf import OmegaConf
+
+    grid = OmegaConf.to_container(grid)
+    if not isinstance(grid, dict) or "model" not in grid:
+        raise StudyError("grid", "needs `model` (a preset) and `set` (keys, lists for swept ones)",
+                         "see sweeps/experiment/search.yaml")
+    settings = grid.get("set") or {}
+    swept = [k for k, v in settings.items() if isinstance(v, list)]
+    fixed = {k: v for k, v in settings.items() if k not in swept}
+    out = []
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = dict(zip(swept, values))
+        name = grid["model"] + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in point.items())
+        out.append(Variant(name, grid["model"], {**fixed, **point}))
+    return out
+
+
+def load_experiment(name: str) -> Experiment:
+    path = sweeps_dir() / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        raise StudyError("EXPERIMENT", f"no experiment named {name!r}",
+                         f"use one of {', '.join(group_options('experiment'))} (files in {path.parent})")
+    from omegaconf import OmegaConf
+
+    raw = load_yaml(path)
+    unknown = sorted(set(raw.keys()) - set(KEYS))
+    if unknown:
+        raise StudyError(f"{name}.yaml: {unknown[0]}", "is not an experiment key", f"use only {', '.join(KEYS)}")
+    for key in ("baseline", "scales", "seeds", "variants"):
+        if key not in raw and not (key == "variants" and "grid" in raw):
+            raise StudyError(f"{name}.yaml: {key}", "is missing", "every experiment names baseline, scales, seeds, variants")
+    scales = list(raw.scales)
+    for scale in scales:
+        group_file("scale", scale)
+    seeds_raw = OmegaConf.to_container(raw.seeds)
+    if isinstance(seeds_raw, dict):
+        missing = [s for s in scales if s not in seeds_raw]
+        if missing:
+            raise StudyError(f"{name}.yaml: seeds", f"no seeds for scale {missing[0]}", "list seeds for every scale")
+        seeds = {s: list(seeds_raw[s]) for s in scales}
+    else:
+        seeds = {s: list(seeds_raw) for s in scales}
+    if any(not isinstance(x, int) or x < 0 for v in seeds.values() for x in v) or not all(seeds.values()):
+        raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers", "e.g. seeds: [0, 1, 2]")
+    variants = []
+    for vname, spec in OmegaConf.to_container(raw.get("variants") or {}).items():
+        spec = spec or {}
+        extra = set(spec) - {"model", "set"}
+        if extra:
+            raise StudyError(f"{name}.yaml: variants.{vname}.{sorted(extra)[0]}", "is not a variant key",
+                             "a variant has `model` (a preset) and optional `set` (dotted overrides)")
+        preset = spec.get("model", vname)
+        group_file("model", preset)
+        variants.append(Variant(vname, preset, spec.get("set") or {}))
+    if "grid" in raw:
+        variants += _grid_variants(raw.grid)
+    names = [v.name for v in variants]
+    if raw.baseline not in names:
+        raise StudyError(f"{name}.yaml: baseline", f"{raw.baseline!r} is not one of the variants",
+                         f"use one of {', '.join(names)}")
+    reference = None
+    if raw.get("reference"):
+        ref = OmegaConf.to_container(raw.reference)
+        if ref.get("variant") not in names:
+            raise StudyError(f"{name}.yaml: reference.variant", f"{ref.get('variant')!r} is not a variant",
+                             f"use one of {', '.join(names)}")
+        reference = (ref["variant"], int(ref.get("seed", 0)))
+    common = OmegaConf.to_container(raw.get("common") or {})
+    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""))

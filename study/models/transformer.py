@@ -1,0 +1,121 @@
+"""The decoder-only transformer of both studies.
+
+    llama block:  h = x + Attn(RMSNorm(x));  out = h + FFN(RMSNorm(h))
+    olmo2 block:  h = x + RMSNorm(Attn(x));  out = h + RMSNorm(FFN(h))      (plus QK-norm inside Attn)
+    logits = LMHead(RMSNorm(out_L))
+
+FFN is SwiGLU (width d_ff[l]) or hourglass (K residual sub-MLPs of width d_h). Every block's FFN width comes from
+`cfg.ffn.widths`, set by the budget matcher. CPU recipe:
+
+    from study.models import build_model, ModelConfig
+    model = build_model(resolved_cfg, device="cpu")      # meta build, then real init
+    logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from study.models.config import ModelConfig
+from study.models.layers import Attention, HourglassFFN, SwiGLU, rope_tables
+
+
+class Sublayer(nn.Module):
+    """A function with its norm: before it (llama, pre-norm) or on its output (olmo2, reordered norm).
+
+    Its output is the increment added to the residual stream, so hooks on it see (before, increment).
+    """
+
+    def __init__(self, fn: nn.Module, d_model: int, eps: float, post_norm: bool):
+        super().__init__()
+        self.fn, self.norm, self.post_norm = fn, nn.RMSNorm(d_model, eps=eps), post_norm
+
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        if self.post_norm:
+            return self.norm(self.fn(x, *args))
+        return self.fn(self.norm(x), *args)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        post = cfg.block == "olmo2"
+        if cfg.ffn.kind == "hourglass":
+            ffn = HourglassFFN(cfg.d_model, cfg.sub_widths(layer), cfg.ffn.sub_norm, cfg.eps)
+        else:
+            ffn = SwiGLU(cfg.d_model, cfg.ffn.widths[layer])
+        self.attn_sublayer = Sublayer(Attention(cfg), cfg.d_model, cfg.eps, post)
+        self.ffn_sublayer = Sublayer(ffn, cfg.d_model, cfg.eps, post)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn_sublayer(x, cos, sin)
+        return h + self.ffn_sublayer(h)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.ffn.widths is None or len(cfg.ffn.widths) != cfg.n_layers:
+            raise ValueError("build a model from a matched config: ffn.widths must hold one width per layer")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta)
+        # Non-persistent: derived from the config, so neither counted as parameters nor checkpointed.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when configured (again after `to_empty`, which unties them)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter and buffer from `seed` (the same seed gives the same weights on any device).
+
+        llama: N(0, 0.02), output projections of residual branches scaled by 1/sqrt(number of residual additions)
+        (GPT-2); olmo2: trunc_normal(0, 0.02, +-3 sigma) everywhere, no depth scaling, as OLMo-core.
+        """
+        cfg = self.cfg
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        residual_adds = cfg.n_layers * (1 + cfg.ffn.k)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                value = torch.ones(p.shape)
+            elif cfg.block == "olmo2":
+                value = torch.empty(p.shape)
+                nn.init.trunc_normal_(value, 0.0, cfg.init_std, -3 * cfg.init_std, 3 * cfg.init_std, generator=gen)
+            else:
+                std = cfg.init_std
+                if name.endswith(("wo.weight", "wu.weight")):
+                    std /= math.sqrt(residual_adds)
+                value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+            p.copy_(value.to(p.device, p.dtype))
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta)
+        self.rope_cos.copy_(cos.to(self.rope_cos.device))
+        self.rope_sin.copy_(sin.to(self.rope_sin.device))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta", seed: int = 0) -> Transformer:
+    """Build on the meta device (no memory); with a real device, materialise and initialise from `seed`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_weights(seed)
+    return model
