@@ -57,6 +57,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from study.plan import run_from_overrides
+
+    cfg = run_from_overrides(args.overrides)  # validate before spawning anything
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from study.distributed import spawn_local
+
+        return spawn_local(args.nproc, ["train", *args.overrides])
+    from study.train import EXIT_PREEMPTED, train
+
+    outcome = train(cfg)
+    if outcome.status == "FINISHED":
+        print(f"{outcome.status} at step {outcome.step}: val/loss {outcome.val_loss:.4f}", file=sys.stderr)
+        return 0
+    print(f"{outcome.status} at step {outcome.step}: {outcome.reason}", file=sys.stderr)
+    return EXIT_PREEMPTED if outcome.status == "PREEMPTED" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("train", help="train one run (resumes from its latest checkpoint)")
+    p.add_argument("overrides", nargs="*", help="experiment=X variant=V scale=S seed=N, or any key=value")
+    p.add_argument("--nproc", type=int, default=1, help="local processes (FSDP2 over gloo on CPU, NCCL on GPU)")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

@@ -139,12 +139,16 @@ class ClusterConfig:
 class PathsConfig:
     runs: str = "runs"
     """Root of run directories (<runs>/<experiment>/<run_key>): checkpoints, logs, profiles."""
+    profile: str = ""
+    """Geometry profile a scheduled run takes its widths from (set by the planner from the reference run)."""
 
 
 @dataclass
 class FaultsConfig:
     nan_at_step: int = -1
     """Fault injection for tests: make the loss NaN at this step (-1 never)."""
+    stop_at_step: int = -1
+    """Fault injection for tests: behave as if SIGUSR2 arrived at this step (-1 never)."""
     sleep_per_step: float = 0.0
     """Fault injection for tests: sleep this long after every step, so signals land mid-run."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from study.budget import Matched, flops_per_token, match, reference_budget
-from study.config import GROUPS, RunConfig, compose, run_key, run_name
+from study.config import GROUPS, RunConfig, compose, run_key, run_name, sweeps_dir
 from study.errors import StudyError
 from study.experiment import Experiment, load_experiment
 
@@ -126,6 +126,20 @@ def match_run(cfg: RunConfig) -> Matched:
         raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
 
 
+def resolve_model(cfg: RunConfig) -> Matched:
+    """The run's matched shape: from the reference's geometry profile for scheduled runs, else from its schedule."""
+    if cfg.model.ffn.schedule != "geometry":
+        return match_run(cfg)
+    path = Path(cfg.paths.profile) if cfg.paths.profile else None
+    if path is None or not path.is_file():
+        raise StudyError("paths.profile", f"the geometry-scheduled run {run_name(cfg)} has no reference profile"
+                         + (f" at {path}" if path else ""),
+                         "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
+    from study.geometry.schedule import scheduled_model
+
+    return scheduled_model(cfg, path, scale_budget(cfg.scale, cfg.budget.mode))
+
+
 def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
     """Every run of the experiment, matched to its scale's budget. Seeds only change the seed: a (variant, scale)
     is composed and matched once."""
@@ -159,10 +173,29 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
 def _scheduled(cfg: RunConfig, key: str, ref_cfg: RunConfig, ref_key: str) -> PlannedRun:
     """A geometry-scheduled run: widths from the reference's profile once it exists, else pending."""
     path = profile_path(ref_cfg, ref_key)
+    cfg = replace(cfg, paths=replace(cfg.paths, profile=str(path)))
     if path.is_file():
-        from study.geometry.schedule import scheduled_model
-
-        return PlannedRun(cfg, key, scheduled_model(cfg, path), None, [ref_key])
+        return PlannedRun(cfg, key, resolve_model(cfg), None, [ref_key])
     budget = match_run(dataclasses.replace(cfg, model=ref_cfg.model, budget=ref_cfg.budget)).budget
     return PlannedRun(cfg, key, Matched(cfg.model, None, budget, None),
                       f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})", [ref_key])
+
+
+def run_from_overrides(overrides: list[str]) -> RunConfig:
+    """The config `study train`/`study eval` act on: `experiment=X variant=V scale=S seed=N` picks that planned run
+    (the same config and key as `study launch`); without an experiment file, the overrides compose an ad-hoc run."""
+    fields = {k: v for k, v in (o.split("=", 1) for o in overrides if "=" in o)}
+    name = fields.get("experiment")
+    if name is None or not (sweeps_dir() / "experiment" / f"{name}.yaml").is_file():
+        return compose(overrides=overrides)
+    selectors = ("experiment", "variant", "scale", "seed")
+    rest = [o for o in overrides if o.split("=", 1)[0] not in selectors]
+    plan = plan_experiment(name, rest)
+    wanted = {k: fields[k] for k in selectors[1:] if k in fields}
+    found = [r for r in plan.runs if all(str(getattr(r.cfg, k)) == v for k, v in wanted.items())]
+    if len(found) != 1:
+        choices = sorted({f"variant={r.cfg.variant} scale={r.cfg.scale} seed={r.cfg.seed}" for r in plan.runs})
+        raise StudyError("variant/scale/seed", f"{len(found)} runs of experiment {name} match "
+                         f"{' '.join(f'{k}={v}' for k, v in wanted.items()) or 'nothing given'}",
+                         f"name one run, e.g. {choices[0]}")
+    return found[0].cfg

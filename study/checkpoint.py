@@ -1,0 +1,117 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, train state, RNG.
+
+Layout: <run_dir>/checkpoints/step_00000050/ holds the DCP shards, `.metadata`, one `rng_rank<r>.pt` per rank and
+`train_state.json`. Every rank writes into `step_…partial/`; after a barrier rank 0 writes train_state.json and
+renames the folder. A checkpoint counts only when its final name, `.metadata` and `train_state.json` all exist, so
+a write killed halfway (a `.partial` folder) is never loaded, and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from study.distributed import Dist, barrier
+
+PREFIX = "step_"
+PARTIAL = ".partial"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def is_complete(path: Path) -> bool:
+    return (path.name.startswith(PREFIX) and not path.name.endswith(PARTIAL)
+            and (path / ".metadata").is_file() and (path / "train_state.json").is_file())
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=_step_of)
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save(run_dir: Path, step: int, model, optimizer, state: dict[str, Any], d: Dist, keep_last: int) -> Path:
+    """Save on every rank (collective). Returns the completed folder."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = checkpoint_dir(run_dir)
+    final = root / f"{PREFIX}{step:08d}"
+    partial = root / f"{final.name}{PARTIAL}"
+    if d.is_main:
+        for stale in root.glob(f"{PREFIX}*{PARTIAL}") if root.is_dir() else []:
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # saved before a crash at this same step: replace it with this bit-identical state
+            shutil.rmtree(final)
+        partial.mkdir(parents=True, exist_ok=True)
+    barrier(d)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    torch.save(_rng_state(), partial / f"rng_rank{d.rank}.pt")
+    barrier(d)
+    if d.is_main:
+        (partial / "train_state.json").write_text(json.dumps({**state, "step": step, "world_size": d.world_size}))
+        partial.rename(final)
+        for old in complete_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(d)
+    return final
+
+
+def load(path: Path, model, optimizer, d: Dist) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from a complete checkpoint; returns its train state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    state = json.loads((path / "train_state.json").read_text())
+    rng_file = path / f"rng_rank{d.rank}.pt"
+    if rng_file.is_file() and state.get("world_size") == d.world_size:
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+def load_model_weights(path: Path, model) -> None:
+    """Weights only (evaluation, profiling): any world size, no optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(model, sd["model"])
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

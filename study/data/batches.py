@@ -1,0 +1,95 @@
+"""Batches as pure functions of (data seed, step, rank, world size, micro batch, accumulation index).
+
+The training tokens are cut into fixed windows of seq_len + 1 tokens at stride seq_len, so every token
+is a target once per epoch. Epoch e visits the windows in the permutation that PCG64 seeded with
+(data_seed, e) draws; step s's global batch is positions [s*B, (s+1)*B) of the epochs laid end to end,
+with B = micro_batch * accum_steps * world_size. Rank r takes the r-th contiguous slice of it and
+accumulation step a the a-th micro batch of that slice. Hence paired runs (same data seed) see identical
+batches, the ranks' slices concatenate to the one-process batch, and resuming needs only the step number.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from study.errors import StudyError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def num_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens at stride seq_len that fit in `n_tokens`."""
+    return (n_tokens - 1) // seq_len
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, data_seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the `n` windows."""
+    order = np.random.Generator(np.random.PCG64([data_seed, epoch])).permutation(n)
+    order.flags.writeable = False
+    return order
+
+
+def window_ids(n: int, data_seed: int, step: int, micro_batch: int, accum_steps: int = 1, accum_index: int = 0,
+               rank: int = 0, world_size: int = 1) -> np.ndarray:
+    """Indices of the `micro_batch` windows of one micro batch of one rank at one step."""
+    if not (0 <= rank < world_size and 0 <= accum_index < accum_steps and micro_batch > 0 and step >= 0 and n > 0):
+        raise ValueError(f"no micro batch {accum_index}/{accum_steps} of rank {rank}/{world_size} "
+                         f"at step {step} with micro_batch {micro_batch} over {n} windows")
+    global_batch = micro_batch * accum_steps * world_size
+    first = step * global_batch + (rank * accum_steps + accum_index) * micro_batch
+    epochs, offsets = np.divmod(first + np.arange(micro_batch), n)
+    ids = np.empty(micro_batch, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        here = epochs == epoch
+        ids[here] = epoch_order(n, data_seed, int(epoch))[offsets[here]]
+    return ids
+
+
+def gather_windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> np.ndarray:
+    """Rows of seq_len + 1 token ids (int64) for the given window indices."""
+    starts = np.asarray(ids, dtype=np.int64) * seq_len
+    return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)
+
+
+def to_tensors(windows: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets as LongTensors."""
+    import torch
+
+    rows = torch.from_numpy(windows)
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
+def get_batch(tokens: np.ndarray, seq_len: int, data_seed: int, step: int, micro_batch: int, accum_steps: int = 1,
+              accum_index: int = 0, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training micro batch (x, y), each [micro_batch, seq_len]; a pure function of its arguments."""
+    ids = window_ids(num_windows(len(tokens), seq_len), data_seed, step, micro_batch=micro_batch,
+                     accum_steps=accum_steps, accum_index=accum_index, rank=rank, world_size=world_size)
+    return to_tensors(gather_windows(tokens, seq_len, ids))
+
+
+def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int | None = None, rank: int = 0,
+                world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `num_batches` batches of consecutive held-out windows (all that fit when None), seed-independent.
+
+    Batch b holds windows [b*batch_size, (b+1)*batch_size); rank r gets the r-th contiguous slice of it,
+    so the mean loss over ranks equals the one-process loss.
+    """
+    if batch_size % world_size or not 0 <= rank < world_size:
+        raise ValueError(f"validation batch {batch_size} does not split into {world_size} ranks (rank {rank})")
+    windows = num_windows(len(tokens), seq_len)
+    available = windows // batch_size
+    if available == 0:
+        raise StudyError("data.val_fraction", f"the held-out split has {windows} windows of seq_len {seq_len}, "
+                         f"fewer than one validation batch of {batch_size}",
+                         "raise data.val_fraction (or max_docs), or lower the validation batch size")
+    per_rank = batch_size // world_size
+    for b in range(available if num_batches is None else min(num_batches, available)):
+        first = b * batch_size + rank * per_rank
+        yield to_tensors(gather_windows(tokens, seq_len, np.arange(first, first + per_rank)))

@@ -1,0 +1,90 @@
+"""Typed data configuration: which corpus, which tokenizer, how it is split and windowed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from study.errors import StudyError
+
+EMBEDDED = "docstrings"
+TRAIN_BPE = "bpe"
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+@dataclass
+class DataConfig:
+    name: str = EMBEDDED
+    """`docstrings` (English docstrings of the Python standard library, built offline) or a Hugging Face dataset:
+    a hub path such as `Skylion007/openwebtext`, a `save_to_disk` directory, or a directory of json/parquet files."""
+    config_name: str | None = None
+    """Dataset configuration, e.g. `sample-10BT` for `HuggingFaceFW/fineweb-edu`; None for datasets that have one."""
+    text_field: str = "text"
+    """Column that holds each document's text."""
+    train_split: str = "train"
+    """Split the training tokens come from."""
+    val_split: str = "validation"
+    """Split validated on when the dataset has it; otherwise val_fraction of the training documents is held out."""
+    val_fraction: float = 0.01
+    """Fraction of documents held out for validation when the dataset has no `val_split` (0 < f < 1)."""
+    tokenizer: str = TRAIN_BPE
+    """`bpe` trains a byte-level BPE on the training documents; else a tokenizer.json or transformers tokenizer dir."""
+    vocab_size: int = 4096
+    """Vocabulary size of the trained BPE, `<|endoftext|>` included (only for tokenizer=bpe)."""
+    eos_token: str | None = None
+    """Token placed between documents; None finds `<|endoftext|>`, `</s>` or a similar one in the vocabulary."""
+    seq_len: int = 128
+    """Tokens per training sequence; each window holds seq_len + 1 tokens so targets are inputs shifted by one."""
+    max_docs: int | None = None
+    """Keep the first this many documents of the training split, held-out ones included (None keeps all);
+    a named validation split keeps val_fraction as many."""
+    max_bytes: int | None = None
+    """Keep training documents until their UTF-8 text reaches this many bytes (None keeps all); scaled like max_docs."""
+    cache_dir: str | None = None
+    """Where corpora, tokenizers and token shards are cached; None means $STUDY_CACHE, else ~/.cache/study."""
+    num_proc: int | None = None
+    """Processes used to tokenise (`datasets.map(num_proc=...)`); None uses every core this process may run on."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """The cache directory every run of a sweep shares."""
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return Path(os.environ.get("STUDY_CACHE") or Path.home() / ".cache" / "study").expanduser()
+
+
+def tokenize_procs(cfg: DataConfig) -> int:
+    return cfg.num_proc or len(os.sched_getaffinity(0))
+
+
+def validate_data(cfg: DataConfig) -> None:
+    """Reject a bad data config before anything is tokenised or submitted."""
+    if not cfg.name:
+        raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
+    if _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
+        raise StudyError("data.name", f"no dataset at {cfg.name}",
+                         f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
+    if not cfg.text_field:
+        raise StudyError("data.text_field", "no text column given", "name the column holding the text, e.g. `text`")
+    if cfg.seq_len <= 0:
+        raise StudyError("data.seq_len", f"must be positive, got {cfg.seq_len}", "use a value > 0, e.g. 128")
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise StudyError("data.val_fraction", f"must lie strictly between 0 and 1, got {cfg.val_fraction}",
+                         "use e.g. 0.01")
+    for name in ("max_docs", "max_bytes", "num_proc"):
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise StudyError(f"data.{name}", f"must be positive, got {value}", "use a value > 0, or null for no limit")
+    if cfg.tokenizer == TRAIN_BPE:
+        if not 257 <= cfg.vocab_size < 2**32:
+            raise StudyError("data.vocab_size", "a byte-level BPE needs 256 byte tokens plus EOS, "
+                             f"got {cfg.vocab_size}", "use a value >= 257, e.g. 4096")
+    elif not Path(cfg.tokenizer).expanduser().exists():
+        raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
+                         f"use `{TRAIN_BPE}` to train one on the corpus, or give a tokenizer.json or a transformers "
+                         "tokenizer directory")
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()

@@ -1,0 +1,124 @@
+"""The tokenizer: a byte-level BPE trained on the corpus, or a given tokenizer.json / transformers directory.
+
+Whatever the source, the result is one `tokenizer.json` that `tokenizers.Tokenizer.from_file` loads,
+so tokenisation, checkpoints and evaluation all read the same file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from study.data.cache import build_once, file_digest
+from study.data.config import EOS_CANDIDATES, TRAIN_BPE, DataConfig
+from study.errors import StudyError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+
+EOS = "<|endoftext|>"
+TRAIN_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class TokenizerFile:
+    path: Path
+    """The tokenizer.json every stage loads."""
+    eos_id: int
+    """Id of the token placed between documents."""
+    vocab_size: int
+    """Number of ids the tokenizer can emit, added tokens included."""
+    key: str
+    """Content hash of the tokenizer file and EOS choice: part of the token shards' cache key."""
+
+
+def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
+                      train_docs: Callable[[], Dataset]) -> TokenizerFile:
+    """The tokenizer.json for `cfg`, training the BPE once per (corpus, vocab size) when tokenizer=bpe."""
+    given = Path(cfg.tokenizer).expanduser()
+    if cfg.tokenizer == TRAIN_BPE:
+        entry = cache / "tokenizers" / f"bpe{cfg.vocab_size}-{source_key}"
+        path = build_once(entry, lambda tmp: train_bpe(train_docs(), cfg.text_field, cfg.vocab_size)
+                          .save(str(tmp / "tokenizer.json"))) / "tokenizer.json"
+        declared = EOS
+    elif given.is_file():
+        path, declared = given, _declared_eos(given.parent)
+    elif (given / "tokenizer.json").is_file():
+        path, declared = given / "tokenizer.json", _declared_eos(given)
+    else:
+        path, declared = _convert_transformers(given, cache), _declared_eos(given)
+    tok = load_tokenizer(path)
+    eos_id = _eos_id(tok, cfg.eos_token or declared)
+    return TokenizerFile(path, eos_id, tok.get_vocab_size(with_added_tokens=True),
+                         f"{file_digest([path])}-{eos_id}")
+
+
+def train_bpe(docs: Dataset, text_field: str, vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown token) with `<|endoftext|>` as id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def batches() -> Iterator[list[str]]:
+        for start in range(0, len(docs), TRAIN_BATCH):
+            yield docs[start:start + TRAIN_BATCH][text_field]
+
+    tok.train_from_iterator(batches(), trainer, length=len(docs))
+    return tok
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise StudyError("data.tokenizer", f"{path} is not a tokenizers file ({err})",
+                         "give a tokenizer.json written by `tokenizers` or a transformers tokenizer directory") from err
+
+
+def _eos_id(tok: Tokenizer, wanted: str | None) -> int:
+    for token in (wanted,) if wanted else EOS_CANDIDATES:
+        token_id = tok.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise StudyError("data.eos_token", f"the tokenizer has no {'token ' + repr(wanted) if wanted else 'EOS token'}",
+                     "set data.eos_token to the token that ends a document in this tokenizer's vocabulary")
+
+
+def _declared_eos(directory: Path) -> str | None:
+    """The EOS a transformers tokenizer directory declares in tokenizer_config.json, if any."""
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    eos = json.loads(config.read_text()).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _convert_transformers(directory: Path, cache: Path) -> Path:
+    """A fast transformers tokenizer saved from files such as vocab.json + merges.txt, as one tokenizer.json."""
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    entry = cache / "tokenizers" / f"hf-{file_digest(files)}"
+
+    def convert(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise StudyError("data.tokenizer", f"{directory} is not a transformers tokenizer directory ({err})",
+                             "give a tokenizer.json or a directory written by `save_pretrained`") from err
+        if not tok.is_fast:
+            raise StudyError("data.tokenizer", f"{directory} holds a slow (Python) tokenizer",
+                             "save it as a fast tokenizer (tokenizer.json) with transformers first")
+        tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+
+    return build_once(entry, convert) / "tokenizer.json"

@@ -1,0 +1,111 @@
+"""Process-group set-up for one run: a single process, torchrun, `study train --nproc N`, or SLURM tasks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _export_slurm_env() -> None:
+    """Under `srun`/submitit with several tasks, derive torch.distributed's variables from SLURM's."""
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    import submitit
+
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the process group when the environment describes one (gloo on CPU, NCCL on GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    _export_slurm_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    dev = f"cuda:{local_rank}" if use_cuda else "cpu"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return Dist(rank, world, local_rank, dev)
+
+
+def teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_max(value: float, d: Dist) -> float:
+    """Agree on the largest value across ranks (used for stop flags: one rank's signal stops every rank)."""
+    if d.world_size == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_reduce_mean(t, d: Dist):
+    if d.world_size == 1:
+        return t
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / d.world_size
+
+
+def barrier(d: Dist) -> None:
+    if d.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def spawn_local(nproc: int, argv: list[str]) -> int:
+    """Run `python -m study.cli <argv>` as `nproc` ranks on this machine (what torchrun does, minus its exit-code
+    folding: a preempted run's 75 must reach the caller). If one rank fails, the others are stopped."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        procs.append(subprocess.Popen([sys.executable, "-m", "study.cli", *argv], env=env))
+    codes: dict[int, int] = {}
+    while len(codes) < nproc:
+        for i, p in enumerate(procs):
+            if i not in codes and p.poll() is not None:
+                codes[i] = p.returncode
+                if p.returncode not in (0, 75):
+                    for q in procs:
+                        if q.poll() is None:
+                            q.terminate()
+        time.sleep(0.2)
+    failed = [c for c in codes.values() if c not in (0, 75)]
+    return failed[0] if failed else max(codes.values())

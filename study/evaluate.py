@@ -1,0 +1,318 @@
+"""Downstream evaluation with lm-eval: the project's Transformer scored on multiple-choice tasks.
+
+`StudyLM` wraps any causal module `model(idx) -> logits` (idx: LongTensor (B, T), logits: (B, T, V)) and a
+`tokenizers.Tokenizer` as an lm-eval model, scoring continuations the way lm-eval's HFLM does. `evaluate_model`
+runs lm-eval on the real hub tasks (`arc_easy`, `hellaswag`, `piqa`; they download their data) or on the small
+tasks shipped in `study/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`; offline, same prompts and
+metrics), and flattens the scores to the MLflow names `eval/<task>/<metric>`.
+
+CPU recipe:
+    evaluate_model(model, "runs/tok/tokenizer.json", ["arc_easy_local", "piqa_local"], limit=20)
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from lm_eval import simple_evaluate
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tokenizers import Tokenizer
+
+from study.data.config import EOS_CANDIDATES
+from study.data.tokenizer import load_tokenizer
+from study.errors import StudyError
+
+LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
+"""Templates (YAML) and data (JSONL) of the offline tasks shipped with the package."""
+
+HUB_TASK_EXAMPLES = ("arc_easy", "hellaswag", "piqa")
+"""The built-in lm-eval tasks the studies report, named in error messages; any other lm-eval task name works too."""
+
+Request = tuple[tuple[str, str] | None, list[int], list[int]]
+"""lm-eval's tokenised request: the (context, continuation) strings (None for rolling windows), their tokens."""
+
+
+def find_eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
+    """Id of the end-of-sequence token: `eos_token` if given, else the first of the data's EOS_CANDIDATES."""
+    candidates = (eos_token,) if eos_token is not None else EOS_CANDIDATES
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise StudyError(
+        "eos_token",
+        f"the tokenizer has none of the end-of-sequence tokens {list(candidates)}",
+        "train the tokenizer with an end-of-sequence special token or pass eos_token=<its spelling>",
+    )
+
+
+@register_model("study")
+class StudyLM(TemplateLM):
+    """A causal module `model(idx) -> logits` and its tokenizer as an lm-eval model.
+
+    Context/continuation splitting (trailing whitespace of the context moves to the continuation; an empty
+    context becomes the EOS token) is inherited from lm-eval's TemplateLM, so boundaries match HFLM's.
+    The module is used as it is: the caller puts it on `device` and in eval mode.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        max_length: int,
+        batch_size: int = 16,
+        device: str = "cpu",
+        eos_token: str | None = None,
+    ):
+        super().__init__()
+        if max_length < 1 or batch_size < 1:
+            raise StudyError(
+                "max_length" if max_length < 1 else "batch_size",
+                f"must be at least 1, got max_length={max_length}, batch_size={batch_size}",
+                "pass positive values",
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self._device = torch.device(device)
+        self._eos_id = find_eos_id(tokenizer, eos_token)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        # Scored text carries no template tokens; the EOS prefix for empty contexts is added by TemplateLM.
+        return self.tokenizer.encode(string, add_special_tokens=False).ids
+
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(sum of continuation log-probabilities, whether greedy decoding yields the continuation) per request."""
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        # Longest first, so each batch pads little and running out of memory shows up at once.
+        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            inputs = [self._input_tokens(*requests[i][1:]) for i in batch]
+            idx = torch.full((len(batch), max(map(len, inputs))), self._eos_id, dtype=torch.long)
+            for row, tokens in enumerate(inputs):
+                idx[row, : len(tokens)] = torch.tensor(tokens)
+            with torch.inference_mode():
+                logprobs = F.log_softmax(self.model(idx.to(self._device)).float(), dim=-1).cpu()
+            for row, i in enumerate(batch):
+                strings, _, continuation = requests[i]
+                end = len(inputs[row])
+                # Position t predicts token t + 1: the continuation's n tokens come from the last n positions.
+                scored = logprobs[row, end - len(continuation) : end]
+                target = torch.tensor(continuation)
+                result = (
+                    float(scored.gather(-1, target[:, None]).sum()),
+                    bool((scored.argmax(dim=-1) == target).all()),
+                )
+                results[i] = result
+                if strings is not None:
+                    self.cache_hook.add_partial("loglikelihood", strings, result)
+        return results
+
+    def _input_tokens(self, context: list[int], continuation: list[int]) -> list[int]:
+        """Model input for one request: context + continuation minus the last token, cut from the left."""
+        if len(continuation) > self.max_length:
+            raise StudyError(
+                "max_length",
+                f"a continuation of {len(continuation)} tokens is longer than max_length={self.max_length}",
+                "raise max_length up to the model's max_seq_len or evaluate tasks with shorter answers",
+            )
+        return (context + continuation)[-(self.max_length + 1) :][:-1]
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole documents in max_length windows, each token predicted once (perplexity tasks)."""
+        windows: list[Request] = []
+        counts: list[int] = []
+        for (text,) in (request.args for request in requests):
+            pairs = [
+                make_disjoint_window(pair)
+                for pair in get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            windows += [(None, context, continuation) for context, continuation in pairs]
+            counts.append(len(pairs))
+        scores = iter(self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm))
+        totals: list[float] = []
+        for request, count in zip(requests, counts, strict=True):
+            totals.append(sum(next(scores)[0] for _ in range(count)))
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, totals[-1])
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        raise StudyError(
+            "tasks",
+            "generation tasks (lm-eval output_type generate_until) are not supported by the study evaluator",
+            "evaluate multiple-choice or perplexity tasks, e.g. arc_easy, hellaswag, piqa or their *_local versions",
+        )
+
+
+def local_task_names(task_dir: Path) -> list[str]:
+    """Names of the tasks whose YAML templates lie in task_dir."""
+    return sorted(yaml.safe_load(path.read_text())["task"] for path in task_dir.glob("*.yaml"))
+
+
+def render_local_tasks(task_dir: Path, out_dir: Path) -> None:
+    """Write task_dir's YAML templates into out_dir with their data files as absolute paths.
+
+    lm-eval hands `data_files` to `datasets`, which resolves relative paths against the current directory,
+    not the YAML's: the shipped templates name their data relative to themselves.
+    """
+    for template in task_dir.glob("*.yaml"):
+        config = yaml.safe_load(template.read_text())
+        data_files = config.get("dataset_kwargs", {}).get("data_files", {})
+        for split, name in data_files.items():
+            data_files[split] = str((task_dir / name).resolve())
+        (out_dir / template.name).write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's per-task scores as `eval/<task>/<metric>` (stderrs as `eval/<task>/<metric>_stderr`).
+
+    lm-eval keys a score `"<metric>,<filter>"`; the filter joins the name only when it is not the default `none`.
+    """
+    flat: dict[str, float] = {}
+    for task, scores in results["results"].items():
+        for key, value in scores.items():
+            if "," not in key or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            metric, filter_name = key.split(",", 1)
+            name = metric if filter_name == "none" else f"{metric}/{filter_name}"
+            flat[f"eval/{task}/{name}"] = float(value)
+    return flat
+
+
+def _task_list(tasks: Sequence[str] | str) -> list[str]:
+    names = [name.strip() for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name.strip()]
+    if not names:
+        raise StudyError("tasks", "no task given", "name at least one task, e.g. tasks=arc_easy_local")
+    return names
+
+
+def _unknown_tasks_error(unknown: list[str], local: list[str]) -> StudyError:
+    return StudyError(
+        "tasks",
+        f"unknown task(s) {unknown}",
+        f"use the offline local tasks {local}, or lm-eval task names such as {list(HUB_TASK_EXAMPLES)}, "
+        "which download their data from the Hugging Face Hub and so need network access",
+    )
+
+
+def _model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
+    if max_length is not None:
+        return max_length
+    config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if config_max is None:
+        raise StudyError(
+            "max_length",
+            f"{type(model).__name__} has no cfg.max_seq_len to take the context length from",
+            "pass max_length=<the context length the model was trained with>",
+        )
+    return int(config_max)
+
+
+def _check_vocab(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
+    model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
+        raise StudyError(
+            "tokenizer_path",
+            f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens but the model embeds only {model_vocab}",
+            "pass the tokenizer.json the model was trained with",
+        )
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    tokenizer_path: str | Path,
+    tasks: Sequence[str] | str,
+    *,
+    limit: int | float | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    num_fewshot: int = 0,
+    task_dir: str | Path | None = None,
+    max_length: int | None = None,
+    eos_token: str | None = None,
+) -> dict[str, Any]:
+    """Score `model` with lm-eval; returns {"lm_eval": lm-eval's results dict, "metrics": flatten_scores(...)}.
+
+    Local tasks (the YAML templates in `task_dir`, default `study/tasks/`) run offline; any other name is looked
+    up among lm-eval's built-in tasks, which index slowly and fetch data from the Hugging Face Hub. `limit` caps
+    the documents per task (a fraction below 1 is a share). The model is moved to `device` and put in eval mode
+    for the call; its train/eval mode is restored afterwards.
+    """
+    names = _task_list(tasks)
+    task_dir = Path(task_dir) if task_dir is not None else LOCAL_TASK_DIR
+    if not task_dir.is_dir():
+        raise StudyError("task_dir", f"{task_dir} is not a directory", "pass a folder of task YAML and JSONL files")
+    local = local_task_names(task_dir)
+    hub = [name for name in names if name not in local]
+    # A name shaped like a local task is a typo, not a hub task: say so without indexing lm-eval's catalogue.
+    if misspelled := [name for name in hub if name.endswith("_local")]:
+        raise _unknown_tasks_error(misspelled, local)
+    tokenizer_path = Path(tokenizer_path)
+    if not tokenizer_path.is_file():
+        raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
+    tokenizer = load_tokenizer(tokenizer_path)
+    _check_vocab(model, tokenizer, tokenizer_path)
+    lm = StudyLM(
+        model.to(device),
+        tokenizer,
+        max_length=_model_max_length(model, max_length),
+        batch_size=batch_size,
+        device=device,
+        eos_token=eos_token,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with tempfile.TemporaryDirectory(prefix="study-tasks-") as rendered:
+            render_local_tasks(task_dir, Path(rendered))
+            manager = TaskManager(include_path=rendered, include_defaults=bool(hub))
+            if unknown := sorted(set(hub) - set(manager.all_tasks)):
+                raise _unknown_tasks_error(unknown, local)
+            try:
+                # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
+                # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
+                results = simple_evaluate(
+                    model=lm,
+                    tasks=names,
+                    num_fewshot=num_fewshot,
+                    batch_size=batch_size,
+                    device=device,
+                    limit=limit,
+                    task_manager=manager,
+                    log_samples=False,
+                    random_seed=None,
+                    numpy_random_seed=None,
+                    torch_random_seed=None,
+                )
+            except ConnectionError as error:
+                raise StudyError(
+                    "tasks",
+                    f"the data of hub task(s) {hub} could not be downloaded ({error})",
+                    f"run where the Hugging Face Hub is reachable (or with the datasets already in "
+                    f"HF_DATASETS_CACHE), or use the offline local tasks {local}",
+                ) from error
+    finally:
+        model.train(was_training)
+    return {"lm_eval": results, "metrics": flatten_scores(results)}

@@ -1,0 +1,33 @@
+"""Shared fixtures: an isolated working directory, MLflow store and data cache per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One data cache for the session: the docstring corpus, BPE and shards are built once."""
+    path = Path(os.environ.get("STUDY_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
+    os.environ["STUDY_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, data_cache) -> Path:
+    """A fresh working directory with its own SQLite MLflow store (unless a server URI is set by the test)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+# Small, fast runs: tiny model, 2 layers, short sequences, a capped corpus.
+TINY = ["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.ffn.width=128",
+        "model.max_seq_len=32", "data.seq_len=32", "data.max_docs=1500", "data.vocab_size=512",
+        "model.vocab_size=512", "data.val_fraction=0.05", "train.micro_batch=4", "train.eval_batches=2",
+        "train.warmup_steps=2", "budget.tolerance=1e-2"]

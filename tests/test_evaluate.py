@@ -1,0 +1,267 @@
+"""lm-eval on the project's model: continuation scoring, the shipped local tasks, and task-name errors.
+
+Everything runs lm-eval's real code path offline on the tasks in study/tasks/, with tiny torch models whose
+scores are known in advance and a byte-level BPE trained here on the tasks' own text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from study.errors import StudyError
+from study.evaluate import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, render_local_tasks
+
+LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local"]
+EOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    texts = [line for path in sorted(LOCAL_TASK_DIR.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_path: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_path))
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, list[str], int]]]:
+    """Per local task, each document as lm-eval builds it: (prompt, continuations with delimiter, gold index)."""
+    rendered = tmp_path_factory.mktemp("tasks")
+    render_local_tasks(LOCAL_TASK_DIR, rendered)
+    tasks = TaskManager(include_path=str(rendered), include_defaults=False).load(LOCAL_TASKS)["tasks"]
+    return {
+        name: [
+            (
+                task.doc_to_text(doc),
+                [task.config.target_delimiter + choice for choice in task.doc_to_choice(doc)],
+                task.doc_to_target(doc),
+            )
+            for doc in task.eval_docs
+        ]
+        for name, task in tasks.items()
+    }
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class AnswerKey(torch.nn.Module):
+    """Puts almost all probability on the next token of the gold prompt+answer that starts with the input so far."""
+
+    def __init__(self, gold_sequences: list[list[int]], vocab_size: int, max_seq_len: int):
+        super().__init__()
+        self.cfg = SimpleNamespace(max_seq_len=max_seq_len, vocab_size=vocab_size)
+        self.vocab_size = vocab_size
+        self.next_token = {tuple(seq[: t + 1]): seq[t + 1] for seq in gold_sequences for t in range(len(seq) - 1)}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*idx.shape, self.vocab_size)
+        for b, row in enumerate(idx.tolist()):
+            for t in range(len(row)):
+                if (token := self.next_token.get(tuple(row[: t + 1]))) is not None:
+                    logits[b, t, token] = 30.0
+        return logits
+
+
+class Uniform(torch.nn.Module):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*idx.shape, self.vocab_size)
+
+
+class PrefixSum(torch.nn.Module):
+    """A causal model whose every logit depends on the whole prefix, so any off-by-one in scoring shows."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(vocab_size, 16, generator=generator))
+        self.out = torch.nn.Parameter(torch.randn(16, vocab_size, generator=generator))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed[idx].cumsum(dim=1) @ self.out
+
+
+class Bigram(torch.nn.Module):
+    """Logits depend only on the current token: a document's log-likelihood does not depend on windowing."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx]
+
+
+def test_shipped_tasks_are_multiple_choice_documents_with_one_valid_gold_answer():
+    assert local_task_names(LOCAL_TASK_DIR) == LOCAL_TASKS
+    shapes = {
+        "arc_easy_local": (lambda d: d["choices"]["text"], lambda d: d["choices"]["label"].index(d["answerKey"]), 4),
+        "hellaswag_local": (lambda d: d["endings"], lambda d: d["label"], 4),
+        "piqa_local": (lambda d: [d["sol1"], d["sol2"]], lambda d: d["label"], 2),
+    }
+    for name, (choices_of, gold_of, n_choices) in shapes.items():
+        docs = [json.loads(line) for line in (LOCAL_TASK_DIR / f"{name}.jsonl").read_text().splitlines()]
+        assert 40 <= len(docs) <= 60
+        golds = [gold_of(doc) for doc in docs]
+        assert set(golds) == set(range(n_choices)), "every answer position is used"
+        for doc in docs:
+            choices = choices_of(doc)
+            assert len(choices) == n_choices
+            # No answer is the start of another: then a longer answer can never win on a shared prefix alone.
+            assert not any(a != b and b.startswith(a) for a in choices for b in choices), choices
+
+
+def test_model_that_knows_the_answers_scores_one_on_every_local_task(tokenizer, tokenizer_path, questions):
+    gold = [
+        ids(tokenizer, prompt + continuations[answer])
+        for docs in questions.values()
+        for prompt, continuations, answer in docs
+    ]
+    model = AnswerKey(gold, tokenizer.get_vocab_size(), max_seq_len=256)
+    out = evaluate_model(model, tokenizer_path, LOCAL_TASKS, batch_size=8)
+    assert out["metrics"] == pytest.approx(
+        {f"eval/{task}/{metric}": value for task in LOCAL_TASKS for metric, value in
+         [("acc", 1.0), ("acc_stderr", 0.0), ("acc_norm", 1.0), ("acc_norm_stderr", 0.0)]}
+    )
+    assert out["lm_eval"]["n-samples"]["piqa_local"]["effective"] == 48
+
+
+def test_uniform_model_scores_the_exact_chance_level_of_the_data(tokenizer, tokenizer_path, questions):
+    """Uniform logits give each answer -n_tokens * log V: acc picks the fewest tokens, acc_norm the fewest per
+    character, and numpy's argmax takes the first choice on ties. That is chance for this data and tokenizer."""
+    expected = {}
+    for task, docs in questions.items():
+        acc, acc_norm = [], []
+        for prompt, continuations, answer in docs:
+            n_tokens = np.array(
+                [len(ids(tokenizer, prompt + c)) - len(ids(tokenizer, prompt)) for c in continuations], dtype=float
+            )
+            n_chars = np.array([len(c) - 1 for c in continuations], dtype=float)
+            acc.append(np.argmax(-n_tokens) == answer)
+            acc_norm.append(np.argmax(-n_tokens / n_chars) == answer)
+        expected[f"eval/{task}/acc"] = float(np.mean(acc))
+        expected[f"eval/{task}/acc_norm"] = float(np.mean(acc_norm))
+    model = Uniform(tokenizer.get_vocab_size())
+    metrics = evaluate_model(model, tokenizer_path, LOCAL_TASKS, max_length=256)["metrics"]
+    assert {key: metrics[key] for key in expected} == pytest.approx(expected, abs=1e-12)
+    assert 0.0 < expected["eval/arc_easy_local/acc"] < 0.5
+
+
+def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
+    model = PrefixSum(tokenizer.get_vocab_size())
+    eos = tokenizer.token_to_id(EOS)
+    long_context = "A boy pulls a rake across the lawn and gathers the fallen leaves into a large pile. He"
+
+    @torch.no_grad()
+    def direct(context: list[int], continuation: list[int], max_length: int = 256) -> float:
+        tokens = (context + continuation)[-(max_length + 1) :]
+        logprobs = F.log_softmax(model(torch.tensor([tokens[:-1]])), dim=-1)[0]
+        n = len(continuation)
+        return sum(float(logprobs[len(tokens) - 1 - n + k, token]) for k, token in enumerate(continuation))
+
+    prompt = "Question: What do bees collect from flowers to make honey?\nAnswer:"
+    prompt_ids, long_ids = ids(tokenizer, prompt), ids(tokenizer, long_context)
+    answer = ids(tokenizer, prompt + " nectar")[len(prompt_ids) :]
+    ending = ids(tokenizer, long_context + " rakes the leaves.")[len(long_ids) :]
+    requests_and_expected = [
+        ((prompt, " nectar"), direct(prompt_ids, answer)),
+        # The trailing space moves to the continuation: the same tokens and score as above.
+        ((prompt + " ", "nectar"), direct(prompt_ids, answer)),
+        # An empty context scores the continuation after EOS.
+        (("", "Store it in a sealed bag."), direct([eos], ids(tokenizer, "Store it in a sealed bag."))),
+        ((long_context, " rakes the leaves."), direct(long_ids, ending)),
+    ]
+    requests, expected = (list(column) for column in zip(*requests_and_expected))
+    lm = StudyLM(model, tokenizer, max_length=256, batch_size=2)
+    instances = [Instance("loglikelihood", {}, request, i) for i, request in enumerate(requests)]
+    scores = [logprob for logprob, _ in lm.loglikelihood(instances, disable_tqdm=True)]
+    assert scores == pytest.approx(expected, rel=1e-5)
+
+    short = StudyLM(model, tokenizer, max_length=8, batch_size=2)
+    [(truncated, _)] = short.loglikelihood(instances[3:], disable_tqdm=True)
+    assert len(ending) <= 8 < len(long_ids), "the request is cut from the left, inside its context"
+    assert truncated == pytest.approx(direct(long_ids, ending, max_length=8), rel=1e-5)
+    assert truncated != pytest.approx(expected[3], rel=1e-3)
+
+
+def test_greedy_flag_is_true_only_when_argmax_yields_the_continuation(tokenizer):
+    prompt = "Question: Which planet is closest to the Sun?\nAnswer:"
+    gold = ids(tokenizer, prompt + " Mercury")
+    lm = StudyLM(AnswerKey([gold], tokenizer.get_vocab_size(), 64), tokenizer, max_length=64)
+    requests = [Instance("loglikelihood", {}, (prompt, answer), i) for i, answer in enumerate([" Mercury", " Mars"])]
+    (_, mercury_greedy), (_, mars_greedy) = lm.loglikelihood(requests, disable_tqdm=True)
+    assert (mercury_greedy, mars_greedy) == (True, False)
+
+
+def test_rolling_loglikelihood_predicts_every_token_exactly_once_across_windows(tokenizer):
+    model = Bigram(tokenizer.get_vocab_size())
+    text = " ".join(json.loads(line)["goal"] for line in (LOCAL_TASK_DIR / "piqa_local.jsonl").read_text().splitlines()[:4])
+    tokens = [tokenizer.token_to_id(EOS)] + ids(tokenizer, text)
+    logprobs = F.log_softmax(model.table.detach(), dim=-1)
+    expected = sum(float(logprobs[a, b]) for a, b in zip(tokens[:-1], tokens[1:]))
+    lm = StudyLM(model, tokenizer, max_length=8, batch_size=3)
+    assert len(tokens) > 4 * 8, "several windows"
+    (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert total == pytest.approx(expected, rel=1e-5)
+    assert math.isfinite(total)
+
+
+def test_limit_caps_the_documents_scored_per_task(tokenizer_path, tokenizer):
+    out = evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, "piqa_local,arc_easy_local",
+                         limit=5, max_length=64)
+    assert {task: n["effective"] for task, n in out["lm_eval"]["n-samples"].items()} == {
+        "piqa_local": 5, "arc_easy_local": 5
+    }
+
+
+def test_generation_tasks_are_refused_with_a_study_error(tokenizer):
+    lm = StudyLM(Uniform(tokenizer.get_vocab_size()), tokenizer, max_length=16)
+    with pytest.raises(StudyError, match="generation tasks"):
+        lm.generate_until([Instance("generate_until", {}, ("Question:", {"until": ["\n"]}), 0)])
+
+
+def test_model_without_max_seq_len_needs_max_length(tokenizer_path, tokenizer):
+    with pytest.raises(StudyError, match="max_length"):
+        evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["piqa_local"])
+
+
+def test_misspelled_local_task_is_a_study_error_naming_the_local_tasks(tokenizer_path, tokenizer):
+    with pytest.raises(StudyError, match="arc_easy_local") as error:
+        evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["arc_hard_local"], max_length=16)
+    assert error.value.field == "tasks"
+    assert "arc_hard_local" in error.value.problem
+
+
+def test_unknown_hub_task_is_a_study_error_that_says_hub_tasks_need_network(tokenizer_path, tokenizer):
+    with pytest.raises(StudyError, match="need network") as error:
+        evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["piqa_local", "no_such_task"],
+                       max_length=16)
+    assert "no_such_task" in error.value.problem and "piqa_local" in error.value.fix

@@ -1,0 +1,121 @@
+"""One training run, for real: loss falls, MLflow holds the schema, resume is exact, NaN fails cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY
+from study.config import run_key
+from study.distributed import Dist
+from study.plan import run_from_overrides
+from study.train import batch_stream, train
+
+
+def cfg_for(*extra):
+    return run_from_overrides([*TINY, "experiment=unit", *extra])
+
+
+def mlflow_runs(experiment="unit", db="mlflow.db"):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{os.getcwd()}/{db}")
+    return mlflow.search_runs(experiment_names=[experiment], output_format="list")
+
+
+def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
+    cfg = cfg_for("train.max_steps=30", "train.eval_interval=10", "train.lr=3e-3")
+    out = train(cfg)
+    assert out.status == "FINISHED" and out.step == 30
+    assert out.losses[30] < out.losses[1] - 0.7
+    runs = mlflow_runs()
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "conventional-tiny-s0"
+    tags = run.data.tags
+    assert tags["study.run_key"] == run_key(cfg) and tags["study.variant"] == "conventional"
+    assert tags["study.scale"] == "tiny" and tags["study.seed"] == "0" and tags["study.stage"] == "train"
+    assert tags["study.experiment"] == "unit" and tags["study.baseline"] == "conventional"
+    params = run.data.params
+    assert params["model.d_model"] == "64" and int(params["params.counted"]) > 0
+    assert "cluster.name" not in params  # launch-only sections never become params
+    from mlflow import MlflowClient
+
+    hist = MlflowClient().get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in hist] == list(range(1, 31))
+    val = MlflowClient().get_metric_history(run.info.run_id, "val/loss")
+    assert [m.step for m in val] == [10, 20, 30] and val[-1].value == pytest.approx(out.val_loss)
+    assert run.data.metrics["val/ppl"] == pytest.approx(2.718281828 ** out.val_loss, rel=1e-6)
+
+
+def test_resume_after_preemption_reproduces_the_uninterrupted_losses(workdir):
+    common = ["train.max_steps=12", "train.ckpt_interval=4", "train.eval_interval=6"]
+    full = train(cfg_for(*common, "paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db"))
+    first = train(cfg_for(*common, "paths.runs=cut", "faults.stop_at_step=6"))
+    assert first.status == "PREEMPTED" and first.step == 6
+    assert mlflow_runs()[0].info.status == "KILLED"
+    second = train(cfg_for(*common, "paths.runs=cut"))
+    assert second.status == "FINISHED" and min(second.losses) == 7
+    for step in range(7, 13):
+        assert second.losses[step] == full.losses[step]  # bit-identical, not approximately equal
+    assert second.val_loss == full.val_loss
+    runs = mlflow_runs()
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the preempted run resumed, not duplicated
+    assert runs[0].data.tags["study.restarts"] == "1"
+    from mlflow import MlflowClient
+
+    hist = MlflowClient().get_metric_history(runs[0].info.run_id, "train/loss")
+    assert sorted(m.step for m in hist) == list(range(1, 13))
+
+
+def test_paired_runs_of_two_variants_see_identical_batches(workdir):
+    from study.data import prepare_data
+
+    a, b = cfg_for("variant=conventional"), cfg_for("model=hourglass", "model.ffn.hidden_ratio=0.25")
+    assert run_key(a) != run_key(b)
+    data = prepare_data(a.data)
+    d = Dist(0, 1, 0, "cpu")
+    with batch_stream(a, data, d, 3) as sa, batch_stream(b, data, d, 3) as sb:
+        for _ in range(3):
+            (xa, ya), (xb, yb) = next(sa)[0], next(sb)[0]
+            assert xa.equal(xb) and ya.equal(yb)
+    with batch_stream(cfg_for("seed=1"), data, d, 3) as sc, batch_stream(a, data, d, 3) as sa:
+        assert not next(sc)[0][0].equal(next(sa)[0][0])
+
+
+def test_nan_loss_fails_the_run_with_its_reason(workdir):
+    out = train(cfg_for("train.max_steps=8", "faults.nan_at_step=5"))
+    assert out.status == "FAILED" and "nan" in out.reason.lower() and out.step == 5
+    run = mlflow_runs()[0]
+    assert run.info.status == "FAILED" and "step 5" in run.data.tags["study.failure_reason"]
+
+
+@pytest.mark.distributed
+def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
+    def run(*extra):
+        cmd = [sys.executable, "-m", "study.cli", "train", "--nproc", "2", *TINY, "experiment=unit",
+               "train.max_steps=8", "train.ckpt_interval=4", "train.eval_interval=4", "train.global_batch=8", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
+
+    full = run("paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db")
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = run("paths.runs=cut", "faults.stop_at_step=5")
+    assert cut.returncode == 75, cut.stderr[-3000:]
+    resumed = run("paths.runs=cut")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    runs = mlflow_runs()
+    assert len(runs) == 1  # one run per key, even across world-size-2 restarts
+    hist = MlflowClient().get_metric_history(runs[0].info.run_id, "train/loss")
+    assert sorted(m.step for m in hist) == list(range(1, 9))  # no step lost, none duplicated
+    # the resumed run's final validation equals the uninterrupted one's, read from each run directory
+    import json
+
+    key = runs[0].data.tags["study.run_key"]
+    a = json.loads((workdir / "full" / "unit" / key / "result.json").read_text())
+    b = json.loads((workdir / "cut" / "unit" / key / "result.json").read_text())
+    assert a["val_loss"] == b["val_loss"]
