@@ -77,6 +77,92 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_PREEMPTED if outcome.status == "PREEMPTED" else 1
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from study.launch import launch
+
+    launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from study.status import experiment_status, print_status
+
+    rows = experiment_status(args.experiment, args.overrides)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"experiment": args.experiment, "runs": [asdict(r) for r in rows]}, indent=1))
+    else:
+        print_status(rows, f"{args.experiment}: {len(rows)} planned runs")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from study.config import split_overrides
+    from study.evaluation_run import evaluate_run, find_run_config
+
+    _, values = split_overrides(args.overrides)
+    settings = dict(v.split("=", 1) for v in values)
+    unknown = set(settings) - {"tasks", "limit", "paths.runs"}
+    if unknown:
+        raise StudyError(sorted(unknown)[0], "is not an option of `study eval`",
+                         "use tasks=a,b,c, limit=N and paths.runs=DIR")
+    cfg = find_run_config(args.run_key, settings.get("paths.runs", "runs"))
+    tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
+    limit = int(settings["limit"]) if settings.get("limit", "").isdigit() else None
+    if "limit" in settings and limit is None:
+        raise StudyError("limit", f"{settings['limit']!r} is not a whole number", "use limit=N with N >= 1")
+    metrics = evaluate_run(cfg, tasks, limit)
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.report import build_report
+
+    result = build_report(args.experiment, baseline=args.baseline, metrics=args.metric or None,
+                          tracking_uri=args.tracking_uri, out_dir=Path(args.out))
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        for f in result.get("files", []):
+            print(f)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.report import build_report
+    from study.launch import launch
+
+    overrides = ["cluster=local", *args.overrides]
+    print("study demo: planning and training the `demo` experiment on this machine (local processes)", file=sys.stderr)
+    cmd_plan(argparse.Namespace(experiment="demo", overrides=overrides, json=False))
+    launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr))
+    result = build_report("demo", out_dir=Path("reports"))
+    _print_headline(result)
+    print(f"report: {Path('reports/demo/report.md').resolve()} (and report.html); MLflow store: "
+          f"{__import__('study.tracking', fromlist=['x']).resolve_tracking_uri('')}")
+    return 0
+
+
+def _print_headline(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result['experiment']}: paired deltas vs {result['baseline']}")
+    for col in ("scale", "variant", "metric", "n", "mean delta", "95% t CI", "bootstrap CI", "wins"):
+        table.add_column(col)
+    for r in result["results"]:
+        table.add_row(r["scale"], r["variant"], r["metric"], str(r["n"]), f"{r['mean_delta']:+.4f}",
+                      f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]", f"[{r['boot_ci_low']:+.4f}, {r['boot_ci_high']:+.4f}]",
+                      f"{r['win_rate']:.0%}")
+    Console(width=160).print(table)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="experiment=X variant=V scale=S seed=N, or any key=value")
     p.add_argument("--nproc", type=int, default=1, help="local processes (FSDP2 over gloo on CPU, NCCL on GPU)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("launch", help="submit the runs of an experiment that are not finished yet")
+    p.add_argument("experiment")
+    p.add_argument("overrides", nargs="*", help="cluster=local|slurm|<profile> and key=value overrides")
+    p.add_argument("--dry-run", action="store_true", help="print arrays, dependencies and sbatch scripts only")
+    p.add_argument("--wait", action="store_true", help="follow the jobs until none is pending or running")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("status", help="each planned run's MLflow and scheduler state")
+    p.add_argument("experiment")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("eval", help="lm-eval on a run's checkpoint; scores go to its MLflow run")
+    p.add_argument("run_key")
+    p.add_argument("overrides", nargs="*", help="tasks=arc_easy,hellaswag,piqa limit=N")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="paired-difference report of an experiment")
+    p.add_argument("experiment")
+    p.add_argument("--baseline", default=None, help="variant to pair against (default: the runs' study.baseline)")
+    p.add_argument("--metric", action="append", help="metric(s), e.g. val/loss or eval/arc_easy/acc")
+    p.add_argument("--json", action="store_true", help="print one JSON object with a `results` list")
+    p.add_argument("--out", default="reports", help="output folder (reports/<experiment>/ inside it)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("demo", help="the main job: train, evaluate and report the tiny `demo` experiment on CPU")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -1,0 +1,311 @@
+"""Paired-seed differences against the baseline variant, with their uncertainty.
+
+Runs that share (scale, seed) share data order and initialisation, so the per-seed difference
+``delta = variant - baseline`` cancels most seed-to-seed noise. Per (scale, variant) we report the mean delta,
+a paired t interval, a bootstrap interval over seeds, the Wilcoxon signed-rank p and the win rate. Runs that
+cannot be paired are returned with the reason, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from analysis.runs import FINISHED, scale_order
+from study.errors import StudyError
+
+CONFIDENCE = 0.95
+"""Coverage of every interval in the report."""
+
+_LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "bits_per_byte", "bpb")
+
+
+@dataclass(frozen=True)
+class UnpairedRun:
+    """A run left out of a comparison, and why."""
+
+    run_id: str
+    """MLflow run id."""
+    run_key: str | None
+    """The study's run key, when known."""
+    variant: str
+    """Variant of the run."""
+    scale: str
+    """Scale name."""
+    seed: int
+    """Seed."""
+    status: str
+    """MLflow status of the run."""
+    reason: str
+    """Why it cannot be paired."""
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """Variant minus baseline on one metric at one scale, over the seeds both finished."""
+
+    scale: str
+    """Scale name."""
+    variant: str
+    """The variant compared."""
+    baseline: str
+    """The variant it is compared against."""
+    metric: str
+    """MLflow metric key (final value)."""
+    n: int
+    """Number of (scale, seed) pairs."""
+    mean_delta: float
+    """Mean of variant minus baseline; negative means lower than the baseline."""
+    sd_delta: float
+    """Sample standard deviation (ddof=1) of the deltas; NaN when n < 2."""
+    ci_low: float
+    """Lower end of the paired t interval."""
+    ci_high: float
+    """Upper end of the paired t interval."""
+    boot_ci_low: float
+    """Lower end of the bootstrap interval over seeds."""
+    boot_ci_high: float
+    """Upper end of the bootstrap interval over seeds."""
+    p_wilcoxon: float
+    """Two-sided Wilcoxon signed-rank p; NaN when n < 2 or every delta is zero."""
+    win_rate: float
+    """Fraction of pairs where the variant is strictly better, in the metric's direction."""
+    boot_method: str
+    """``BCa``, ``percentile`` (BCa degenerate: n = 2 or equal deltas) or ``none`` (n < 2)."""
+    higher_is_better: bool
+    """Direction used for the win rate."""
+    seeds: list[int] = field(default_factory=list)
+    """Seeds of the pairs."""
+    deltas: list[float] = field(default_factory=list)
+    """The per-seed deltas, in seed order."""
+    unpaired: list[UnpairedRun] = field(default_factory=list)
+    """Runs of this scale and of these two variants that could not be paired."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; NaN becomes None."""
+        return json_ready(asdict(self))
+
+
+@dataclass(frozen=True)
+class JointResult:
+    """Mean across several metrics of variant minus baseline, bootstrapped with seeds resampled jointly."""
+
+    scale: str
+    """Scale name."""
+    variant: str
+    """The variant compared."""
+    baseline: str
+    """The variant it is compared against."""
+    metrics: list[str]
+    """The metrics averaged."""
+    n: int
+    """Seeds with every metric on both sides."""
+    mean_delta: float
+    """Mean over metrics of the mean delta."""
+    boot_ci_low: float
+    """Lower end of the joint bootstrap interval."""
+    boot_ci_high: float
+    """Upper end of the joint bootstrap interval."""
+    boot_method: str
+    """``BCa``, ``percentile`` or ``none``."""
+    seeds: list[int] = field(default_factory=list)
+    """Seeds used."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; NaN becomes None."""
+        return json_ready(asdict(self))
+
+
+def is_higher_better(metric: str) -> bool:
+    """Direction of a metric: losses and perplexities are lower-is-better, other ``eval/*`` scores higher."""
+    last = metric.rsplit("/", 1)[-1].lower()
+    if any(word in last for word in _LOWER_IS_BETTER):
+        return False
+    if metric.startswith("eval/"):
+        return True
+    raise StudyError(
+        "higher_is_better",
+        f"cannot tell whether higher or lower {metric!r} is better",
+        "choose a loss, perplexity or eval/* metric, or call paired_deltas with higher_is_better set",
+    )
+
+
+def paired_deltas(
+    df: pd.DataFrame,
+    metric: str,
+    baseline: str,
+    higher_is_better: bool | None = None,
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> list[PairedResult]:
+    """Per (scale, variant != baseline): paired statistics of ``metric`` against ``baseline``.
+
+    ``df`` is :func:`analysis.runs.read_runs` output. Only FINISHED runs with a finite value pair up; the rest
+    are listed in each result's ``unpaired``. The bootstrap is seeded so the report is reproducible.
+    """
+    _check(df, [metric], baseline)
+    better_high = is_higher_better(metric) if higher_is_better is None else higher_is_better
+    results = []
+    for scale in scale_order(df):
+        at_scale = df[df["scale"] == scale]
+        for variant in sorted(set(at_scale["variant"]) - {baseline}):
+            paired, unpaired = _pairs(at_scale, variant, baseline, [metric])
+            deltas = paired[f"{metric}|v"].to_numpy(float) - paired[f"{metric}|b"].to_numpy(float)
+            results.append(
+                _summarise(scale, variant, baseline, metric, paired["seed"].tolist(), deltas, unpaired,
+                           better_high, n_resamples, seed)
+            )
+    return results
+
+
+def joint_bootstrap(
+    df: pd.DataFrame, metrics: Sequence[str], baseline: str, n_resamples: int = 9999, seed: int = 0
+) -> list[JointResult]:
+    """Per (scale, variant): CI of the mean-across-metrics delta, resampling whole seeds.
+
+    Each bootstrap draw picks seed indices once and uses them for every metric, so correlation between tasks
+    (a lucky seed is lucky on all of them) stays in the interval. Metrics must share a direction.
+    """
+    metrics = list(metrics)
+    _check(df, metrics, baseline)
+    if len({is_higher_better(m) for m in metrics}) > 1:
+        raise StudyError(
+            "metrics", f"{metrics} mix higher- and lower-is-better metrics", "average only metrics of one direction"
+        )
+    from scipy import stats
+
+    results = []
+    for scale in scale_order(df):
+        at_scale = df[df["scale"] == scale]
+        for variant in sorted(set(at_scale["variant"]) - {baseline}):
+            paired, _ = _pairs(at_scale, variant, baseline, metrics)
+            # The mean over tasks of per-task mean deltas is the mean over seeds of each seed's task-mean delta,
+            # so resampling rows of that per-seed vector is exactly resampling seeds jointly for every task.
+            per_seed = np.mean([paired[f"{m}|v"].to_numpy(float) - paired[f"{m}|b"].to_numpy(float)
+                                for m in metrics], axis=0)
+            low, high, method = _bootstrap(
+                lambda m: stats.bootstrap((per_seed,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
+                                          n_resamples=n_resamples, method=m, rng=seed),
+                per_seed,
+            )
+            mean = float(per_seed.mean()) if len(per_seed) else math.nan
+            results.append(JointResult(scale, variant, baseline, metrics, len(per_seed), mean, low, high, method,
+                                       paired["seed"].tolist()))
+    return results
+
+
+def _check(df: pd.DataFrame, metrics: Sequence[str], baseline: str) -> None:
+    variants = sorted(df["variant"].unique())
+    if baseline not in variants:
+        raise StudyError("baseline", f"no runs of variant {baseline!r}", f"choose one of: {', '.join(variants)}")
+    present = sorted(c for c in df.columns if "/" in c)
+    for metric in metrics:
+        if metric not in present:
+            raise StudyError("metric", f"no run logged {metric!r}", f"choose from: {', '.join(present) or '(none)'}")
+
+
+def _usable(runs: pd.DataFrame, metrics: Sequence[str]) -> pd.Series:
+    finite = np.isfinite(runs[list(metrics)].to_numpy(float)).all(axis=1)
+    return (runs["status"] == FINISHED) & finite
+
+
+def _pairs(
+    at_scale: pd.DataFrame, variant: str, baseline: str, metrics: Sequence[str]
+) -> tuple[pd.DataFrame, list[UnpairedRun]]:
+    """Seed-aligned finished runs of both sides, and every run of either side that cannot be used."""
+    unpaired: list[UnpairedRun] = []
+    chosen = {}
+    for name in (variant, baseline):
+        runs = at_scale[at_scale["variant"] == name]
+        usable = _usable(runs, metrics)
+        for _, run in runs[~usable].iterrows():
+            why = f"status {run['status']}" if run["status"] != FINISHED else f"no final {', '.join(metrics)}"
+            if isinstance(run.get("failure_reason"), str):
+                why += f": {run['failure_reason']}"
+            unpaired.append(_unpaired(run, why))
+        # A relaunch under a changed config can leave two runs for one seed: the newest one counts.
+        ok = runs[usable].sort_values("start_time")
+        for _, run in ok[ok.duplicated("seed", keep="last")].iterrows():
+            unpaired.append(_unpaired(run, "superseded by a newer run with the same variant, scale and seed"))
+        chosen[name] = ok.drop_duplicates("seed", keep="last").set_index("seed")
+    v, b = chosen[variant], chosen[baseline]
+    for side, other, other_name in ((v, b, baseline), (b, v, variant)):
+        for seed in sorted(set(side.index) - set(other.index)):
+            unpaired.append(_unpaired(side.loc[seed], f"no usable {other_name} run with seed {seed}", seed))
+    seeds = sorted(set(v.index) & set(b.index))
+    paired = pd.DataFrame({"seed": seeds})
+    for m in metrics:
+        paired[f"{m}|v"] = v.loc[seeds, m].to_numpy(float)
+        paired[f"{m}|b"] = b.loc[seeds, m].to_numpy(float)
+    return paired, unpaired
+
+
+def _unpaired(run: pd.Series, reason: str, seed: int | None = None) -> UnpairedRun:
+    return UnpairedRun(
+        run_id=run["run_id"], run_key=run["run_key"], variant=run["variant"], scale=run["scale"],
+        seed=int(run["seed"] if seed is None else seed), status=run["status"], reason=reason,
+    )
+
+
+def _summarise(
+    scale: str, variant: str, baseline: str, metric: str, seeds: list[int], deltas: np.ndarray,
+    unpaired: list[UnpairedRun], better_high: bool, n_resamples: int, seed: int,
+) -> PairedResult:
+    from scipy import stats
+
+    n = len(deltas)
+    mean = float(np.mean(deltas)) if n else math.nan
+    sd = float(np.std(deltas, ddof=1)) if n >= 2 else math.nan
+    if n < 2:
+        ci = (math.nan, math.nan)
+    elif sd == 0:
+        ci = (mean, mean)
+    else:
+        ci = tuple(float(x) for x in stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=sd / math.sqrt(n)))
+    boot_low, boot_high, method = _bootstrap(
+        lambda m: stats.bootstrap((deltas,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
+                                  n_resamples=n_resamples, method=m, rng=seed),
+        deltas,
+    )
+    p = float(stats.wilcoxon(deltas).pvalue) if n >= 2 and np.any(deltas != 0) else math.nan
+    wins = deltas > 0 if better_high else deltas < 0
+    win_rate = float(np.mean(wins)) if n else math.nan
+    return PairedResult(
+        scale=scale, variant=variant, baseline=baseline, metric=metric, n=n, mean_delta=mean, sd_delta=sd,
+        ci_low=ci[0], ci_high=ci[1], boot_ci_low=boot_low, boot_ci_high=boot_high, p_wilcoxon=p,
+        win_rate=win_rate, boot_method=method, higher_is_better=better_high, seeds=[int(s) for s in seeds],
+        deltas=[float(d) for d in deltas], unpaired=unpaired,
+    )
+
+
+def _bootstrap(run, per_seed: np.ndarray) -> tuple[float, float, str]:
+    """BCa where it is defined, percentile where it is degenerate, nothing below two seeds."""
+    n = len(per_seed)
+    if n < 2:
+        return math.nan, math.nan, "none"
+    if n >= 3 and np.ptp(per_seed) > 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ci = run("BCa").confidence_interval
+        if np.isfinite(ci.low) and np.isfinite(ci.high):
+            return float(ci.low), float(ci.high), "BCa"
+    ci = run("percentile").confidence_interval
+    return float(ci.low), float(ci.high), "percentile"
+
+
+def json_ready(value):
+    """``value`` with NaN/inf floats replaced by None and tuples by lists, recursively, for strict JSON."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value

@@ -1,0 +1,174 @@
+"""The report's figures: loss curves with seed bands, a forest plot of paired deltas, the scaling fits.
+
+Figures are built as ``matplotlib.figure.Figure`` objects and written by the Agg canvas without touching pyplot,
+so a caller's interactive backend (a notebook, say) is left alone and nothing needs a display.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from analysis.paired import PairedResult
+from analysis.runs import FINISHED, scale_order
+from analysis.scaling import ScalingReport
+
+DPI = 110
+"""Resolution of the PNGs; they are embedded in the HTML, so size matters."""
+
+
+def variant_colors(variants: Sequence[str], baseline: str) -> dict[str, str]:
+    """A stable colour per variant, the baseline always first (black)."""
+    others = [v for v in sorted(variants) if v != baseline]
+    palette = [f"C{i}" for i in range(10)]
+    return {baseline: "black", **{v: palette[i % 10] for i, v in enumerate(others)}}
+
+
+def plot_loss_curves(
+    runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, path: Path, metric: str = "val/loss"
+) -> Path:
+    """One panel per scale: mean over seeds of ``metric`` against step per variant, shaded mean +- sd.
+
+    Only finished runs enter the bands, so a crashed seed does not pull the early steps of its variant.
+    """
+    from matplotlib.figure import Figure
+
+    finished = runs[runs["status"] == FINISHED][["run_id", "variant", "scale", "seed"]]
+    data = curves.merge(finished, on="run_id")
+    scales = [s for s in scale_order(runs) if s in set(data["scale"])]
+    colors = variant_colors(runs["variant"].unique(), baseline)
+    cols = min(len(scales), 3) or 1
+    rows = max(1, math.ceil(len(scales) / cols))
+    fig = Figure(figsize=(4.2 * cols, 3.2 * rows), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, scale in zip(axes, scales):
+        stats = (data[data["scale"] == scale].groupby(["variant", "step"])["value"]
+                 .agg(["mean", "std", "count"]).reset_index())
+        for variant, g in stats.groupby("variant"):
+            sd = g["std"].fillna(0.0)
+            ax.plot(g["step"], g["mean"], color=colors[variant], lw=1.4,
+                    label=f"{variant} (n={int(g['count'].max())})")
+            ax.fill_between(g["step"], g["mean"] - sd, g["mean"] + sd, color=colors[variant], alpha=0.2, lw=0)
+        # Early steps sit far above the end of training; zoom on the last 90% so the gaps between variants show.
+        late = stats[stats["step"] >= 0.1 * stats["step"].max()]
+        if len(late):
+            low, high = (late["mean"] - late["std"].fillna(0)).min(), late["mean"].max()
+            pad = 0.05 * (high - low) or 0.01
+            ax.set_ylim(low - pad, high + pad)
+        ax.set_title(f"scale {scale}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(scales):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{metric} over training (mean ± sd over seeds)")
+    return _save(fig, path)
+
+
+def plot_forest(results: Sequence[PairedResult], path: Path, title: str | None = None) -> Path:
+    """Paired deltas of one metric, one row per (scale, variant): mean, t interval (thin), bootstrap (thick)."""
+    from matplotlib.figure import Figure
+
+    rows = [r for r in results if r.n > 0]
+    metric = results[0].metric if results else ""
+    fig = Figure(figsize=(7.5, 0.45 * max(len(rows), 2) + 1.3), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    colors = variant_colors({r.variant for r in rows} | {r.baseline for r in rows},
+                            rows[0].baseline if rows else "")
+    for y, r in enumerate(reversed(rows)):
+        color = colors[r.variant]
+        ax.hlines(y, r.ci_low, r.ci_high, color=color, lw=1.2)
+        ax.hlines(y, r.boot_ci_low, r.boot_ci_high, color=color, lw=4, alpha=0.45)
+        ax.plot(r.mean_delta, y, "o", color=color, ms=5)
+        p = "–" if math.isnan(r.p_wilcoxon) else f"{r.p_wilcoxon:.2g}"
+        ax.annotate(f"n={r.n}  p={p}  win={r.win_rate:.0%}", (1.01, y), xycoords=("axes fraction", "data"),
+                    va="center", fontsize=7)
+    ax.axvline(0.0, color="grey", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)), [f"{r.variant} @ {r.scale}" for r in reversed(rows)])
+    ax.set_ylim(-0.7, max(len(rows), 1) - 0.3)
+    better = "right" if rows and rows[0].higher_is_better else "left"
+    baseline = rows[0].baseline if rows else "baseline"
+    ax.set_xlabel(f"Δ {metric} (variant − {baseline}); better to the {better}")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or f"Paired deltas, {metric}: t 95% CI (thin), bootstrap 95% CI (thick)", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
+                 deltas: Sequence[PairedResult] = ()) -> Path:
+    """Left: final metric against counted parameters per variant, with fits (dashed past the data).
+
+    Right: each variant's fit minus the baseline's against N, with the measured paired deltas (mean and t
+    interval at each scale's median N) on top, which is where a shrinking or growing advantage shows.
+    """
+    from matplotlib.figure import Figure
+
+    metric = report.metric
+    used = runs[(runs["status"] == FINISHED) & runs[metric].notna() & runs["params_counted"].notna()]
+    colors = variant_colors(runs["variant"].unique(), report.baseline)
+    fig = Figure(figsize=(11, 4.3), dpi=DPI, layout="constrained")
+    ax, gap_ax = fig.subplots(1, 2)
+    top = report.n_range[1]
+    for variant, g in used.groupby("variant"):
+        color = colors[variant]
+        ax.scatter(g["params_counted"], g[metric], s=10, color=color, alpha=0.35, lw=0)
+        means = g.groupby("scale")[["params_counted", metric]].mean()
+        fit = report.fits.get(variant)
+        label = variant if fit is None or fit.form == "none" else f"{variant}: {fit.form}, α={fit.alpha:.3f}"
+        ax.plot(means["params_counted"], means[metric], "o", color=color, ms=5, label=label)
+        if fit is not None and fit.form != "none":
+            _fitted(ax, fit.n_min, fit.n_max, top, fit.predict, color)
+    base = report.fits.get(report.baseline)
+    sizes = used.groupby("scale")["params_counted"].median()
+    for variant, fit in report.fits.items():
+        if variant == report.baseline or base is None or "none" in (fit.form, base.form):
+            continue
+        lo, hi = max(fit.n_min, base.n_min), min(fit.n_max, base.n_max)
+        _fitted(gap_ax, lo, hi, top, lambda n, f=fit: f.predict(n) - base.predict(n), colors[variant], variant)
+        for n in report.crossings.get(variant, []):
+            for a in (ax, gap_ax):
+                a.axvline(n, color=colors[variant], lw=0.8, ls=":")
+            gap_ax.annotate(f"N≈{n:.3g}", (n, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
+                            rotation=90, ha="right", va="bottom")
+    others = sorted({r.variant for r in deltas})
+    for r in deltas:
+        if r.n > 0 and r.scale in sizes.index:
+            half = (r.ci_high - r.ci_low) / 2 if math.isfinite(r.ci_low) else 0.0
+            # Nudge variants apart along N so intervals at one scale do not hide each other.
+            dodge = 1.04 ** (others.index(r.variant) - (len(others) - 1) / 2)
+            gap_ax.errorbar(sizes[r.scale] * dodge, r.mean_delta, yerr=half, fmt="o", ms=4, capsize=3,
+                            color=colors.get(r.variant, "grey"))
+    gap_ax.axhline(0.0, color="black", lw=0.8)
+    for a in (ax, gap_ax):
+        a.set_xscale("log")
+        a.set_xlabel("counted parameters N")
+        a.grid(alpha=0.3, which="both")
+    ax.set_ylabel(f"final {metric}")
+    ax.legend(fontsize=7)
+    ax.set_title(f"Final {metric} with fits (dashed: extrapolation)", fontsize=9)
+    gap_ax.set_ylabel(f"Δ {metric} vs {report.baseline}")
+    gap_ax.set_title("Fit minus baseline fit; points: paired deltas with t 95% CI", fontsize=9)
+    if gap_ax.get_legend_handles_labels()[0]:
+        gap_ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _fitted(ax, lo: float, hi: float, top: float, curve, color: str, label: str | None = None) -> None:
+    """A fitted curve: solid over the observed sizes, dashed from there up to ``top``."""
+    inside = np.geomspace(lo, hi, 100)
+    ax.plot(inside, curve(inside), color=color, lw=1.2, label=label)
+    if np.isfinite(top) and top > hi:
+        beyond = np.geomspace(hi, top, 100)
+        ax.plot(beyond, curve(beyond), color=color, lw=1.0, ls="--")
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path

@@ -1,0 +1,84 @@
+"""What a launched job runs: training (then evaluation) of one run, or the geometry profile of a reference run.
+
+The callables are pickled by submitit and executed on the cluster node (or as a local process). Preemption: the
+training loop saves a checkpoint when SIGUSR2/SIGTERM arrives (agreed across ranks), then rank 0 requeues the SLURM
+job while requeues remain; a plain `scontrol requeue` or node failure restarts the job, which resumes from its
+latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from study.config import RunConfig, run_key
+
+
+def clean_env() -> None:
+    """Launching from inside a SLURM job must not leak the outer job's identity into the inner one."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "SUBMITIT_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT"):
+            del os.environ[name]
+
+
+def _requeue_self(max_requeues: int) -> bool:
+    """Requeue this SLURM job (rank 0 only) unless it has used its requeues. True when requeued."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or int(os.environ.get("SLURM_PROCID", "0")) != 0:
+        return bool(job)
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0")) >= max_requeues:
+        print(f"not requeued: {max_requeues} requeues used", file=sys.stderr)
+        return False
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"scontrol requeue {job} failed: {result.stderr.strip()}", file=sys.stderr)
+        return False
+    return True
+
+
+@dataclass
+class TrainJob:
+    """Train one run; evaluate it afterwards when `eval.after_train` is set."""
+
+    cfg: RunConfig
+
+    def __call__(self) -> dict:
+        import torch
+
+        from study.distributed import teardown
+        from study.train import train
+
+        # one BLAS pool per rank sized to its CPUs: oversubscribed pools are slower than fewer threads
+        torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_task))
+        outcome = train(self.cfg)
+        teardown()
+        if outcome.status == "PREEMPTED":
+            if "TERM" in (outcome.reason or ""):
+                # SLURM itself is cancelling or requeueing the job: the checkpoint is saved, the decision is SLURM's
+                sys.exit(-1)
+            if _requeue_self(self.cfg.cluster.max_requeues):
+                # exit without a result, as submitit does itself after a requeue: the job runs again
+                sys.exit(-1)
+            raise RuntimeError(f"run {run_key(self.cfg)} was stopped ({outcome.reason}) and cannot be requeued")
+        if outcome.status == "FAILED":
+            raise RuntimeError(f"run {run_key(self.cfg)} failed: {outcome.reason}")
+        if self.cfg.eval.after_train and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            from study.evaluation_run import evaluate_run
+
+            evaluate_run(self.cfg)
+        return {"run_key": run_key(self.cfg), "val_loss": outcome.val_loss, "step": outcome.step}
+
+
+@dataclass
+class ProfileJob:
+    """Measure the geometric work of a finished reference run (writes its profile.json)."""
+
+    cfg: RunConfig
+
+    def __call__(self) -> str:
+        from study.geometry.run_profile import profile_run
+
+        return str(profile_run(self.cfg))

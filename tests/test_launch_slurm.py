@@ -1,0 +1,132 @@
+"""Sweeps on the real local SLURM cluster: arrays, idempotent relaunch, resume of a failed run, preemption,
+requeue, and a 2-task FSDP job. Needs `slurm/local/up` (scripts/test starts it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from slurm_helpers import SMALL, private_sweeps, slurm_available, wait_jobs
+
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(not slurm_available(), reason="no SLURM cluster: run `eval \"$(slurm/local/up)\"`")]
+
+
+@pytest.fixture
+def cluster_env(workdir, monkeypatch):
+    """Jobs inherit the environment: the data cache, the sweeps copy, and the tracking store."""
+    uri = os.environ.get("STUDY_TEST_MLFLOW_URI")
+    if uri:  # the real server scripts/test started: concurrent jobs log over HTTP
+        experiment_suffix = f"_{int(time.time() * 1000) % 10**8}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    else:
+        experiment_suffix = ""
+    monkeypatch.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
+    return experiment_suffix
+
+
+def mlflow_runs(experiment):
+    from study.mlflow_store import mlflow_client
+    from study.tracking import resolve_tracking_uri
+
+    client = mlflow_client(resolve_tracking_uri(""))
+    exp = client.get_experiment_by_name(experiment)
+    return [] if exp is None else [r for r in client.search_runs([exp.experiment_id])
+                                   if r.data.tags.get("study.stage") != "report"]
+
+
+def job_ids(stages):
+    return [j for s in stages for j in s.job_ids]
+
+
+def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
+    from study.launch import journal, launch
+    from study.plan import plan_experiment
+    from study.status import experiment_status
+
+    name = "small" + cluster_env
+    private_sweeps(workdir, name, common={**SMALL["common"],
+                                          "faults": {"sleep_per_step": 0.4}})
+    over = ["cluster=slurm"]
+    stages = launch(name, over, echo=lambda m: None)
+    assert [s.name for s in stages] == ["train"] and len(stages[0].runs) == 2
+    plan = plan_experiment(name, over)
+    victim = next(r for r in plan.runs if r.cfg.variant == "hourglass")
+    victim_job = journal(plan)[victim.key]["job_id"]
+    ckpts = workdir / "runs" / name / victim.key / "checkpoints"
+    deadline = time.time() + 300
+    while not any(p.name == "step_00000004" for p in ckpts.glob("step_*")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert time.time() < deadline, "the victim never wrote its first checkpoint"
+    subprocess.run(["scancel", victim_job], check=True)
+    wait_jobs(job_ids(stages))
+
+    status = {s.key: s for s in experiment_status(name, over)}
+    assert status[victim.key].verdict.startswith("died") or status[victim.key].mlflow in ("KILLED", "FAILED")
+    assert status[victim.key].last_step is not None and status[victim.key].last_step >= 4
+
+    again = launch(name, over, echo=lambda m: None)
+    assert [r.key for s in again for r in s.runs] == [victim.key]  # exactly the cancelled run
+    wait_jobs(job_ids(again))
+
+    runs = mlflow_runs(name)
+    keys = [r.data.tags["study.run_key"] for r in runs]
+    assert sorted(keys) == sorted(r.key for r in plan.runs)  # one MLflow run per planned key
+    assert all(r.info.status == "FINISHED" for r in runs)
+    from mlflow import MlflowClient
+
+    resumed = next(r for r in runs if r.data.tags["study.run_key"] == victim.key)
+    assert int(resumed.data.tags["study.restarts"]) >= 1
+    steps = [m.step for m in MlflowClient().get_metric_history(resumed.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 17))  # resumed, nothing lost, nothing twice
+    assert launch(name, over, echo=lambda m: None) == []  # everything finished: nothing to submit
+
+
+def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env, monkeypatch):
+    import json
+
+    from study.launch import journal, launch
+    from study.plan import plan_experiment
+
+    name = "small" + cluster_env
+    common = {**SMALL["common"], "faults": {"sleep_per_step": 0.4}}
+    private_sweeps(workdir, name, common=common, seeds=[0, 1], variants={"conventional": {"model": "conventional"}})
+    over = ["cluster=slurm"]
+    stages = launch(name, over, echo=lambda m: None)
+    plan = plan_experiment(name, over)
+    jobs = journal(plan)
+    a, b = [r for r in plan.runs if r.cfg.variant == "conventional"]
+    for run in (a, b):  # both past their first checkpoint, neither finished
+        ckpts = workdir / "runs" / name / run.key / "checkpoints"
+        while not any(p.name.endswith("04") for p in ckpts.glob("step_*")):
+            time.sleep(0.3)
+    subprocess.run(["scancel", "--signal=USR2", jobs[a.key]["job_id"]], check=True)
+    subprocess.run(["scontrol", "requeue", jobs[b.key]["job_id"]], check=True)
+    wait_jobs(job_ids(stages), timeout=900)
+    time.sleep(3)
+    wait_jobs(job_ids(stages), timeout=900)  # a requeued job is pending again before it restarts
+
+    # the same two runs, uninterrupted, in a separate runs folder and store (launch-only settings: same keys)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir}/clean.db")
+    clean = launch(name, over + ["paths.runs=clean", "faults.sleep_per_step=0"], echo=lambda m: None)
+    wait_jobs(job_ids(clean))
+    for run in (a, b):
+        got = json.loads((workdir / "runs" / name / run.key / "result.json").read_text())
+        want = json.loads((workdir / "clean" / name / run.key / "result.json").read_text())
+        assert got["val_loss"] == want["val_loss"] and got["step"] == want["step"] == 16
+
+
+def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
+    from study.launch import launch
+
+    name = "small" + cluster_env
+    private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
+                   common={**SMALL["common"]})
+    stages = launch(name, ["cluster=slurm", "cluster.tasks_per_node=2", "train.global_batch=8"], echo=lambda m: None)
+    states = wait_jobs(job_ids(stages))
+    assert set(states.values()) == {"COMPLETED"}, states
+    (run,) = mlflow_runs(name)
+    assert run.info.status == "FINISHED" and run.data.params["resolved.world_size"] == "2"

@@ -1,0 +1,154 @@
+"""`study report` end to end on a real SQLite MLflow store filled with schema-conforming synthetic runs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.report import build_report
+from analysis.runs import read_runs
+from analysis.synthetic import synthetic_store
+from study.errors import StudyError
+
+EXPERIMENT = "ffn_shape"
+VARIANTS = ["conventional", "hourglass", "tapered"]
+SCALES = ["20M", "40M", "80M", "160M"]
+STATUSES = {("hourglass", "40M", 2): "FAILED", ("tapered", "80M", 1): "MISSING", ("tapered", "160M", 0): "RUNNING"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    synthetic_store(uri, EXPERIMENT, VARIANTS, SCALES, seeds=3, steps=40, eval_tasks=("arc_easy", "piqa"),
+                    effects={"conventional": 0.0, "hourglass": -0.03, "tapered": 0.0}, statuses=STATUSES)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def first_report(store, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("reports")
+    return build_report(EXPERIMENT, tracking_uri=store, out_dir=out, n_resamples=999), out / EXPERIMENT
+
+
+def test_runs_are_read_one_row_per_training_run_with_finals_and_status(store, first_report):
+    runs = read_runs(EXPERIMENT, store)
+    assert len(runs) == len(VARIANTS) * len(SCALES) * 3 - 1  # one MISSING; the report run is not a training run
+    assert runs["seed"].dtype.kind == "i" and runs["params_counted"].dtype.kind == "i"
+    assert set(runs["status"]) == {"FINISHED", "FAILED", "RUNNING"}
+    assert set(runs["baseline"]) == {"conventional"} and set(runs["stage"]) == {"train"}
+    assert {"val/loss", "val/ppl", "train/loss", "eval/arc_easy/acc", "eval/piqa/acc_norm"} <= set(runs.columns)
+    finished = runs[runs["status"] == "FINISHED"]
+    assert finished[["val/loss", "eval/piqa/acc"]].notna().all().all()
+    assert (finished["val/ppl"] - finished["val/loss"].map(math.exp)).abs().max() < 1e-9
+
+
+def test_report_answers_with_paired_deltas_for_loss_and_accuracy(store, first_report):
+    result, _ = first_report
+    assert result["baseline"] == "conventional"  # from the study.baseline tag
+    assert result["metrics"] == ["val/loss", "eval/arc_easy/acc", "eval/arc_easy/acc_norm", "eval/piqa/acc",
+                                 "eval/piqa/acc_norm"]
+    required = {"scale", "variant", "baseline", "metric", "n", "mean_delta", "sd_delta", "ci_low", "ci_high",
+                "boot_ci_low", "boot_ci_high", "p_wilcoxon", "win_rate"}
+    assert all(required <= set(r) for r in result["results"])
+    assert len(result["results"]) == 5 * len(SCALES) * 2
+    json.dumps(result, allow_nan=False)
+
+    runs = read_runs(EXPERIMENT, store).set_index(["variant", "scale", "seed"])
+    by_key = {(r["metric"], r["scale"], r["variant"]): r for r in result["results"]}
+    r = by_key["val/loss", "20M", "hourglass"]
+    direct = [runs.loc[("hourglass", "20M", k), "val/loss"] - runs.loc[("conventional", "20M", k), "val/loss"]
+              for k in range(3)]
+    assert r["n"] == 3 and r["mean_delta"] == pytest.approx(sum(direct) / 3, rel=1e-12)
+    assert r["ci_low"] < r["mean_delta"] < r["ci_high"] < 0  # a 0.03 effect against 0.004 run noise
+    assert by_key["val/loss", "40M", "hourglass"]["n"] == 2  # seed 2 FAILED
+    acc = by_key["eval/arc_easy/acc", "160M", "hourglass"]
+    gains = [runs.loc[("hourglass", "160M", k), "eval/arc_easy/acc"]
+             - runs.loc[("conventional", "160M", k), "eval/arc_easy/acc"] for k in range(3)]
+    assert acc["win_rate"] == pytest.approx(sum(g > 0 for g in gains) / 3)  # higher accuracy wins
+    assert acc["mean_delta"] == pytest.approx(sum(gains) / 3, rel=1e-12) and acc["mean_delta"] > 0
+    assert result["scaling"]["fits"]["hourglass"]["form"] == "E + A*N^-alpha"
+    assert {j["scale"] for j in result["joint"]} == set(SCALES)
+
+
+def test_unpaired_and_unfinished_runs_are_reported(first_report):
+    result, out = first_report
+    reasons = {(u["variant"], u["scale"], u["seed"], u["reason"]) for u in result["unpaired"]}
+    assert ("hourglass", "40M", 2, "status FAILED: synthetic: loss became NaN") in reasons
+    assert ("conventional", "40M", 2, "no usable hourglass run with seed 2") in reasons
+    assert ("conventional", "80M", 1, "no usable tapered run with seed 1") in reasons
+    assert ("tapered", "160M", 0, "status RUNNING") in reasons
+    md = (out / "report.md").read_text()
+    assert "| hourglass-40M-s2 | FAILED |" in md and "| tapered-160M-s0 | RUNNING |" in md
+
+
+def test_report_files_hold_the_tables_and_the_html_embeds_every_plot(first_report):
+    result, out = first_report
+    names = {Path(f).name for f in result["files"]}
+    pngs = sorted(out.glob("*.png"))
+    assert {"report.md", "report.html", "report.json", "pairs.csv", "loss_curves.png", "scaling.png",
+            "forest_val_loss.png", "forest_eval_piqa_acc.png"} <= names
+    assert {p.name for p in pngs} <= names and len(pngs) == 7
+
+    md = (out / "report.md").read_text()
+    assert "| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs conventional | t 95% CI |" in md
+    assert "### Scale 160M" in md and "![" in md
+
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(pngs)
+    for png in pngs:
+        assert base64.b64encode(png.read_bytes()).decode() in page
+    assert "http://" not in page and "https://" not in page and "<link" not in page and "<script" not in page
+
+    pairs = pd.read_csv(out / "pairs.csv")
+    assert len(pairs) == len(result["results"])
+    row = pairs[(pairs["metric"] == "val/loss") & (pairs["scale"] == "20M") & (pairs["variant"] == "hourglass")]
+    expected = next(r for r in result["results"]
+                    if (r["metric"], r["scale"], r["variant"]) == ("val/loss", "20M", "hourglass"))
+    assert row["mean_delta"].item() == pytest.approx(expected["mean_delta"], rel=1e-12)
+    assert row["boot_ci_high"].item() == pytest.approx(expected["boot_ci_high"], rel=1e-12)
+
+
+def test_rereport_reuses_the_single_report_run(store, first_report, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    first, _ = first_report
+    again = build_report(EXPERIMENT, baseline="tapered", metrics=["val/loss"], tracking_uri=store,
+                         out_dir=tmp_path, n_resamples=99)
+    assert again["report_run_id"] == first["report_run_id"] is not None
+    assert {r["baseline"] for r in again["results"]} == {"tapered"}
+
+    client = MlflowClient(tracking_uri=store)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    reports = client.search_runs([exp.experiment_id], filter_string="tags.`study.stage` = 'report'")
+    assert [r.info.run_id for r in reports] == [first["report_run_id"]]
+    assert reports[0].info.run_name == "report" and reports[0].data.tags["study.baseline"] == "tapered"
+    artifacts = {a.path for a in client.list_artifacts(first["report_run_id"])}
+    assert {"report.md", "report.html", "report.json", "pairs.csv", "scaling.png", "forest_val_loss.png"} <= artifacts
+
+
+def test_bad_experiment_baseline_or_metric_raise_study_errors_with_choices(store, tmp_path):
+    with pytest.raises(StudyError) as err:
+        build_report("no_such_study", tracking_uri=store, out_dir=tmp_path)
+    assert err.value.field == "experiment" and EXPERIMENT in err.value.fix
+    with pytest.raises(StudyError) as err:
+        build_report(EXPERIMENT, baseline="uniform", tracking_uri=store, out_dir=tmp_path)
+    assert err.value.field == "baseline" and "conventional, hourglass, tapered" in err.value.fix
+    with pytest.raises(StudyError) as err:
+        build_report(EXPERIMENT, metrics=["eval/hellaswag/acc"], tracking_uri=store, out_dir=tmp_path)
+    assert err.value.field == "metric" and "eval/arc_easy/acc" in err.value.fix
+    with pytest.raises(StudyError) as err:
+        build_report(EXPERIMENT, tracking_uri=f"sqlite:///{tmp_path / 'absent.db'}", out_dir=tmp_path)
+    assert err.value.field == "tracking_uri" and not (tmp_path / "absent.db").exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_reads_the_store_named_by_the_environment(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    result = build_report(EXPERIMENT, metrics=["val/loss"], out_dir=tmp_path, log_to_mlflow=False, n_resamples=99)
+    assert result["report_run_id"] is None and (tmp_path / EXPERIMENT / "report.html").exists()
