@@ -163,6 +163,63 @@ def _print_headline(result: dict) -> None:
     Console(width=160).print(table)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from study.config import run_key, split_overrides
+    from study.evaluation_run import find_run_config
+    from study.geometry.run_profile import profile_run
+
+    _, values = split_overrides(args.overrides)
+    settings = dict(v.split("=", 1) for v in values)
+    cfg = find_run_config(args.run_key, settings.pop("paths.runs", "runs"))
+    key = run_key(cfg)
+    if settings:
+        from omegaconf import OmegaConf
+
+        from study.config import _merge, _typed_defaults
+
+        node = _merge(OmegaConf.merge(_typed_defaults(), OmegaConf.structured(cfg)),
+                      OmegaConf.from_dotlist([f"{k}={v}" for k, v in settings.items()]), "the overrides")
+        cfg = replace(cfg, geometry=OmegaConf.to_object(node).geometry)
+    path = profile_run(cfg, key=key)
+    print(path)
+    return 0
+
+
+def cmd_allocate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from study.budget import BudgetConfig, match, target_width
+    from study.config import compose
+    from study.geometry.schedule import geometry_widths, read_profile
+    from study.plan import scale_budget
+
+    experiment, _, scale = args.budget_from.partition(":")
+    if not scale:
+        raise StudyError("--budget-from", f"{args.budget_from!r} has no scale", "write EXPERIMENT:SCALE, e.g. geometry:128M")
+    from study.experiment import load_experiment
+
+    exp = load_experiment(experiment)
+    if scale not in exp.scales:
+        raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
+    cfg = compose({"scale": scale, "model": "geometry"}, overrides=[
+        f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}", f"geometry.anti={args.anti}"])
+    profile = read_profile(args.profile)
+    budget = scale_budget(scale, cfg.budget.mode)
+    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry)
+    m = match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
+    out = {"statistic": args.statistic, "geometry": args.geometry, "anti": args.anti, "scale": scale,
+           "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
+           "params": m.params.as_dict(), "budget": budget, "mismatch": m.mismatch}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{scale} {args.statistic}/{args.geometry}{' anti' if args.anti else ''}: widths {m.model.ffn.widths}")
+        print(f"counted {m.params.counted:,} vs budget {budget:,} ({cfg.budget.mode}): mismatch {m.mismatch:+.2e}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="reports", help="output folder (reports/<experiment>/ inside it)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("profile", help="geometric work profile of a trained run (writes profile.json, plots)")
+    p.add_argument("run_key")
+    p.add_argument("overrides", nargs="*", help="geometry.n_tokens=N geometry.seed=S ...")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("allocate", help="per-layer widths from a profile under a scale's parameter budget")
+    p.add_argument("--profile", required=True, help="profile.json written by `study profile`")
+    p.add_argument("--statistic", default="topo", choices=["shift", "gw", "topo"])
+    p.add_argument("--geometry", default="hyperbolic", choices=["raw", "spherical", "hyperbolic"])
+    p.add_argument("--anti", action="store_true", help="allocate against the measured direction (the control)")
+    p.add_argument("--budget-from", required=True, help="EXPERIMENT:SCALE whose budget the widths must meet")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_allocate)
 
     p = sub.add_parser("demo", help="the main job: train, evaluate and report the tiny `demo` experiment on CPU")
     p.add_argument("overrides", nargs="*")

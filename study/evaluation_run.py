@@ -23,13 +23,13 @@ def find_run_config(key: str, runs_root: str = "runs") -> RunConfig:
     return OmegaConf.to_object(node)
 
 
-def load_trained_model(cfg: RunConfig, device: str = "cpu"):
+def load_trained_model(cfg: RunConfig, device: str = "cpu", key: str | None = None):
     """The run's model with the weights of its latest complete checkpoint."""
     from study import checkpoint
     from study.models.transformer import build_model
     from study.plan import resolve_model, run_dir
 
-    key = run_key(cfg)
+    key = key or run_key(cfg)
     ckpt = checkpoint.latest(run_dir(cfg, key))
     if ckpt is None:
         raise StudyError("RUN_KEY", f"run {key} has no complete checkpoint yet", "train it first (study train/launch)")

@@ -217,6 +217,8 @@ def train(cfg: RunConfig) -> Outcome:
                 stop.signal_name = "SIGUSR2 (injected)"
             stopping = all_reduce_max(float(stop.requested), d) > 0
             if step % cfg.train.ckpt_interval == 0 or step == max_steps or stopping:
+                # points up to the checkpoint must land before it counts: a resumed run never recomputes them
+                tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
                 checkpoint.save(rdir, step, model, optimizer, {"val_loss": val_loss, "max_steps": max_steps},
                                 d, cfg.train.keep_last)
             if stopping and step < max_steps:

@@ -1,0 +1,177 @@
+"""The MLflow side of tracking: store URIs, SQLite first-use locking, retries, and finding or resuming a run.
+
+Everything here talks to MLflow synchronously; `study.tracking.Tracker` keeps it off the training step's path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from study.tracking import TrackingConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# MLflow's limit on characters per param value.
+MAX_PARAM_CHARS = 6000
+_TRANSIENT_CODES = frozenset(
+    {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
+)
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of an `sqlite:///` URI (relative paths resolve against the working directory), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path).resolve()
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Where an experiment's artifacts go: `mlartifacts/<experiment>` next to an SQLite store.
+
+    Other stores decide for themselves (a tracking server proxies `mlflow-artifacts:/`); None leaves them to it.
+    """
+    db = sqlite_path(uri)
+    if db is None:
+        return None
+    return (db.parent / "mlartifacts" / re.sub(r"[^\w.-]+", "_", experiment)).as_uri()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed MLflow call may succeed later (outage, overload, SQLite lock) rather than being rejected."""
+    if "database is locked" in str(exc) or "database table is locked" in str(exc):
+        return True
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        return exc.error_code in _TRANSIENT_CODES
+    return isinstance(exc, (OSError, TimeoutError))
+
+
+def short(exc: BaseException) -> str:
+    """The first line of an error, for one-line log messages (MLflow's errors can run to pages)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:300]
+
+
+def jittered(delay: float) -> float:
+    # Jitter de-synchronises processes that hit the same SQLite lock or the same restarted server together.
+    return delay * random.uniform(0.5, 1.5)
+
+
+def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float, what: str) -> T:
+    """`fn()`, retried with jittered exponential backoff on transient errors until `deadline` (time.monotonic)."""
+    delay = cfg.retry_initial_s
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            wait = jittered(delay)
+            if not is_transient(exc) or time.monotonic() + wait > deadline:
+                raise
+            log.warning("MLflow %s failed (%s); retrying in %.1f s", what, short(exc), wait)
+            time.sleep(wait)
+            delay = min(2 * delay, cfg.retry_max_s)
+
+
+@contextmanager
+def _store_lock(db: Path):
+    """Serialises first use of an SQLite store across processes: MLflow creates its tables on first use, and
+    several processes creating them at once collide."""
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def mlflow_client(uri: str):
+    """An `MlflowClient` for `uri` (an SQLite store is opened under a cross-process lock)."""
+    from mlflow import MlflowClient
+
+    db = sqlite_path(uri)
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  (a 2 s import: done before taking the lock)
+
+    with _store_lock(db):
+        return MlflowClient(tracking_uri=uri)
+
+
+def get_or_create_experiment(client, uri: str, name: str) -> str:
+    """The id of experiment `name`, created (see `artifact_location`) or restored from deleted if needed."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location(uri, name))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment = client.get_experiment_by_name(name)  # another process created it meanwhile
+    if experiment.lifecycle_stage == "deleted":
+        client.restore_experiment(experiment.experiment_id)
+    return experiment.experiment_id
+
+
+def find_runs(client, experiment_id: str, run_key: str) -> list:
+    """Active runs tagged with `run_key`, oldest first (the first is the run; others are duplicates from a race)."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`study.run_key` = '{run_key}'", max_results=100)
+    return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+
+def params_to_log(existing: Mapping[str, str], params: Mapping[str, str]) -> dict[str, str]:
+    """Params not yet on the run; one already there with another value means the run key did not pin the config."""
+    wanted = {k: v[:MAX_PARAM_CHARS] for k, v in params.items()}
+    clashes = {k: (existing[k], v) for k, v in wanted.items() if k in existing and existing[k] != v}
+    if clashes:
+        listed = "; ".join(f"{k}: logged {old!r}, now {new!r}" for k, (old, new) in sorted(clashes.items()))
+        raise ValueError(f"params differ from the ones already logged for this run key: {listed}")
+    return {k: v for k, v in wanted.items() if k not in existing}
+
+
+def slurm_job_id() -> str | None:
+    """`<array job>_<task>` for an array task (as squeue shows it), the job id otherwise, None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapping[str, str],
+             params: Mapping[str, str]) -> tuple:
+    """The run for `run_key` and the params it still lacks: resumed (RUNNING again, `study.restarts` + 1) if it
+    exists, else created. Params are checked against the existing run before anything about it changes."""
+    from mlflow.entities import RunTag
+
+    tags = {**tags, "study.run_key": run_key}
+    if (job := slurm_job_id()) is not None:
+        tags.setdefault("study.slurm_job_id", job)
+    runs = find_runs(client, experiment_id, run_key)
+    if runs:
+        run_id, old_tags = runs[0].info.run_id, runs[0].data.tags
+        missing = params_to_log(runs[0].data.params, params)
+        client.update_run(run_id, status="RUNNING")
+        if "study.failure_reason" in old_tags:
+            client.delete_tag(run_id, "study.failure_reason")
+        tags["study.restarts"] = str(int(old_tags.get("study.restarts", "0")) + 1)
+        client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
+        return client.get_run(run_id), missing
+    client.create_run(experiment_id, run_name=run_name, tags={**tags, "study.restarts": "0"})
+    # Two creators racing (or a create retried after a lost reply) leave duplicates: all keep the oldest.
+    runs = find_runs(client, experiment_id, run_key)
+    for duplicate in runs[1:]:
+        client.delete_run(duplicate.info.run_id)
+    return runs[0], params_to_log(runs[0].data.params, params)

@@ -1,0 +1,455 @@
+"""MLflow tracking for training runs: one run per run key, resumed on restart, logged off the training step's path.
+
+Schema (DESIGN.md): experiment = experiment file name; run name `<variant>-<scale>-s<seed>`; tags `study.*`; params =
+resolved config flattened with dots; metrics `train/*`, `val/*`, `eval/<task>/<metric>`.
+
+A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, while a `log_batch` of 1000 points costs 0.3 s
+(STACK.md), so `Tracker.log_metrics` only appends to a buffer and a background thread ships batches. A tracking outage
+(server down, HTTP errors, SQLite "database is locked") keeps points buffered and retried with backoff; training never
+waits for MLflow. MLflow's HTTP client also retries inside each call (MLFLOW_HTTP_REQUEST_MAX_RETRIES, default 7:
+up to about 2 minutes in one call); the buffer makes that harmless, and a lower value lands points sooner after an
+outage. mlflow is imported inside functions: `study plan` imports this module for `TrackingConfig`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from study.errors import StudyError
+from study.mlflow_store import (
+    call_with_retries,
+    find_runs,
+    get_or_create_experiment,
+    is_transient,
+    jittered,
+    mlflow_client,
+    open_run,
+    short,
+)
+
+log = logging.getLogger(__name__)
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+# MLflow's limits: params per log_batch call, characters per tag value, metric key characters.
+PARAMS_PER_CALL = 100
+MAX_TAG_CHARS = 8000
+_METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
+_SECRET_WORDS = ("password", "passwd", "secret", "credential")
+# Hydra's `env_set` and similar sections hold environment variable values: never logged.
+_ENV_SECTIONS = frozenset({"env", "environ", "env_set"})
+
+
+@dataclass
+class TrackingConfig:
+    """How training runs reach MLflow."""
+
+    uri: str = ""
+    """Tracking URI; empty means $MLFLOW_TRACKING_URI, else an SQLite store `sqlite:///<cwd>/mlflow.db`."""
+    flush_interval_s: float = 2.0
+    """Seconds between background flushes of buffered metric points."""
+    max_buffer: int = 200_000
+    """Most metric points held in memory during an outage (about 30 MB); beyond it the oldest are dropped, counted."""
+    batch_points: int = 1000
+    """Metric points per `log_batch` call (MLflow accepts at most 1000)."""
+    retry_initial_s: float = 1.0
+    """Wait after the first failed call; it doubles on each further failure, with +-50 % jitter."""
+    retry_max_s: float = 30.0
+    """Longest wait between retries."""
+    open_timeout_s: float = 300.0
+    """How long `Tracker.open` keeps retrying an unreachable or locked store before giving up."""
+    checkpoint_flush_s: float = 10.0
+    """Longest wait, before each checkpoint, for buffered points to land (an outage then only delays them)."""
+    terminate_timeout_s: float = 10.0
+    """Time `close` allows for ending the run after its flush deadline has passed."""
+
+
+def resolve_tracking_uri(uri: str = "") -> str:
+    """`uri` if given, else $MLFLOW_TRACKING_URI, else an absolute SQLite store in the working directory."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def _looks_secret(name: str) -> bool:
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+    parts = [w for w in re.split(r"[^a-z0-9]+", words) if w]
+    return (
+        any(p.startswith(_SECRET_WORDS) for p in parts)
+        or (bool(parts) and parts[-1] == "token")
+        or re.search(r"api_?key", "_".join(parts)) is not None
+    )
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"a.b.c": "value"} for MLflow params.
+
+    Keys that look secret (a last word `token`, or containing password, secret, credential, api_key; any case, any
+    depth) and environment sections (`env`, `environ`, `env_set`) are dropped with everything under them. Strings are
+    kept as they are, other values are JSON (`true`, `null`, `[512, 384]`); lists of mappings flatten by index.
+    """
+    flat: dict[str, str] = {}
+    for raw_key, value in config.items():
+        key = str(raw_key)
+        if _looks_secret(key) or key in _ENV_SECTIONS:
+            continue
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        elif _is_sequence(value) and any(isinstance(v, Mapping) for v in value):
+            flat.update(flatten({str(i): v for i, v in enumerate(value)}, f"{dotted}."))
+        elif isinstance(value, str):
+            flat[dotted] = value
+        else:
+            flat[dotted] = json.dumps(_plain(value), default=str)
+    return flat
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers and tuples -> lists and dicts that json can write."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if _is_sequence(value):
+        return [_plain(v) for v in value]
+    return value
+
+
+def ensure_experiment(name: str, uri: str = "", cfg: TrackingConfig | None = None) -> str:
+    """The id of experiment `name`, created (artifacts next to an SQLite store) or restored if needed."""
+    cfg = cfg or TrackingConfig(uri=uri)
+    uri = resolve_tracking_uri(uri or cfg.uri)
+    deadline = time.monotonic() + cfg.open_timeout_s
+    client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
+    return call_with_retries(lambda: get_or_create_experiment(client, uri, name), cfg, deadline, "ensure experiment")
+
+
+class Tracker:
+    """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
+
+    Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 talks
+    to MLflow; other ranks get a `NullTracker`. Uses `MlflowClient`, never the fluent global run, so several trackers
+    coexist in one process. Usable as a context manager: an exception closes the run FAILED with its message.
+    """
+
+    def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool):
+        self.run_id = run_id
+        self._client, self._cfg, self._terminate = client, cfg, terminate
+        self._logged_upto = logged_upto
+        self._known_keys: set[str] = set()
+        self._lock = threading.Lock()
+        self._buffer: deque[tuple[str, float, int, int]] = deque()
+        self._inflight: list[tuple[str, float, int, int]] = []
+        self._artifacts: deque[tuple[Path, str]] = deque()
+        self._dropped = 0
+        self._staging = Path(tempfile.mkdtemp(prefix="study-artifacts-"))
+        self._wake, self._closing = threading.Event(), threading.Event()
+        self._final: tuple[str | None, str | None] = ("FINISHED", None)
+        self._deadline = math.inf
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"mlflow-flush-{run_id[:8]}", daemon=True)
+        self._thread.start()
+        atexit.register(self._close_at_exit)
+
+    @classmethod
+    def open(
+        cls,
+        run_key: str,
+        experiment: str,
+        run_name: str,
+        tags: Mapping[str, str] | None = None,
+        params: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        cfg: TrackingConfig | None = None,
+    ) -> Tracker:
+        """Creates the run for `run_key`, or resumes it after a restart (never a second run for one key).
+
+        `params` (nested or dotted) go through `flatten`; a param already logged with another value raises ValueError.
+        Retries an unreachable or locked store for `cfg.open_timeout_s`, then raises StudyError.
+        """
+        if rank != 0:
+            return NullTracker()
+        cfg = cfg or TrackingConfig()
+
+        def start(client, experiment_id, deadline):
+            from mlflow.entities import Param
+
+            run, missing = call_with_retries(
+                lambda: open_run(client, experiment_id, run_key, run_name, tags or {}, flatten(params or {})),
+                cfg, deadline, "open run",
+            )  # fmt: skip
+            items = list(missing.items())
+            for i in range(0, len(items), PARAMS_PER_CALL):
+                batch = [Param(k, v) for k, v in items[i : i + PARAMS_PER_CALL]]
+                call_with_retries(
+                    lambda: client.log_batch(run.info.run_id, params=batch, synchronous=True), cfg, deadline, "params"
+                )
+            return run
+
+        return cls._connect(experiment, cfg, start, terminate=True)
+
+    @classmethod
+    def attach(cls, run_key: str, experiment: str, rank: int = 0, cfg: TrackingConfig | None = None) -> Tracker:
+        """The existing run for `run_key`, to add results (`study eval`): its status, tags and params stay as they
+        are, and `close` only flushes. Raises StudyError when no such run exists."""
+        if rank != 0:
+            return NullTracker()
+        cfg = cfg or TrackingConfig()
+
+        def find(client, experiment_id, deadline):
+            runs = call_with_retries(lambda: find_runs(client, experiment_id, run_key), cfg, deadline, "find run")
+            if not runs:
+                raise StudyError("run_key", f"no MLflow run with key {run_key} in experiment {experiment}",
+                                 "train the run first, or check the key with `study status`")
+            return runs[0]
+
+        return cls._connect(experiment, cfg, find, terminate=False)
+
+    @classmethod
+    def _connect(cls, experiment: str, cfg: TrackingConfig, get_run: Callable, terminate: bool) -> Tracker:
+        uri = resolve_tracking_uri(cfg.uri)
+        deadline = time.monotonic() + cfg.open_timeout_s
+        try:
+            client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
+            experiment_id = call_with_retries(
+                lambda: get_or_create_experiment(client, uri, experiment), cfg, deadline, "experiment"
+            )
+            run = get_run(client, experiment_id, deadline)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise StudyError(
+                "tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
+                f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable store"
+            ) from exc
+        # A run's latest value per key is the one at its largest step: everything up to it has landed already.
+        logged_upto = {m.key: m.step for m in run.data.to_proto().metrics}
+        return cls(client, run.info.run_id, cfg, logged_upto, terminate)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
+        `float()`: pass Python numbers, since a CUDA tensor would synchronise the device here.
+
+        Points at or below the largest step the run had logged for their key when opened are skipped: a run resumed
+        from a checkpoint recomputes those steps identically, and they are already in MLflow.
+        """
+        if self._closed:
+            raise RuntimeError(f"log_metrics on closed tracker for run {self.run_id}")
+        timestamp, step = int(time.time() * 1000), int(step)
+        points = []
+        for key, value in metrics.items():
+            if key not in self._known_keys:
+                if not _METRIC_KEY.match(key):
+                    raise ValueError(f"metric key {key!r}: MLflow allows letters, digits, _ - . / : and space")
+                self._known_keys.add(key)
+            if step > self._logged_upto.get(key, -math.inf):
+                points.append((key, float(value), timestamp, step))
+        with self._lock:
+            self._buffer.extend(points)
+            overflow = len(self._buffer) - self._cfg.max_buffer
+            for _ in range(overflow):
+                self._buffer.popleft()
+            if overflow > 0 and self._dropped == 0:
+                log.warning("tracking buffer full (%d points): dropping the oldest", self._cfg.max_buffer)
+            self._dropped += max(overflow, 0)
+
+    def log_artifact(self, source: Path | str, name: str) -> None:
+        """Queues an artifact stored as `name` (may contain folders): a file or folder if `source` is a Path, else
+        `source` itself as text. It is copied now, so later changes to the source do not matter."""
+        parts = name.strip("/").split("/")
+        if not parts[-1] or ".." in parts:
+            raise ValueError(f"artifact name {name!r} must be a relative path to a file")
+        staged = Path(tempfile.mkdtemp(dir=self._staging)) / parts[-1]
+        if isinstance(source, Path):
+            (shutil.copytree if source.is_dir() else shutil.copyfile)(source, staged)
+        else:
+            staged.write_text(source)
+        with self._lock:
+            self._artifacts.append((staged, "/".join(parts)))
+
+    def log_dict(self, data: Mapping[str, Any], name: str) -> None:
+        """Queues `data` as a JSON (`.json`) or YAML (`.yaml`, `.yml`) artifact."""
+        if name.endswith(".json"):
+            self.log_artifact(json.dumps(_plain(data), indent=2, default=str) + "\n", name)
+        elif name.endswith((".yaml", ".yml")):
+            import yaml
+
+            self.log_artifact(yaml.safe_dump(_plain(data), sort_keys=False), name)
+        else:
+            raise ValueError(f"artifact name {name!r} must end in .json, .yaml or .yml")
+
+    def pending(self) -> int:
+        """Metric points and artifacts not yet delivered."""
+        with self._lock:
+            return len(self._buffer) + len(self._inflight) + len(self._artifacts)
+
+    def dropped(self) -> int:
+        """Metric points given up: the buffer overflowed during an outage, or MLflow rejected them."""
+        return self._dropped
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Ships everything buffered now (call before a checkpoint); True when it all landed within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        while self.pending() and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        return self.pending() == 0
+
+    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
+        """Flushes everything (retrying for up to `timeout_s`), sets tag `study.failure_reason` when `reason` is
+        given, and ends the run with `status` (FINISHED, FAILED or KILLED). `status=None`, and any status for an
+        attached run, only flushes. Returns within `timeout_s + cfg.terminate_timeout_s`, with the number of points
+        and artifacts not delivered.
+        """
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status {status!r}: use one of {', '.join(STATUSES)}, or None to only flush")
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self._close_at_exit)
+            self._final = (status, reason)
+            self._deadline = time.monotonic() + timeout_s
+            self._closing.set()
+            self._wake.set()
+        self._thread.join(max(self._deadline - time.monotonic(), 0.0) + self._cfg.terminate_timeout_s)
+        left = self.pending()
+        if left:
+            log.error("MLflow run %s closed with %d points/artifacts undelivered", self.run_id, left)
+        return left
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.close("KILLED", reason="interrupted")
+        else:
+            self.close("FAILED", reason=f"{type(exc).__name__}: {exc}")
+
+    def _close_at_exit(self) -> None:
+        self.close("FAILED", reason="process exited without closing its tracker", timeout_s=5.0)
+
+    def _run(self) -> None:
+        """The flusher: ships every flush_interval_s; on a transient failure keeps everything and backs off."""
+        delay, outage_since = self._cfg.retry_initial_s, None
+        while True:
+            closing = self._closing.is_set()
+            try:
+                self._ship()
+            except Exception as exc:
+                if not is_transient(exc):
+                    self._drop_rejected(exc)
+                    continue
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning("MLflow unavailable (%s); keeping %d points and retrying", short(exc), self.pending())
+                remaining = self._deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                wait = min(jittered(delay), remaining)
+                if closing:
+                    time.sleep(wait)
+                else:
+                    self._closing.wait(wait)  # a close() call cuts the wait short
+                delay = min(2 * delay, self._cfg.retry_max_s)
+                continue
+            if outage_since is not None:
+                log.warning("MLflow reachable again after %.0f s", time.monotonic() - outage_since)
+                outage_since, delay = None, self._cfg.retry_initial_s
+            if closing:
+                break
+            self._wake.wait(self._cfg.flush_interval_s)
+            self._wake.clear()
+        self._finish()
+
+    def _ship(self) -> None:
+        """Sends buffered points, then queued artifacts, until none are left; raises on the first failure."""
+        from mlflow.entities import Metric
+
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    take = min(len(self._buffer), self._cfg.batch_points)
+                    self._inflight = [self._buffer.popleft() for _ in range(take)]
+                batch, artifact = self._inflight, self._artifacts[0] if self._artifacts else None
+            if batch:
+                # A batch retried after a lost reply carries the same timestamps; the SQL store drops exact repeats.
+                self._client.log_batch(self.run_id, metrics=[Metric(*p) for p in batch], synchronous=True)
+                with self._lock:
+                    self._inflight = []
+            elif artifact is not None:
+                staged, name = artifact
+                if staged.is_dir():
+                    self._client.log_artifacts(self.run_id, str(staged), name)
+                else:
+                    self._client.log_artifact(self.run_id, str(staged), name.rpartition("/")[0] or None)
+                with self._lock:
+                    self._artifacts.popleft()
+            else:
+                return
+
+    def _drop_rejected(self, exc: Exception) -> None:
+        """Gives up what `_ship` was sending when MLflow refused it for good (retrying would block all after it)."""
+        with self._lock:
+            if self._inflight:
+                what = f"{len(self._inflight)} points"
+                self._dropped += len(self._inflight)
+                self._inflight = []
+            elif self._artifacts:
+                what = f"artifact {self._artifacts.popleft()[1]}"
+            else:
+                what = "nothing it could identify"
+        log.error("MLflow rejected %s for run %s: %s", what, self.run_id, short(exc))
+
+    def _finish(self) -> None:
+        status, reason = self._final
+        deadline = max(self._deadline, time.monotonic()) + self._cfg.terminate_timeout_s
+        try:
+            if self._terminate and status is not None:
+                if reason:
+                    tag = reason[:MAX_TAG_CHARS]
+                    call_with_retries(lambda: self._client.set_tag(self.run_id, "study.failure_reason", tag),
+                                      self._cfg, deadline, "tag")  # fmt: skip
+                call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
+        except Exception as exc:
+            log.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+class NullTracker(Tracker):
+    """What ranks other than 0 get: the same calls, doing nothing."""
+
+    def __init__(self) -> None:
+        self.run_id = None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, source: Path | str, name: str) -> None:
+        pass
+
+    def pending(self) -> int:
+        return 0
+
+    def dropped(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
+        return 0

@@ -1,0 +1,251 @@
+"""Tracking against real MLflow stores: an embedded SQLite store, and a real `mlflow server` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from study.errors import StudyError
+from study.mlflow_server import start_server
+from study.tracking import NullTracker, Tracker, TrackingConfig, flatten, resolve_tracking_uri
+
+TAGS = {"study.experiment": "e", "study.variant": "hourglass", "study.scale": "tiny", "study.seed": "0",
+        "study.stage": "train", "study.baseline": "conventional"}  # fmt: skip
+PARAMS = {"model": {"d_model": 64, "widths": [96, 64]}, "train": {"lr": 1e-3, "compile": False}}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def client(store):
+    from mlflow import MlflowClient
+
+    return MlflowClient(store)
+
+
+def cfg_for(uri: str) -> TrackingConfig:
+    return TrackingConfig(uri=uri, flush_interval_s=0.05, retry_initial_s=0.2, retry_max_s=1.0, open_timeout_s=60)
+
+
+def steps_logged(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def runs_with_key(client, experiment: str, key: str) -> list:
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    return client.search_runs([experiment_id], filter_string=f"tags.`study.run_key` = '{key}'")
+
+
+def test_tracking_uri_defaults_to_sqlite_in_the_working_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert resolve_tracking_uri() == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_flatten_dots_keys_and_drops_secrets_and_environment():
+    config = {
+        "data": {"tokenizer": "bpe-4096", "max_tokens": 10**6, "hf_token": "hf_abc", "HF_TOKEN": "hf_abc"},
+        "train": {"token_budget": 5, "lr": 0.001, "compile": True, "resume": None},
+        "cluster": {"apiKey": "k", "api_key": "k", "db_password": "p", "client_secret": "s",
+                    "credentials": {"user": "u", "pass": "p"}, "env_set": {"WANDB_KEY": "x"}, "partition": "gpu"},
+        "eval": {"tasks": [{"name": "piqa", "shots": 0}], "widths": [96, 64]},
+    }  # fmt: skip
+    assert flatten(config) == {
+        "data.tokenizer": "bpe-4096",
+        "data.max_tokens": "1000000",
+        "train.token_budget": "5",
+        "train.lr": "0.001",
+        "train.compile": "true",
+        "train.resume": "null",
+        "cluster.partition": "gpu",
+        "eval.tasks.0.name": "piqa",
+        "eval.tasks.0.shots": "0",
+        "eval.widths": "[96, 64]",
+    }
+
+
+def test_open_log_close_gives_one_finished_run_with_tags_params_metrics_and_artifacts(store, client):
+    tracker = Tracker.open("key-a", "schema", "hourglass-tiny-s0", TAGS, {**PARAMS, "hf_token": "hf_x"},
+                           cfg=cfg_for(store))  # fmt: skip
+    costs = []
+    for step in range(200):
+        start = time.perf_counter()
+        tracker.log_metrics({"train/loss": 4.0 - step / 100, "train/lr": 1e-3, "train/grad_norm": 0.5}, step)
+        costs.append(time.perf_counter() - start)
+    tracker.log_metrics({"val/loss": 2.5, "val/ppl": 12.18}, 199)
+    tracker.log_dict({"model": {"d_model": 64}}, "config.yaml")
+    tracker.log_artifact("| group | params |\n", "tables/parameters.md")
+    assert tracker.close() == 0
+    assert max(costs) < 0.02, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
+
+    (run,) = runs_with_key(client, "schema", "key-a")
+    assert run.info.run_id == tracker.run_id
+    assert (run.info.status, run.info.run_name) == ("FINISHED", "hourglass-tiny-s0")
+    assert run.data.tags.items() >= {**TAGS, "study.run_key": "key-a", "study.restarts": "0"}.items()
+    assert run.data.params == {"model.d_model": "64", "model.widths": "[96, 64]", "train.lr": "0.001",
+                               "train.compile": "false"}  # fmt: skip
+    assert steps_logged(client, run.info.run_id, "train/loss") == list(range(200))
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "val/ppl")] == [12.18]
+    artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts" / "schema" / run.info.run_id / "artifacts"
+    assert (artifacts / "config.yaml").read_text() == "model:\n  d_model: 64\n"
+    assert (artifacts / "tables" / "parameters.md").read_text() == "| group | params |\n"
+
+
+def test_reopening_a_run_key_resumes_the_same_run_and_skips_steps_already_logged(store, client):
+    first = Tracker.open("key-b", "resume", "conventional-tiny-s1", TAGS, PARAMS, cfg=cfg_for(store))
+    for step in range(10):
+        first.log_metrics({"train/loss": 10.0 - step}, step)
+        if step == 5:
+            first.log_metrics({"val/loss": 7.0}, step)
+    first.close("FAILED", reason="killed by the scheduler")
+    run = client.get_run(first.run_id)
+    assert (run.info.status, run.data.tags["study.failure_reason"]) == ("FAILED", "killed by the scheduler")
+
+    # Resumed from a checkpoint at step 4: steps 5-9 are recomputed identically and must not land twice.
+    second = Tracker.open("key-b", "resume", "conventional-tiny-s1", TAGS, PARAMS, cfg=cfg_for(store))
+    assert second.run_id == first.run_id
+    run = client.get_run(second.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags["study.restarts"] == "1"
+    assert "study.failure_reason" not in run.data.tags
+    for step in range(5, 15):
+        second.log_metrics({"train/loss": 10.0 - step}, step)
+        if step in (5, 10):
+            second.log_metrics({"val/loss": 7.0 if step == 5 else 6.0}, step)
+    assert second.close() == 0
+
+    (run,) = runs_with_key(client, "resume", "key-b")
+    assert run.info.status == "FINISHED"
+    assert steps_logged(client, run.info.run_id, "train/loss") == list(range(15))
+    assert steps_logged(client, run.info.run_id, "val/loss") == [5, 10]
+
+    with pytest.raises(ValueError, match="train.lr: logged '0.001', now '0.002'"):
+        Tracker.open("key-b", "resume", "conventional-tiny-s1", TAGS, {**PARAMS, "train": {"lr": 2e-3}},
+                     cfg=cfg_for(store))  # fmt: skip
+    (run,) = runs_with_key(client, "resume", "key-b")
+    assert (run.info.status, run.data.tags["study.restarts"]) == ("FINISHED", "1")
+
+
+def test_other_ranks_get_a_tracker_that_logs_nothing(store, client):
+    tracker = Tracker.open("key-c", "ranks", "tapered-tiny-s0", TAGS, PARAMS, rank=1, cfg=cfg_for(store))
+    assert isinstance(tracker, NullTracker)
+    tracker.log_metrics({"train/loss": 1.0}, 0)
+    tracker.log_dict({"a": 1}, "a.json")
+    assert tracker.close() == 0
+    assert client.get_experiment_by_name("ranks") is None
+
+
+def test_a_locked_sqlite_store_delays_points_without_blocking_logging(store, client):
+    tracker = Tracker.open("key-d", "locked", "hourglass-tiny-s2", TAGS, PARAMS, cfg=cfg_for(store))
+    lock = sqlite3.connect(store.removeprefix("sqlite:///"), isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    costs = []
+    for step in range(100):
+        start = time.perf_counter()
+        tracker.log_metrics({"train/loss": float(step)}, step)
+        costs.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    assert tracker.pending() > 0
+    lock.execute("COMMIT")
+    lock.close()
+    assert tracker.close(timeout_s=30) == 0
+    assert max(costs) < 0.02, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
+    assert steps_logged(client, tracker.run_id, "train/loss") == list(range(100))
+
+
+WRITER = """
+import sys, time
+from study.tracking import Tracker, TrackingConfig
+index, uri = int(sys.argv[1]), sys.argv[2]
+cfg = TrackingConfig(uri=uri, flush_interval_s=0.02, retry_initial_s=0.1, retry_max_s=1.0)
+tracker = Tracker.open(f"key-{index}", "concurrent", f"v{index}-tiny-s0", {"study.seed": "0"}, {"seed": index},
+                       cfg=cfg)
+for step in range(100):
+    tracker.log_metrics({"train/loss": index + step / 100}, step)
+    time.sleep(0.005)
+sys.exit(tracker.close(timeout_s=60))
+"""
+
+
+def test_processes_writing_one_fresh_sqlite_store_at_once_lose_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    writers = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(i), uri], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for i in range(4)
+    ]
+    for writer in writers:
+        output, _ = writer.communicate(timeout=120)
+        assert writer.returncode == 0, output
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    for i in range(4):
+        (run,) = runs_with_key(client, "concurrent", f"key-{i}")
+        assert (run.info.status, run.data.params) == ("FINISHED", {"seed": str(i)})
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        assert sorted((m.step, m.value) for m in history) == [(s, i + s / 100) for s in range(100)]
+
+
+def test_starting_a_server_on_a_taken_port_fails_naming_the_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(StudyError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_server(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts", port=port)
+
+
+@pytest.mark.mlflow_server
+def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monkeypatch):
+    # One try per HTTP call, so the Tracker's own backoff (not MLflow's minutes-long internal retry) is exercised.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with start_server(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts") as server:
+        cfg = TrackingConfig(uri=server.uri, flush_interval_s=0.2, retry_initial_s=0.5, retry_max_s=2.0)
+        tracker = Tracker.open("key-s", "outage", "hourglass-tiny-s0", TAGS, PARAMS, cfg=cfg)
+        stop, costs, steps = threading.Event(), [], []
+
+        def train():
+            while not stop.is_set():
+                start = time.perf_counter()
+                tracker.log_metrics({"train/loss": 1.0 / (len(steps) + 1)}, len(steps))
+                costs.append(time.perf_counter() - start)
+                steps.append(len(steps))
+                time.sleep(0.01)
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        time.sleep(1.0)
+        down = time.monotonic()
+        server.stop()
+        time.sleep(2.0)
+        assert tracker.pending() > 0
+        server.start()
+        outage = time.monotonic() - down
+        time.sleep(1.0)
+        stop.set()
+        trainer.join()
+        assert tracker.close(timeout_s=30) == 0
+
+        from mlflow import MlflowClient
+
+        client = MlflowClient(server.uri)
+        assert outage > 5.0
+        assert client.get_run(tracker.run_id).info.status == "FINISHED"
+        assert steps_logged(client, tracker.run_id, "train/loss") == steps
+        assert sorted(costs)[len(costs) * 99 // 100] < 0.002
+        assert max(costs) < 0.05, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
