@@ -145,7 +145,9 @@ def choose_metrics(runs: pd.DataFrame, metrics: Sequence[str] | None) -> list[st
                                  f"choose from: {', '.join(present) or '(none logged yet)'}")
         return list(dict.fromkeys(metrics))
     chosen = [HEADLINE] if HEADLINE in present else []
-    chosen += [m for m in present if m.startswith("eval/") and m.rsplit("/", 1)[-1].startswith("acc")]
+    # scores, not their standard errors (lm-eval reports both under eval/<task>/)
+    chosen += [m for m in present if m.startswith("eval/") and m.rsplit("/", 1)[-1].startswith("acc")
+               and not m.endswith("_stderr")]
     if not chosen:
         raise StudyError("metric", f"no run logged {HEADLINE} or an eval/*/acc metric yet",
                          "wait for the runs to log them, or pass --metric with one of: "

@@ -131,8 +131,6 @@ class ClusterConfig:
     """Array tasks running at once."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before each job (module loads, environment activation)."""
-    runs_dir: str = ""
-    """Shared directory for run directories and submitit logs; empty means the working directory's runs/."""
 
 
 @dataclass

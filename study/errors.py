@@ -17,4 +17,6 @@ class StudyError(Exception):
 
     @property
     def message(self) -> str:
-        return f"error in `{self.field}`: {self.problem}. Fix: {self.fix}"
+        # one paragraph, whatever a wrapped library message brought along
+        problem, fix = " ".join(str(self.problem).split()), " ".join(str(self.fix).split())
+        return f"error in `{self.field}`: {problem}. Fix: {fix}"

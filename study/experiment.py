@@ -88,7 +88,7 @@ def load_experiment(name: str) -> Experiment:
     if any(not isinstance(x, int) or x < 0 for v in seeds.values() for x in v) or not all(seeds.values()):
         raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers", "e.g. seeds: [0, 1, 2]")
     variants = []
-    for vname, spec in OmegaConf.to_container(raw.get("variants") or {}).items():
+    for vname, spec in (OmegaConf.to_container(raw.variants) if raw.get("variants") else {}).items():
         spec = spec or {}
         extra = set(spec) - {"model", "set"}
         if extra:
@@ -110,5 +110,5 @@ def load_experiment(name: str) -> Experiment:
             raise StudyError(f"{name}.yaml: reference.variant", f"{ref.get('variant')!r} is not a variant",
                              f"use one of {', '.join(names)}")
         reference = (ref["variant"], int(ref.get("seed", 0)))
-    common = OmegaConf.to_container(raw.get("common") or {})
+    common = OmegaConf.to_container(raw.common) if raw.get("common") else {}
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""))

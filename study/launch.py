@@ -145,8 +145,12 @@ def to_submit(plan: Plan) -> tuple[list[PlannedRun], list[PlannedRun], list[Plan
     return train, profile, scheduled, status
 
 
-def _executor(cluster: ClusterConfig, folder: Path, name: str):
+def _executor(cluster: ClusterConfig, folder: Path, name: str, single: bool = False):
+    """submitit executor for a stage; `single` gives one rank (and at most one GPU) for profiling jobs."""
     import submitit
+
+    if single:
+        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
 
     if cluster.name == "local":
         ex = submitit.LocalExecutor(folder=str(folder))
@@ -177,12 +181,14 @@ def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
     cfg = plan.runs[0].cfg
     folder = Path(cfg.paths.runs).resolve() / cfg.experiment / "_submitit"
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"))
-    params = {"map_count": count} if count > 1 else {}
+    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), single=stage == "profile")
     if after:
-        params["dependency"] = "afterok:" + ":".join(after)
-    ex.update_parameters(**params)
-    return ex._make_submission_file_text("python -u -m submitit.core._submit '%j'", "preview")
+        ex.update_parameters(dependency="afterok:" + ":".join(after))
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    # submitit's own writer, as submission uses it; `map_count` is how it writes the --array line
+    params = {**ex.parameters, **({"map_count": count} if count > 1 else {})}
+    return _make_sbatch_string(command="python -u -m submitit.core._submit '%j'", folder=ex.folder, **params)
 
 
 def submit_stage(plan: Plan, stage: Stage) -> list[str]:
@@ -190,7 +196,7 @@ def submit_stage(plan: Plan, stage: Stage) -> list[str]:
 
     cfg = plan.runs[0].cfg
     folder = Path(cfg.paths.runs).resolve() / cfg.experiment / "_submitit" / "%j"
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"))
+    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), single=stage.name == "profile")
     if stage.after and cfg.cluster.name != "local":
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
     make = ProfileJob if stage.name == "profile" else TrainJob
@@ -252,7 +258,8 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     if dry_run:
         previous: list[str] = []
         for stage in stages:
-            after = stage.after + ([f"<the {previous[-1]} array>"] if previous else [])
+            upstream = {"profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
+            after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
             echo(f"stage {stage.name}: array of {len(stage.runs)} runs"
                  + (f", afterok on {', '.join(after)}" if after else ""))
             for run in stage.runs:
@@ -263,13 +270,14 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         return stages
     if cluster.name == "local":
         return _launch_local(plan, stages, echo)
-    previous_ids: list[str] = []
+    submitted = {k: e["job_id"] for k, e in journal(plan).items() if e.get("scheduler") == "slurm"}
     for stage in stages:
-        if stage.name != "train" and previous_ids:
-            stage.after = sorted(set(stage.after) | set(previous_ids))
+        # depend on exactly the upstream array tasks (a reference run, its profile), not whole arrays
+        stage.after = sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
         jobs = submit_stage(plan, stage)
-        previous_ids = [j.job_id.split("_")[0] for j in jobs]
-        echo(f"stage {stage.name}: submitted {len(jobs)} runs as job {previous_ids[0] if previous_ids else '-'}"
+        prefix = "profile:" if stage.name == "profile" else ""
+        submitted.update({prefix + r.key: j.job_id for r, j in zip(stage.runs, jobs)})
+        echo(f"stage {stage.name}: submitted {len(jobs)} runs as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
         for run, job in zip(stage.runs, jobs):
             echo(f"  {job.job_id}  {run.key}  {run.name}")

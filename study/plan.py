@@ -13,6 +13,7 @@ from study.budget import Matched, flops_per_token, match, reference_budget
 from study.config import GROUPS, RunConfig, compose, run_key, run_name, sweeps_dir
 from study.errors import StudyError
 from study.experiment import Experiment, load_experiment
+from study.validate import validate_run
 
 
 @dataclass
@@ -154,6 +155,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
             ref_key = run_key(ref_cfg)
         for variant in exp.variants:
             base = compose_run(exp, variant, scale, overrides)
+            validate_run(base)
             scheduled = base.model.ffn.schedule == "geometry"
             if scheduled and not exp.reference:
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",

@@ -125,9 +125,14 @@ def train(cfg: RunConfig) -> Outcome:
     """Train (or resume) the run `cfg` describes. Collective when world size > 1."""
     import torch
 
+    from study.data import validate_data
+    from study.validate import validate_run
+
+    validate_run(cfg)
+    validate_data(cfg.data)
     key = run_key(cfg)
-    d = setup(cfg.train.device)
     matched = resolve_model(cfg)
+    d = setup(cfg.train.device)
     rdir = run_dir(cfg, key)
     micro, accum = batch_layout(cfg, d.world_size)
     seqs_per_step = micro * accum * d.world_size

@@ -1,0 +1,60 @@
+"""Checks of a composed run config that need no files, data or scheduler: run by `study plan` for every run, so an
+experiment with a bad setting submits nothing, and again by `study train` before anything is written."""
+
+from __future__ import annotations
+
+from study.config import RunConfig
+from study.errors import StudyError
+
+CHOICES = {
+    "train.schedule": ("cosine", "wsd"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "stage": ("train", "reference", "scheduled"),
+}
+POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "train.eval_batches",
+            "train.ckpt_interval", "train.keep_last", "train.log_interval", "data.seq_len", "eval.batch_size",
+            "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.time_min",
+            "cluster.array_parallelism")
+NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
+                "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
+                "cluster.signal_delay_s", "cluster.mem_gb", "eval.limit")
+
+
+def _get(cfg: RunConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate_run(cfg: RunConfig) -> None:
+    for name, allowed in CHOICES.items():
+        if _get(cfg, name) not in allowed:
+            raise StudyError(name, f"unknown value {_get(cfg, name)!r}", f"use one of {', '.join(allowed)}")
+    for name in POSITIVE:
+        if _get(cfg, name) <= 0:
+            raise StudyError(name, f"must be positive, got {_get(cfg, name)}", "use a value >= 1")
+    for name in NON_NEGATIVE:
+        if _get(cfg, name) < 0:
+            raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0")
+    t = cfg.train
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise StudyError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+    if not (0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0):
+        raise StudyError("train.beta1", "AdamW betas must lie in [0, 1)", "use e.g. beta1=0.9 beta2=0.95")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise StudyError("train.decay_fraction", f"{t.decay_fraction} is outside (0, 1]", "use e.g. 0.2")
+    if t.max_steps == 0 and t.tokens_per_param <= 0:
+        raise StudyError("train.tokens_per_param", "no step budget: max_steps is 0 and tokens_per_param <= 0",
+                         "set train.max_steps or a positive train.tokens_per_param (e.g. 20)")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise StudyError("data.seq_len", f"{cfg.data.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}",
+                         "raise model.max_seq_len or lower data.seq_len")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise StudyError("data.val_fraction", f"must lie strictly between 0 and 1, got {cfg.data.val_fraction}",
+                         "use e.g. 0.01")
+    if cfg.cluster.signal_delay_s >= cfg.cluster.time_min * 60:
+        raise StudyError("cluster.signal_delay_s", f"the USR2 warning ({cfg.cluster.signal_delay_s} s) comes before "
+                         f"the job even starts (time limit {cfg.cluster.time_min} min)",
+                         "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
