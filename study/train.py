@@ -134,6 +134,8 @@ def train(cfg: RunConfig) -> Outcome:
     matched = resolve_model(cfg)
     d = setup(cfg.train.device)
     rdir = run_dir(cfg, key)
+    if d.is_main:
+        _writable(rdir)
     micro, accum = batch_layout(cfg, d.world_size)
     seqs_per_step = micro * accum * d.world_size
     max_steps = train_steps(cfg, matched.params.counted, seqs_per_step)
@@ -162,8 +164,6 @@ def train(cfg: RunConfig) -> Outcome:
     step_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.train, lr, d.device.startswith("cuda"))
 
-    if d.is_main:
-        rdir.mkdir(parents=True, exist_ok=True)
     start, state = 0, {}
     found = checkpoint.latest(rdir)
     if found is not None:
@@ -252,6 +252,23 @@ def _finish(outcome: Outcome, tracker, cfg: RunConfig, rdir: Path, d: Dist) -> N
     if outcome.status == "FINISHED" and d.is_main:
         (rdir / "result.json").write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step}))
     tracker.close(outcome.status, outcome.reason)
+
+
+def _writable(rdir: Path) -> None:
+    """Fail before anything is tracked when the run directory cannot hold checkpoints."""
+    import errno
+    import os
+
+    try:
+        rdir.mkdir(parents=True, exist_ok=True)
+        probe = rdir / ".write-probe"
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as err:
+        fix = ("free space on that file system or point paths.runs elsewhere" if err.errno == errno.ENOSPC
+               else "point paths.runs at a writable directory (shared between nodes on a cluster)")
+        raise StudyError("paths.runs", f"cannot write the run directory {rdir} ({os.strerror(err.errno or 0)})",
+                         fix) from None
 
 
 def _scaled_lr(counted: int) -> float:

@@ -1,0 +1,164 @@
+"""Fault injection without a scheduler: killed processes, half-written checkpoints, a full disk, an unwritable run
+directory, a diverging run in a sweep, and a tracking-server outage. Every fault ends with the result of the
+uninterrupted run, one MLflow run per key and a complete, duplicate-free metric history."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TINY
+from study.plan import run_from_overrides
+from study.train import train
+
+pytestmark = pytest.mark.faults
+
+STEPS = 24
+COMMON = [*TINY, "experiment=faults", f"train.max_steps={STEPS}", "train.ckpt_interval=3", "train.eval_interval=6"]
+
+
+def history(db: str, experiment: str = "faults", key: str = "train/loss"):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    return runs, {r.info.run_id: sorted(m.step for m in client.get_metric_history(r.info.run_id, key)) for r in runs}
+
+
+def reference_result(workdir) -> float:
+    out = train(run_from_overrides([*COMMON, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
+    assert out.status == "FINISHED"
+    return out.val_loss
+
+
+def test_sigkill_at_random_steps_resumes_to_the_uninterrupted_result(workdir):
+    want = reference_result(workdir)
+    rng = random.Random(7)
+    cmd = [sys.executable, "-m", "study.cli", "train", *COMMON, "faults.sleep_per_step=0.15"]
+    ckpts = None
+    kills = 0
+    for target in sorted(rng.sample(range(4, STEPS - 3), 3)):
+        proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            found = list(workdir.glob("runs/faults/*/checkpoints/step_*"))
+            done = [int(p.name.split("_")[1]) for p in found if not p.name.endswith(".partial")]
+            if done and max(done) >= target:
+                break
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.3))  # land anywhere in the step, a save included
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills == 3
+    final = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-2000:]
+    (result,) = workdir.glob("runs/faults/*/result.json")
+    assert json.loads(result.read_text())["val_loss"] == want
+    runs, steps = history(f"{workdir}/mlflow.db")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert list(steps.values())[0] == list(range(1, STEPS + 1))  # complete and duplicate-free
+    assert int(runs[0].data.tags["study.restarts"]) == 3
+
+
+def test_half_written_checkpoint_is_never_loaded_and_a_full_disk_fails_cleanly(workdir, monkeypatch):
+    """The disk filling up is injected (ENOSPC raised after the shards are written): no real disk is filled here."""
+    import errno
+
+    from study import checkpoint
+
+    want = reference_result(workdir)
+    real_rng, calls = checkpoint._rng_state, {"n": 0}
+
+    def disk_full_after_shards():  # the RNG file is written after the DCP shards and .metadata
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_rng()
+
+    monkeypatch.setattr(checkpoint, "_rng_state", disk_full_after_shards)
+    cfg = run_from_overrides(COMMON)
+    with pytest.raises(OSError):
+        train(cfg)
+    monkeypatch.setattr(checkpoint, "_rng_state", real_rng)
+    (rdir,) = workdir.glob("runs/faults/*")
+    partial = list((rdir / "checkpoints").glob("*.partial"))
+    assert len(partial) == 1 and (partial[0] / ".metadata").is_file()  # half-written: shards but no train state
+    assert checkpoint.latest(rdir).name == "step_00000006"
+    runs, _ = history(f"{workdir}/mlflow.db")
+    assert runs[0].info.status == "FAILED" and "No space left" in runs[0].data.tags["study.failure_reason"]
+    out = train(cfg)
+    assert out.status == "FINISHED" and out.val_loss == want and min(out.losses) == 7
+    assert not list((rdir / "checkpoints").glob("*.partial"))
+    runs, steps = history(f"{workdir}/mlflow.db")
+    assert len(runs) == 1 and list(steps.values())[0] == list(range(1, STEPS + 1))
+
+
+def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir):
+    from study.errors import StudyError
+
+    with pytest.raises(StudyError) as err:
+        train(run_from_overrides([*COMMON, "paths.runs=/proc/study-runs"]))
+    assert err.value.field == "paths.runs"
+    assert not (workdir / "mlflow.db").exists()
+
+
+def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_finish(workdir, monkeypatch):
+    from slurm_helpers import SMALL, private_sweeps
+    from study.launch import launch
+
+    variants = {"conventional": {"model": "conventional"},
+                "diverging": {"model": "conventional", "set": {"faults.nan_at_step": 5}}}
+    private_sweeps(workdir, "nan_sweep", variants=variants, seeds=[0, 1])
+    monkeypatch.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
+    launch("nan_sweep", ["cluster=local"], echo=lambda m: None)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("nan_sweep").experiment_id])
+    by_variant = {}
+    for r in runs:
+        by_variant.setdefault(r.data.tags["study.variant"], []).append(r)
+    assert [r.info.status for r in by_variant["conventional"]] == ["FINISHED", "FINISHED"]
+    assert [r.info.status for r in by_variant["diverging"]] == ["FAILED", "FAILED"]
+    assert all("nan" in r.data.tags["study.failure_reason"].lower() for r in by_variant["diverging"])
+
+
+@pytest.mark.mlflow_server
+def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(workdir):
+    from mlflow import MlflowClient
+
+    from study.mlflow_server import start_server
+
+    server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
+    try:
+        cmd = [sys.executable, "-m", "study.cli", "train", *COMMON, "train.max_steps=60",
+               "faults.sleep_per_step=0.8", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.5"]
+        proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while not list(workdir.glob("runs/faults/*/checkpoints/step_00000003")):
+            time.sleep(0.2)
+        server.stop()
+        outage_start = time.time()
+        time.sleep(30)
+        assert proc.poll() is None  # training went on during the outage
+        server.start()
+        outage = time.time() - outage_start
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        client = MlflowClient(server.uri)
+        runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED" and outage >= 30
+        for key in ("train/loss", "train/lr"):
+            steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, key)]
+            assert sorted(steps) == list(range(1, 61)), key
+        assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "val/loss")] == [6 * i for i in range(1, 11)]
+    finally:
+        server.stop()
