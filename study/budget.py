@@ -49,6 +49,9 @@ class BudgetConfig:
     """Free dimension solved to meet the budget: none, ffn, depth, attention or width."""
     tolerance: float = 1e-5
     """Largest accepted |counted - budget| / budget."""
+    target: int = 0
+    """The budget in parameters. 0: the count of the scale's reference conventional model with the same settings
+    (the planner fills it in for every run of an experiment, the experiment's shared settings included)."""
 
 
 @dataclass(frozen=True)

@@ -190,10 +190,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_allocate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from study.budget import BudgetConfig, match, target_width
-    from study.config import compose
+    from study.budget import match, target_width
     from study.geometry.schedule import geometry_widths, read_profile
-    from study.plan import scale_budget
 
     experiment, _, scale = args.budget_from.partition(":")
     if not scale:
@@ -203,10 +201,14 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     exp = load_experiment(experiment)
     if scale not in exp.scales:
         raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
-    cfg = compose({"scale": scale, "model": "geometry"}, overrides=[
-        f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}", f"geometry.anti={args.anti}"])
+    from study.experiment import Variant
+    from study.plan import compose_run, with_budget
+
+    settings = [f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}", f"geometry.anti={args.anti}"]
+    reference = compose_run(exp, Variant("reference", "conventional"), scale, [])
+    cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
     profile = read_profile(args.profile)
-    budget = scale_budget(scale, cfg.budget.mode)
+    budget = cfg.budget.target
     widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry)
     m = match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
     out = {"statistic": args.statistic, "geometry": args.geometry, "anti": args.anti, "scale": scale,

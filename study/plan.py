@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from study.budget import Matched, flops_per_token, match, reference_budget
-from study.config import GROUPS, RunConfig, compose, run_key, run_name, sweeps_dir
+from study.config import GROUPS, RunConfig, compose, run_key, run_name, split_overrides, sweeps_dir
 from study.errors import StudyError
 from study.experiment import Experiment, load_experiment
 from study.validate import validate_run
@@ -104,6 +104,13 @@ def _nested(dotted: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_budget(cfg: RunConfig, reference: RunConfig) -> RunConfig:
+    """Fix the run's budget to the count of `reference` (the scale's conventional model with the same settings)."""
+    if cfg.budget.target:
+        return cfg
+    return replace(cfg, budget=replace(cfg.budget, target=reference_budget(reference.model, cfg.budget.mode)))
+
+
 def compose_run(exp: Experiment, variant, scale: str, overrides: list[str]) -> RunConfig:
     identity = {"experiment": exp.name, "variant": variant.name, "baseline": exp.baseline, "scale": scale}
     # A string under a config group in `common` selects that group's file (`data: openwebtext`).
@@ -120,7 +127,7 @@ def scale_budget(scale: str, mode: str) -> int:
 
 
 def match_run(cfg: RunConfig) -> Matched:
-    budget = scale_budget(cfg.scale, cfg.budget.mode)
+    budget = cfg.budget.target or scale_budget(cfg.scale, cfg.budget.mode)
     try:
         return match(copy.deepcopy(cfg.model), budget, cfg.budget)
     except StudyError as err:
@@ -138,7 +145,7 @@ def resolve_model(cfg: RunConfig) -> Matched:
                          "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
     from study.geometry.schedule import scheduled_model
 
-    return scheduled_model(cfg, path, scale_budget(cfg.scale, cfg.budget.mode))
+    return scheduled_model(cfg, path, cfg.budget.target or scale_budget(cfg.scale, cfg.budget.mode))
 
 
 def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
@@ -147,14 +154,18 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
     exp = load_experiment(name)
     overrides = list(overrides or [])
     runs: list[PlannedRun] = []
+    from study.experiment import Variant
+
     for scale in exp.scales:
+        reference = compose_run(exp, Variant("reference", "conventional"), scale, overrides)
         ref_key = None
         if exp.reference:
             ref_variant = next(v for v in exp.variants if v.name == exp.reference[0])
-            ref_cfg = replace(compose_run(exp, ref_variant, scale, overrides), seed=exp.reference[1], stage="reference")
+            ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, overrides), reference),
+                              seed=exp.reference[1], stage="reference")
             ref_key = run_key(ref_cfg)
         for variant in exp.variants:
-            base = compose_run(exp, variant, scale, overrides)
+            base = with_budget(compose_run(exp, variant, scale, overrides), reference)
             validate_run(base)
             scheduled = base.model.ffn.schedule == "geometry"
             if scheduled and not exp.reference:
@@ -189,7 +200,9 @@ def run_from_overrides(overrides: list[str]) -> RunConfig:
     fields = {k: v for k, v in (o.split("=", 1) for o in overrides if "=" in o)}
     name = fields.get("experiment")
     if name is None or not (sweeps_dir() / "experiment" / f"{name}.yaml").is_file():
-        return compose(overrides=overrides)
+        groups, values = split_overrides(overrides)
+        reference = compose({**groups, "model": "conventional"}, overrides=values)
+        return with_budget(compose(overrides=overrides), reference)
     selectors = ("experiment", "variant", "scale", "seed")
     rest = [o for o in overrides if o.split("=", 1)[0] not in selectors]
     plan = plan_experiment(name, rest)

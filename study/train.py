@@ -348,13 +348,23 @@ class _progress:
 def main_hydra() -> None:
     """`python -m study.train [-m] key=value ...`: Hydra (and its launcher plugins) on the sweeps/ tree."""
     import hydra
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from study.config import _typed_defaults, sweeps_dir
+    from study.config import RunConfig, _typed_defaults, sweeps_dir
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
     @hydra.main(version_base=None, config_path=str(sweeps_dir()), config_name="train")
     def _run(node) -> float | None:
+        from dataclasses import replace
+
+        from hydra.core.hydra_config import HydraConfig
+
         cfg = OmegaConf.to_object(OmegaConf.merge(_typed_defaults(), node))
+        # `experiment` is the group of experiment files here, so ad-hoc grids are named by hydra.job.name
+        job = HydraConfig.get().job.name
+        cfg = replace(cfg, experiment="adhoc" if job == "train" else job)
         outcome = train(cfg)
         return outcome.val_loss
 

@@ -130,3 +130,19 @@ def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
     assert set(states.values()) == {"COMPLETED"}, states
     (run,) = mlflow_runs(name)
     assert run.info.status == "FINISHED" and run.data.params["resolved.world_size"] == "2"
+
+
+def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
+    import sys
+
+    from conftest import TINY
+
+    cmd = [sys.executable, "-m", "study.train", "-m", "hydra/launcher=study_slurm", "seed=0,1",
+           *[o for o in TINY if not o.startswith("scale=")], "scale=tiny", "train.max_steps=6",
+           f"hydra.job.name=hygrid{cluster_env}"]
+    out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "STUDY_SWEEPS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = mlflow_runs(f"hygrid{cluster_env}")
+    assert sorted(r.info.run_name for r in runs) == ["conventional-tiny-s0", "conventional-tiny-s1"]
+    assert all(r.info.status == "FINISHED" and r.data.tags.get("study.slurm_job_id") for r in runs)
