@@ -146,3 +146,27 @@ def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
     runs = mlflow_runs(f"hygrid{cluster_env}")
     assert sorted(r.info.run_name for r in runs) == ["conventional-tiny-s0", "conventional-tiny-s1"]
     assert all(r.info.status == "FINISHED" and r.data.tags.get("study.slurm_job_id") for r in runs)
+
+
+def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workdir, cluster_env, monkeypatch):
+    """A 1-minute job limit with USR2 45 s before it: the run is cut every ~15 s of its life and still ends with the
+    val/loss of an uninterrupted run."""
+    import json
+
+    from study.launch import launch
+    from study.plan import plan_experiment
+    from study.train import train
+
+    name = "small" + cluster_env
+    common = {**SMALL["common"], "faults": {"sleep_per_step": 1.0}}
+    private_sweeps(workdir, name, common=common, variants={"conventional": {"model": "conventional"}})
+    over = ["cluster=slurm", "cluster.time_min=1", "cluster.signal_delay_s=45", "cluster.max_requeues=8"]
+    stages = launch(name, over, echo=lambda m: None)
+    wait_jobs(job_ids(stages), timeout=900)
+    (run,) = mlflow_runs(name)
+    assert run.info.status == "FINISHED" and int(run.data.tags["study.restarts"]) >= 1
+    (planned,) = plan_experiment(name, over).runs
+    clean = train(plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/c.db",
+                                                "faults.sleep_per_step=0"]).runs[0].cfg)
+    got = json.loads((workdir / "runs" / name / planned.key / "result.json").read_text())
+    assert got["val_loss"] == clean.val_loss
