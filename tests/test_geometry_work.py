@@ -17,6 +17,7 @@ from study.geometry.allocate import AllocationConfig
 from study.geometry.clouds import TokenClouds, collect_clouds, perturbation_sensitivity, sample_positions
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances, pointwise_distances
 from study.geometry.plots import plot_profile, plot_widths
+from study.geometry import profile as profile_module
 from study.geometry.profile import profile_clouds
 from study.geometry.work import diagram_w2, gromov_wasserstein, h1_diagram, twonn_dimension
 
@@ -146,12 +147,13 @@ def test_twonn_recovers_the_dimension_of_a_flat_manifold():
     assert twonn_dimension(pairwise_distances(flat, "raw")) == pytest.approx(3.0, rel=0.12)
 
 
-def test_profile_is_json_and_worker_processes_agree_with_inline():
+def test_profile_is_json_and_worker_processes_agree_with_inline(monkeypatch):
     rng = np.random.default_rng(10)
     before = np.stack([cloud(32, 8, seed) for seed in range(3)]).astype(np.float32)
     after = before + 0.2 * rng.normal(size=before.shape).astype(np.float32)
     clouds = TokenClouds(before, after, np.zeros((32, 3), np.int64))
     inline = profile_clouds(clouds, INLINE, sensitivity=[0.1, 0.2, 0.3])
+    monkeypatch.setattr(profile_module, "POOL_MIN_TOKENS", 0)  # use the workers even on this tiny cloud
     pooled = profile_clouds(clouds, AllocationConfig(diagram_workers=2))
     assert pooled["stats"] == inline["stats"]
     assert json.loads(json.dumps(inline))["stats"] == inline["stats"]

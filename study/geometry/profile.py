@@ -6,7 +6,7 @@ the hyperbolic distance is an increasing function of the angle (`angle_to_poinca
 therefore the same, and the hyperbolic diagram is the spherical one with its birth and death values mapped.
 Diagram distances are single-threaded, so they run last, spread over worker processes, once the main process
 (whose Vietoris-Rips and BLAS calls are multi-threaded) is done: running both at once oversubscribes the cores, and
-BLAS slowed 50x that way on 2 cores.
+GW's BLAS calls ran up to 50x slower that way on 2 cores.
 """
 
 from __future__ import annotations
@@ -48,10 +48,14 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def _executor(workers: int) -> Executor:
+# Below this many tokens a diagram distance takes milliseconds and starting worker processes costs seconds.
+POOL_MIN_TOKENS = 512
+
+
+def _executor(workers: int, n_tokens: int) -> Executor:
     if workers == -1:
         workers = _cores()
-    if workers <= 1:
+    if workers <= 1 or n_tokens < POOL_MIN_TOKENS:
         return _Inline()
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -78,8 +82,8 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
     """JSON-able profile: {"layers", "n_tokens", "d_model", "hyperbolic_radius", "stats": {statistic: {geometry:
     [per-layer work]}}, "intrinsic_dim", "sensitivity", "sensitivity_eps", "timings": {stage: seconds}, "methods"}.
 
-    Timings: seconds spent per stage summed over layers; the topo entry includes the diagram distances' seconds in
-    worker processes, so with several workers the stages can sum to more than "wall".
+    Timings: seconds spent per stage summed over layers; "topo" includes the diagram distances' seconds in worker
+    processes ("topo_w2", a part of "topo"), so with several workers the stages can sum to more than "wall".
     """
     radius = cfg.hyperbolic_radius
     layers = clouds.layers
@@ -105,11 +109,12 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
         with timer("intrinsic_dim"):
             dim = twonn_dimension(dist["spherical"][0])
             intrinsic_dim.append(dim if np.isfinite(dim) else None)
-    with _executor(cfg.diagram_workers) as pool:
+    with _executor(cfg.diagram_workers, clouds.n_tokens) as pool:
         futures = {key: pool.submit(timed_diagram_w2, *pair) for key, pair in diagrams.items()}
         for (layer, g), future in futures.items():
             stats["topo"][g][layer], seconds = future.result()
             timer.add("topo", seconds)
+            timer.add("topo_w2", seconds)
     timer.add("wall", time.perf_counter() - wall)
     return {
         "layers": layers,
