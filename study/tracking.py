@@ -24,12 +24,13 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from study.errors import StudyError
+from study.mlflow_params import flatten, plain
 from study.mlflow_store import (
     call_with_retries,
     find_runs,
@@ -47,9 +48,6 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
-_SECRET_WORDS = ("password", "passwd", "secret", "credential")
-# Hydra's `env_set` and similar sections hold environment variable values: never logged.
-_ENV_SECTIONS = frozenset({"env", "environ", "env_set"})
 
 
 @dataclass
@@ -79,53 +77,6 @@ class TrackingConfig:
 def resolve_tracking_uri(uri: str = "") -> str:
     """`uri` if given, else $MLFLOW_TRACKING_URI, else an absolute SQLite store in the working directory."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def _looks_secret(name: str) -> bool:
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
-    parts = [w for w in re.split(r"[^a-z0-9]+", words) if w]
-    return (
-        any(p.startswith(_SECRET_WORDS) for p in parts)
-        or (bool(parts) and parts[-1] == "token")
-        or re.search(r"api_?key", "_".join(parts)) is not None
-    )
-
-
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> {"a.b.c": "value"} for MLflow params.
-
-    Keys that look secret (a last word `token`, or containing password, secret, credential, api_key; any case, any
-    depth) and environment sections (`env`, `environ`, `env_set`) are dropped with everything under them. Strings are
-    kept as they are, other values are JSON (`true`, `null`, `[512, 384]`); lists of mappings flatten by index.
-    """
-    flat: dict[str, str] = {}
-    for raw_key, value in config.items():
-        key = str(raw_key)
-        if _looks_secret(key) or key in _ENV_SECTIONS:
-            continue
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{dotted}."))
-        elif _is_sequence(value) and any(isinstance(v, Mapping) for v in value):
-            flat.update(flatten({str(i): v for i, v in enumerate(value)}, f"{dotted}."))
-        elif isinstance(value, str):
-            flat[dotted] = value
-        else:
-            flat[dotted] = json.dumps(_plain(value), default=str)
-    return flat
-
-
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers and tuples -> lists and dicts that json can write."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if _is_sequence(value):
-        return [_plain(v) for v in value]
-    return value
 
 
 def ensure_experiment(name: str, uri: str = "", cfg: TrackingConfig | None = None) -> str:
@@ -283,11 +234,11 @@ class Tracker:
     def log_dict(self, data: Mapping[str, Any], name: str) -> None:
         """Queues `data` as a JSON (`.json`) or YAML (`.yaml`, `.yml`) artifact."""
         if name.endswith(".json"):
-            self.log_artifact(json.dumps(_plain(data), indent=2, default=str) + "\n", name)
+            self.log_artifact(json.dumps(plain(data), indent=2, default=str) + "\n", name)
         elif name.endswith((".yaml", ".yml")):
             import yaml
 
-            self.log_artifact(yaml.safe_dump(_plain(data), sort_keys=False), name)
+            self.log_artifact(yaml.safe_dump(plain(data), sort_keys=False), name)
         else:
             raise ValueError(f"artifact name {name!r} must end in .json, .yaml or .yml")
 
