@@ -90,5 +90,6 @@ def print_status(rows: list[RunStatus], title: str) -> None:
     Console(width=200).print(table)
     counts: dict[str, int] = {}
     for s in rows:
-        counts[s.verdict.split(" ")[0]] = counts.get(s.verdict.split(" ")[0], 0) + 1
+        word = s.verdict.split(" (")[0]
+        counts[word] = counts.get(word, 0) + 1
     Console().print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
