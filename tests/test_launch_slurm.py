@@ -99,9 +99,11 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
     plan = plan_experiment(name, over)
     jobs = journal(plan)
     a, b = [r for r in plan.runs if r.cfg.variant == "conventional"]
+    deadline = time.time() + 300
     for run in (a, b):  # both past their first checkpoint, neither finished
         ckpts = workdir / "runs" / name / run.key / "checkpoints"
         while not any(p.name.endswith("04") for p in ckpts.glob("step_*")):
+            assert time.time() < deadline, f"{run.name} never wrote its first checkpoint"
             time.sleep(0.3)
     subprocess.run(["scancel", "--signal=USR2", jobs[a.key]["job_id"]], check=True)
     subprocess.run(["scontrol", "requeue", jobs[b.key]["job_id"]], check=True)
