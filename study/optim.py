@@ -23,12 +23,13 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, t: TrainConfig, lr: float, on_cuda: bool):
+def build_optimizer(model, t: TrainConfig, lr: float):
     import torch
 
-    # fused kernels on CUDA; the multi-tensor (foreach) path on CPU, both one launch per group rather than per tensor
-    kwargs = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=(t.beta1, t.beta2), eps=t.eps, **kwargs)
+    # fused kernels on CUDA and CPU alike: on CPU the optimizer step fell from 5.7 to 1.6 ms for the tiny model
+    # (foreach was no faster than the per-tensor loop there; benchmarks/RESULTS.md)
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                             fused=True)
 
 
 def lr_factor(step: int, max_steps: int, warmup: int, t: TrainConfig) -> float:

@@ -155,6 +155,8 @@ def train(cfg: RunConfig) -> Outcome:
     from study.models.transformer import build_model
     from study.optim import build_optimizer, build_scheduler
 
+    if not d.device.startswith("cuda"):
+        _keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = build_model(matched.model, d.device, seed=cfg.seed)
     if d.world_size > 1:
@@ -162,7 +164,7 @@ def train(cfg: RunConfig) -> Outcome:
     if cfg.train.activation_checkpointing:
         _checkpoint_blocks(model)
     step_model = torch.compile(model) if cfg.train.compile else model
-    optimizer = build_optimizer(model, cfg.train, lr, d.device.startswith("cuda"))
+    optimizer = build_optimizer(model, cfg.train, lr)
 
     start, state = 0, {}
     found = checkpoint.latest(rdir)
@@ -208,7 +210,7 @@ def train(cfg: RunConfig) -> Outcome:
                 tps = tokens_per_step * steps_since / (now - t_last)
                 t_last, steps_since = now, 0
                 metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "train/grad_norm": float(grad_norm), "train/tokens_per_s": tps}
+                           "train/grad_norm": float(grad_norm.item()), "train/tokens_per_s": tps}
                 if d.device.startswith("cuda"):
                     metrics["train/mfu"] = flops * tps / (cfg.train.gpu_peak_tflops * 1e12 * d.world_size)
                 tracker.log_metrics(metrics, step)
@@ -254,6 +256,23 @@ def _finish(outcome: Outcome, tracker, cfg: RunConfig, rdir: Path, d: Dist) -> N
     tracker.close(outcome.status, outcome.reason)
 
 
+def _keep_freed_memory() -> None:
+    """glibc returns large freed blocks to the OS and faults them back in every step (about 10x the page faults);
+    keeping them made the CPU step 7-15 % faster (benchmarks `malloc` figure). Same as MALLOC_MMAP_THRESHOLD_=32MiB,
+    MALLOC_TRIM_THRESHOLD_=1GiB, set from inside the process."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt"):
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def _writable(rdir: Path) -> None:
     """Fail before anything is tracked when the run directory cannot hold checkpoints."""
     import errno
@@ -284,12 +303,13 @@ def _flops(matched, cfg: RunConfig) -> float:
 
 
 def _clip(model, max_norm: float):
+    """Clip the global gradient norm; returns it as a tensor, read only at log steps (no device sync per step)."""
     import torch
 
     if max_norm <= 0:
-        return 0.0
+        max_norm = float("inf")  # measure the norm for logging, clip nothing
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _checkpoint_blocks(model) -> None:

@@ -18,10 +18,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) queries or keys by position."""
+    """Rotate (B, H, T, D) queries or keys by position, in x's dtype: the fp32 tables would otherwise promote bf16
+    queries and keys (FSDP's bf16 parameters) to fp32 and break SDPA's same-dtype rule against bf16 values."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
