@@ -47,6 +47,10 @@ TINY = Shape(d_model=128, n_layers=4, n_heads=4, d_ff=512, vocab_size=4096, seq_
 WIDER = Shape(d_model=256, n_layers=6, n_heads=4, d_ff=1024, vocab_size=4096, seq_len=256, micro_batch=4)
 """Twice as wide and long as TINY, 4x the parameters: how the ratios move with size on CPU."""
 
+WIDTH_113M = Shape(d_model=768, n_layers=4, n_heads=12, d_ff=3072, vocab_size=4096, seq_len=128, micro_batch=4)
+"""The 113M scale's width (d_model 768, d_ff 3072, so hourglass d_h about 330) at a third of its depth: matmul sizes
+of the smallest real scale, on a CPU budget."""
+
 
 def reference(shape: Shape) -> ModelConfig:
     return ModelConfig(d_model=shape.d_model, n_layers=shape.n_layers, n_heads=shape.n_heads,
