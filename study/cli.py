@@ -177,9 +177,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if settings:
         from omegaconf import OmegaConf
 
-        from study.config import _merge, _typed_defaults
+        from study.config import merge_checked, typed_defaults
 
-        node = _merge(OmegaConf.merge(_typed_defaults(), OmegaConf.structured(cfg)),
+        node = merge_checked(OmegaConf.merge(typed_defaults(), OmegaConf.structured(cfg)),
                       OmegaConf.from_dotlist([f"{k}={v}" for k, v in settings.items()]), "the overrides")
         cfg = replace(cfg, geometry=OmegaConf.to_object(node).geometry)
     path = profile_run(cfg, key=key)

@@ -228,7 +228,7 @@ def split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
     return groups, values
 
 
-def _merge(base: Any, node: Any, where: str):
+def merge_checked(base: Any, node: Any, where: str):
     """Merge `node` onto the typed config; an unknown key or a wrong type names the field."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -242,7 +242,7 @@ def _merge(base: Any, node: Any, where: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _typed_defaults():
+def typed_defaults():
     from omegaconf import OmegaConf
 
     return OmegaConf.structured(RunConfig)
@@ -269,11 +269,11 @@ def compose(groups: dict[str, str] | None = None, layers: list[Any] | None = Non
     # One typed merge of the plain-merged layers is fast; per-layer merges only run to name the culprit.
     plain = [OmegaConf.to_container(node, resolve=False) for node, _ in nodes]
     try:
-        merged = OmegaConf.merge(_typed_defaults(), *plain)
+        merged = OmegaConf.merge(typed_defaults(), *plain)
     except OmegaConfBaseException:
-        merged = _typed_defaults()
+        merged = typed_defaults()
         for node, where in nodes:
-            merged = _merge(merged, node, where)
+            merged = merge_checked(merged, node, where)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:

@@ -13,13 +13,13 @@ def find_run_config(key: str, runs_root: str = "runs") -> RunConfig:
     """The resolved config a run was trained with, from its run directory (<runs>/<experiment>/<key>/config.yaml)."""
     from omegaconf import OmegaConf
 
-    from study.config import _typed_defaults
+    from study.config import merge_checked, typed_defaults
 
     found = sorted(Path(runs_root).glob(f"*/{key}/config.yaml"))
     if not found:
         raise StudyError("RUN_KEY", f"no run with key {key!r} under {Path(runs_root).resolve()}",
                          "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT` (train it first)")
-    node = OmegaConf.merge(_typed_defaults(), OmegaConf.load(found[0]))
+    node = merge_checked(typed_defaults(), OmegaConf.load(found[0]), f"{found[0]} (written by another version?)")
     return OmegaConf.to_object(node)
 
 

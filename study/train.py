@@ -371,7 +371,7 @@ def main_hydra() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from study.config import RunConfig, _typed_defaults, sweeps_dir
+    from study.config import RunConfig, typed_defaults, sweeps_dir
 
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
@@ -381,7 +381,7 @@ def main_hydra() -> None:
 
         from hydra.core.hydra_config import HydraConfig
 
-        cfg = OmegaConf.to_object(OmegaConf.merge(_typed_defaults(), node))
+        cfg = OmegaConf.to_object(OmegaConf.merge(typed_defaults(), node))
         # `experiment` is the group of experiment files here, so ad-hoc grids are named by hydra.job.name
         job = HydraConfig.get().job.name
         cfg = replace(cfg, experiment="adhoc" if job == "train" else job)

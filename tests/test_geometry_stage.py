@@ -62,3 +62,7 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
                  "--statistic", "topo", "--geometry", "hyperbolic", "--budget-from", "geo:tiny", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["widths"] == geo and abs(printed["mismatch"]) <= 1e-2
+
+    assert main(["profile", ref.key, "geometry.n_tokens=64", "geometry.seed=3"]) == 0  # re-profile, same run key
+    again = json.loads((workdir / "runs" / "geo" / ref.key / "profile.json").read_text())
+    assert again["n_tokens"] == 64 and again["run_key"] == ref.key
