@@ -13,6 +13,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import submitit
+
 from study.config import RunConfig, run_key
 
 
@@ -40,8 +42,11 @@ def _requeue_self(max_requeues: int) -> bool:
 
 
 @dataclass
-class TrainJob:
-    """Train one run; evaluate it afterwards when `eval.after_train` is set."""
+class TrainJob(submitit.helpers.Checkpointable):
+    """Train one run; evaluate it afterwards when `eval.after_train` is set.
+
+    Checkpointable: a USR2 that lands before the training loop has taken over the signal (imports, data
+    preparation, the final evaluation) makes submitit requeue the same job, which resumes from its checkpoint."""
 
     cfg: RunConfig
 
@@ -73,7 +78,7 @@ class TrainJob:
 
 
 @dataclass
-class ProfileJob:
+class ProfileJob(submitit.helpers.Checkpointable):
     """Measure the geometric work of a finished reference run (writes its profile.json)."""
 
     cfg: RunConfig
