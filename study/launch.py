@@ -223,7 +223,7 @@ def _submit_array(ex, callables: list) -> list:
 def plan_stages(plan: Plan) -> list[Stage]:
     """The stages still to submit, with their dependencies on jobs submitted now or still active."""
     train, profile, scheduled, _ = to_submit(plan)
-    jobs = journal(plan)
+    submitted = slurm_jobs(plan)
     stages = []
     if train:
         stages.append(Stage("train", train))
@@ -232,9 +232,18 @@ def plan_stages(plan: Plan) -> list[Stage]:
     if scheduled:
         stages.append(Stage("scheduled", scheduled))
     for stage in stages:
-        stage.after = sorted({jobs[k]["job_id"] for r in stage.runs for k in _upstream(stage.name, r)
-                              if k in jobs and jobs[k].get("scheduler") == "slurm"})
+        stage.after = dependencies(stage, submitted)
     return stages
+
+
+def slurm_jobs(plan: Plan) -> dict[str, str]:
+    """SLURM job id per submitted key (`<run key>` or `profile:<run key>`), from the journal."""
+    return {k: e["job_id"] for k, e in journal(plan).items() if e.get("scheduler") == "slurm"}
+
+
+def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:
+    """Exactly the upstream array tasks of a stage's runs (a reference run, its profile), not whole arrays."""
+    return sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
 
 
 def _upstream(stage: str, run: PlannedRun) -> list[str]:
@@ -270,10 +279,9 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         return stages
     if cluster.name == "local":
         return _launch_local(plan, stages, echo)
-    submitted = {k: e["job_id"] for k, e in journal(plan).items() if e.get("scheduler") == "slurm"}
+    submitted = slurm_jobs(plan)
     for stage in stages:
-        # depend on exactly the upstream array tasks (a reference run, its profile), not whole arrays
-        stage.after = sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
+        stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
         jobs = submit_stage(plan, stage)
         prefix = "profile:" if stage.name == "profile" else ""
         submitted.update({prefix + r.key: j.job_id for r, j in zip(stage.runs, jobs)})
