@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Iterable
 import pandas as pd
 
 from study.errors import StudyError
-from study.mlflow_store import mlflow_client, sqlite_path
-from study.tracking import resolve_tracking_uri
+from study.track.store import mlflow_client, sqlite_path
+from study.track.query import all_runs, read_manifest_tags
+from study.track.tracker import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -67,12 +68,17 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
     start_time, params_counted (int or NaN), then one column per final metric named by its MLflow key
     (``val/loss``, ``eval/arc_easy/acc``, ...).
     Report runs (``study.stage=report``) and runs without the study's variant/scale/seed tags are not training
-    runs and are left out.
+    runs and are left out; when `study launch` recorded a manifest, only the last launch's runs are kept.
     """
     store = client(tracking_uri)
     exp_id = experiment_id(store, experiment)
-    rows = [_row(run) for run in _search_all(store, exp_id)]
+    rows = [_row(run) for run in all_runs(store, exp_id)]
     rows = [row for row in rows if row is not None]
+    manifest = read_manifest_tags(store, experiment)
+    if manifest is not None and manifest["keys"]:
+        # the experiment's last launch decides which runs the report is about (earlier launches may linger)
+        launched = set(manifest["keys"])
+        rows = [row for row in rows if row["run_key"] in launched]
     if not rows:
         raise StudyError(
             "experiment",
@@ -83,16 +89,6 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
     fixed = [c for c in frame.columns if "/" not in c]
     metrics = sorted(c for c in frame.columns if "/" in c)
     return frame[fixed + metrics].sort_values(["scale", "variant", "seed"], ignore_index=True)
-
-
-def _search_all(store: MlflowClient, exp_id: str) -> Iterable:
-    token = None
-    while True:
-        page = store.search_runs([exp_id], max_results=50_000, page_token=token)
-        yield from page
-        token = page.token
-        if not token:
-            return
 
 
 def _row(run) -> dict | None:

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from study.mlflow_store import get_or_create_experiment, mlflow_client
+from study.track.store import get_or_create_experiment, mlflow_client
 
 E_TRUE, A_TRUE, ALPHA_TRUE = 1.8, 400.0, 0.3
 """Loss law of the synthetic baseline (N = non-embedding parameters)."""

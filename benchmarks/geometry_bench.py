@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from study.geometry.allocate import AllocationConfig
+from study.config.geometry import AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, pairwise_distances
 from study.geometry.profile import profile_clouds

@@ -1,7 +1,8 @@
 """GPU figures: bf16 training throughput, MFU and peak memory of the 113M and 1B conventional and hourglass models.
 
-Needs torch and this repository only (study.models, study.budget): no transformers, mlflow or data. The step is
-study/train.py's single-GPU one (bf16 autocast over fp32 weights, fused AdamW, clip without a host sync). MFU is
+Needs torch and this repository only (study.models, study.plan.budget, study.train.step): no transformers, mlflow
+or data. The step is the training loop's single-GPU one (bf16 autocast over fp32 weights, fused AdamW, clip without
+a host sync). MFU is
 given twice: against the bf16 matmul peak measured here (an 8192^3 matmul) and against the datasheet peak of the
 GPU. When transformers is installed, each conventional model is also compared with LlamaForCausalLM of its shape.
 A model that does not fit halves its micro batch until it does; the row says which micro batch ran, and each
@@ -131,7 +132,7 @@ def run(quick: bool) -> list[dict]:
 
 
 def _extra(scale: str, cfg, shape: Shape, result: dict, measured: float, datasheet: float | None) -> dict:
-    from study.budget import flops_per_token
+    from study.plan.budget import flops_per_token
 
     achieved = flops_per_token(cfg, shape.seq_len) * result["tokens_per_s"] / 1e12
     return {"scale": scale, "micro_batch": result["micro_batch"], "seq_len": shape.seq_len,

@@ -1,6 +1,6 @@
 """The price of K narrow matmuls: hourglass (K = 4, 8) against the conventional model at the same parameter budget.
 
-Both are matched by study.budget exactly as the hourglass experiment matches them (sweeps/model/hourglass.yaml:
+Both are matched by study.plan.budget exactly as the hourglass experiment matches them (sweeps/model/hourglass.yaml:
 d_h = 0.4 d_model, sub-norms, the parameters a narrow FFN saves become layers), so the hourglass model is deeper:
 it pays K sub-norms and K narrow matmul chains per layer, and attention in more layers, for the same parameters.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from benchmarks.common import interleaved, load_average, median, row, spread
 from benchmarks.step import TINY, WIDER, WIDTH_113M, Shape, conventional, describe, hourglass, our_step
-from study.budget import flops_per_token
+from study.plan.budget import flops_per_token
 
 KS = (4, 8)
 

@@ -15,26 +15,25 @@ EXPERIMENT = "hourglass"
 
 
 def run(quick: bool) -> list[dict]:
-    from study.config import load_yaml
+    from study.config.compose import clear_cache
     from study.models.transformer import build_model
-    from study.plan import plan_experiment, scale_budget
+    from study.plan.planner import plan_experiment
 
     def ours():
-        load_yaml.cache_clear()
-        scale_budget.cache_clear()
+        clear_cache()
         return plan_experiment(EXPERIMENT)
 
     runs = ours().runs
     counts: list[int] = []
 
     def peer():
-        counts[:] = [sum(p.numel() for p in build_model(r.matched.model, "meta").parameters()) for r in runs]
+        counts[:] = [sum(p.numel() for p in build_model(r.model, "meta").parameters()) for r in runs]
 
     load = load_average()
     s = interleaved({"ours": ours, "peer": peer}, 3 if quick else 7, warmup=1)
-    if counts != [r.matched.params.total for r in runs]:
+    if counts != [r.params["total"] for r in runs]:
         raise AssertionError("the meta-device counts disagree with the plan's closed-form counts")
     return [row(f"study plan {EXPERIMENT} ({len(runs)} runs, 113M-1B) vs meta-device build + numel of every planned "
                 "model (counting only)", median(s["ours"]), median(s["peer"]), "s", "lower", runs=len(runs),
-                unique_shapes=len({str(r.matched.model) for r in runs}), counts_agree=True,
+                unique_shapes=len({str(r.model) for r in runs}), counts_agree=True,
                 load_avg=[load, load_average()])]

@@ -25,7 +25,7 @@ def run(quick: bool) -> list[dict]:
     from analysis.report import build_report
     from analysis.runs import read_curves, read_runs
     from analysis.synthetic import synthetic_store
-    from study.mlflow_store import mlflow_client
+    from study.track.store import mlflow_client
 
     steps = 200 if quick else 1000
     with tempfile.TemporaryDirectory(prefix="bench-report-") as tmp:

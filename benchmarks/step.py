@@ -1,9 +1,9 @@
 """The training step every throughput figure times, and the matched model shapes it runs on.
 
-The step is study/train.py's, written with torch alone so that the GPU figures run where only torch is installed:
-forward (bf16 autocast on CUDA), cross-entropy on fp32 logits, backward, global-norm clip at 1.0, AdamW (foreach on
-CPU, fused on CUDA, as study/optim.py), zero_grad(set_to_none). train.py also reads the loss and the norm with
-`.item()` for its log line; the figures leave that host sync out.
+The step is the training loop's own (`study.train.step.train_step`: forward with bf16 autocast on CUDA,
+cross-entropy on fp32 logits, backward, global-norm clip at 1.0) with the loop's AdamW (`study.train.optim`, foreach
+on CPU, fused on CUDA). The loop also reads the loss and the norm with `.item()` at log steps; the figures leave
+that host sync out.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from study.budget import BudgetConfig, match, reference_budget
-from study.models.config import FFNConfig, ModelConfig
+from study.config.sections import BudgetConfig
+from study.plan.budget import match, reference_budget
+from study.config.model import FFNConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def reference(shape: Shape) -> ModelConfig:
 
 
 def conventional(shape: Shape) -> ModelConfig:
-    """sweeps/model/conventional.yaml at this shape, matched by study.budget (uniform widths = d_ff)."""
+    """sweeps/model/conventional.yaml at this shape, matched by study.plan.budget (uniform widths = d_ff)."""
     ref = reference(shape)
     return match(ref, reference_budget(ref, "non_embedding"), BudgetConfig(match="ffn", tolerance=1e-2)).model
 
@@ -92,24 +93,17 @@ def batch(shape: Shape, device: str = "cpu", seed: int = 0):
 
 def train_step(model, forward: Callable, x, y, vocab_size: int) -> Callable[..., None]:
     """One optimizer step of `model` on (x, y), or on the (x, y) passed to the call; `forward(x)` returns the
-    logits."""
-    import torch
-    import torch.nn.functional as F
+    logits (`vocab_size` columns)."""
+    from study.config.sections import TrainConfig
+    from study.train.optim import build_optimizer
+    from study.train.step import train_step as step_once
 
-    on_cuda = x.device.type == "cuda"
-    params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"fused": True} if on_cuda else {"foreach": True}
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, **kwargs)
+    device = str(x.device)
+    optimizer = build_optimizer(model, TrainConfig(), 1e-3)
 
     def step(pair=None) -> None:
-        inputs, targets = pair or (x, y)
-        with torch.autocast("cuda", torch.bfloat16, enabled=on_cuda):
-            logits = forward(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, vocab_size).float(), targets.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_once(model, forward, optimizer, None, [pair or (x, y)], device, grad_clip=1.0,
+                  autocast_bf16=x.device.type == "cuda")
 
     return step
 

@@ -1,4 +1,4 @@
-"""MLflow logging overhead per training step, into an SQLite store: `study.tracking.Tracker` against no tracking,
+"""MLflow logging overhead per training step, into an SQLite store: `study.track.tracker.Tracker` against no tracking,
 and against the straightforward synchronous `log_metric` per point.
 
 Each sample is a block of steps of the tiny model, each step logging train/loss, train/lr, train/grad_norm and
@@ -18,8 +18,8 @@ METRICS = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s")
 
 
 def run(quick: bool) -> list[dict]:
-    from study.mlflow_store import get_or_create_experiment, mlflow_client
-    from study.tracking import Tracker, TrackingConfig
+    from study.track.store import get_or_create_experiment, mlflow_client
+    from study.track.tracker import Tracker, TrackingConfig
 
     shape = TINY
     block, rounds = (10, 4) if quick else (20, 8)

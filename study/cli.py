@@ -17,10 +17,16 @@ def _fmt_widths(widths: list[int] | None) -> str:
     return f"{widths[0]}..{widths[-1]} (sum {sum(widths)})"
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from study.plan import plan_experiment
+def _filtered(args: argparse.Namespace, plan):
+    from study.plan.planner import filter_runs
 
-    plan = plan_experiment(args.experiment, args.overrides)
+    return filter_runs(plan, getattr(args, "variant", None), getattr(args, "scale", None), getattr(args, "seed", None))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from study.plan.planner import plan_experiment
+
+    plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
     if args.json:
         print(json.dumps(plan.as_json(), indent=1))
         return 0
@@ -34,22 +40,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
     total_hours = 0.0
     for run in plan.runs:
-        m, p = run.matched.model, run.matched.params
+        m, p = run.model, run.params
         shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}"
         if m.ffn.kind == "hourglass":
             shape += f" K{m.ffn.k}"
         hours = run.gpu_hours()
         total_hours += hours or 0.0
         table.add_row(
-            run.key, run.cfg.variant, run.cfg.scale, str(run.cfg.seed), run.cfg.stage, shape,
-            _fmt_widths(m.ffn.widths), f"{p.counted:,}" if p else "pending", f"{run.matched.budget:,}",
-            f"{run.matched.mismatch:+.1e}" if p else "-", f"{p.attention / max(p.ffn, 1):.2f}" if p else "-",
-            f"{run.flops_per_token() / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
+            run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
+            _fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending", f"{run.budget:,}",
+            f"{run.mismatch:+.1e}" if p else "-", f"{p['attention'] / max(p['ffn'], 1):.2f}" if p else "-",
+            f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
         )
     console = Console(width=200)
     console.print(table)
     console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours at "
-                  f"{plan.runs[0].cfg.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
+                  f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
     for run in plan.runs:
         if run.pending:
             console.print(f"{run.name} ({run.key}): widths wait for the {run.pending}")
@@ -60,16 +66,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from study.plan import run_from_overrides
+    from study.config.spec import read_spec, write_spec
 
-    cfg = run_from_overrides(args.overrides)  # validate before spawning anything
+    if args.spec:
+        spec = read_spec(args.spec)
+    else:
+        from study.plan.planner import select_run
+
+        spec = select_run(args.overrides)  # validated before anything is written or spawned
+    from study.config.data import validate_data
+
+    validate_data(spec.config.data)
+    if args.cfg:
+        import yaml
+
+        print(yaml.safe_dump(spec.as_dict(), sort_keys=False), end="")
+        return 0
+    if spec.pending is not None:
+        from study.plan.complete import complete_spec
+
+        spec = complete_spec(spec)
     if args.nproc > 1 and "RANK" not in os.environ:
-        from study.distributed import spawn_local
+        from study.train.distributed import spawn_local
 
-        return spawn_local(args.nproc, ["train", *args.overrides])
-    from study.train import EXIT_PREEMPTED, train
+        return spawn_local(args.nproc, ["train", "--spec", str(write_spec(spec))])
+    from study.train.loop import EXIT_PREEMPTED, train
 
-    outcome = train(cfg)
+    outcome = train(spec)
     if outcome.status == "FINISHED":
         print(f"{outcome.status} at step {outcome.step}: val/loss {outcome.val_loss:.4f}", file=sys.stderr)
         return 0
@@ -78,41 +101,51 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from study.launch import launch
+    from study.launch.submit import launch
 
-    launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait)
+    launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from study.status import experiment_status, print_status
+    from study.launch.status import experiment_status, launched_plan, print_status
 
-    rows = experiment_status(args.experiment, args.overrides)
+    plan = _filtered(args, launched_plan(args.experiment, args.overrides))
+    rows = experiment_status(args.experiment, args.overrides, plan)
     if args.json:
         from dataclasses import asdict
 
         print(json.dumps({"experiment": args.experiment, "runs": [asdict(r) for r in rows]}, indent=1))
     else:
-        print_status(rows, f"{args.experiment}: {len(rows)} planned runs")
+        launched = f", launched with {' '.join(plan.overrides)}" if plan.overrides else ""
+        print_status(rows, f"{args.experiment}: {len(rows)} planned runs{launched}")
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from study.config import split_overrides
-    from study.evaluation_run import evaluate_run, find_run_config
+def _settings(overrides: list[str], allowed: tuple[str, ...], command: str) -> dict[str, str]:
+    """A command's own `key=value` options (`tasks=a,b limit=8`): not run-config overrides, so no sweep grammar."""
+    values = {}
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise StudyError(item, f"is not an option of `study {command}`", f"write key=value with key one of "
+                             f"{', '.join(allowed)}")
+        if key not in allowed and not any(key.startswith(a + ".") for a in allowed):
+            raise StudyError(key, f"is not an option of `study {command}`", f"use {', '.join(allowed)}")
+        values[key] = value
+    return values
 
-    _, values = split_overrides(args.overrides)
-    settings = dict(v.split("=", 1) for v in values)
-    unknown = set(settings) - {"tasks", "limit", "paths.runs"}
-    if unknown:
-        raise StudyError(sorted(unknown)[0], "is not an option of `study eval`",
-                         "use tasks=a,b,c, limit=N and paths.runs=DIR")
-    cfg = find_run_config(args.run_key, settings.get("paths.runs", "runs"))
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from study.evaluate.stage import evaluate_run, find_run
+
+    settings = _settings(args.overrides, ("tasks", "limit", "paths.runs"), "eval")
+    spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
     limit = int(settings["limit"]) if settings.get("limit", "").isdigit() else None
-    if "limit" in settings and limit is None:
-        raise StudyError("limit", f"{settings['limit']!r} is not a whole number", "use limit=N with N >= 1")
-    metrics = evaluate_run(cfg, tasks, limit)
+    if "limit" in settings and not limit:
+        raise StudyError("limit", f"{settings['limit']!r} is not a whole number >= 1", "use limit=N with N >= 1")
+    metrics = evaluate_run(spec, tasks, limit)
     print(json.dumps(metrics, indent=1))
     return 0
 
@@ -136,16 +169,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from analysis.report import build_report
-    from study.launch import launch
+    from study.launch.submit import launch
 
     overrides = ["cluster=local", *args.overrides]
     print("study demo: planning and training the `demo` experiment on this machine (local processes)", file=sys.stderr)
     cmd_plan(argparse.Namespace(experiment="demo", overrides=overrides, json=False))
-    launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr))
+    launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
     result = build_report("demo", out_dir=Path("reports"))
     _print_headline(result)
+    from study.track.tracker import resolve_tracking_uri
+
     print(f"report: {Path('reports/demo/report.md').resolve()} (and report.html); MLflow store: "
-          f"{__import__('study.tracking', fromlist=['x']).resolve_tracking_uri('')}")
+          f"{resolve_tracking_uri('')}")
     return 0
 
 
@@ -164,48 +199,46 @@ def _print_headline(result: dict) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+    from dataclasses import asdict
 
-    from study.config import run_key, split_overrides
-    from study.evaluation_run import find_run_config
+    from study.config.geometry import AllocationConfig
+    from study.evaluate.stage import find_run
     from study.geometry.run_profile import profile_run
 
-    _, values = split_overrides(args.overrides)
-    settings = dict(v.split("=", 1) for v in values)
-    cfg = find_run_config(args.run_key, settings.pop("paths.runs", "runs"))
-    key = run_key(cfg)
+    settings = _settings(args.overrides, ("geometry", "paths.runs"), "profile")
+    spec = find_run(args.run_key, settings.pop("paths.runs", "runs"))
+    geometry = None
     if settings:
         from omegaconf import OmegaConf
 
-        from study.config import merge_checked, typed_defaults
+        from study.config.compose import merge_checked, nested, parse_overrides
 
-        node = merge_checked(OmegaConf.merge(typed_defaults(), OmegaConf.structured(cfg)),
-                      OmegaConf.from_dotlist([f"{k}={v}" for k, v in settings.items()]), "the overrides")
-        cfg = replace(cfg, geometry=OmegaConf.to_object(node).geometry)
-    path = profile_run(cfg, key=key)
-    print(path)
+        values = {k: v for k, v in parse_overrides(args.overrides).values.items() if k.startswith("geometry.")}
+        node = merge_checked(OmegaConf.structured(AllocationConfig(**asdict(spec.config.geometry))),
+                             OmegaConf.create(nested(values)["geometry"]), "the overrides")
+        geometry = OmegaConf.to_object(node)
+    print(profile_run(spec, geometry=geometry))
     return 0
 
 
 def cmd_allocate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from study.budget import match, target_width
-    from study.geometry.schedule import geometry_widths, read_profile
+    from study.config.compose import parse_overrides
+    from study.geometry.allocate import geometry_widths, read_profile
+    from study.plan.budget import match, target_width
+    from study.plan.experiment import Variant, load_experiment
+    from study.plan.planner import compose_run, with_budget
 
     experiment, _, scale = args.budget_from.partition(":")
     if not scale:
         raise StudyError("--budget-from", f"{args.budget_from!r} has no scale", "write EXPERIMENT:SCALE, e.g. geometry:128M")
-    from study.experiment import load_experiment
-
     exp = load_experiment(experiment)
     if scale not in exp.scales:
         raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
-    from study.experiment import Variant
-    from study.plan import compose_run, with_budget
-
-    settings = [f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}", f"geometry.anti={args.anti}"]
-    reference = compose_run(exp, Variant("reference", "conventional"), scale, [])
+    settings = parse_overrides([f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}",
+                                f"geometry.anti={args.anti}"])
+    reference = compose_run(exp, Variant("reference", "conventional"), scale, parse_overrides([]))
     cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
     profile = read_profile(args.profile)
     budget = cfg.budget.target
@@ -222,6 +255,12 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variant", action="append", help="only this variant's runs (repeatable)")
+    p.add_argument("--scale", action="append", help="only this scale's runs (repeatable)")
+    p.add_argument("--seed", action="append", type=int, help="only this seed's runs (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,11 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiment")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _selection(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("train", help="train one run (resumes from its latest checkpoint)")
     p.add_argument("overrides", nargs="*", help="experiment=X variant=V scale=S seed=N, or any key=value")
     p.add_argument("--nproc", type=int, default=1, help="local processes (FSDP2 over gloo on CPU, NCCL on GPU)")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved run spec and exit (Hydra's --cfg job)")
+    p.add_argument("--spec", help="train the run spec in this run.json (what launched jobs and ranks do)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("launch", help="submit the runs of an experiment that are not finished yet")
@@ -242,12 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="cluster=local|slurm|<profile> and key=value overrides")
     p.add_argument("--dry-run", action="store_true", help="print arrays, dependencies and sbatch scripts only")
     p.add_argument("--wait", action="store_true", help="follow the jobs until none is pending or running")
+    p.add_argument("--new-runs", action="store_true",
+                   help="train runs the experiment's last launch did not have (overrides that change run identity)")
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("status", help="each planned run's MLflow and scheduler state")
+    p = sub.add_parser("status", help="each launched run's MLflow and scheduler state")
     p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="none: the runs of the last launch")
     p.add_argument("--json", action="store_true")
+    _selection(p)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("eval", help="lm-eval on a run's checkpoint; scores go to its MLflow run")
@@ -288,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow options (`study launch X --dry-run key=value`)
-    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+    if extra and hasattr(args, "overrides") and all(not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -40,7 +40,7 @@ def private_sweeps(tmp: Path, name: str = "small", **changes) -> Path:
 
 
 def wait_jobs(job_ids: list[str], timeout: float = 600) -> dict[str, str]:
-    from study.launch import ACTIVE, slurm_states
+    from study.launch.submit import ACTIVE, slurm_states
 
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -55,7 +55,7 @@ CASES = [
     (["launch", "demo", "cluster=nosuch"], "cluster"),
     (["launch", "demo", "cluster=slurm"], "cluster"),  # with SLURM_CONF pointing nowhere
     (["train", "experiment=demo", "variant=nosuch"], "variant/scale/seed"),
-    (["train", "scale=tiny", "train.schedule=linear"], "train.schedule"),
+    (["train", "scale=tiny", "train.lr_schedule=linear"], "train.lr_schedule"),
     (["train", "scale=tiny", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
     (["eval", "nosuchkey"], "RUN_KEY"),
     (["eval", "nosuchkey", "shots=5"], "shots"),

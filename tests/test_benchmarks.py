@@ -29,7 +29,7 @@ def test_a_figure_prints_json_rows_with_both_values_an_oriented_ratio_and_the_ma
 @pytest.mark.parametrize("scale", ["113M", "1B"])
 def test_gpu_figures_use_the_shapes_of_the_scale_presets(scale):
     from benchmarks.gpu_bench import SCALES
-    from study.config import compose
+    from study.config.compose import compose
 
     cfg = compose({"scale": scale}, overrides=[])
     shape, m = SCALES[scale], cfg.model

@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from study.budget import BudgetConfig, count_params, match, reference_budget, round_widths
+from study.config.sections import BudgetConfig
+from study.plan.budget import count_params, match, reference_budget, round_widths
 from study.errors import StudyError
-from study.models.config import FFNConfig, ModelConfig
-from study.schedules import cosine_taper
+from study.config.model import FFNConfig, ModelConfig
+from study.plan.widths import cosine_taper
 
 REF_113M = ModelConfig(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, ffn=FFNConfig(width=3072))
 

@@ -6,15 +6,14 @@ import json
 
 from conftest import TINY
 from study.cli import main
-from study.config import run_key
-from study.plan import run_from_overrides
-from study.train import train
+from study.plan.planner import select_run
+from study.train.loop import train
 
 
 def test_eval_scores_a_trained_run_into_its_own_mlflow_run(workdir, capsys):
-    cfg = run_from_overrides([*TINY, "experiment=evalrun", "train.max_steps=6", "model.max_seq_len=128"])
+    cfg = select_run([*TINY, "experiment=evalrun", "train.max_steps=6", "model.max_seq_len=128"])
     assert train(cfg).status == "FINISHED"
-    key = run_key(cfg)
+    key = cfg.key
     capsys.readouterr()
     assert main(["eval", key, "tasks=arc_easy_local,piqa_local", "limit=8"]) == 0
     printed = json.loads(capsys.readouterr().out)

@@ -1,6 +1,6 @@
 """lm-eval on the project's model: continuation scoring, the shipped local tasks, and task-name errors.
 
-Everything runs lm-eval's real code path offline on the tasks in study/tasks/, with tiny torch models whose
+Everything runs lm-eval's real code path offline on the tasks in study/evaluate/tasks/, with tiny torch models whose
 scores are known in advance and a byte-level BPE trained here on the tasks' own text.
 """
 
@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from study.errors import StudyError
-from study.evaluate import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, render_local_tasks
+from study.evaluate.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, render_local_tasks
 
 LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local"]
 EOS = "<|endoftext|>"

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from conftest import TINY
-from study.plan import run_from_overrides
-from study.train import train
+from study.plan.planner import select_run
+from study.train.loop import train
 
 pytestmark = pytest.mark.faults
 
@@ -34,7 +34,7 @@ def history(db: str, experiment: str = "faults", key: str = "train/loss"):
 
 
 def reference_result(workdir) -> float:
-    out = train(run_from_overrides([*COMMON, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
+    out = train(select_run([*COMMON, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
     assert out.status == "FINISHED"
     return out.val_loss
 
@@ -73,7 +73,7 @@ def test_half_written_checkpoint_is_never_loaded_and_a_full_disk_fails_cleanly(w
     """The disk filling up is injected (ENOSPC raised after the shards are written): no real disk is filled here."""
     import errno
 
-    from study import checkpoint
+    from study.train import checkpoint
 
     want = reference_result(workdir)
     real_rng, calls = checkpoint._rng_state, {"n": 0}
@@ -85,7 +85,7 @@ def test_half_written_checkpoint_is_never_loaded_and_a_full_disk_fails_cleanly(w
         return real_rng()
 
     monkeypatch.setattr(checkpoint, "_rng_state", disk_full_after_shards)
-    cfg = run_from_overrides(COMMON)
+    cfg = select_run(COMMON)
     with pytest.raises(OSError):
         train(cfg)
     monkeypatch.setattr(checkpoint, "_rng_state", real_rng)
@@ -106,14 +106,14 @@ def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir)
     from study.errors import StudyError
 
     with pytest.raises(StudyError) as err:
-        train(run_from_overrides([*COMMON, "paths.runs=/proc/study-runs"]))
+        train(select_run([*COMMON, "paths.runs=/proc/study-runs"]))
     assert err.value.field == "paths.runs"
     assert not (workdir / "mlflow.db").exists()
 
 
 def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_finish(workdir, monkeypatch):
     from slurm_helpers import SMALL, private_sweeps
-    from study.launch import launch
+    from study.launch.submit import launch
 
     variants = {"conventional": {"model": "conventional"},
                 "diverging": {"model": "conventional", "set": {"faults.nan_at_step": 5}}}
@@ -136,7 +136,7 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
 def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(workdir):
     from mlflow import MlflowClient
 
-    from study.mlflow_server import start_server
+    from study.track.server import start_server
 
     server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
     try:

@@ -25,12 +25,12 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
     from mlflow import MlflowClient
 
     from study.cli import main
-    from study.launch import launch
-    from study.plan import plan_experiment
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
 
     before = plan_experiment("geo")
     pending = [r for r in before.runs if r.cfg.stage == "scheduled"]
-    assert pending and all(r.pending and r.matched.params is None for r in pending)
+    assert pending and all(r.pending and r.params is None for r in pending)
 
     stages = launch("geo", ["cluster=local"], echo=lambda m: None)
     assert [s.name for s in stages] == ["train", "profile", "scheduled"]
@@ -43,9 +43,9 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
     assert len(profile["intrinsic_dim"]) == 4
     scheduled = {r.cfg.variant: r for r in after.runs if r.cfg.stage == "scheduled"}
     for run in scheduled.values():
-        assert run.pending is None and abs(run.matched.mismatch) <= run.cfg.budget.tolerance
-        assert run.matched.params.counted == ref.matched.params.counted or abs(run.matched.mismatch) > 0
-    geo, anti = scheduled["geometry"].matched.model.ffn.widths, scheduled["anti"].matched.model.ffn.widths
+        assert run.pending is None and abs(run.mismatch) <= run.cfg.budget.tolerance
+        assert run.params['counted'] == ref.params['counted'] or abs(run.mismatch) > 0
+    geo, anti = scheduled["geometry"].model.ffn.widths, scheduled["anti"].model.ffn.widths
     assert geo != anti and len(set(geo)) > 1
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")

@@ -13,7 +13,7 @@ from scipy.stats import ortho_group
 from torch import nn
 
 from study.errors import StudyError
-from study.geometry.allocate import AllocationConfig
+from study.config.geometry import AllocationConfig
 from study.geometry.clouds import TokenClouds, collect_clouds, perturbation_sensitivity, sample_positions
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances, pointwise_distances
 from study.geometry.plots import plot_profile, plot_widths

@@ -33,6 +33,6 @@ def test_config_strings_reach_sbatch_only_as_sanitised_names(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
     assert main(["launch", "hourglass", "cluster=h100", "paths.runs=/shared/runs", "--dry-run",
-                 "cluster.partition=gpu; rm -rf /"]) == 0
+                 "cluster.partition='gpu; rm -rf /'"]) == 0
     out = capsys.readouterr().out
     assert "rm -rf" not in out.replace("#SBATCH --partition='gpu; rm -rf /'", "")

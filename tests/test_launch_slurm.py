@@ -29,8 +29,8 @@ def cluster_env(workdir, monkeypatch):
 
 
 def mlflow_runs(experiment):
-    from study.mlflow_store import mlflow_client
-    from study.tracking import resolve_tracking_uri
+    from study.track.store import mlflow_client
+    from study.track.tracker import resolve_tracking_uri
 
     client = mlflow_client(resolve_tracking_uri(""))
     exp = client.get_experiment_by_name(experiment)
@@ -43,9 +43,9 @@ def job_ids(stages):
 
 
 def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
-    from study.launch import journal, launch
-    from study.plan import plan_experiment
-    from study.status import experiment_status
+    from study.launch.submit import journal, launch
+    from study.plan.planner import plan_experiment
+    from study.launch.status import experiment_status
 
     name = "small" + cluster_env
     private_sweeps(workdir, name, common={**SMALL["common"],
@@ -88,8 +88,8 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
 def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env, monkeypatch):
     import json
 
-    from study.launch import journal, launch
-    from study.plan import plan_experiment
+    from study.launch.submit import journal, launch
+    from study.plan.planner import plan_experiment
 
     name = "small" + cluster_env
     common = {**SMALL["common"], "faults": {"sleep_per_step": 0.4}}
@@ -122,7 +122,7 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
 
 
 def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
-    from study.launch import launch
+    from study.launch.submit import launch
 
     name = "small" + cluster_env
     private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
@@ -156,9 +156,9 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
     with the val/loss of an uninterrupted run."""
     import json
 
-    from study.launch import launch
-    from study.plan import plan_experiment
-    from study.train import train
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+    from study.train.loop import train
 
     name = "small" + cluster_env
     common = {**SMALL["common"], "faults": {"sleep_per_step": 3.0}}
@@ -170,6 +170,6 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
     assert run.info.status == "FINISHED" and int(run.data.tags["study.restarts"]) >= 1
     (planned,) = plan_experiment(name, over).runs
     clean = train(plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/c.db",
-                                                "faults.sleep_per_step=0"]).runs[0].cfg)
+                                                "faults.sleep_per_step=0"]).runs[0])
     got = json.loads((workdir / "runs" / name / planned.key / "result.json").read_text())
     assert got["val_loss"] == clean.val_loss

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from study.models.config import FFNConfig, ModelConfig
+from study.config.model import FFNConfig, ModelConfig
 from study.models.layers import HourglassFFN, SwiGLU
 from study.models.transformer import build_model
 

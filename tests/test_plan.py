@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT
 from study.cli import main
-from study.plan import plan_experiment
+from study.plan.planner import plan_experiment
 
 SCALE_BUDGETS = {"113M": 113_246_208, "128M": 127_926_272, "256M": 262_144_000, "440M": 438_829_056,
                  "906M": 905_969_664, "1B": 1_073_741_824}
@@ -77,7 +77,7 @@ def test_demo_is_tiny_and_matched(capsys):
 def test_seeds_share_a_shape_and_differ_in_key():
     plan = plan_experiment("demo")
     hg = [r for r in plan.runs if r.cfg.variant == "hourglass"]
-    assert len({r.key for r in hg}) == 3 and len({tuple(r.matched.model.ffn.widths) for r in hg}) == 1
+    assert len({r.key for r in hg}) == 3 and len({tuple(r.model.ffn.widths) for r in hg}) == 1
 
 
 def test_plan_command_imports_neither_torch_nor_mlflow(tmp_path):

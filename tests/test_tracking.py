@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from study.errors import StudyError
-from study.mlflow_server import start_server
-from study.tracking import NullTracker, Tracker, TrackingConfig, flatten, resolve_tracking_uri
+from study.track.server import start_server
+from study.track.tracker import NullTracker, Tracker, TrackingConfig, flatten, resolve_tracking_uri
 
 TAGS = {"study.experiment": "e", "study.variant": "hourglass", "study.scale": "tiny", "study.seed": "0",
         "study.stage": "train", "study.baseline": "conventional"}  # fmt: skip
@@ -169,7 +169,7 @@ def test_a_locked_sqlite_store_delays_points_without_blocking_logging(store, cli
 
 WRITER = """
 import sys, time
-from study.tracking import Tracker, TrackingConfig
+from study.track.tracker import Tracker, TrackingConfig
 index, uri = int(sys.argv[1]), sys.argv[2]
 cfg = TrackingConfig(uri=uri, flush_interval_s=0.02, retry_initial_s=0.1, retry_max_s=1.0)
 tracker = Tracker.open(f"key-{index}", "concurrent", f"v{index}-tiny-s0", {"study.seed": "0"}, {"seed": index},

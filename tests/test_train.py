@@ -9,14 +9,13 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY
-from study.config import run_key
-from study.distributed import Dist
-from study.plan import run_from_overrides
-from study.train import batch_stream, train
+from study.train.distributed import Dist
+from study.plan.planner import select_run
+from study.train.loop import batch_stream, train
 
 
 def cfg_for(*extra):
-    return run_from_overrides([*TINY, "experiment=unit", *extra])
+    return select_run([*TINY, "experiment=unit", *extra])
 
 
 def mlflow_runs(experiment="unit", db="mlflow.db"):
@@ -36,7 +35,7 @@ def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
     run = runs[0]
     assert run.info.status == "FINISHED" and run.info.run_name == "conventional-tiny-s0"
     tags = run.data.tags
-    assert tags["study.run_key"] == run_key(cfg) and tags["study.variant"] == "conventional"
+    assert tags["study.run_key"] == cfg.key and tags["study.variant"] == "conventional"
     assert tags["study.scale"] == "tiny" and tags["study.seed"] == "0" and tags["study.stage"] == "train"
     assert tags["study.experiment"] == "unit" and tags["study.baseline"] == "conventional"
     params = run.data.params
@@ -75,14 +74,14 @@ def test_paired_runs_of_two_variants_see_identical_batches(workdir):
     from study.data import prepare_data
 
     a, b = cfg_for("variant=conventional"), cfg_for("model=hourglass", "model.ffn.hidden_ratio=0.25")
-    assert run_key(a) != run_key(b)
-    data = prepare_data(a.data)
+    assert a.key != b.key
+    data = prepare_data(a.config.data)
     d = Dist(0, 1, 0, "cpu")
-    with batch_stream(a, data, d, 3) as sa, batch_stream(b, data, d, 3) as sb:
+    with batch_stream(a.config, data, d, 3) as sa, batch_stream(b.config, data, d, 3) as sb:
         for _ in range(3):
             (xa, ya), (xb, yb) = next(sa)[0], next(sb)[0]
             assert xa.equal(xb) and ya.equal(yb)
-    with batch_stream(cfg_for("seed=1"), data, d, 3) as sc, batch_stream(a, data, d, 3) as sa:
+    with batch_stream(cfg_for("seed=1").config, data, d, 3) as sc, batch_stream(a.config, data, d, 3) as sa:
         assert not next(sc)[0][0].equal(next(sa)[0][0])
 
 

@@ -7,7 +7,7 @@
 """
 
 from study.data.batches import get_batch, num_windows, val_batches, window_ids
-from study.data.config import DataConfig, cache_root, validate_data
+from study.config.data import DataConfig, cache_root, validate_data
 from study.data.corpus import build_docstring_corpus
 from study.data.loader import BatchStream, loader_tokens_per_s
 from study.data.shards import PreparedData, prepare_data

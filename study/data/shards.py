@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from study.data.cache import build_once, cache_key
-from study.data.config import DataConfig, cache_root, tokenize_procs, validate_data
+from study.config.data import DataConfig, cache_root, tokenize_procs, validate_data
 from study.data.sources import Splits, load_splits, source_key
 from study.data.tokenizer import TokenizerFile, load_tokenizer, resolve_tokenizer
 from study.errors import StudyError

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from study.data.cache import cache_key, fingerprint_path
-from study.data.config import EMBEDDED, DataConfig, cache_root, tokenize_procs
+from study.config.data import EMBEDDED, DataConfig, cache_root, tokenize_procs
 from study.data.corpus import build_docstring_corpus
 from study.errors import StudyError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from study.data.cache import build_once, file_digest
-from study.data.config import EOS_CANDIDATES, TRAIN_BPE, DataConfig
+from study.config.data import EOS_CANDIDATES, TRAIN_BPE, DataConfig
 from study.errors import StudyError
 
 if TYPE_CHECKING:

@@ -19,21 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from study.config.geometry import GEOMETRIES, check_radius
 from study.errors import StudyError
-
-GEOMETRIES = ("raw", "spherical", "hyperbolic")
-
 
 def check_geometry(geometry: str) -> None:
     if geometry not in GEOMETRIES:
         raise StudyError("geometry", f"unknown geometry {geometry!r}", f"use one of {', '.join(GEOMETRIES)}")
-
-
-def check_radius(radius: float) -> None:
-    if not 0.0 < radius < 1.0:
-        raise StudyError(
-            "hyperbolic_radius", f"{radius} is not inside the unit Poincare ball", "use a radius in (0, 1), e.g. 0.9"
-        )
 
 
 def unit_normalise(x: np.ndarray) -> np.ndarray:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from study.geometry.allocate import STATISTICS
-from study.geometry.geometries import GEOMETRIES
+from study.config.geometry import STATISTICS
+from study.config.geometry import GEOMETRIES
 
 _TITLES = {"shift": "shift", "gw": "metric distortion (GW)", "topo": "topological change (H1 W2)"}
 

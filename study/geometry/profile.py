@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from study.geometry.allocate import STATISTICS, AllocationConfig
+from study.config.geometry import STATISTICS, AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances
 from study.geometry.work import gromov_wasserstein, h1_diagram, shift, timed_diagram_w2, twonn_dimension

@@ -1,5 +1,5 @@
-"""Model definitions. The configs import without torch; the modules need it."""
+"""The models of both studies: llama and olmo2 blocks with SwiGLU or hourglass FFNs (`transformer`, `layers`)."""
 
-from study.models.config import FFNConfig, ModelConfig
+from study.models.transformer import Transformer, build_model
 
-__all__ = ["FFNConfig", "ModelConfig"]
+__all__ = ["Transformer", "build_model"]

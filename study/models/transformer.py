@@ -5,11 +5,15 @@
     logits = LMHead(RMSNorm(out_L))
 
 FFN is SwiGLU (width d_ff[l]) or hourglass (K residual sub-MLPs of width d_h). Every block's FFN width comes from
-`cfg.ffn.widths`, set by the budget matcher. CPU recipe:
+`cfg.ffn.widths`, set by the budget matcher (a run spec carries them). CPU recipe (a doctest):
 
-    from study.models import build_model, ModelConfig
-    model = build_model(resolved_cfg, device="cpu")      # meta build, then real init
-    logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    >>> import torch
+    >>> from study.config.model import FFNConfig, ModelConfig
+    >>> from study.models import build_model
+    >>> cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, vocab_size=256, ffn=FFNConfig(widths=[128, 96]))
+    >>> model = build_model(cfg, device="cpu")            # meta build, then real init
+    >>> model(torch.randint(0, cfg.vocab_size, (2, 16))).shape
+    torch.Size([2, 16, 256])
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from study.models.config import ModelConfig
+from study.config.model import ModelConfig
 from study.models.layers import Attention, HourglassFFN, SwiGLU, rope_tables
 
 
@@ -76,12 +80,11 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        x = self.norm(x)
-        return x if return_hidden else self.lm_head(x)
+        return self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,15 +1,19 @@
-"""`study status`: every planned run of an experiment with its MLflow state and its scheduler's view of it."""
+"""`study status`: every launched run of an experiment with its MLflow state and its scheduler's view of it.
+
+Without overrides the runs are those of the experiment's last launch (its manifest), so a sweep launched with
+`train.lr=...` or `cluster=h100` shows as launched without repeating them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from study import checkpoint
-from study.launch import ACTIVE, journal, slurm_states
-from study.plan import plan_experiment, run_dir
-
-DEAD = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-        "VANISHED"}
+from study import schema
+from study.launch.manifest import latest_manifest
+from study.launch.scheduler import ACTIVE, DEAD, journal, slurm_states
+from study.plan.planner import Plan, plan_experiment
+from study.track.query import runs_by_key
+from study.train import checkpoint
 
 
 @dataclass
@@ -42,35 +46,38 @@ def _verdict(mlflow: str, job_state: str, submitted: bool) -> str:
     return "not submitted" if not submitted else (mlflow.lower() if mlflow != "-" else "not started")
 
 
-def experiment_status(experiment: str, overrides: list[str]) -> list[RunStatus]:
-    from study.mlflow_store import mlflow_client
-    from study.tracking import resolve_tracking_uri
+def launched_plan(experiment: str, overrides: list[str]) -> Plan:
+    """The plan of the experiment's last launch when no overrides are given, else the plan of the overrides."""
+    if not overrides:
+        probe = plan_experiment(experiment, [])
+        cfg = probe.runs[0].config
+        manifest = latest_manifest(cfg.paths.runs, experiment, cfg.tracking.uri)
+        if manifest is not None and manifest["overrides"]:
+            return plan_experiment(experiment, manifest["overrides"])
+        return probe
+    return plan_experiment(experiment, overrides)
 
-    plan = plan_experiment(experiment, overrides)
-    cfg0 = plan.runs[0].cfg
-    client = mlflow_client(resolve_tracking_uri(cfg0.tracking.uri))
-    exp = client.get_experiment_by_name(experiment)
-    runs = {}
-    if exp is not None:
-        for r in client.search_runs([exp.experiment_id], max_results=5000):
-            if "study.run_key" in r.data.tags:
-                runs[r.data.tags["study.run_key"]] = r
-    jobs = journal(plan)
+
+def experiment_status(experiment: str, overrides: list[str], plan: Plan | None = None) -> list[RunStatus]:
+    plan = plan or launched_plan(experiment, overrides)
+    cfg0 = plan.runs[0].config
+    runs = runs_by_key(experiment, cfg0.tracking.uri)
+    jobs = journal(cfg0.paths.runs, experiment)
     states = slurm_states([e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"])
     out = []
     for planned in plan.runs:
         r = runs.get(planned.key)
         entry = jobs.get(planned.key, {})
-        job_id = r.data.tags.get("study.slurm_job_id", entry.get("job_id", "-")) if r else entry.get("job_id", "-")
+        job_id = r.data.tags.get(schema.TAG_SLURM_JOB, entry.get("job_id", "-")) if r else entry.get("job_id", "-")
         job_state = states.get(entry.get("job_id", ""), "-") if entry.get("scheduler") == "slurm" else (
             "local" if entry else "-")
-        latest = checkpoint.latest(run_dir(planned.cfg, planned.key))
+        latest = checkpoint.latest(planned.run_dir.path)
         mlflow = r.info.status if r else "-"
         out.append(RunStatus(
-            planned.key, planned.name, planned.cfg.stage, mlflow, job_id, job_state,
+            planned.key, planned.name, planned.stage, mlflow, job_id, job_state,
             int(latest.name.split("_")[-1]) if latest else None,
-            r.data.metrics.get("val/loss") if r else None,
-            int(r.data.tags.get("study.restarts", "0")) if r else 0,
+            r.data.metrics.get(schema.VAL_LOSS) if r else None,
+            int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
             _verdict(mlflow, job_state, bool(entry)),
         ))
     return out

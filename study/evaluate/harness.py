@@ -28,7 +28,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
-from study.data.config import EOS_CANDIDATES
+from study.config.data import EOS_CANDIDATES
 from study.data.tokenizer import load_tokenizer
 from study.errors import StudyError
 

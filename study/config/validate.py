@@ -1,21 +1,23 @@
-"""Checks of a composed run config that need no files, data or scheduler: run by `study plan` for every run, so an
-experiment with a bad setting submits nothing, and again by `study train` before anything is written."""
+"""The checks of a composed run config, in one place: the composer runs them for every run it builds, so an experiment
+with a bad setting plans, writes and submits nothing. (Model shapes are checked by the budget matcher, the geometry
+section by its own `__post_init__`.)"""
 
 from __future__ import annotations
 
-from study.config import RunConfig
+from study.config.data import validate_data
+from study.config.run import RunConfig
 from study.errors import StudyError
 
 CHOICES = {
-    "train.schedule": ("cosine", "wsd"),
+    "train.lr_schedule": ("cosine", "wsd"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
     "stage": ("train", "reference", "scheduled"),
 }
 POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "train.eval_batches",
-            "train.ckpt_interval", "train.keep_last", "train.log_interval", "data.seq_len", "eval.batch_size",
+            "train.ckpt_interval", "train.keep_last", "train.log_interval", "eval.batch_size",
             "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.time_min",
-            "cluster.array_parallelism")
+            "cluster.array_parallelism", "tracking.batch_points")
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
                 "cluster.signal_delay_s", "cluster.mem_gb", "eval.limit")
@@ -51,9 +53,7 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise StudyError("data.seq_len", f"{cfg.data.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}",
                          "raise model.max_seq_len or lower data.seq_len")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise StudyError("data.val_fraction", f"must lie strictly between 0 and 1, got {cfg.data.val_fraction}",
-                         "use e.g. 0.01")
+    validate_data(cfg.data, files=False)
     if cfg.cluster.signal_delay_s >= cfg.cluster.time_min * 60:
         raise StudyError("cluster.signal_delay_s", f"the USR2 warning ({cfg.cluster.signal_delay_s} s) comes before "
                          f"the job even starts (time limit {cfg.cluster.time_min} min)",

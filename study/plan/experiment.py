@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from study.config import group_file, group_options, load_yaml, sweeps_dir
+from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common")

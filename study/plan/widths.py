@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from study.errors import StudyError
-from study.models.config import FFNConfig
+from study.config.model import FFNConfig
 
 
 def cosine_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0.5) -> list[float]:

@@ -1,6 +1,8 @@
 """What a launched job runs: training (then evaluation) of one run, or the geometry profile of a reference run.
 
-The callables are pickled by submitit and executed on the cluster node (or as a local process). Preemption: the
+The callables are pickled by submitit and executed on the cluster node (or as a local process). Each holds only its
+run directory and reads the run spec there when it starts; a scheduled run's spec is completed from its
+reference's profile here, once, and written back before training. Preemption: the
 training loop saves a checkpoint when SIGUSR2/SIGTERM arrives (agreed across ranks), then rank 0 requeues the SLURM
 job while requeues remain; a plain `scontrol requeue` or node failure restarts the job, which resumes from its
 latest complete checkpoint.
@@ -15,15 +17,7 @@ from dataclasses import dataclass
 
 import submitit
 
-from study.config import RunConfig, run_key
-
-
-def clean_env() -> None:
-    """Launching from inside a SLURM job must not leak the outer job's identity into the inner one."""
-    for name in list(os.environ):
-        if name.startswith(("SLURM_", "SUBMITIT_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                               "MASTER_PORT"):
-            del os.environ[name]
+from study.config.spec import RunSpec, read_spec, write_spec
 
 
 def _requeue_self(max_requeues: int) -> bool:
@@ -48,42 +42,55 @@ class TrainJob(submitit.helpers.Checkpointable):
     Checkpointable: a USR2 that lands before the training loop has taken over the signal (imports, data
     preparation, the final evaluation) makes submitit requeue the same job, which resumes from its checkpoint."""
 
-    cfg: RunConfig
+    run_dir: str
 
     def __call__(self) -> dict:
         import torch
 
-        from study.distributed import teardown
-        from study.train import train
+        from study.train.distributed import teardown
+        from study.train.loop import train
 
+        spec = _completed(read_spec(self.run_dir))
         # one BLAS pool per rank sized to its CPUs: oversubscribed pools are slower than fewer threads
-        torch.set_num_threads(max(1, self.cfg.cluster.cpus_per_task))
-        outcome = train(self.cfg)
+        torch.set_num_threads(max(1, spec.config.cluster.cpus_per_task))
+        outcome = train(spec)
         teardown()
         if outcome.status == "PREEMPTED":
             if "TERM" in (outcome.reason or ""):
                 # SLURM itself is cancelling or requeueing the job: the checkpoint is saved, the decision is SLURM's
                 sys.exit(-1)
-            if _requeue_self(self.cfg.cluster.max_requeues):
+            if _requeue_self(spec.config.cluster.max_requeues):
                 # exit without a result, as submitit does itself after a requeue: the job runs again
                 sys.exit(-1)
-            raise RuntimeError(f"run {run_key(self.cfg)} was stopped ({outcome.reason}) and cannot be requeued")
+            raise RuntimeError(f"run {spec.key} was stopped ({outcome.reason}) and cannot be requeued")
         if outcome.status == "FAILED":
-            raise RuntimeError(f"run {run_key(self.cfg)} failed: {outcome.reason}")
-        if self.cfg.eval.after_train and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-            from study.evaluation_run import evaluate_run
+            raise RuntimeError(f"run {spec.key} failed: {outcome.reason}")
+        if spec.config.eval.after_train and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            from study.evaluate.stage import evaluate_run
 
-            evaluate_run(self.cfg)
-        return {"run_key": run_key(self.cfg), "val_loss": outcome.val_loss, "step": outcome.step}
+            evaluate_run(spec)
+        return {"run_key": spec.key, "val_loss": outcome.val_loss, "step": outcome.step}
 
 
 @dataclass
 class ProfileJob(submitit.helpers.Checkpointable):
     """Measure the geometric work of a finished reference run (writes its profile.json)."""
 
-    cfg: RunConfig
+    run_dir: str
 
     def __call__(self) -> str:
         from study.geometry.run_profile import profile_run
 
-        return str(profile_run(self.cfg))
+        return str(profile_run(read_spec(self.run_dir)))
+
+
+def _completed(spec: RunSpec) -> RunSpec:
+    """A scheduled run's spec with its widths, from its reference's profile (done once, then read back)."""
+    if spec.pending is None:
+        return spec
+    from study.plan.complete import complete_spec
+
+    spec = complete_spec(spec)
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        write_spec(spec)
+    return spec

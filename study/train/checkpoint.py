@@ -8,19 +8,20 @@ a write killed halfway (a `.partial` folder) is never loaded, and is removed by 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from study.distributed import Dist, barrier
+from study.schema import RunDir
+from study.train.distributed import Dist, barrier
+from study.train.state import TrainState
 
 PREFIX = "step_"
 PARTIAL = ".partial"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def _step_of(path: Path) -> int:
@@ -44,14 +45,14 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(run_dir: Path, step: int, model, optimizer, state: dict[str, Any], d: Dist, keep_last: int) -> Path:
+def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last: int) -> Path:
     """Save on every rank (collective). Returns the completed folder."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = checkpoint_dir(run_dir)
-    final = root / f"{PREFIX}{step:08d}"
+    final = root / f"{PREFIX}{state.step:08d}"
     partial = root / f"{final.name}{PARTIAL}"
     if d.is_main:
         for stale in root.glob(f"{PREFIX}*{PARTIAL}") if root.is_dir() else []:
@@ -65,7 +66,7 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict[str, Any], d: D
     torch.save(_rng_state(), partial / f"rng_rank{d.rank}.pt")
     barrier(d)
     if d.is_main:
-        (partial / "train_state.json").write_text(json.dumps({**state, "step": step, "world_size": d.world_size}))
+        TrainState(**{**state.__dict__, "world_size": d.world_size}).write(partial / "train_state.json")
         partial.rename(final)
         for old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -73,7 +74,7 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict[str, Any], d: D
     return final
 
 
-def load(path: Path, model, optimizer, d: Dist) -> dict[str, Any]:
+def load(path: Path, model, optimizer, d: Dist) -> TrainState:
     """Restore model, optimizer and this rank's RNG from a complete checkpoint; returns its train state."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -83,9 +84,9 @@ def load(path: Path, model, optimizer, d: Dist) -> dict[str, Any]:
     target = {"model": model_sd, "optim": optim_sd}
     dcp.load(target, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
-    state = json.loads((path / "train_state.json").read_text())
+    state = TrainState.read(path / "train_state.json")
     rng_file = path / f"rng_rank{d.rank}.pt"
-    if rng_file.is_file() and state.get("world_size") == d.world_size:
+    if rng_file.is_file() and state.world_size == d.world_size:
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return state
 

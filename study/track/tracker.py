@@ -8,7 +8,7 @@ A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, while a `log_batch
 (server down, HTTP errors, SQLite "database is locked") keeps points buffered and retried with backoff; training never
 waits for MLflow. MLflow's HTTP client also retries inside each call (MLFLOW_HTTP_REQUEST_MAX_RETRIES, default 7:
 up to about 2 minutes in one call); the buffer makes that harmless, and a lower value lands points sooner after an
-outage. mlflow is imported inside functions: `study plan` imports this module for `TrackingConfig`.
+outage. mlflow is imported inside functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from study.config.sections import TrackingConfig
 from study.errors import StudyError
-from study.mlflow_params import flatten, plain
-from study.mlflow_store import (
+from study.track.params import flatten, plain
+from study.track.store import (
     call_with_retries,
     find_runs,
     get_or_create_experiment,
@@ -50,42 +50,9 @@ MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
 
 
-@dataclass
-class TrackingConfig:
-    """How training runs reach MLflow."""
-
-    uri: str = ""
-    """Tracking URI; empty means $MLFLOW_TRACKING_URI, else an SQLite store `sqlite:///<cwd>/mlflow.db`."""
-    flush_interval_s: float = 2.0
-    """Seconds between background flushes of buffered metric points."""
-    max_buffer: int = 200_000
-    """Most metric points held in memory during an outage (about 30 MB); beyond it the oldest are dropped, counted."""
-    batch_points: int = 1000
-    """Metric points per `log_batch` call (MLflow accepts at most 1000)."""
-    retry_initial_s: float = 1.0
-    """Wait after the first failed call; it doubles on each further failure, with +-50 % jitter."""
-    retry_max_s: float = 30.0
-    """Longest wait between retries."""
-    open_timeout_s: float = 300.0
-    """How long `Tracker.open` keeps retrying an unreachable or locked store before giving up."""
-    checkpoint_flush_s: float = 10.0
-    """Longest wait, before each checkpoint, for buffered points to land (an outage then only delays them)."""
-    terminate_timeout_s: float = 10.0
-    """Time `close` allows for ending the run after its flush deadline has passed."""
-
-
 def resolve_tracking_uri(uri: str = "") -> str:
     """`uri` if given, else $MLFLOW_TRACKING_URI, else an absolute SQLite store in the working directory."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def ensure_experiment(name: str, uri: str = "", cfg: TrackingConfig | None = None) -> str:
-    """The id of experiment `name`, created (artifacts next to an SQLite store) or restored if needed."""
-    cfg = cfg or TrackingConfig(uri=uri)
-    uri = resolve_tracking_uri(uri or cfg.uri)
-    deadline = time.monotonic() + cfg.open_timeout_s
-    client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
-    return call_with_retries(lambda: get_or_create_experiment(client, uri, name), cfg, deadline, "ensure experiment")
 
 
 class Tracker:

@@ -14,10 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from study.tracking import TrackingConfig
+from study.config.sections import TrackingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -58,11 +58,12 @@ def tokenize_procs(cfg: DataConfig) -> int:
     return cfg.num_proc or len(os.sched_getaffinity(0))
 
 
-def validate_data(cfg: DataConfig) -> None:
-    """Reject a bad data config before anything is tokenised or submitted."""
+def validate_data(cfg: DataConfig, files: bool = True) -> None:
+    """Reject a bad data config before anything is tokenised or submitted; `files` also checks that local datasets
+    and tokenizers exist (where the data is read, not where a cluster run is planned)."""
     if not cfg.name:
         raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
-    if _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
+    if files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
         raise StudyError("data.name", f"no dataset at {cfg.name}",
                          f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
     if not cfg.text_field:
@@ -80,7 +81,7 @@ def validate_data(cfg: DataConfig) -> None:
         if not 257 <= cfg.vocab_size < 2**32:
             raise StudyError("data.vocab_size", "a byte-level BPE needs 256 byte tokens plus EOS, "
                              f"got {cfg.vocab_size}", "use a value >= 257, e.g. 4096")
-    elif not Path(cfg.tokenizer).expanduser().exists():
+    elif files and not Path(cfg.tokenizer).expanduser().exists():
         raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
                          f"use `{TRAIN_BPE}` to train one on the corpus, or give a tokenizer.json or a transformers "
                          "tokenizer directory")

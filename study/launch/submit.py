@@ -1,34 +1,35 @@
 """`study launch`: submit what an experiment still needs, as SLURM job arrays (or local processes), idempotently.
 
 Stages: training runs (the reference runs among them) -> geometry profiles of finished references -> runs
-scheduled from those profiles, chained with `afterok`. A run whose key is FINISHED in MLflow is skipped, and so is one
-whose job is still pending or running; a failed or vanished run is submitted again and resumes from its checkpoint.
-Every submission is appended to <runs>/<experiment>/_launch/jobs.jsonl so `study status` can name the job.
+scheduled from those profiles, chained with `afterok`. Before anything is submitted every run's spec is written to
+its run directory (`run.json`) and the launch manifest is recorded; each job reads its spec and nothing else. A run
+whose key is FINISHED in MLflow is skipped, and so is one whose job is still pending or running; a failed or vanished
+run is submitted again and resumes from its checkpoint. A relaunch whose overrides change run identities names the
+new runs and asks for `--new-runs` instead of training them silently.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from study.config import ClusterConfig, RunConfig, run_key
+from study.config.sections import ClusterConfig
+from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
-from study.plan import Plan, PlannedRun, plan_experiment, profile_path, run_dir
-
-ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
-          "REQUEUE_FED", "SIGNALING", "STAGE_OUT"}
+from study.launch.manifest import latest_manifest, new_runs, write_manifest
+from study.launch.scheduler import ACTIVE, check_slurm, journal, record, slurm_jobs, slurm_states
+from study.plan.planner import Plan, plan_experiment
+from study.schema import submitit_dir
+from study.track.query import status_by_key
 
 
 @dataclass
 class Stage:
     name: str
     """`train`, `profile` or `scheduled`."""
-    runs: list[PlannedRun]
+    runs: list[RunSpec]
     """Runs (or, for `profile`, the reference runs to profile)."""
     after: list[str] = field(default_factory=list)
     """Job ids this stage waits for (afterok)."""
@@ -36,98 +37,15 @@ class Stage:
     """Filled on submission."""
 
 
-def launch_dir(plan: Plan) -> Path:
-    cfg = plan.runs[0].cfg
-    return Path(cfg.paths.runs).resolve() / cfg.experiment / "_launch"
+def _root(plan: Plan) -> str:
+    return plan.runs[0].config.paths.runs
 
 
-def journal(plan: Plan) -> dict[str, dict]:
-    """Latest submission per run key (and per `profile:<key>`)."""
-    path = launch_dir(plan) / "jobs.jsonl"
-    out: dict[str, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                entry = json.loads(line)
-                out[entry["key"]] = entry
-    return out
-
-
-def record(plan: Plan, entries: list[dict]) -> None:
-    path = launch_dir(plan) / "jobs.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for e in entries:
-            f.write(json.dumps(e) + "\n")
-
-
-def _scheduler_lines(cmd: list[str]) -> list[str]:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return out.stdout.splitlines() if out.returncode == 0 else []
-
-
-def slurm_states(job_ids: list[str]) -> dict[str, str]:
-    """State per job id (array tasks as `<job>_<task>`): squeue for live jobs (sacct can lag behind a submission),
-    sacct for finished ones; `VANISHED` when neither knows the job."""
-    if not job_ids:
-        return {}
-    bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))
-    lines = _scheduler_lines(["sacct", "-n", "-P", "-X", "--format=JobID,State", "-j", bases])
-    lines += _scheduler_lines(["squeue", "-h", "-o", "%i|%T", "-j", bases])
-    states: dict[str, str] = {}
-    for line in lines:
-        jid, _, state = line.partition("|")
-        jid, state = jid.strip(), state.split()[0] if state.strip() else "UNKNOWN"
-        if "[" in jid:  # array tasks not started yet are listed as one line: 12_[3-8%4]
-            base, _, spec = jid.partition("_[")
-            for task in _expand(spec.split("%")[0].rstrip("]")):
-                states[f"{base}_{task}"] = state
-        states[jid] = state
-    return {j: states.get(j, "VANISHED") for j in job_ids}
-
-
-def _expand(spec: str) -> list[int]:
-    out = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def finished_keys(experiment: str, tracking_uri: str = "") -> dict[str, str]:
-    """MLflow status per run key in the experiment (one batch query)."""
-    from study.mlflow_store import mlflow_client, sqlite_path
-    from study.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():  # nothing tracked yet; reading must not create a store
-        return {}
-    client = mlflow_client(uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return {}
-    status: dict[str, str] = {}
-    token = None
-    while True:
-        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
-        for r in page:
-            key = r.data.tags.get("study.run_key")
-            if key:
-                status[key] = r.info.status
-        token = page.token
-        if not token:
-            return status
-
-
-def to_submit(plan: Plan) -> tuple[list[PlannedRun], list[PlannedRun], list[PlannedRun], dict[str, str]]:
+def to_submit(plan: Plan) -> tuple[list[RunSpec], list[RunSpec], list[RunSpec], dict[str, str]]:
     """(train runs, references to profile, scheduled runs) that still need a job; plus MLflow status per key."""
-    cfg0 = plan.runs[0].cfg
-    status = finished_keys(plan.experiment.name, cfg0.tracking.uri)
-    jobs = journal(plan)
+    cfg0 = plan.runs[0].config
+    status = status_by_key(plan.experiment.name, cfg0.tracking.uri)
+    jobs = journal(_root(plan), plan.experiment.name)
     states = slurm_states([e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"])
 
     def busy(key: str) -> bool:
@@ -136,11 +54,11 @@ def to_submit(plan: Plan) -> tuple[list[PlannedRun], list[PlannedRun], list[Plan
             return False
         return states.get(entry["job_id"], "VANISHED") in ACTIVE
 
-    train = [r for r in plan.runs if r.cfg.stage != "scheduled" and status.get(r.key) != "FINISHED" and not busy(r.key)]
-    refs = {d for r in plan.runs if r.cfg.stage == "scheduled" for d in r.depends_on}
-    profile = [r for r in plan.runs if r.key in refs and not profile_path(r.cfg, r.key).is_file()
+    train = [r for r in plan.runs if r.stage != "scheduled" and status.get(r.key) != "FINISHED" and not busy(r.key)]
+    refs = {d for r in plan.runs if r.stage == "scheduled" for d in r.depends_on}
+    profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in plan.runs if r.cfg.stage == "scheduled" and status.get(r.key) != "FINISHED"
+    scheduled = [r for r in plan.runs if r.stage == "scheduled" and status.get(r.key) != "FINISHED"
                  and not busy(r.key)]
     return train, profile, scheduled, status
 
@@ -179,8 +97,8 @@ def _safe_name(text: str) -> str:
 
 def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
-    cfg = plan.runs[0].cfg
-    folder = Path(cfg.paths.runs).resolve() / cfg.experiment / "_submitit"
+    cfg = plan.runs[0].config
+    folder = submitit_dir(cfg.paths.runs, cfg.experiment)
     ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), single=stage == "profile")
     if after:
         ex.update_parameters(dependency="afterok:" + ":".join(after))
@@ -191,24 +109,24 @@ def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
     return _make_sbatch_string(command="python -u -m submitit.core._submit '%j'", folder=ex.folder, **params)
 
 
-def submit_stage(plan: Plan, stage: Stage) -> list[str]:
-    from study.jobs import ProfileJob, TrainJob
+def submit_stage(plan: Plan, stage: Stage) -> list:
+    from study.launch.jobs import ProfileJob, TrainJob
 
-    cfg = plan.runs[0].cfg
-    folder = Path(cfg.paths.runs).resolve() / cfg.experiment / "_submitit" / "%j"
+    cfg = plan.runs[0].config
+    folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
     ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), single=stage.name == "profile")
     if stage.after and cfg.cluster.name != "local":
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
     make = ProfileJob if stage.name == "profile" else TrainJob
     try:
-        jobs = _submit_array(ex, [make(r.cfg) for r in stage.runs])
+        jobs = _submit_array(ex, [make(r.dir) for r in stage.runs])
     except Exception as err:  # sbatch's own message is the useful part
         raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
                          "check the cluster profile (partition, account, qos, time limit) against `sinfo`") from None
     ids = [j.job_id for j in jobs]
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
     prefix = "profile:" if stage.name == "profile" else ""
-    record(plan, [{"key": prefix + r.key, "job_id": j, "stage": stage.name, "scheduler": scheduler,
+    record(_root(plan), plan.experiment.name, [{"key": prefix + r.key, "job_id": j, "stage": stage.name, "scheduler": scheduler,
                    "name": r.name, "time": time.time()} for r, j in zip(stage.runs, ids)])
     stage.job_ids = ids
     return jobs
@@ -223,7 +141,7 @@ def _submit_array(ex, callables: list) -> list:
 def plan_stages(plan: Plan) -> list[Stage]:
     """The stages still to submit, with their dependencies on jobs submitted now or still active."""
     train, profile, scheduled, _ = to_submit(plan)
-    submitted = slurm_jobs(plan)
+    submitted = slurm_jobs(_root(plan), plan.experiment.name)
     stages = []
     if train:
         stages.append(Stage("train", train))
@@ -236,17 +154,12 @@ def plan_stages(plan: Plan) -> list[Stage]:
     return stages
 
 
-def slurm_jobs(plan: Plan) -> dict[str, str]:
-    """SLURM job id per submitted key (`<run key>` or `profile:<run key>`), from the journal."""
-    return {k: e["job_id"] for k, e in journal(plan).items() if e.get("scheduler") == "slurm"}
-
-
 def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:
     """Exactly the upstream array tasks of a stage's runs (a reference run, its profile), not whole arrays."""
     return sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
 
 
-def _upstream(stage: str, run: PlannedRun) -> list[str]:
+def _upstream(stage: str, run: RunSpec) -> list[str]:
     if stage == "profile":
         return [run.key]
     if stage == "scheduled":
@@ -254,32 +167,48 @@ def _upstream(stage: str, run: PlannedRun) -> list[str]:
     return []
 
 
-def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: bool = False, echo=print) -> list[Stage]:
-    """Submit every stage that still has work; returns the stages (with job ids unless dry_run)."""
+def write_specs(plan: Plan) -> None:
+    """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths."""
+    for spec in plan.runs:
+        path = spec.run_dir.spec
+        if spec.pending is not None and path.is_file():
+            try:
+                done = read_spec(path)
+            except StudyError:
+                done = None
+            if done is not None and done.key == spec.key and done.pending is None:
+                spec = replace(done, config=replace(spec.config, model=done.model))
+        write_spec(spec)
+
+
+def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: bool = False, echo=print,
+           new: bool = False) -> list[Stage]:
+    """Submit every stage that still has work; returns the stages (with job ids unless dry_run). `new` allows runs
+    the last launch of the experiment did not have (overrides that change run identities)."""
     plan = plan_experiment(experiment, overrides)
-    cluster = plan.runs[0].cfg.cluster
+    cluster = plan.runs[0].config.cluster
     if cluster.name != "local" and not dry_run:
-        _check_slurm()
+        check_slurm()
+    tracking_uri = plan.runs[0].config.tracking.uri
+    fresh = new_runs([r.key for r in plan.runs], latest_manifest(_root(plan), experiment, tracking_uri))
+    if fresh and not new and not dry_run:
+        names = ", ".join(f"{r.name} ({r.key})" for r in plan.runs if r.key in fresh)
+        raise StudyError("overrides", f"{len(fresh)} of {len(plan.runs)} planned runs of {experiment} are not in its "
+                         f"last launch: the overrides change their identity, so they would train as new runs: {names}",
+                         "pass --new-runs to train them, or relaunch with the last launch's overrides "
+                         "(shown by `study status`)")
     stages = plan_stages(plan)
+    if dry_run:
+        _print_dry_run(plan, stages, cluster, echo)
+        return stages
+    write_specs(plan)
+    write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri)
     if not stages:
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
-    if dry_run:
-        previous: list[str] = []
-        for stage in stages:
-            upstream = {"profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
-            after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
-            echo(f"stage {stage.name}: array of {len(stage.runs)} runs"
-                 + (f", afterok on {', '.join(after)}" if after else ""))
-            for run in stage.runs:
-                echo(f"  {run.key}  {run.name}")
-            echo(sbatch_preview(plan, stage.name, len(stage.runs), after) if cluster.name != "local"
-                 else "  (local processes, no sbatch script)")
-            previous.append(stage.name)
-        return stages
     if cluster.name == "local":
         return _launch_local(plan, stages, echo)
-    submitted = slurm_jobs(plan)
+    submitted = slurm_jobs(_root(plan), experiment)
     for stage in stages:
         stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
         jobs = submit_stage(plan, stage)
@@ -294,20 +223,25 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     return stages
 
 
-def _check_slurm() -> None:
-    try:
-        ok = subprocess.run(["sinfo", "-h"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise StudyError("cluster", f"SLURM is not reachable ({err})",
-                         "start it (eval \"$(slurm/local/up)\") or use cluster=local") from None
-    if ok.returncode != 0:
-        raise StudyError("cluster", f"SLURM is not reachable: {ok.stderr.strip()}",
-                         "check SLURM_CONF, or start the local cluster with eval \"$(slurm/local/up)\"")
+def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:
+    if not stages:
+        echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
+    previous: list[str] = []
+    for stage in stages:
+        upstream = {"profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
+        after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
+        echo(f"stage {stage.name}: array of {len(stage.runs)} runs"
+             + (f", afterok on {', '.join(after)}" if after else ""))
+        for run in stage.runs:
+            echo(f"  {run.key}  {run.name}")
+        echo(sbatch_preview(plan, stage.name, len(stage.runs), after) if cluster.name != "local"
+             else "  (local processes, no sbatch script)")
+        previous.append(stage.name)
 
 
 def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
     """Laptop mode: stages run one after the other, `array_parallelism` processes at a time."""
-    parallel = max(1, plan.runs[0].cfg.cluster.array_parallelism)
+    parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
     failures = []
     for stage in stages:
         echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
@@ -333,7 +267,7 @@ def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
 
     with Live(refresh_per_second=1, transient=False) as live:
         while True:
-            jobs = journal(plan)
+            jobs = journal(_root(plan), plan.experiment.name)
             ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
             states = slurm_states(ids)
             counts: dict[str, int] = {}

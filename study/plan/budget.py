@@ -33,25 +33,13 @@ import copy
 import math
 from dataclasses import asdict, dataclass, replace
 
+from study.config.sections import BudgetConfig
 from study.errors import StudyError
-from study.models.config import BLOCKS, FFN_KINDS, ModelConfig
-from study.schedules import schedule_shape
+from study.config.model import BLOCKS, FFN_KINDS, ModelConfig
+from study.plan.widths import schedule_shape
 
 MODES = ("non_embedding", "total")
 STRATEGIES = ("none", "ffn", "depth", "attention", "width")
-
-
-@dataclass
-class BudgetConfig:
-    mode: str = "non_embedding"
-    """What the budget counts: `non_embedding` (attention + FFN matrices) or `total` (every parameter)."""
-    match: str = "ffn"
-    """Free dimension solved to meet the budget: none, ffn, depth, attention or width."""
-    tolerance: float = 1e-5
-    """Largest accepted |counted - budget| / budget."""
-    target: int = 0
-    """The budget in parameters. 0: the count of the scale's reference conventional model with the same settings
-    (the planner fills it in for every run of an experiment, the experiment's shared settings included)."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""One training run: data, (FSDP) model, AdamW, periodic validation and checkpoints, exact resume, MLflow.
+"""One training run from its run spec: data, (FSDP) model, AdamW, periodic validation and checkpoints, exact
+resume, MLflow.
 
     study train experiment=demo variant=hourglass seed=0      # one process
     study train experiment=demo variant=hourglass --nproc 2   # FSDP2 over gloo (CPU) or NCCL (GPU)
     python -m study.train -m hydra/launcher=submitit_slurm scale=tiny seed=0,1   # Hydra multirun
 
-Resume is exact: the batch of step s is a pure function of (seed, s), the LR schedule a function of s, and the
-checkpoint holds model, optimizer and RNG; a restarted run continues from its latest complete checkpoint and
+The spec says what to build (its matched model) and how to train it; nothing is re-planned here. Resume is exact:
+the batch of step s is a pure function of (seed, s), the LR schedule a function of s, and the checkpoint holds
+model, optimizer, RNG and the `TrainState`; a restarted run continues from its latest complete checkpoint and
 recomputes bit-identical losses (fp32 on CPU). Tracking dedups the re-logged steps.
 """
 
@@ -13,17 +15,20 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from study import checkpoint
-from study.config import LAUNCH_ONLY, RunConfig, run_key, run_name
-from study.distributed import Dist, all_reduce_max, all_reduce_mean, setup
+from study import schema
+from study.config.run import RunConfig
+from study.config.spec import RunSpec, write_spec
 from study.errors import StudyError
-from study.plan import resolve_model, run_dir
-from study.runs import StopRequest, run_tags
+from study.train import checkpoint
+from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, setup
+from study.train.faults import FaultHooks
+from study.train.signals import StopRequest
+from study.train.state import TrainState
+from study.train.step import cross_entropy, train_step
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved its state and wants to be started again
 
@@ -49,8 +54,6 @@ class Outcome:
 def batch_layout(cfg: RunConfig, world: int) -> tuple[int, int]:
     """(micro_batch, grad_accum) per rank; a fixed global batch keeps paired runs' data identical at any world size."""
     t = cfg.train
-    if t.micro_batch <= 0 or t.grad_accum <= 0:
-        raise StudyError("train.micro_batch", "micro_batch and grad_accum must be positive", "use values >= 1")
     if not t.global_batch:
         return t.micro_batch, t.grad_accum
     per_rank, rem = divmod(t.global_batch, world)
@@ -72,17 +75,6 @@ def train_steps(cfg: RunConfig, counted: int, seqs_per_step: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
     return max(1, math.ceil(cfg.train.tokens_per_param * counted / (seqs_per_step * cfg.data.seq_len)))
-
-
-def cross_entropy(logits, targets, z_loss: float):
-    import torch.nn.functional as F
-
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    loss = F.cross_entropy(flat, targets.reshape(-1))
-    if z_loss:
-        # OLMo-2: z = coef * mean(logsumexp(logits)^2) keeps the softmax normaliser near 1
-        loss = loss + z_loss * flat.logsumexp(-1).pow(2).mean()
-    return loss
 
 
 def evaluate(model, data, cfg: RunConfig, d: Dist, micro: int) -> float:
@@ -116,49 +108,41 @@ def wrap_fsdp(model, cfg: RunConfig, d: Dist):
 
 def use_bf16(cfg: RunConfig, d: Dist) -> bool:
     p = cfg.train.precision
-    if p not in ("auto", "fp32", "bf16"):
-        raise StudyError("train.precision", f"unknown precision {p!r}", "use auto, fp32 or bf16")
     return p == "bf16" or (p == "auto" and d.device.startswith("cuda"))
 
 
-def train(cfg: RunConfig) -> Outcome:
-    """Train (or resume) the run `cfg` describes. Collective when world size > 1."""
+def train(spec: RunSpec) -> Outcome:
+    """Train (or resume) the run the spec describes. Collective when world size > 1."""
     import torch
 
-    from study.data import validate_data
-    from study.validate import validate_run
-
-    validate_run(cfg)
-    validate_data(cfg.data)
-    key = run_key(cfg)
-    matched = resolve_model(cfg)
+    cfg, key, model_cfg = spec.config, spec.key, spec.model
     d = setup(cfg.train.device)
-    rdir = run_dir(cfg, key)
+    rdir = spec.run_dir.path
     if d.is_main:
         _writable(rdir)
+        write_spec(spec)  # the run directory always holds the spec that trained it
     micro, accum = batch_layout(cfg, d.world_size)
     seqs_per_step = micro * accum * d.world_size
-    max_steps = train_steps(cfg, matched.params.counted, seqs_per_step)
-    lr = cfg.train.lr or _scaled_lr(matched.params.counted)
+    max_steps = train_steps(cfg, spec.counted, seqs_per_step)
+    lr = cfg.train.lr or _scaled_lr(spec.counted)
     warmup = cfg.train.warmup_steps or max(1, int(0.02 * max_steps))
 
+    from study.config.data import validate_data
     from study.data import prepare_data
 
+    validate_data(cfg.data)
     data = prepare_data(cfg.data)
-    if data.vocab_size > matched.model.vocab_size:
-        raise StudyError("model.vocab_size", f"{matched.model.vocab_size} rows cannot embed the tokenizer's "
+    if data.vocab_size > model_cfg.vocab_size:
+        raise StudyError("model.vocab_size", f"{model_cfg.vocab_size} rows cannot embed the tokenizer's "
                          f"{data.vocab_size} ids", f"set model.vocab_size >= {data.vocab_size}")
-    if data.seq_len > matched.model.max_seq_len:
-        raise StudyError("data.seq_len", f"{data.seq_len} exceeds model.max_seq_len {matched.model.max_seq_len}",
-                         "raise model.max_seq_len or lower data.seq_len")
 
     from study.models.transformer import build_model
-    from study.optim import build_optimizer, build_scheduler
+    from study.train.optim import build_optimizer, build_scheduler
 
     if not d.device.startswith("cuda"):
         _keep_freed_memory()
     torch.manual_seed(cfg.seed)
-    model = build_model(matched.model, d.device, seed=cfg.seed)
+    model = build_model(model_cfg, d.device, seed=cfg.seed)
     if d.world_size > 1:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
@@ -166,73 +150,61 @@ def train(cfg: RunConfig) -> Outcome:
     step_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.train, lr)
 
-    start, state = 0, {}
+    state = TrainState(step=0, max_steps=max_steps, run_key=key)
     found = checkpoint.latest(rdir)
     if found is not None:
         state = checkpoint.load(found, model, optimizer, d)
-        start = state["step"]
+    start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
-    tracker = _open_tracker(cfg, key, matched, d, rdir, max_steps, lr)
+    tracker = _open_tracker(spec, d, max_steps, lr)
     stop = StopRequest.install()
     stream = batch_stream(cfg, data, d, start)
-    progress = _progress(d, start, max_steps, run_name(cfg))
+    progress = _progress(d, start, max_steps, spec.name)
     losses: dict[int, float] = {}
-    val_loss = state.get("val_loss")
+    faults = FaultHooks(cfg.faults)
+    autocast_bf16 = use_bf16(cfg, d) and d.world_size == 1  # FSDP's policy casts sharded runs
     tokens_per_step = seqs_per_step * data.seq_len
-    flops = _flops(matched, cfg)
     t_last, steps_since = time.perf_counter(), 0
     outcome = None
     try:
         for step in range(start + 1, max_steps + 1):
             batches = next(stream)
-            loss_sum = torch.zeros((), device=d.device)
-            for i, (x, y) in enumerate(batches):
-                if d.world_size > 1:  # reduce-scatter gradients once per step, on the last micro batch
-                    model.set_requires_gradient_sync(i == len(batches) - 1)
-                with torch.autocast("cuda", torch.bfloat16, enabled=use_bf16(cfg, d) and d.world_size == 1):
-                    loss = cross_entropy(step_model(x.to(d.device, non_blocking=True)), y.to(d.device), cfg.train.z_loss)
-                (loss / len(batches)).backward()
-                loss_sum += loss.detach()
-            grad_norm = _clip(model, cfg.train.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            loss_sum, grad_norm = train_step(model, step_model, optimizer, scheduler, batches, d.device,
+                                             cfg.train.z_loss, cfg.train.grad_clip, autocast_bf16,
+                                             sharded=d.world_size > 1)
             steps_since += 1
             if step % cfg.train.log_interval == 0 or step == max_steps:
-                mean_loss = float(all_reduce_mean(loss_sum / len(batches), d).item())
-                if step == cfg.faults.nan_at_step:
-                    mean_loss = float("nan")
+                mean_loss = faults.loss(step, float(all_reduce_mean(loss_sum / len(batches), d).item()))
                 if not math.isfinite(mean_loss):
                     raise Diverged(f"training loss is {mean_loss} at step {step}")
                 losses[step] = mean_loss
                 now = time.perf_counter()
                 tps = tokens_per_step * steps_since / (now - t_last)
                 t_last, steps_since = now, 0
-                metrics = {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0],
-                           "train/grad_norm": float(grad_norm.item()), "train/tokens_per_s": tps}
+                metrics = {schema.TRAIN_LOSS: mean_loss, schema.TRAIN_LR: scheduler.get_last_lr()[0],
+                           schema.TRAIN_GRAD_NORM: float(grad_norm.item()), schema.TRAIN_TOKENS_PER_S: tps}
                 if d.device.startswith("cuda"):
-                    metrics["train/mfu"] = flops * tps / (cfg.train.gpu_peak_tflops * 1e12 * d.world_size)
+                    metrics[schema.TRAIN_MFU] = spec.flops_per_token * tps / (cfg.train.gpu_peak_tflops * 1e12
+                                                                             * d.world_size)
                 tracker.log_metrics(metrics, step)
                 progress.update(step, mean_loss, tps)
-            if cfg.faults.sleep_per_step:
-                time.sleep(cfg.faults.sleep_per_step)
             if step % cfg.train.eval_interval == 0 or step == max_steps:
-                val_loss = evaluate(step_model, data, cfg, d, micro)
-                tracker.log_metrics({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step)
-            if step == cfg.faults.stop_at_step:
-                stop.signal_name = "SIGUSR2 (injected)"
+                state.val_loss = evaluate(step_model, data, cfg, d, micro)
+                tracker.log_metrics({schema.VAL_LOSS: state.val_loss,
+                                     schema.VAL_PPL: math.exp(min(state.val_loss, 50.0))}, step)
+            faults.after_step(step, stop)
+            state.step = step
             stopping = all_reduce_max(float(stop.requested), d) > 0
             if step % cfg.train.ckpt_interval == 0 or step == max_steps or stopping:
                 # points up to the checkpoint must land before it counts: a resumed run never recomputes them
                 tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
-                checkpoint.save(rdir, step, model, optimizer, {"val_loss": val_loss, "max_steps": max_steps},
-                                d, cfg.train.keep_last)
+                checkpoint.save(rdir, model, optimizer, state, d, cfg.train.keep_last)
             if stopping and step < max_steps:
                 outcome = Outcome("PREEMPTED", step, None, losses, f"stopped by {stop.signal_name} at step {step}")
                 break
         else:
-            outcome = Outcome("FINISHED", max_steps, val_loss, losses)
+            outcome = Outcome("FINISHED", max_steps, state.val_loss, losses)
     except Diverged as err:
         outcome = Outcome("FAILED", step, None, losses, str(err))
     except BaseException as err:
@@ -242,17 +214,18 @@ def train(cfg: RunConfig) -> Outcome:
         stream.close()
         progress.close()
         stop.uninstall()
-    _finish(outcome, tracker, cfg, rdir, d)
+    _finish(outcome, tracker, spec, d)
     return outcome
 
 
-def _finish(outcome: Outcome, tracker, cfg: RunConfig, rdir: Path, d: Dist) -> None:
+def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
     if outcome.status == "PREEMPTED":
-        tracker.log_metrics({"train/preempted_at": outcome.step}, outcome.step)
+        tracker.log_metrics({schema.TRAIN_PREEMPTED_AT: outcome.step}, outcome.step)
         tracker.close("KILLED", outcome.reason)
         return
     if outcome.status == "FINISHED" and d.is_main:
-        (rdir / "result.json").write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step}))
+        spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
+                                                   "run_key": spec.key}))
     tracker.close(outcome.status, outcome.reason)
 
 
@@ -291,25 +264,9 @@ def _writable(rdir: Path) -> None:
 
 
 def _scaled_lr(counted: int) -> float:
-    from study.optim import scaled_lr
+    from study.train.optim import scaled_lr
 
     return scaled_lr(counted)
-
-
-def _flops(matched, cfg: RunConfig) -> float:
-    from study.budget import flops_per_token
-
-    return flops_per_token(matched.model, cfg.data.seq_len)
-
-
-def _clip(model, max_norm: float):
-    """Clip the global gradient norm; returns it as a tensor, read only at log steps (no device sync per step)."""
-    import torch
-
-    if max_norm <= 0:
-        max_norm = float("inf")  # measure the norm for logging, clip nothing
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _checkpoint_blocks(model) -> None:
@@ -320,23 +277,25 @@ def _checkpoint_blocks(model) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
 
 
-def _open_tracker(cfg: RunConfig, key: str, matched, d: Dist, rdir: Path, max_steps: int, lr: float):
-    from study.tracking import Tracker
+def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
+    from study.track.tags import run_tags
+    from study.track.tracker import Tracker
 
-    params = {k: v for k, v in asdict(cfg).items() if k not in LAUNCH_ONLY}
-    params["resolved"] = {"n_layers": matched.model.n_layers, "d_model": matched.model.d_model,
-                          "n_heads": matched.model.n_heads, "ffn_widths": matched.model.ffn.widths,
-                          "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
-    params["params"] = matched.params.as_dict()
-    tracker = Tracker.open(key, cfg.experiment, run_name(cfg), run_tags(cfg, key), params, rank=d.rank, cfg=cfg.tracking)
+    cfg, m = spec.config, spec.model
+    params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
+    params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                          "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
+    params["params"] = spec.params
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, run_tags(spec), params, rank=d.rank,
+                           cfg=cfg.tracking)
     if d.is_main:
         import yaml
 
         tracker.log_dict(asdict(cfg), "config.yaml")
-        tracker.log_dict({"run_key": key, "budget": matched.budget, "mismatch": matched.mismatch,
-                          "params": matched.params.as_dict(), "ffn_widths": matched.model.ffn.widths},
-                         "param_table.json")
-        (rdir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+        tracker.log_dict(spec.as_dict(), "run.json")
+        tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
+                          "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
+        spec.run_dir.config.write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
     return tracker
 
 
@@ -363,33 +322,3 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def main_hydra() -> None:
-    """`python -m study.train [-m] key=value ...`: Hydra (and its launcher plugins) on the sweeps/ tree."""
-    import hydra
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from study.config import RunConfig, typed_defaults, sweeps_dir
-
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
-
-    @hydra.main(version_base=None, config_path=str(sweeps_dir()), config_name="train")
-    def _run(node) -> float | None:
-        from dataclasses import replace
-
-        from hydra.core.hydra_config import HydraConfig
-
-        cfg = OmegaConf.to_object(OmegaConf.merge(typed_defaults(), node))
-        # `experiment` is the group of experiment files here, so ad-hoc grids are named by hydra.job.name
-        job = HydraConfig.get().job.name
-        cfg = replace(cfg, experiment="adhoc" if job == "train" else job)
-        outcome = train(cfg)
-        return outcome.val_loss
-
-    _run()
-
-
-if __name__ == "__main__":
-    main_hydra()

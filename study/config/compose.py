@@ -1,0 +1,205 @@
+"""The one composer: the `sweeps/` tree plus Hydra-grammar overrides into a typed, validated `RunConfig`.
+
+Every path composes here: `study plan/launch/status/report` (per variant and scale of an experiment), `study train`,
+and `python -m study.train` (Hydra expands sweeps and launchers, then hands each job's task overrides to `compose`).
+Order: the primary `sweeps/train.yaml` body <- the selected group files (scale, model, train, data, cluster) <-
+caller layers (an experiment's identity, shared and per-variant settings) <- the overrides.
+
+Overrides follow Hydra's grammar: `key=value`, `+key=value`, `++key=value` set a field; `~key` restores its typed
+default; `group=option` selects a file and `~group` drops the selection. The typed config has a fixed schema, so a
+key it does not have is an error whatever the prefix. Plain OmegaConf merges keep `study plan` fast for hundreds of
+runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from study.config.run import RunConfig
+from study.errors import StudyError
+
+GROUPS = ("scale", "model", "train", "data", "cluster")
+
+
+def sweeps_dir() -> Path:
+    """The config tree: $STUDY_SWEEPS, else the `sweeps/` folder of this checkout."""
+    return Path(os.environ.get("STUDY_SWEEPS") or Path(__file__).resolve().parents[2] / "sweeps")
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (sweeps_dir() / group).glob("*.yaml"))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_yaml_cached(path: Path, mtime_ns: int) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except Exception as exc:  # a YAML syntax error is the user's, not a bug
+        raise StudyError(str(path), f"cannot be read as YAML ({exc})", "fix the file's syntax") from None
+
+
+def clear_cache() -> None:
+    """Forget every parsed YAML file (benchmarks time a cold plan)."""
+    _load_yaml_cached.cache_clear()
+
+
+def load_yaml(path: Path) -> Any:
+    """A YAML file of the tree, cached until the file changes."""
+    return _load_yaml_cached(Path(path), Path(path).stat().st_mtime_ns)
+
+
+def group_file(group: str, option: str) -> Path:
+    path = sweeps_dir() / group / f"{option}.yaml"
+    if not path.is_file():
+        raise StudyError(group, f"unknown option {option!r}", f"use one of {', '.join(group_options(group))}")
+    return path
+
+
+@dataclass
+class Overrides:
+    """Parsed command-line overrides."""
+
+    groups: dict[str, str | None] = field(default_factory=dict)
+    """Group selections (`scale=113M`); None drops the group (`~cluster`)."""
+    values: dict[str, Any] = field(default_factory=dict)
+    """Field values by dotted key."""
+    reset: list[str] = field(default_factory=list)
+    """Fields restored to their typed default (`~train.lr`)."""
+    raw: list[str] = field(default_factory=list)
+    """The overrides as given."""
+
+    def keys(self) -> list[str]:
+        return [*self.groups, *self.values, *self.reset]
+
+
+def parse_overrides(items: list[str], sweeps_ok: bool = False) -> Overrides:
+    """Hydra's override grammar into selections, values and resets; a sweep (`a,b`) only where `sweeps_ok`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    out = Overrides(raw=list(items))
+    if not items:
+        return out
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(items))
+    except HydraException as exc:
+        bad = next((i for i in items if i in str(exc)), " ".join(items))
+        raise StudyError(bad, "is not an override", "write key=value (also +key=value, ++key=value, ~key), "
+                         "e.g. train.lr=3e-4 or scale=113M") from None
+    for item, o in zip(items, parsed):
+        key = o.key_or_group
+        if o.package:
+            raise StudyError(item, "sets a package", "packages (`key@pkg=...`) are not used by study's config tree")
+        if o.is_sweep_override():
+            if not sweeps_ok:
+                raise StudyError(item, "is a sweep", "sweeps run through Hydra's multirun: "
+                                 "python -m study.train -m key=a,b (or list seeds/variants in an experiment file)")
+            continue
+        if o.type == OverrideType.DEL:
+            if key in GROUPS:
+                out.groups[key] = None
+            else:
+                out.reset.append(key)
+        elif key in GROUPS:
+            value = o.value()
+            if not isinstance(value, str):
+                raise StudyError(item, f"selects {key} option {value!r}", f"use one of {', '.join(group_options(key))}")
+            out.groups[key] = value
+        else:
+            out.values[key] = o.value()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def typed_defaults():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(RunConfig)
+
+
+def nested(dotted: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise StudyError(key, "sets a field inside a value", "set the section's fields, not the value's")
+        node[leaf] = value
+    return out
+
+
+def merge_checked(base: Any, node: Any, where: str):
+    """Merge `node` onto the typed config; an unknown key or a wrong type names the field."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.merge(base, node)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or where
+        raise StudyError(str(key), f"is not valid in {where} ({str(exc).splitlines()[0]})",
+                         "check the spelling and type against the typed config in study/config/") from None
+
+
+def _default_of(dotted: str) -> Any:
+    from omegaconf import OmegaConf
+
+    node = typed_defaults()
+    value = OmegaConf.select(node, dotted, default="<missing>")
+    if isinstance(value, str) and value == "<missing>":
+        raise StudyError(f"~{dotted}", "is not a field of the run config", "check the spelling against study/config/")
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]] | None = None,
+            overrides: Overrides | list[str] | None = None) -> RunConfig:
+    """Defaults <- group files (`groups`, then the overrides' selections) <- `layers` <- override values."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from study.config.validate import validate_run
+
+    ov = overrides if isinstance(overrides, Overrides) else parse_overrides(list(overrides or []))
+    primary = load_yaml(sweeps_dir() / "train.yaml")
+    chosen: dict[str, str | None] = {
+        k: v for d in primary.get("defaults", []) if not isinstance(d, str) for k, v in d.items()}
+    chosen.update(groups or {})
+    chosen.update(ov.groups)
+    nodes = [(OmegaConf.to_container(OmegaConf.create({k: v for k, v in primary.items() if k != "defaults"})),
+              "train.yaml")]
+    nodes += [(OmegaConf.to_container(load_yaml(group_file(g, chosen[g]))), f"{g}/{chosen[g]}.yaml")
+              for g in GROUPS if chosen.get(g)]
+    # an ad-hoc run is named after its presets; an experiment's identity layer renames it
+    nodes.append(({"variant": chosen.get("model") or "conventional", "scale": chosen.get("scale") or "tiny"},
+                  "the selected presets"))
+    nodes += list(layers or [])
+    nodes.append((nested(ov.values), "the command-line overrides"))
+    nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
+    # One typed merge of the plain layers is fast; per-layer merges only run to name the culprit.
+    try:
+        merged = OmegaConf.merge(typed_defaults(), *(n for n, _ in nodes))
+    except OmegaConfBaseException:
+        merged = typed_defaults()
+        for node, where in nodes:
+            merged = merge_checked(merged, node, where)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except StudyError:
+        raise
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, StudyError) else None
+        if cause is not None:
+            raise cause from None
+        raise StudyError(str(getattr(exc, "full_key", "config")), f"cannot be resolved ({exc})",
+                         "fix the value or the interpolation") from None
+    validate_run(cfg)
+    return cfg

@@ -1,0 +1,83 @@
+"""How the geometry stage measures a reference run and turns its profile into widths (study 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from study.errors import StudyError
+
+STATISTICS = ("shift", "gw", "topo")
+GEOMETRIES = ("raw", "spherical", "hyperbolic")
+SMOOTHING = ("gaussian", "moving", "none")
+EXPONENTS = ("intrinsic", "constant")
+
+
+def one_of(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise StudyError(field, f"unknown value {value!r}", f"use one of {', '.join(allowed)}")
+
+
+def check_radius(radius: float) -> None:
+    if not 0.0 < radius < 1.0:
+        raise StudyError(
+            "hyperbolic_radius", f"{radius} is not inside the unit Poincare ball", "use a radius in (0, 1), e.g. 0.9"
+        )
+
+
+@dataclass
+class AllocationConfig:
+    """How the geometry stage measures a reference run and turns its profile into widths."""
+
+    statistic: str = "topo"
+    """Work statistic the widths follow: shift, gw (Gromov-Wasserstein) or topo (H1 diagram W2)."""
+    geometry: str = "hyperbolic"
+    """Geometry the statistic is measured in: raw, spherical or hyperbolic."""
+    smoothing: str = "gaussian"
+    """How the per-layer work is smoothed over depth: gaussian, moving (average) or none."""
+    smoothing_width: float = 1.0
+    """Gaussian sigma in layers, or the moving-average window in layers (an odd integer)."""
+    exponent: str = "intrinsic"
+    """Error exponent a_l: intrinsic (2 / TwoNN intrinsic dimension of the layer's input) or constant."""
+    exponent_const: float = 1.0
+    """a for every layer when exponent is constant."""
+    w_min_fraction: float = 0.25
+    """Lower bound of every layer's width, as a fraction of the uniform width."""
+    anti: bool = False
+    """Allocate against the measured direction: work reflected about its midrange (the anti control)."""
+    weight_by_sensitivity: bool = False
+    """Weight layer l by its measured perturbation sensitivity lambda_l (else lambda_l = 1)."""
+    measure_sensitivity: bool = True
+    """Measure perturbation sensitivity when profiling (2 L + 1 extra passes over the profiling batches)."""
+    sensitivity_eps: float = 0.1
+    """Relative scaling of the FFN branch, 1 +- eps, used to measure sensitivity."""
+    hyperbolic_radius: float = 0.9
+    """Radius in the Poincare ball at which unit-normalised states are placed (hyperbolic geometry)."""
+    n_tokens: int = 1024
+    """Tokens sampled from the validation batches to form each layer's cloud."""
+    seed: int = 0
+    """Seed of the token sample (the same positions are used in every layer)."""
+    min_position: int = 1
+    """First sequence position eligible: position 0 is an attention sink with outsized norm, the same state in
+    every sequence that starts with the same token, and would dominate raw distances."""
+    diagram_workers: int = -1
+    """Processes computing the persistence-diagram distances: -1 one per available core, 1 inline (no processes).
+    Workers are spawned, so a script that profiles needs the usual `if __name__ == "__main__":` guard."""
+
+    def __post_init__(self) -> None:
+        one_of("statistic", self.statistic, STATISTICS)
+        one_of("geometry", self.geometry, GEOMETRIES)
+        one_of("smoothing", self.smoothing, SMOOTHING)
+        one_of("exponent", self.exponent, EXPONENTS)
+        check_radius(self.hyperbolic_radius)
+        if self.smoothing == "moving" and (self.smoothing_width < 1 or self.smoothing_width % 2 != 1):
+            raise StudyError("smoothing_width", f"{self.smoothing_width} is not an odd window", "use 1, 3, 5, ...")
+        if self.smoothing == "gaussian" and self.smoothing_width <= 0:
+            raise StudyError("smoothing_width", "a Gaussian needs a positive sigma", "use e.g. 1.0, or smoothing=none")
+        if self.exponent == "constant" and self.exponent_const <= 0:
+            raise StudyError("exponent_const", "the error exponent must be positive", "use e.g. 1.0")
+        if not 0.0 < self.w_min_fraction <= 1.0:
+            raise StudyError("w_min_fraction", f"{self.w_min_fraction} is outside (0, 1]", "use e.g. 0.25")
+        if self.n_tokens < 8:
+            raise StudyError("n_tokens", f"{self.n_tokens} tokens are too few for a cloud", "use e.g. 1024")
+        if self.diagram_workers == 0 or self.diagram_workers < -1:
+            raise StudyError("diagram_workers", f"{self.diagram_workers} processes", "use -1 (all cores), 1 or more")

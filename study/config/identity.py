@@ -1,0 +1,123 @@
+"""Run identity: the run key hashes exactly what changes the trained model's numbers, and nothing else.
+
+Every field of `RunConfig` is placed here, on one side, with a one-line reason (a test walks the config and fails on
+a field that is not). A section can be placed whole. `scheduled` fields join the key of geometry-scheduled runs
+only: they decide those runs' widths and nothing about any other run.
+
+The key is computed once, by the planner, and travels in the run spec; jobs never recompute it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from typing import Any
+
+from study.config.run import RunConfig
+
+SCHEMA_VERSION = 2
+"""Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
+in a clear error instead of being resumed or matched."""
+
+KEY, OUT, SCHEDULED = "key", "out", "scheduled"
+
+FIELDS: dict[str, tuple[str, str]] = {
+    "experiment": (OUT, "a label: the experiment's runs share its run-directory root and MLflow experiment"),
+    "variant": (OUT, "a label for reports; the model fields say what the run computes"),
+    "baseline": (OUT, "which variant the report pairs against"),
+    "stage": (OUT, "a role in the pipeline (a reference is an ordinary trained run)"),
+    "scale": (OUT, "a label; the shape it selects is hashed through the model fields"),
+    "seed": (KEY, "initialisation and data order"),
+    "model": (KEY, "the architecture and its declared shape"),
+    "budget.mode": (KEY, "what the budget counts: decides the matched shape"),
+    "budget.match": (KEY, "which dimension is solved: decides the matched shape"),
+    "budget.target": (KEY, "the budget in parameters: decides the matched shape"),
+    "budget.tolerance": (OUT, "a check on the match, not an input to it"),
+    "data.name": (KEY, "the corpus"),
+    "data.config_name": (KEY, "the corpus configuration"),
+    "data.text_field": (KEY, "which column is the text"),
+    "data.train_split": (KEY, "the training documents"),
+    "data.val_split": (KEY, "which documents are held out"),
+    "data.val_fraction": (KEY, "which documents are held out, hence which are trained on"),
+    "data.tokenizer": (KEY, "the tokenizer"),
+    "data.vocab_size": (KEY, "the trained BPE's vocabulary"),
+    "data.eos_token": (KEY, "the document separator in the token stream"),
+    "data.seq_len": (KEY, "the training windows"),
+    "data.max_docs": (KEY, "the training documents kept"),
+    "data.max_bytes": (KEY, "the training documents kept"),
+    "data.cache_dir": (OUT, "a path"),
+    "data.num_proc": (OUT, "tokenising parallelism; the shards are the same"),
+    "train.micro_batch": (KEY, "the batch (and the accumulation order of a fixed global batch)"),
+    "train.grad_accum": (KEY, "the batch"),
+    "train.global_batch": (KEY, "the batch"),
+    "train.max_steps": (KEY, "the training length"),
+    "train.tokens_per_param": (KEY, "the training length when max_steps is 0"),
+    "train.lr": (KEY, "the optimizer"),
+    "train.min_lr_ratio": (KEY, "the LR schedule"),
+    "train.warmup_steps": (KEY, "the LR schedule"),
+    "train.lr_schedule": (KEY, "the LR schedule"),
+    "train.decay_fraction": (KEY, "the LR schedule"),
+    "train.weight_decay": (KEY, "the optimizer"),
+    "train.beta1": (KEY, "the optimizer"),
+    "train.beta2": (KEY, "the optimizer"),
+    "train.eps": (KEY, "the optimizer"),
+    "train.grad_clip": (KEY, "the optimizer"),
+    "train.z_loss": (KEY, "the loss"),
+    "train.precision": (KEY, "the arithmetic"),
+    "train.eval_interval": (OUT, "validation cadence: validation never changes the weights"),
+    "train.eval_batches": (OUT, "an evaluation-only setting"),
+    "train.ckpt_interval": (OUT, "checkpoint cadence: resume is exact"),
+    "train.keep_last": (OUT, "checkpoint retention"),
+    "train.log_interval": (OUT, "logging cadence"),
+    "train.device": (OUT, "where the run executes (precision is hashed)"),
+    "train.compile": (OUT, "a speed switch: the same arithmetic"),
+    "train.activation_checkpointing": (OUT, "a memory switch: the same arithmetic, recomputed"),
+    "train.gpu_peak_tflops": (OUT, "an estimate for MFU and GPU-hours"),
+    "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
+    "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),
+    "eval": (OUT, "downstream evaluation happens after training"),
+    "tracking": (OUT, "where metrics go"),
+    "cluster": (OUT, "cluster resources"),
+    "paths": (OUT, "paths"),
+    "faults": (OUT, "test-only fault injection: a faulted run resumes as the same run"),
+}
+
+
+def placement(dotted: str) -> tuple[str, str]:
+    """(side, reason) of a leaf field: its own entry, else its nearest section's."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        entry = FIELDS.get(".".join(parts[:n]))
+        if entry is not None:
+            return entry
+    raise KeyError(f"{dotted} is not placed in study/config/identity.py FIELDS")
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any]:
+    """What the key hashes: the placed fields (as composed, before matching) and, for a scheduled run, the
+    reference runs its profile comes from."""
+    scheduled = cfg.model.ffn.schedule == "geometry"
+    sides = (KEY, SCHEDULED) if scheduled else (KEY,)
+    payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
+    for dotted, value in _leaves(asdict(cfg)).items():
+        if placement(dotted)[0] in sides:
+            payload[dotted] = value
+    if scheduled:
+        payload["upstream"] = sorted(upstream or [])
+    return payload
+
+
+def run_key(cfg: RunConfig, upstream: list[str] | None = None) -> str:
+    """Short stable hash of the run's identity."""
+    blob = json.dumps(identity(cfg, upstream), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -1,0 +1,59 @@
+"""The whole configuration of one run: which experiment and variant it belongs to, and every section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from study.config.data import DataConfig
+from study.config.geometry import AllocationConfig
+from study.config.model import ModelConfig
+from study.config.sections import (
+    BudgetConfig,
+    ClusterConfig,
+    EvalConfig,
+    FaultsConfig,
+    PathsConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+
+
+@dataclass
+class RunConfig:
+    experiment: str = "adhoc"
+    """Experiment name (the MLflow experiment)."""
+    variant: str = "conventional"
+    """Variant name within the experiment."""
+    baseline: str = "conventional"
+    """Variant this run is paired against in the report."""
+    stage: str = "train"
+    """`train`, `reference` (trains the model a geometry profile is measured on) or `scheduled` (widths from it)."""
+    scale: str = "tiny"
+    """Scale preset name."""
+    seed: int = 0
+    """Initialisation and data-order seed; runs sharing scale and seed are paired."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """Parameter budget and how this variant meets it."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and sequence length."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    geometry: AllocationConfig = field(default_factory=AllocationConfig)
+    """Geometry-scheduled widths (stage `scheduled`)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Downstream evaluation."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where jobs run."""
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    """Where run directories live."""
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Fault injection (tests only)."""
+
+
+def run_name(cfg: RunConfig) -> str:
+    """The MLflow run name (DESIGN schema): `<variant>-<scale>-s<seed>`."""
+    return f"{cfg.variant}-{cfg.scale}-s{cfg.seed}"

@@ -1,0 +1,129 @@
+"""The run spec: one run, resolved once by the planner, frozen, and read by every job that touches the run.
+
+Life of a spec: planned (`study plan` builds it: composed config, matched shape with every per-layer width,
+parameter breakdown, stage, upstream runs, key) -> written (`study launch` or `study train` puts it at
+`<run dir>/run.json` before anything runs) -> consumed (training, evaluation and profiling build their model from
+it alone, never from `sweeps/`) -> completed (a geometry-scheduled run's spec is pending until its reference's
+profile exists; the scheduled run's job fills in the widths once and writes it back before training starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from study.config.identity import SCHEMA_VERSION
+from study.config.run import RunConfig
+from study.errors import StudyError
+from study.schema import RunDir
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    key: str
+    """Run key (study/config/identity.py)."""
+    name: str
+    """MLflow run name, `<variant>-<scale>-s<seed>`."""
+    config: RunConfig
+    """The composed config; `config.model` is the matched model (every per-layer width) once resolved."""
+    dir: str
+    """Absolute run directory."""
+    budget: int
+    """Parameter budget the run is matched to."""
+    params: dict[str, int] | None = None
+    """Parameter breakdown (embedding, attention, ffn, norm, total, counted); None while pending."""
+    mismatch: float | None = None
+    """(counted - budget) / budget; None while pending."""
+    flops_per_token: float | None = None
+    """Training FLOPs per token of the matched model; None while pending."""
+    depends_on: list[str] = field(default_factory=list)
+    """Run keys that must finish first (a scheduled run's reference)."""
+    profile: str = ""
+    """The profile a scheduled run's widths come from (its reference's profile.json)."""
+    pending: str | None = None
+    """Why the widths are not known yet (the stage that will produce them)."""
+    schema: int = SCHEMA_VERSION
+    """Key and spec schema version."""
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.config
+
+    @property
+    def model(self):
+        return self.config.model
+
+    @property
+    def stage(self) -> str:
+        return self.config.stage
+
+    @property
+    def run_dir(self) -> RunDir:
+        return RunDir(self.dir)
+
+    @property
+    def counted(self) -> int:
+        if self.params is None:
+            raise StudyError("run spec", f"run {self.key} has no resolved widths yet ({self.pending})",
+                             "let its upstream stage finish first (study launch chains them)")
+        return self.params["counted"]
+
+    def tokens(self) -> int:
+        t = self.config.train
+        seqs = t.global_batch or t.micro_batch * t.grad_accum
+        if t.max_steps:
+            return t.max_steps * seqs * self.config.data.seq_len
+        return 0 if self.params is None else int(t.tokens_per_param * self.params["counted"])
+
+    def gpu_hours(self) -> float | None:
+        """Estimated GPU-hours at the assumed MFU (an estimate: never part of the key)."""
+        if self.flops_per_token is None:
+            return None
+        t = self.config.train
+        return self.tokens() * self.flops_per_token / (t.gpu_peak_tflops * 1e12 * t.assumed_mfu) / 3600
+
+    def with_config(self, **changes: Any) -> RunSpec:
+        """The spec with config sections replaced (settings outside the key only: tracking, eval, paths...)."""
+        return replace(self, config=replace(self.config, **changes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_spec(spec: RunSpec) -> Path:
+    """Write the spec atomically into its run directory (a job never reads a half-written spec)."""
+    path = spec.run_dir.spec
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(spec.as_dict(), indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_spec(path: Path | str) -> RunSpec:
+    """The spec at `path` (a run.json, or a run directory holding one), checked against this version's schema."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(path)
+    if path.is_dir():
+        path = RunDir(path).spec
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise StudyError("run spec", f"cannot read {path} ({err})",
+                         "plan and launch the run again (study launch EXPERIMENT) to rewrite it") from None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA_VERSION:
+        found = raw.get("schema") if isinstance(raw, dict) else None
+        raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
+                         "relaunch the experiment with this version (new run keys), or use the version that wrote it")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(RunSpec), raw)
+        spec = OmegaConf.to_object(node)
+    except OmegaConfBaseException as exc:
+        raise StudyError("run spec", f"{path} does not match this version's run spec ({str(exc).splitlines()[0]})",
+                         "relaunch the experiment with this version") from None
+    return spec

@@ -1,0 +1,64 @@
+"""Evaluate a trained run on downstream tasks and file the scores under the same MLflow run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from study.config.spec import RunSpec, read_spec
+from study.errors import StudyError
+from study.train import checkpoint
+
+
+def find_run(key: str, runs_root: str = "runs") -> RunSpec:
+    """The spec of the run with this key, from its run directory (<runs>/<experiment>/<key>/run.json)."""
+    if not re.fullmatch(r"[0-9a-f]{12}", key):
+        raise StudyError("RUN_KEY", f"{key!r} is not a run key (12 hexadecimal characters)",
+                         "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT`")
+    found = sorted(Path(runs_root).glob(f"*/{key}/run.json"))
+    if not found:
+        raise StudyError("RUN_KEY", f"no run with key {key!r} under {Path(runs_root).resolve()}",
+                         "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT` (launch it first)")
+    spec = read_spec(found[0])
+    if spec.key != key:
+        raise StudyError("RUN_KEY", f"{found[0]} holds the spec of run {spec.key}, not {key}",
+                         "a run directory holds its own run.json only: relaunch the experiment to rewrite it")
+    return spec
+
+
+def load_trained_model(spec: RunSpec, device: str = "cpu"):
+    """The run's model (built from its spec) with the weights of its latest complete checkpoint."""
+    from study.models.transformer import build_model
+
+    ckpt = checkpoint.latest(spec.run_dir.path)
+    if ckpt is None:
+        raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint yet", "train it first (study train/launch)")
+    if spec.pending is not None:
+        raise StudyError("RUN_KEY", f"run {spec.key}'s spec is still pending ({spec.pending})",
+                         "let its job complete the spec and train it first")
+    model = build_model(spec.model, device, seed=spec.config.seed)
+    checkpoint.load_model_weights(ckpt, model)
+    return model.eval(), ckpt
+
+
+def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | None = None) -> dict:
+    """Score the run's final checkpoint with lm-eval; metrics go to `eval/<task>/<metric>` of its MLflow run."""
+    from study.data import prepare_data
+    from study.evaluate.harness import evaluate_model
+    from study.track.tracker import Tracker
+
+    cfg = spec.config
+    tasks = tasks or cfg.eval.tasks
+    model, ckpt = load_trained_model(spec)
+    data = prepare_data(cfg.data)
+    result = evaluate_model(model, data.tokenizer_path, tasks, limit=limit or cfg.eval.limit or None,
+                            batch_size=cfg.eval.batch_size, eos_token=cfg.data.eos_token)
+    step = int(ckpt.name.split("_")[-1])
+    out = spec.run_dir.eval
+    out.write_text(json.dumps(result["lm_eval"], default=str, indent=1))
+    tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)
+    tracker.log_metrics(result["metrics"], step)
+    tracker.log_artifact(out, "eval.json")
+    tracker.close()
+    return result["metrics"]

@@ -1,0 +1,37 @@
+"""Completing a geometry-scheduled run's spec: widths from its reference's work profile, matched to the budget.
+
+Runs once per scheduled run, in the job that consumes the profile (before training starts), and the completed spec
+is written back to the run directory; `study plan` uses the same function to show widths once a profile exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.errors import StudyError
+from study.geometry.allocate import geometry_widths, read_profile
+from study.plan.budget import flops_per_token, match, target_width
+
+
+def complete_spec(spec: RunSpec) -> RunSpec:
+    """The spec with geometry-allocated widths matched to its budget; a resolved spec is returned as it is."""
+    if spec.pending is None:
+        return spec
+    path = Path(spec.profile) if spec.profile else None
+    if path is None or not path.is_file():
+        raise StudyError("profile", f"the geometry-scheduled run {spec.name} ({spec.key}) has no reference profile"
+                         + (f" at {path}" if path else ""),
+                         "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
+    cfg = spec.config
+    profile = read_profile(path)
+    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry)
+    model = replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths))
+    try:
+        matched = match(model, spec.budget, cfg.budget)
+    except StudyError as err:
+        raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
+    return replace(spec, config=replace(cfg, model=matched.model), params=matched.params.as_dict(),
+                   mismatch=matched.mismatch, flops_per_token=flops_per_token(matched.model, cfg.data.seq_len),
+                   pending=None)

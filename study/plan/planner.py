@@ -1,0 +1,223 @@
+"""Expand an experiment (or one ad-hoc run) into run specs: composed configs, keys, matched shapes, budgets.
+
+The experiment file owns `experiment`, `variant`, `scale`, `seed` (and `baseline`, `stage`): command-line overrides
+apply to every run, `variants.<name>.<key>=value` to one variant's runs. A (variant, scale) is composed and matched
+once; its seeds differ in the seed only.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Any
+
+from study.config.compose import GROUPS, Overrides, compose, nested, parse_overrides, sweeps_dir
+from study.config.identity import run_key
+from study.config.run import RunConfig, run_name
+from study.config.spec import RunSpec
+from study.errors import StudyError
+from study.plan.budget import Matched, flops_per_token, match, reference_budget
+from study.plan.experiment import Experiment, Variant, load_experiment
+from study.schema import RunDir
+
+OWNED = ("experiment", "variant", "scale", "seed", "baseline", "stage")
+"""Fields an experiment file sets for each of its runs."""
+
+
+@dataclass
+class Plan:
+    experiment: Experiment
+    runs: list[RunSpec]
+    overrides: list[str]
+    """The command-line overrides the plan was made with (the launch manifest records them)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"experiment": self.experiment.name, "baseline": self.experiment.baseline,
+                "overrides": self.overrides, "runs": [spec_json(r) for r in self.runs]}
+
+
+def spec_json(spec: RunSpec) -> dict[str, Any]:
+    """One run of `study plan --json`."""
+    m, cfg = spec.model, spec.config
+    return {
+        "run_key": spec.key, "name": spec.name, "variant": cfg.variant, "scale": cfg.scale, "seed": cfg.seed,
+        "stage": cfg.stage, "baseline": cfg.baseline,
+        "model": {
+            "block": m.block, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
+            "n_kv_heads": m.kv_heads, "head_dim": m.dim_head, "vocab_size": m.vocab_size,
+            "tie_embeddings": m.tie_embeddings,
+            "ffn": {"kind": m.ffn.kind, "schedule": m.ffn.schedule, "widths": m.ffn.widths, "k": m.ffn.k,
+                    "sub_norm": m.ffn.sub_norm if m.ffn.kind == "hourglass" else False},
+        },
+        "params": spec.params, "budget": spec.budget, "budget_mode": cfg.budget.mode, "mismatch": spec.mismatch,
+        "pending": spec.pending, "depends_on": spec.depends_on,
+        "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
+    }
+
+
+def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, dict[str, dict[str, Any]]]:
+    """Overrides for every run, and per-variant ones (`variants.hourglass.model.ffn.k=8`)."""
+    ov = parse_overrides(items)
+    for key in ov.keys():
+        if key.split(".")[0] in OWNED:
+            raise StudyError(key, f"is set by the experiment file {exp.name}.yaml for each of its runs",
+                             "select runs with --variant/--scale/--seed (study plan, status), change the experiment "
+                             "file, or set a variant's own value with variants.<name>.<key>=value, "
+                             f"e.g. variants.{exp.variants[-1].name}.model.ffn.k=8")
+    names = [v.name for v in exp.variants]
+    per_variant: dict[str, dict[str, Any]] = {}
+    for key in [k for k in ov.values if k.startswith("variants.")]:
+        parts = key.split(".", 2)
+        if len(parts) < 3 or parts[1] not in names:
+            raise StudyError(key, f"names no variant of {exp.name}" if len(parts) == 3 else "sets no field",
+                             f"write variants.<name>.<key>=value with a name from {', '.join(names)}")
+        if parts[2].split(".")[0] in OWNED:
+            raise StudyError(key, "sets a field the experiment file owns", "change the experiment file instead")
+        per_variant.setdefault(parts[1], {})[parts[2]] = ov.values.pop(key)
+    return ov, per_variant
+
+
+def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
+                own: dict[str, Any] | None = None) -> RunConfig:
+    identity = {"experiment": exp.name, "variant": variant.name, "baseline": exp.baseline, "scale": scale}
+    # A string under a config group in `common` selects that group's file (`data: openwebtext`).
+    groups = {k: v for k, v in exp.common.items() if k in GROUPS and isinstance(v, str)}
+    common = {k: v for k, v in exp.common.items() if k not in groups}
+    layers = [(identity, "the experiment's identity"), (common, f"{exp.name}.yaml: common"),
+              (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}")]
+    run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset, raw=ov.raw)
+    return compose({**groups, "scale": scale, "model": variant.model}, layers=layers, overrides=run_ov)
+
+
+def with_budget(cfg: RunConfig, reference: RunConfig) -> RunConfig:
+    """Fix the run's budget to the count of `reference` (the scale's conventional model with the same settings)."""
+    if cfg.budget.target:
+        return cfg
+    return replace(cfg, budget=replace(cfg.budget, target=reference_budget(reference.model, cfg.budget.mode)))
+
+
+def match_run(cfg: RunConfig) -> Matched:
+    try:
+        return match(copy.deepcopy(cfg.model), cfg.budget.target, cfg.budget)
+    except StudyError as err:
+        raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
+
+
+def make_spec(cfg: RunConfig, key: str, matched: Matched | None, depends_on: list[str] | None = None,
+              profile: str = "", pending: str | None = None) -> RunSpec:
+    rdir = RunDir.of(cfg.paths.runs, cfg.experiment, key)
+    if matched is None:
+        return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
+                       profile=profile, pending=pending)
+    return RunSpec(key, run_name(cfg), replace(cfg, model=matched.model), str(rdir.path), matched.budget,
+                   matched.params.as_dict(), matched.mismatch, flops_per_token(matched.model, cfg.data.seq_len),
+                   list(depends_on or []), profile, None)
+
+
+def _check_unique(exp: Experiment) -> None:
+    if len(set(exp.scales)) != len(exp.scales):
+        dup = next(s for s in exp.scales if exp.scales.count(s) > 1)
+        raise StudyError(f"{exp.name}.yaml: scales", f"lists scale {dup} twice", "list every scale once")
+    for scale, seeds in exp.seeds.items():
+        if len(set(seeds)) != len(seeds):
+            dup = next(s for s in seeds if seeds.count(s) > 1)
+            raise StudyError(f"{exp.name}.yaml: seeds", f"lists seed {dup} twice for scale {scale}",
+                             "list every seed once (a repeated seed would train the same run twice)")
+
+
+def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
+    """Every run of the experiment as a spec, matched to its scale's budget."""
+    from study.plan.complete import complete_spec
+
+    exp = load_experiment(name)
+    _check_unique(exp)
+    ov, per_variant = experiment_overrides(exp, list(overrides or []))
+    runs: list[RunSpec] = []
+    for scale in exp.scales:
+        reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
+        ref_cfg = ref_key = None
+        if exp.reference:
+            ref_variant = next(v for v in exp.variants if v.name == exp.reference[0])
+            ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, ov, per_variant.get(ref_variant.name)),
+                                          reference), seed=exp.reference[1], stage="reference")
+            ref_key = run_key(ref_cfg)
+        for variant in exp.variants:
+            base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
+            scheduled = base.model.ffn.schedule == "geometry"
+            if scheduled and not exp.reference:
+                raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
+                                 "add `reference: {variant: <uniform variant>, seed: 0}` to the experiment")
+            matched = None if scheduled else match_run(base)
+            for seed in exp.seeds[scale]:
+                is_ref = exp.reference == (variant.name, seed)
+                cfg = replace(base, seed=seed, stage="reference" if is_ref else ("scheduled" if scheduled else "train"))
+                if not scheduled:
+                    runs.append(make_spec(cfg, run_key(cfg), matched))
+                    continue
+                profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
+                spec = make_spec(cfg, run_key(cfg, [ref_key]), None, [ref_key], str(profile),
+                                 f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
+                runs.append(complete_spec(spec) if profile.is_file() else spec)
+    _check_distinct(name, runs)
+    return Plan(exp, runs, list(overrides or []))
+
+
+def _check_distinct(name: str, runs: list[RunSpec]) -> None:
+    seen: dict[str, RunSpec] = {}
+    for r in runs:
+        if r.key in seen:
+            raise StudyError(f"{name}.yaml: variants", f"{seen[r.key].name} and {r.name} are the same run ({r.key}): "
+                             "their configs differ in labels only", "make the variants differ, or drop one")
+        seen[r.key] = r
+
+
+def _experiment_names() -> frozenset[str]:
+    return frozenset(p.stem for p in (sweeps_dir() / "experiment").glob("*.yaml"))
+
+
+def plan_adhoc(items: list[str]) -> RunSpec:
+    """One run composed from overrides alone (experiment `adhoc`): `study train` and `python -m study.train` agree."""
+    ov = parse_overrides(items)
+    cfg = compose(overrides=ov)
+    reference = compose(overrides=Overrides(groups={**ov.groups, "model": "conventional"}, values=ov.values,
+                                            reset=ov.reset))
+    cfg = with_budget(cfg, reference)
+    if cfg.model.ffn.schedule == "geometry":
+        raise StudyError("model.ffn.schedule", "a geometry-scheduled run needs the reference run of an experiment",
+                         "train it through an experiment with a `reference` (study launch geometry)")
+    return make_spec(cfg, run_key(cfg), match_run(cfg))
+
+
+def select_run(items: list[str]) -> RunSpec:
+    """The spec `study train` acts on: `experiment=X variant=V scale=S seed=N` picks that planned run (the same spec
+    and key as `study launch`); without an experiment, the overrides compose an ad-hoc run."""
+    selectors = ("experiment", "variant", "scale", "seed")
+    picked = {i.split("=", 1)[0]: i.split("=", 1)[1] for i in items if "=" in i and i.split("=", 1)[0] in selectors}
+    name = picked.get("experiment")
+    if name is None or name not in _experiment_names():  # an ad-hoc run, filed under that experiment name
+        return plan_adhoc(items)
+    rest = [i for i in items if i.split("=", 1)[0] not in selectors]
+    plan = plan_experiment(name, rest)
+    wanted = {k: v for k, v in picked.items() if k != "experiment"}
+    found = [r for r in plan.runs if all(str(getattr(r.config, k)) == v for k, v in wanted.items())]
+    if len(found) != 1:
+        choices = sorted({f"variant={r.config.variant} scale={r.config.scale} seed={r.config.seed}" for r in plan.runs})
+        raise StudyError("variant/scale/seed", f"{len(found)} runs of experiment {name} match "
+                         f"{' '.join(f'{k}={v}' for k, v in wanted.items()) or 'nothing given'}",
+                         f"name one run, e.g. {choices[0]}")
+    return found[0]
+
+
+def filter_runs(plan: Plan, variant: list[str] | None = None, scale: list[str] | None = None,
+                seed: list[int] | None = None) -> Plan:
+    """The plan restricted to some variants, scales or seeds (`--variant`, `--scale`, `--seed`)."""
+    for flag, wanted, have in (("--variant", variant, {r.config.variant for r in plan.runs}),
+                               ("--scale", scale, {r.config.scale for r in plan.runs}),
+                               ("--seed", seed, {r.config.seed for r in plan.runs})):
+        missing = sorted(set(wanted or []) - have, key=str)
+        if missing:
+            raise StudyError(flag, f"{missing[0]} is not in experiment {plan.experiment.name}",
+                             f"use one of {', '.join(map(str, sorted(have, key=str)))}")
+    runs = [r for r in plan.runs if (not variant or r.config.variant in variant)
+            and (not scale or r.config.scale in scale) and (seed is None or not seed or r.config.seed in seed)]
+    return replace(plan, runs=runs)

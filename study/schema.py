@@ -1,0 +1,59 @@
+"""Names other tools rely on, in one place: MLflow tags and metric names (DESIGN.md's schema) and the layout of a
+run directory and of an experiment's launch folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# MLflow tags (users filter the UI by these; analysis reads them)
+TAG_RUN_KEY = "study.run_key"
+TAG_EXPERIMENT = "study.experiment"
+TAG_VARIANT = "study.variant"
+TAG_SCALE = "study.scale"
+TAG_SEED = "study.seed"
+TAG_STAGE = "study.stage"
+TAG_BASELINE = "study.baseline"
+TAG_SLURM_JOB = "study.slurm_job_id"
+TAG_SLURM_RESTARTS = "study.slurm_restart_count"
+TAG_RESTARTS = "study.restarts"
+TAG_KEY_SCHEMA = "study.key_schema"
+# MLflow experiment tags written by `study launch`: the latest launch's overrides and, in chunks, its run keys
+TAG_LAUNCH = "study.launch"
+TAG_LAUNCH_KEYS = "study.launch.keys"
+
+# metric names
+TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM = "train/loss", "train/lr", "train/grad_norm"
+TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PREEMPTED_AT = "train/tokens_per_s", "train/mfu", "train/preempted_at"
+VAL_LOSS, VAL_PPL = "val/loss", "val/ppl"
+EVAL_PREFIX = "eval/"
+
+
+class RunDir:
+    """<runs>/<experiment>/<run key>/: everything one run leaves on disk."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    @classmethod
+    def of(cls, runs_root: str | Path, experiment: str, key: str) -> RunDir:
+        return cls(Path(runs_root).resolve() / experiment / key)
+
+    spec = property(lambda self: self.path / "run.json")
+    """The run spec: what to build and train (written by the launcher, completed by a scheduled run's job)."""
+    config = property(lambda self: self.path / "config.yaml")
+    """The resolved config, for people (also an MLflow artifact)."""
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    result = property(lambda self: self.path / "result.json")
+    """Written when training finished: final step and validation loss."""
+    eval = property(lambda self: self.path / "eval.json")
+    profile = property(lambda self: self.path / "profile.json")
+    """A reference run's geometry profile (and profile.png, widths.png beside it)."""
+
+
+def launch_dir(runs_root: str | Path, experiment: str) -> Path:
+    """<runs>/<experiment>/_launch/: the job journal (jobs.jsonl) and the launch manifest (manifest.jsonl)."""
+    return Path(runs_root).resolve() / experiment / "_launch"
+
+
+def submitit_dir(runs_root: str | Path, experiment: str) -> Path:
+    return Path(runs_root).resolve() / experiment / "_submitit"

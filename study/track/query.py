@@ -1,0 +1,80 @@
+"""Reading an experiment back from MLflow, in one place: every run (paged), runs by run key, and the launch manifest
+kept in the experiment's tags. `study launch`, `study status` and the report all read through here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from study import schema
+from study.track.store import mlflow_client, sqlite_path
+from study.track.tracker import resolve_tracking_uri
+
+PAGE = 1000
+KEYS_PER_TAG = 300
+"""Run keys per experiment tag: 300 x 13 characters stays under MLflow's 5,000-character tag values."""
+
+
+def open_store(tracking_uri: str = ""):
+    """A client on the store, or None when it is an SQLite file that does not exist (reading never creates one)."""
+    uri = resolve_tracking_uri(tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        return None
+    return mlflow_client(uri)
+
+
+def experiment_of(client, experiment: str):
+    return None if client is None else client.get_experiment_by_name(experiment)
+
+
+def all_runs(client, experiment_id: str, filter_string: str = "") -> Iterator:
+    """Every run of the experiment, page by page."""
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=filter_string, max_results=PAGE, page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
+
+
+def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
+    """The MLflow run of each run key in the experiment (the oldest when a race left two)."""
+    client = open_store(tracking_uri)
+    exp = experiment_of(client, experiment)
+    if exp is None:
+        return {}
+    out: dict[str, object] = {}
+    for run in sorted(all_runs(client, exp.experiment_id), key=lambda r: (r.info.start_time, r.info.run_id)):
+        key = run.data.tags.get(schema.TAG_RUN_KEY)
+        if key and key not in out:
+            out[key] = run
+    return out
+
+
+def status_by_key(experiment: str, tracking_uri: str = "") -> dict[str, str]:
+    """MLflow status per run key."""
+    return {k: r.info.status for k, r in runs_by_key(experiment, tracking_uri).items()}
+
+
+def write_manifest_tags(client, experiment_id: str, entry: dict) -> None:
+    """The latest launch in the experiment's tags: overrides and time in `study.launch`, keys in chunks."""
+    keys = entry["keys"]
+    chunks = [keys[i:i + KEYS_PER_TAG] for i in range(0, len(keys), KEYS_PER_TAG)] or [[]]
+    head = {k: v for k, v in entry.items() if k != "keys"}
+    client.set_experiment_tag(experiment_id, schema.TAG_LAUNCH, json.dumps({**head, "chunks": len(chunks)}))
+    for i, chunk in enumerate(chunks):
+        client.set_experiment_tag(experiment_id, f"{schema.TAG_LAUNCH_KEYS}.{i}", ",".join(chunk))
+
+
+def read_manifest_tags(client, experiment: str) -> dict | None:
+    """The latest launch recorded in the experiment's tags, or None."""
+    exp = experiment_of(client, experiment)
+    if exp is None or schema.TAG_LAUNCH not in exp.tags:
+        return None
+    head = json.loads(exp.tags[schema.TAG_LAUNCH])
+    keys: list[str] = []
+    for i in range(int(head.pop("chunks", 0))):
+        keys += [k for k in exp.tags.get(f"{schema.TAG_LAUNCH_KEYS}.{i}", "").split(",") if k]
+    return {**head, "keys": keys}

@@ -1,0 +1,23 @@
+"""The MLflow tags of a training run (DESIGN schema), from its spec and the SLURM environment."""
+
+from __future__ import annotations
+
+import os
+
+from study import schema
+from study.config.identity import SCHEMA_VERSION
+from study.config.spec import RunSpec
+
+
+def run_tags(spec: RunSpec) -> dict[str, str]:
+    """The DESIGN schema's tags; the SLURM job id when the run is a SLURM job."""
+    cfg = spec.config
+    tags = {schema.TAG_RUN_KEY: spec.key, schema.TAG_EXPERIMENT: cfg.experiment, schema.TAG_VARIANT: cfg.variant,
+            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_STAGE: cfg.stage,
+            schema.TAG_BASELINE: cfg.baseline, schema.TAG_KEY_SCHEMA: str(SCHEMA_VERSION)}
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
+    if job:
+        tags[schema.TAG_SLURM_JOB] = job
+        tags[schema.TAG_SLURM_RESTARTS] = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return tags

@@ -1,0 +1,40 @@
+"""`python -m study.train [-m] key=value ...`: Hydra (and its launcher plugins) on the sweeps/ tree.
+
+Hydra expands sweeps and runs each job through its launcher; each job then hands its own task overrides to the same
+planner `study train` uses (`plan_adhoc`), so both paths give the same run, key and budget for the same overrides.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from study.config.compose import sweeps_dir
+    from study.config.run import RunConfig
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+    @hydra.main(version_base=None, config_path=str(sweeps_dir()), config_name="train")
+    def _run(node) -> float | None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from study.errors import StudyError
+        from study.plan.planner import plan_adhoc
+        from study.train.loop import train
+
+        try:
+            spec = plan_adhoc(list(HydraConfig.get().overrides.task))
+        except StudyError as err:
+            print(f"python -m study.train: {err.message}", file=sys.stderr)
+            sys.exit(2)
+        return train(spec).val_loss
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The whole resume state of a run, in one object.
+
+Everything else a restarted run needs is a pure function of this state and the run spec: the LR schedule of the step,
+the batch stream of (seed, step, rank); model and optimizer tensors and each rank's RNG live beside it in the same
+DCP checkpoint (`checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Last completed optimizer step."""
+    max_steps: int = 0
+    """The run's length (fixed when it first started)."""
+    val_loss: float | None = None
+    """Latest validation loss."""
+    world_size: int = 1
+    """Ranks that saved the state (per-rank RNG is restored only at the same world size)."""
+    run_key: str = ""
+    """The run the state belongs to."""
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, path: Path) -> TrainState:
+        raw = json.loads(path.read_text())
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})

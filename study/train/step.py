@@ -1,0 +1,50 @@
+"""One optimizer step, the one the training loop runs and the benchmarks time: micro-batch forward/backward
+(gradients reduced once, on the last micro-batch, under FSDP), global-norm clip, AdamW, the LR schedule."""
+
+from __future__ import annotations
+
+
+def cross_entropy(logits, targets, z_loss: float):
+    import torch.nn.functional as F
+
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    loss = F.cross_entropy(flat, targets.reshape(-1))
+    if z_loss:
+        # OLMo-2: z = coef * mean(logsumexp(logits)^2) keeps the softmax normaliser near 1
+        loss = loss + z_loss * flat.logsumexp(-1).pow(2).mean()
+    return loss
+
+
+def clip_grad_norm(model, max_norm: float):
+    """Clip the global gradient norm; returns it as a tensor, read only at log steps (no device sync per step)."""
+    import torch
+
+    if max_norm <= 0:
+        max_norm = float("inf")  # measure the norm for logging, clip nothing
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train_step(model, forward, optimizer, scheduler, batches, device: str, z_loss: float = 0.0,
+               grad_clip: float = 1.0, autocast_bf16: bool = False, sharded: bool = False):
+    """Run one step on `batches` (a list of (x, y) micro-batches); returns (summed loss, grad norm) as tensors.
+
+    `model` owns the parameters (FSDP-wrapped when `sharded`), `forward` is the callable the batches go through (the
+    model, or its compiled form). Nothing here reads a value back to the host.
+    """
+    import torch
+
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        if sharded:  # reduce-scatter gradients once per step, on the last micro batch
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast_bf16):
+            loss = cross_entropy(forward(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), z_loss)
+        (loss / len(batches)).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm(model, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss_sum, grad_norm
