@@ -23,7 +23,7 @@ from analysis.paired import (CONFIDENCE, JointResult, PairedResult, is_higher_be
 from analysis.render import Block, Heading, Paragraph, Plot, Table, to_html, to_markdown
 from analysis.scaling import ScalingReport, scaling_report
 from study.errors import StudyError
-from study.track.tracker import resolve_tracking_uri
+from study.track.store import resolve_tracking_uri
 
 HEADLINE = "val/loss"
 """The metric of the headline table and of the scaling fit, when the runs logged it."""

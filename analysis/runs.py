@@ -17,7 +17,7 @@ import pandas as pd
 from study.errors import StudyError
 from study.track.store import mlflow_client, sqlite_path
 from study.track.query import all_runs, read_manifest_tags
-from study.track.tracker import resolve_tracking_uri
+from study.track.store import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

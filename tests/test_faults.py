@@ -113,14 +113,17 @@ def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir)
 
 def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_finish(workdir, monkeypatch):
     from slurm_helpers import SMALL, private_sweeps
-    from study.launch.submit import launch
+    from study.launch.submit import LaunchFailed, launch
 
     variants = {"conventional": {"model": "conventional"},
                 # a variant of its own (fault settings alone would not make it another run)
                 "diverging": {"model": "conventional", "set": {"faults.nan_at_step": 5, "train.weight_decay": 0.05}}}
     private_sweeps(workdir, "nan_sweep", variants=variants, seeds=[0, 1])
     monkeypatch.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
-    launch("nan_sweep", ["cluster=local"], echo=lambda m: None)
+    with pytest.raises(LaunchFailed) as failed:  # the launch says which runs failed, and why
+        launch("nan_sweep", ["cluster=local"], echo=lambda m: None)
+    assert str(failed.value).startswith("2 of 4 runs failed") and str(failed.value).count("nan") >= 2
+    assert "diverging-tiny-s0" in str(failed.value) and "diverging-tiny-s1" in str(failed.value)
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")

@@ -47,6 +47,12 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
         assert run.params['counted'] == ref.params['counted'] or abs(run.mismatch) > 0
     geo, anti = scheduled["geometry"].model.ffn.widths, scheduled["anti"].model.ffn.widths
     assert geo != anti and len(set(geo)) > 1
+    from study.config.spec import read_spec
+
+    for planned in pending:  # each job completed its own spec from the profile and wrote it back
+        written = read_spec(planned.dir)
+        assert written.key == planned.key and written.pending is None
+        assert written.model.ffn.widths == scheduled[planned.config.variant].model.ffn.widths
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("geo").experiment_id])

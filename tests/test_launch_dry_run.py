@@ -29,10 +29,25 @@ def test_geometry_profiles_wait_for_reference_runs_and_use_one_gpu():
     assert "#SBATCH --signal=USR2@300" in text and "#SBATCH --requeue" in text
 
 
-def test_config_strings_reach_sbatch_only_as_sanitised_names(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("override,field", [
+    ("cluster.partition='gpu; rm -rf /'", "cluster.partition"),
+    ("cluster.account='lab\nrm -rf /'", "cluster.account"),
+    ("cluster.setup=['module load cuda\nrm -rf /']", "cluster.setup.0"),
+    ("paths.runs='/shared/runs\n#SBATCH --uid=0'", "paths.runs"),
+])
+def test_strings_that_would_reach_sbatch_as_shell_lines_are_refused(override, field, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
-    assert main(["launch", "hourglass", "cluster=h100", "paths.runs=/shared/runs", "--dry-run",
-                 "cluster.partition='gpu; rm -rf /'"]) == 0
+    assert main(["launch", "hourglass", "cluster=h100", "--dry-run", override]) == 2
+    err = capsys.readouterr().err
+    assert f"`{field}`" in err and "Fix:" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_experiment_and_variant_names_reach_sbatch_only_as_sanitised_job_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+    assert main(["launch", "hourglass", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "rm -rf" not in out.replace("#SBATCH --partition='gpu; rm -rf /'", "")
+    names = [line.split("=", 1)[1] for line in out.splitlines() if line.startswith("#SBATCH --job-name=")]
+    assert names == ["hourglass-train"]

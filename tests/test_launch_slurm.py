@@ -30,7 +30,7 @@ def cluster_env(workdir, monkeypatch):
 
 def mlflow_runs(experiment):
     from study.track.store import mlflow_client
-    from study.track.tracker import resolve_tracking_uri
+    from study.track.store import resolve_tracking_uri
 
     client = mlflow_client(resolve_tracking_uri(""))
     exp = client.get_experiment_by_name(experiment)
@@ -43,7 +43,8 @@ def job_ids(stages):
 
 
 def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
-    from study.launch.submit import journal, launch
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
     from study.plan.planner import plan_experiment
     from study.launch.status import experiment_status
 
@@ -55,7 +56,7 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
     assert [s.name for s in stages] == ["train"] and len(stages[0].runs) == 2
     plan = plan_experiment(name, over)
     victim = next(r for r in plan.runs if r.cfg.variant == "hourglass")
-    victim_job = journal(plan)[victim.key]["job_id"]
+    victim_job = journal(plan.runs[0].config.paths.runs, name)[victim.key]["job_id"]
     ckpts = workdir / "runs" / name / victim.key / "checkpoints"
     deadline = time.time() + 300
     while not any(p.name == "step_00000004" for p in ckpts.glob("step_*")) and time.time() < deadline:
@@ -88,7 +89,8 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
 def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env, monkeypatch):
     import json
 
-    from study.launch.submit import journal, launch
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
     from study.plan.planner import plan_experiment
 
     name = "small" + cluster_env
@@ -97,7 +99,7 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
     over = ["cluster=slurm"]
     stages = launch(name, over, echo=lambda m: None)
     plan = plan_experiment(name, over)
-    jobs = journal(plan)
+    jobs = journal(plan.runs[0].config.paths.runs, name)
     a, b = [r for r in plan.runs if r.cfg.variant == "conventional"]
     deadline = time.time() + 300
     for run in (a, b):  # both past their first checkpoint, neither finished

@@ -94,11 +94,22 @@ class RunSpec:
 
 
 def write_spec(spec: RunSpec) -> Path:
-    """Write the spec atomically into its run directory (a job never reads a half-written spec)."""
+    """Write the spec atomically into its run directory (a job never reads a half-written spec); secrets in
+    setup lines are masked (no job reads them)."""
     path = spec.run_dir.spec
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StudyError("paths.runs", f"cannot create the run directory {path.parent} ({os.strerror(err.errno or 0)})",
+                         "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
     tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(spec.as_dict(), indent=1, default=str))
+    from study.track.params import redact
+
+    try:
+        tmp.write_text(json.dumps(redact(spec.as_dict()), indent=1, default=str))
+    except OSError as err:
+        raise StudyError("paths.runs", f"cannot write the run spec {path} ({os.strerror(err.errno or 0)})",
+                         "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
     os.replace(tmp, path)
     return path
 

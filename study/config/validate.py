@@ -1,8 +1,13 @@
 """The checks of a composed run config, in one place: the composer runs them for every run it builds, so an experiment
 with a bad setting plans, writes and submits nothing. (Model shapes are checked by the budget matcher, the geometry
-section by its own `__post_init__`.)"""
+section by its own `__post_init__`, files on disk by `validate_data(files=True)` where the data is read.)"""
 
 from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict
+from typing import Any
 
 from study.config.data import validate_data
 from study.config.run import RunConfig
@@ -15,12 +20,20 @@ CHOICES = {
     "stage": ("train", "reference", "scheduled"),
 }
 POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "train.eval_batches",
-            "train.ckpt_interval", "train.keep_last", "train.log_interval", "eval.batch_size",
-            "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.time_min",
-            "cluster.array_parallelism", "tracking.batch_points")
+            "train.ckpt_interval", "train.keep_last", "train.log_interval", "train.eps", "train.gpu_peak_tflops",
+            "train.assumed_mfu", "eval.batch_size", "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task",
+            "cluster.time_min", "cluster.array_parallelism", "tracking.batch_points", "tracking.max_buffer",
+            "tracking.flush_interval_s", "tracking.retry_initial_s", "tracking.retry_max_s",
+            "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s")
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
                 "cluster.signal_delay_s", "cluster.mem_gb", "eval.limit")
+AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
+"""Upper bounds: MLflow takes at most 1,000 metrics per batch; an MFU is a fraction."""
+URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+# one word SLURM understands: letters, digits and the punctuation of partition lists and constraint expressions
+SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@%&|()\[\]*!-]*$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _get(cfg: RunConfig, dotted: str):
@@ -30,16 +43,86 @@ def _get(cfg: RunConfig, dotted: str):
     return value
 
 
+def _leaves(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield f"{prefix}{i}", v
+    else:
+        yield prefix[:-1], node
+
+
+def _check_values(cfg: RunConfig) -> None:
+    """Strings reach sbatch scripts, file names and shell lines: no control characters anywhere (a newline in a
+    profile string would be a shell line of its own). Numbers must be finite."""
+    for dotted, value in _leaves(asdict(cfg)):
+        if isinstance(value, str) and CONTROL.search(value):
+            raise StudyError(dotted, f"contains a control character ({CONTROL.search(value)[0]!r})",
+                             "write the value on one line, without tabs, newlines or escape characters")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise StudyError(dotted, f"must be a finite number, got {value}", "use a finite value")
+
+
+def _check_cluster(cfg: RunConfig) -> None:
+    c = cfg.cluster
+    for name in ("name", "partition", "account", "qos", "constraint"):
+        if not SLURM_WORD.match(getattr(c, name)):
+            raise StudyError(f"cluster.{name}", f"{getattr(c, name)!r} is not one SLURM word",
+                             "use letters, digits and , . _ - (spaces, quotes and shell characters are refused)")
+    if c.signal_delay_s >= c.time_min * 60:
+        raise StudyError("cluster.signal_delay_s", f"the USR2 warning ({c.signal_delay_s} s) comes before "
+                         f"the job even starts (time limit {c.time_min} min)",
+                         "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
+    t = cfg.train
+    world = c.nodes * (c.gpus_per_node or c.tasks_per_node)
+    if t.global_batch and t.global_batch % (t.micro_batch * world):
+        raise StudyError("train.global_batch", f"{t.global_batch} sequences do not split into {world} ranks of "
+                         f"micro batches of {t.micro_batch}",
+                         f"use a multiple of micro_batch x ranks = {t.micro_batch * world}")
+
+
+def _check_tracking(cfg: RunConfig) -> None:
+    uri = cfg.tracking.uri
+    if not uri:
+        return
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else "file"
+    if scheme not in URI_SCHEMES:
+        raise StudyError("tracking.uri", f"scheme {scheme!r} is not a tracking store MLflow can open",
+                         f"use one of {', '.join(s + '://' for s in URI_SCHEMES)} (or leave it empty)")
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@", uri):
+        raise StudyError("tracking.uri", "holds a password, which would be written to every run's config",
+                         "put credentials in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead")
+
+
+def _check_eval(cfg: RunConfig) -> None:
+    from pathlib import Path
+
+    if not cfg.eval.tasks:
+        raise StudyError("eval.tasks", "no task given", "name at least one task, e.g. [arc_easy_local]")
+    local = {p.stem for p in (Path(__file__).resolve().parents[1] / "evaluate" / "tasks").glob("*.yaml")}
+    unknown = [t for t in cfg.eval.tasks if t.endswith("_local") and t not in local]
+    if unknown:  # a name shaped like a shipped offline task is a typo, not a hub task
+        raise StudyError("eval.tasks", f"unknown task {unknown[0]!r}", f"use the offline tasks {', '.join(sorted(local))}"
+                         " or lm-eval task names (arc_easy, hellaswag, piqa)")
+
+
 def validate_run(cfg: RunConfig) -> None:
+    _check_values(cfg)
+    _check_eval(cfg)
     for name, allowed in CHOICES.items():
         if _get(cfg, name) not in allowed:
             raise StudyError(name, f"unknown value {_get(cfg, name)!r}", f"use one of {', '.join(allowed)}")
     for name in POSITIVE:
         if _get(cfg, name) <= 0:
-            raise StudyError(name, f"must be positive, got {_get(cfg, name)}", "use a value >= 1")
+            raise StudyError(name, f"must be positive, got {_get(cfg, name)}", "use a value > 0")
     for name in NON_NEGATIVE:
         if _get(cfg, name) < 0:
             raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0")
+    for name, bound in AT_MOST.items():
+        if _get(cfg, name) > bound:
+            raise StudyError(name, f"must be at most {bound}, got {_get(cfg, name)}", f"use a value <= {bound}")
     t = cfg.train
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise StudyError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
@@ -53,8 +136,9 @@ def validate_run(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise StudyError("data.seq_len", f"{cfg.data.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}",
                          "raise model.max_seq_len or lower data.seq_len")
+    if cfg.model.vocab_size < cfg.data.vocab_size and cfg.data.tokenizer == "bpe":
+        raise StudyError("model.vocab_size", f"{cfg.model.vocab_size} rows cannot embed the BPE's "
+                         f"{cfg.data.vocab_size} ids", f"set model.vocab_size >= {cfg.data.vocab_size}")
     validate_data(cfg.data, files=False)
-    if cfg.cluster.signal_delay_s >= cfg.cluster.time_min * 60:
-        raise StudyError("cluster.signal_delay_s", f"the USR2 warning ({cfg.cluster.signal_delay_s} s) comes before "
-                         f"the job even starts (time limit {cfg.cluster.time_min} min)",
-                         "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
+    _check_cluster(cfg)
+    _check_tracking(cfg)

@@ -1,14 +1,18 @@
 """Token shards: each split tokenised once into a flat memory-mapped array of ids, documents joined by EOS.
 
 A shard directory is keyed by (documents, tokenizer) and holds `train.bin`, `val.bin` (raw uint16 when
-the vocabulary fits, else uint32), the `tokenizer.json` that produced them and `meta.json`. Every run of
-a sweep opens the same files read-only; nothing is tokenised twice.
+the vocabulary fits, else uint32), the `tokenizer.json` that produced them and `meta.json` with each file's
+SHA-256. Every run of a sweep opens the same files read-only; nothing is tokenised twice. A file is checked
+against its checksum when it is first opened and again whenever its size or modification time changes
+(`.verified` records what was checked); an entry that fails is moved away and built again, saying so.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from study.data.cache import build_once, cache_key
+from study.data.cache import build_once, cache_key, file_lock
 from study.config.data import DataConfig, cache_root, tokenize_procs, validate_data
 from study.data.sources import Splits, load_splits, source_key
 from study.data.tokenizer import TokenizerFile, load_tokenizer, resolve_tokenizer
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from datasets import Dataset
 
-SHARD_FORMAT = 1
+SHARD_FORMAT = 2
+CHECKED = ("train.bin", "val.bin", "tokenizer.json")
 MAP_BATCH = 1000
 SPLITS = ("train", "val")
 
@@ -62,8 +67,17 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     splits = functools.cache(lambda: load_splits(cfg))
     tok = resolve_tokenizer(cfg, cache, documents, lambda: splits().train)
     entry = cache / "shards" / f"{_slug(cfg.name)}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
-    build_once(entry, lambda tmp: write_shards(tmp, splits(), tok, cfg))
-    return open_shards(entry, cfg.seq_len)
+    build = lambda tmp: write_shards(tmp, splits(), tok, cfg)  # noqa: E731
+    build_once(entry, build)
+    try:
+        return open_shards(entry, cfg.seq_len)
+    except BrokenEntry as broken:
+        import sys
+
+        print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
+        discard(entry)
+        build_once(entry, build)
+        return open_shards(entry, cfg.seq_len)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -86,11 +100,61 @@ def write_shards(out: Path, splits: Splits, tok: TokenizerFile, cfg: DataConfig)
         "tokenizer": str(tok.path), "splits": stats,
         "tokenize_seconds": round(seconds, 3), "tokenize_tokens_per_s": round(tokens / max(seconds, 1e-9)),
     }
+    meta["sha256"] = {name: sha256_file(out / name) for name in CHECKED}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
+class BrokenEntry(Exception):
+    """A cache entry whose files are missing, unreadable or not what its checksums say."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(entry: Path) -> dict[str, Any]:
+    """The entry's meta.json, after checking every file whose size or modification time changed since it was last
+    verified against its SHA-256."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        sums = meta["sha256"]
+        stamp_path = entry / ".verified"
+        stamp = json.loads(stamp_path.read_text()) if stamp_path.is_file() else {}
+        seen = {}
+        for name in CHECKED:
+            st = (entry / name).stat()
+            seen[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+            if stamp.get(name) != seen[name] and sha256_file(entry / name) != sums[name]:
+                raise BrokenEntry(f"{name} does not match its checksum")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BrokenEntry(f"{type(err).__name__}: {err}") from None
+    if stamp != seen:
+        tmp = stamp_path.with_name(f".verified.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(seen))
+            os.replace(tmp, stamp_path)
+        except OSError:
+            pass  # a read-only cache is still verified, only again next time
+    return meta
+
+
+def discard(entry: Path) -> None:
+    """Move a damaged entry out of the way (open memory maps of it stay valid) and delete it."""
+    import uuid
+
+    with file_lock(entry.with_name(entry.name + ".lock")):
+        if entry.is_dir():
+            gone = entry.with_name(f"{entry.name}.broken-{uuid.uuid4().hex[:8]}")
+            os.rename(entry, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+
+
 def open_shards(entry: Path, seq_len: int) -> PreparedData:
-    meta = json.loads((entry / "meta.json").read_text())
+    meta = verify(entry)
     arrays = {name: np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r",
                               shape=(meta["splits"][name]["tokens"],)) for name in SPLITS}
     for name, tokens in arrays.items():

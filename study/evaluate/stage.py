@@ -55,10 +55,46 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     result = evaluate_model(model, data.tokenizer_path, tasks, limit=limit or cfg.eval.limit or None,
                             batch_size=cfg.eval.batch_size, eos_token=cfg.data.eos_token)
     step = int(ckpt.name.split("_")[-1])
-    out = spec.run_dir.eval
-    out.write_text(json.dumps(result["lm_eval"], default=str, indent=1))
+    record = write_record(spec, tasks, limit or cfg.eval.limit or None, step, result)
     tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)
-    tracker.log_metrics(result["metrics"], step)
-    tracker.log_artifact(out, "eval.json")
+    tracker.log_metrics(result["metrics"], step)  # another evaluation at this step is another point, never dropped
+    tracker.log_artifact(record, f"evals/{record.name}")
+    tracker.log_artifact(spec.run_dir.eval, "eval.json")
     tracker.close()
     return result["metrics"]
+
+
+def write_record(spec: RunSpec, tasks: list[str], limit: int | None, step: int, result: dict) -> Path:
+    """One evaluation as its own record, `evals/step<N>-<settings hash>.json`, never replacing another with other
+    settings; `eval.json` holds the latest evaluation's full lm-eval output."""
+    import hashlib
+    import os
+    import time
+
+    settings = {"tasks": sorted(tasks), "limit": limit, "step": step}
+    name = f"step{step:08d}-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:8]}.json"
+    folder = spec.run_dir.evals
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {**settings, "run_key": spec.key, "checkpoint": f"step_{step:08d}", "time": time.time(),
+              "metrics": result["metrics"]}
+    path = folder / name
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, path)
+    spec.run_dir.eval.write_text(json.dumps(result["lm_eval"], default=str, indent=1))
+    return path
+
+
+def evaluated(spec: RunSpec) -> bool:
+    """Whether the run has an evaluation record of its final checkpoint with its configured tasks."""
+    folder = spec.run_dir.evals
+    if not folder.is_dir():
+        return False
+    for path in folder.glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if set(record.get("tasks", [])) >= set(spec.config.eval.tasks):
+            return True
+    return False

@@ -24,9 +24,11 @@ def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 entry = json.loads(line)
                 out[entry["key"]] = entry
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed launcher: the entries around it still count
     return out
 
 

@@ -10,9 +10,10 @@ new runs and asks for `--new-runs` instead of training them silently.
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from study.config.sections import ClusterConfig
@@ -54,12 +55,20 @@ def to_submit(plan: Plan) -> tuple[list[RunSpec], list[RunSpec], list[RunSpec], 
             return False
         return states.get(entry["job_id"], "VANISHED") in ACTIVE
 
-    train = [r for r in plan.runs if r.stage != "scheduled" and status.get(r.key) != "FINISHED" and not busy(r.key)]
+    def done(r: RunSpec) -> bool:
+        """Trained, and evaluated when it is to be: a run whose evaluation failed is submitted again (training
+        resumes at its last checkpoint, so only the evaluation runs)."""
+        if status.get(r.key) != "FINISHED":
+            return False
+        from study.evaluate.stage import evaluated
+
+        return not r.config.eval.after_train or evaluated(r)
+
+    train = [r for r in plan.runs if r.stage != "scheduled" and not done(r) and not busy(r.key)]
     refs = {d for r in plan.runs if r.stage == "scheduled" for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in plan.runs if r.stage == "scheduled" and status.get(r.key) != "FINISHED"
-                 and not busy(r.key)]
+    scheduled = [r for r in plan.runs if r.stage == "scheduled" and not done(r) and not busy(r.key)]
     return train, profile, scheduled, status
 
 
@@ -201,6 +210,11 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     if dry_run:
         _print_dry_run(plan, stages, cluster, echo)
         return stages
+    from study.config.data import validate_data
+
+    for data in {json.dumps(asdict(r.config.data), sort_keys=True): r.config.data for r in plan.runs}.values():
+        validate_data(data)  # what every job would fail on is refused before anything is submitted
+    _check_tasks(plan)
     write_specs(plan)
     write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri)
     if not stages:
@@ -223,6 +237,21 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     return stages
 
 
+def _check_tasks(plan: Plan) -> None:
+    """Tasks evaluated after training must exist: lm-eval's catalogue is indexed only when a run names a task that
+    is not one of the shipped offline ones (indexing takes seconds)."""
+    wanted = {t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}
+    hub = sorted(t for t in wanted if not t.endswith("_local"))
+    if not hub:
+        return
+    from lm_eval.tasks import TaskManager
+
+    unknown = sorted(set(hub) - set(TaskManager().all_tasks))
+    if unknown:
+        raise StudyError("eval.tasks", f"lm-eval has no task {unknown[0]!r}",
+                         "use lm-eval task names (arc_easy, hellaswag, piqa) or the offline *_local tasks")
+
+
 def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:
     if not stages:
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
@@ -239,26 +268,75 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         previous.append(stage.name)
 
 
+class LaunchFailed(Exception):
+    """Some runs of a local launch failed; the message lists each with its reason."""
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
 def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
-    """Laptop mode: stages run one after the other, `array_parallelism` processes at a time."""
+    """Laptop mode: stages run one after the other, `array_parallelism` processes at a time. A signal to the
+    launcher (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
+    import signal
+
     parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
-    failures = []
-    for stage in stages:
-        echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
-        for i in range(0, len(stage.runs), parallel):
-            chunk = Stage(stage.name, stage.runs[i:i + parallel])
-            jobs = submit_stage(plan, chunk)
-            for run, job in zip(chunk.runs, jobs):
-                try:
-                    job.result()
-                    echo(f"  done    {run.key}  {run.name}")
-                except Exception as err:  # a failed run must not stop its siblings
-                    failures.append(run)
-                    echo(f"  FAILED  {run.key}  {run.name}: {str(err).strip().splitlines()[-1]}")
-            stage.job_ids += [j.job_id for j in jobs]
+    failures: list[tuple[RunSpec, str]] = []
+    live: list = []
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for stage in stages:
+            echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
+            for i in range(0, len(stage.runs), parallel):
+                chunk = Stage(stage.name, stage.runs[i:i + parallel])
+                live[:] = submit_stage(plan, chunk)
+                for run, job in zip(chunk.runs, live):
+                    try:
+                        job.result()
+                        echo(f"  done    {run.key}  {run.name}")
+                    except Exception as err:  # a failed run must not stop its siblings
+                        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                        failures.append((run, reason))
+                        echo(f"  FAILED  {run.key}  {run.name}: {reason}")
+                stage.job_ids += [j.job_id for j in live]
+                live.clear()
+    except (_Stopped, KeyboardInterrupt) as stopped:
+        _stop_jobs(live)
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        echo(f"stopped by {signal.Signals(signum).name}: {len(live)} running jobs checkpointed and stopped; "
+             "`study launch` again resumes them")
+        raise SystemExit(128 + signum) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failures:
-        echo(f"{len(failures)} runs failed; `study launch` again resumes them from their checkpoints")
+        raise LaunchFailed(f"{len(failures)} of {sum(len(s.runs) for s in stages)} runs failed: "
+                           + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
+                           + ". `study launch` again resumes them from their checkpoints")
     return stages
+
+
+def _stop_jobs(jobs: list, grace_s: float = 120.0) -> None:
+    """TERM to each local job's controller, which forwards it to the training process (checkpoint, then stop)."""
+    import signal
+    import subprocess
+
+    procs = [getattr(j, "_process", None) for j in jobs]  # submitit's LocalJob keeps its Popen here
+    procs = [p for p in procs if p is not None and p.poll() is None]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:

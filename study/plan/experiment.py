@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,37 @@ def _grid_variants(grid: Any) -> list[Variant]:
     return out
 
 
+TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
+         "reference": (dict,), "grid": (dict,), "common": (dict,)}
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+"""Experiment and variant names: they become directory, MLflow and job names."""
+
+
+def _check_types(name: str, raw: dict) -> None:
+    for key, types in TYPES.items():
+        if key in raw and raw[key] is not None and not isinstance(raw[key], types):
+            want = " or ".join({"str": "a string", "list": "a list", "dict": "a mapping"}[t.__name__] for t in types)
+            raise StudyError(f"{name}.yaml: {key}", f"must be {want}, got {type(raw[key]).__name__}",
+                             "see sweeps/experiment/demo.yaml for the shape of an experiment file")
+    for vname, spec in (raw.get("variants") or {}).items():
+        if not NAME.match(str(vname)):
+            raise StudyError(f"{name}.yaml: variants.{vname}", "is not a usable variant name",
+                             "use letters, digits, _ . - (at most 100 characters)")
+        if spec is not None and not isinstance(spec, dict):
+            raise StudyError(f"{name}.yaml: variants.{vname}", f"must be a mapping, got {type(spec).__name__}",
+                             "write e.g. `hourglass: {model: hourglass, set: {model.ffn.k: 8}}`")
+        if isinstance(spec, dict) and not isinstance(spec.get("set") or {}, dict):
+            raise StudyError(f"{name}.yaml: variants.{vname}.set", "must be a mapping of dotted keys",
+                             "write e.g. `set: {model.ffn.k: 8}`")
+    for scale in raw.get("scales") or []:
+        if not isinstance(scale, str):
+            raise StudyError(f"{name}.yaml: scales", f"{scale!r} is not a scale name", "list names of sweeps/scale/")
+
+
 def load_experiment(name: str) -> Experiment:
+    if not NAME.match(name):
+        raise StudyError("EXPERIMENT", f"{name[:120]!r} is not an experiment name",
+                         "use letters, digits, _ . - (at most 100 characters)")
     path = sweeps_dir() / "experiment" / f"{name}.yaml"
     if not path.is_file():
         raise StudyError("EXPERIMENT", f"no experiment named {name!r}",
@@ -68,6 +99,10 @@ def load_experiment(name: str) -> Experiment:
     from omegaconf import OmegaConf
 
     raw = load_yaml(path)
+    if not OmegaConf.is_dict(raw):
+        raise StudyError(f"{name}.yaml", "is not a mapping of experiment keys",
+                         "see sweeps/experiment/demo.yaml for the shape of an experiment file")
+    _check_types(name, OmegaConf.to_container(raw, resolve=False))
     unknown = sorted(set(raw.keys()) - set(KEYS))
     if unknown:
         raise StudyError(f"{name}.yaml: {unknown[0]}", "is not an experiment key", f"use only {', '.join(KEYS)}")

@@ -1,4 +1,4 @@
-"""A config as MLflow params: flattened with dots, secrets and environment sections left out."""
+"""A config as MLflow params and artifacts: flattened with dots, secrets left out or masked."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _SECRET_WORDS = ("password", "passwd", "secret", "credential")
+# a last word `token` is a secret when it says whose (`api_token`, `hf_token`) or stands alone; `eos_token`,
+# `pad_token` and the like are vocabulary entries
+_TOKEN_OWNERS = frozenset({"api", "auth", "access", "bearer", "refresh", "hf", "github", "gh", "mlflow", "wandb",
+                           "slack", "session", "id", "private", "personal", "secret", "user", "oauth"})
+MASK = "***"
 # Hydra's `env_set` and similar sections hold environment variable values: never logged.
 _ENV_SECTIONS = frozenset({"env", "environ", "env_set"})
 
@@ -17,7 +22,7 @@ def _looks_secret(name: str) -> bool:
     parts = [w for w in re.split(r"[^a-z0-9]+", words) if w]
     return (
         any(p.startswith(_SECRET_WORDS) for p in parts)
-        or (bool(parts) and parts[-1] == "token")
+        or (bool(parts) and parts[-1] == "token" and (len(parts) == 1 or parts[-2] in _TOKEN_OWNERS))
         or re.search(r"api_?key", "_".join(parts)) is not None
     )
 
@@ -57,3 +62,24 @@ def plain(value: Any) -> Any:
     if _is_sequence(value):
         return [plain(v) for v in value]
     return value
+
+
+_URI_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]*)@")
+_ASSIGNMENT = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>\S+)")
+
+
+def mask_text(text: str) -> str:
+    """A string with the passwords of URIs (`https://user:***@host`) and secret-looking `NAME=value` assignments
+    (`export HF_TOKEN=***`) masked."""
+    text = _URI_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    return _ASSIGNMENT.sub(lambda m: f"{m['name']}={MASK}" if _looks_secret(m["name"]) else m[0], text)
+
+
+def redact(config: Any) -> Any:
+    """The config as written to artifacts, run directories and logs: every string masked (`mask_text`) and the
+    values of secret-looking keys replaced; nothing else is dropped."""
+    if isinstance(config, Mapping):
+        return {k: (MASK if _looks_secret(str(k)) and v not in (None, "") else redact(v)) for k, v in config.items()}
+    if _is_sequence(config):
+        return [redact(v) for v in config]
+    return mask_text(config) if isinstance(config, str) else config

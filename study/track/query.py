@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from study import schema
-from study.track.store import mlflow_client, sqlite_path
-from study.track.tracker import resolve_tracking_uri
+from study.errors import StudyError
+from study.track.store import mlflow_client, short, sqlite_path
+from study.track.store import resolve_tracking_uri
 
 PAGE = 1000
 KEYS_PER_TAG = 300
@@ -21,7 +23,22 @@ def open_store(tracking_uri: str = ""):
     db = sqlite_path(uri)
     if db is not None and not db.exists():
         return None
-    return mlflow_client(uri)
+    with readable(uri):
+        return mlflow_client(uri)
+
+
+@contextmanager
+def readable(uri: str):
+    """A store that cannot be read (a damaged or half-migrated SQLite file, a server that refuses) is bad input."""
+    try:
+        yield
+    except StudyError:
+        raise
+    except Exception as exc:
+        raise StudyError("tracking.uri", f"the MLflow store {uri} cannot be read ({short(exc)})",
+                         "point MLFLOW_TRACKING_URI (or tracking.uri) at a working store; a damaged SQLite file can "
+                         "be moved away and the runs replayed from their run directories by training them "
+                         "again") from None
 
 
 def experiment_of(client, experiment: str):
@@ -42,11 +59,11 @@ def all_runs(client, experiment_id: str, filter_string: str = "") -> Iterator:
 def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
     """The MLflow run of each run key in the experiment (the oldest when a race left two)."""
     client = open_store(tracking_uri)
-    exp = experiment_of(client, experiment)
-    if exp is None:
-        return {}
+    with readable(resolve_tracking_uri(tracking_uri)):
+        exp = experiment_of(client, experiment)
+        runs = [] if exp is None else list(all_runs(client, exp.experiment_id))
     out: dict[str, object] = {}
-    for run in sorted(all_runs(client, exp.experiment_id), key=lambda r: (r.info.start_time, r.info.run_id)):
+    for run in sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id)):
         key = run.data.tags.get(schema.TAG_RUN_KEY)
         if key and key not in out:
             out[key] = run
@@ -70,7 +87,8 @@ def write_manifest_tags(client, experiment_id: str, entry: dict) -> None:
 
 def read_manifest_tags(client, experiment: str) -> dict | None:
     """The latest launch recorded in the experiment's tags, or None."""
-    exp = experiment_of(client, experiment)
+    with readable(str(getattr(client, "tracking_uri", ""))):
+        exp = experiment_of(client, experiment)
     if exp is None or schema.TAG_LAUNCH not in exp.tags:
         return None
     head = json.loads(exp.tags[schema.TAG_LAUNCH])

@@ -5,6 +5,7 @@ Everything here talks to MLflow synchronously; `study.tracking.Tracker` keeps it
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -26,6 +27,14 @@ MAX_PARAM_CHARS = 6000
 _TRANSIENT_CODES = frozenset(
     {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
 )
+
+
+_PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR})
+
+
+def resolve_tracking_uri(uri: str = "") -> str:
+    """`uri` if given, else $MLFLOW_TRACKING_URI, else an absolute SQLite store in the working directory."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -55,6 +64,10 @@ def is_transient(exc: BaseException) -> bool:
 
     if isinstance(exc, MlflowException):
         return exc.error_code in _TRANSIENT_CODES
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+        return False  # a missing directory or a read-only file system does not heal by waiting
+    if "unable to open database file" in str(exc) or "readonly database" in str(exc):
+        return False
     return isinstance(exc, (OSError, TimeoutError))
 
 

@@ -17,7 +17,6 @@ import atexit
 import json
 import logging
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -30,8 +29,10 @@ from typing import Any
 
 from study.config.sections import TrackingConfig
 from study.errors import StudyError
+from study.track.metric_log import MetricLog, reconcile
 from study.track.params import flatten, plain
 from study.track.store import (
+    resolve_tracking_uri,
     call_with_retries,
     find_runs,
     get_or_create_experiment,
@@ -42,17 +43,12 @@ from study.track.store import (
     short,
 )
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 STATUSES = ("FINISHED", "FAILED", "KILLED")
 # MLflow's limits: params per log_batch call, characters per tag value, metric key characters.
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
-
-
-def resolve_tracking_uri(uri: str = "") -> str:
-    """`uri` if given, else $MLFLOW_TRACKING_URI, else an absolute SQLite store in the working directory."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 class Tracker:
@@ -63,13 +59,15 @@ class Tracker:
     coexist in one process. Usable as a context manager: an exception closes the run FAILED with its message.
     """
 
-    def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool):
+    def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool,
+                 log: MetricLog | None = None, replay: list | None = None):
         self.run_id = run_id
+        self._log = log
         self._client, self._cfg, self._terminate = client, cfg, terminate
         self._logged_upto = logged_upto
         self._known_keys: set[str] = set()
         self._lock = threading.Lock()
-        self._buffer: deque[tuple[str, float, int, int]] = deque()
+        self._buffer: deque[tuple[str, float, int, int]] = deque(replay or [])
         self._inflight: list[tuple[str, float, int, int]] = []
         self._artifacts: deque[tuple[Path, str]] = deque()
         self._dropped = 0
@@ -92,11 +90,14 @@ class Tracker:
         params: Mapping[str, Any] | None = None,
         rank: int = 0,
         cfg: TrackingConfig | None = None,
+        log_path: Path | None = None,
     ) -> Tracker:
         """Creates the run for `run_key`, or resumes it after a restart (never a second run for one key).
 
         `params` (nested or dotted) go through `flatten`; a param already logged with another value raises ValueError.
-        Retries an unreachable or locked store for `cfg.open_timeout_s`, then raises StudyError.
+        Retries an unreachable or locked store for `cfg.open_timeout_s`, then raises StudyError. With `log_path` (the
+        run directory's metrics.jsonl) every point is also appended there first, and what the store lacks of the
+        log is sent again now.
         """
         if rank != 0:
             return NullTracker()
@@ -117,7 +118,7 @@ class Tracker:
                 )
             return run
 
-        return cls._connect(experiment, cfg, start, terminate=True)
+        return cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
 
     @classmethod
     def attach(cls, run_key: str, experiment: str, rank: int = 0, cfg: TrackingConfig | None = None) -> Tracker:
@@ -134,10 +135,13 @@ class Tracker:
                                  "train the run first, or check the key with `study status`")
             return runs[0]
 
-        return cls._connect(experiment, cfg, find, terminate=False)
+        tracker = cls._connect(experiment, cfg, find, terminate=False)
+        tracker._logged_upto = {}  # results added to a finished run are new records, never taken for repeats
+        return tracker
 
     @classmethod
-    def _connect(cls, experiment: str, cfg: TrackingConfig, get_run: Callable, terminate: bool) -> Tracker:
+    def _connect(cls, experiment: str, cfg: TrackingConfig, get_run: Callable, terminate: bool,
+                 log: MetricLog | None = None) -> Tracker:
         uri = resolve_tracking_uri(cfg.uri)
         deadline = time.monotonic() + cfg.open_timeout_s
         try:
@@ -146,8 +150,15 @@ class Tracker:
                 lambda: get_or_create_experiment(client, uri, experiment), cfg, deadline, "experiment"
             )
             run = get_run(client, experiment_id, deadline)
+        except StudyError:
+            raise
         except Exception as exc:
             if not is_transient(exc):
+                if isinstance(exc, OSError) or "database" in str(exc).lower():
+                    raise StudyError("tracking.uri", f"the MLflow store {uri} cannot be used ({short(exc)})",
+                                     "point tracking.uri (or MLFLOW_TRACKING_URI) at a writable store; a damaged "
+                                     "SQLite file can be moved away and the runs replayed from their run "
+                                     "directories") from None
                 raise
             raise StudyError(
                 "tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
@@ -155,7 +166,9 @@ class Tracker:
             ) from exc
         # A run's latest value per key is the one at its largest step: everything up to it has landed already.
         logged_upto = {m.key: m.step for m in run.data.to_proto().metrics}
-        return cls(client, run.info.run_id, cfg, logged_upto, terminate)
+        replay = [] if log is None else reconcile(log, logged_upto, lambda k: {m.step for m in call_with_retries(
+            lambda: client.get_metric_history(run.info.run_id, k), cfg, deadline, "metric history")})
+        return cls(client, run.info.run_id, cfg, logged_upto, terminate, log, replay)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
@@ -175,13 +188,15 @@ class Tracker:
                 self._known_keys.add(key)
             if step > self._logged_upto.get(key, -math.inf):
                 points.append((key, float(value), timestamp, step))
+        if self._log is not None:
+            self._log.append(points)  # the run directory's record first: a kill after this loses nothing
         with self._lock:
             self._buffer.extend(points)
             overflow = len(self._buffer) - self._cfg.max_buffer
             for _ in range(overflow):
                 self._buffer.popleft()
             if overflow > 0 and self._dropped == 0:
-                log.warning("tracking buffer full (%d points): dropping the oldest", self._cfg.max_buffer)
+                logger.warning("tracking buffer full (%d points): dropping the oldest", self._cfg.max_buffer)
             self._dropped += max(overflow, 0)
 
     def log_artifact(self, source: Path | str, name: str) -> None:
@@ -208,6 +223,11 @@ class Tracker:
             self.log_artifact(yaml.safe_dump(plain(data), sort_keys=False), name)
         else:
             raise ValueError(f"artifact name {name!r} must end in .json, .yaml or .yml")
+
+    def sync(self) -> None:
+        """Make the run directory's metric log durable up to now (with every checkpoint)."""
+        if self._log is not None:
+            self._log.sync()
 
     def pending(self) -> int:
         """Metric points and artifacts not yet delivered."""
@@ -242,9 +262,12 @@ class Tracker:
             self._closing.set()
             self._wake.set()
         self._thread.join(max(self._deadline - time.monotonic(), 0.0) + self._cfg.terminate_timeout_s)
+        if self._log is not None:
+            self._log.sync()
+            self._log.close()
         left = self.pending()
         if left:
-            log.error("MLflow run %s closed with %d points/artifacts undelivered", self.run_id, left)
+            logger.error("MLflow run %s closed with %d points/artifacts undelivered", self.run_id, left)
         return left
 
     def __enter__(self) -> Tracker:
@@ -274,7 +297,7 @@ class Tracker:
                     continue
                 if outage_since is None:
                     outage_since = time.monotonic()
-                    log.warning("MLflow unavailable (%s); keeping %d points and retrying", short(exc), self.pending())
+                    logger.warning("MLflow unavailable (%s); keeping %d points and retrying", short(exc), self.pending())
                 remaining = self._deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -286,7 +309,7 @@ class Tracker:
                 delay = min(2 * delay, self._cfg.retry_max_s)
                 continue
             if outage_since is not None:
-                log.warning("MLflow reachable again after %.0f s", time.monotonic() - outage_since)
+                logger.warning("MLflow reachable again after %.0f s", time.monotonic() - outage_since)
                 outage_since, delay = None, self._cfg.retry_initial_s
             if closing:
                 break
@@ -331,7 +354,7 @@ class Tracker:
                 what = f"artifact {self._artifacts.popleft()[1]}"
             else:
                 what = "nothing it could identify"
-        log.error("MLflow rejected %s for run %s: %s", what, self.run_id, short(exc))
+        logger.error("MLflow rejected %s for run %s: %s", what, self.run_id, short(exc))
 
     def _finish(self) -> None:
         status, reason = self._final
@@ -344,7 +367,7 @@ class Tracker:
                                       self._cfg, deadline, "tag")  # fmt: skip
                 call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
         except Exception as exc:
-            log.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
+            logger.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
         shutil.rmtree(self._staging, ignore_errors=True)
 
 
@@ -358,6 +381,9 @@ class NullTracker(Tracker):
         pass
 
     def log_artifact(self, source: Path | str, name: str) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def pending(self) -> int:

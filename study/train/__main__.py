@@ -2,6 +2,7 @@
 
 Hydra expands sweeps and runs each job through its launcher; each job then hands its own task overrides to the same
 planner `study train` uses (`plan_adhoc`), so both paths give the same run, key and budget for the same overrides.
+An ad-hoc grid is filed under the MLflow experiment `hydra.job.name` (default `adhoc`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ def main() -> None:
         from study.plan.planner import plan_adhoc
         from study.train.loop import train
 
+        hydra_cfg = HydraConfig.get()
+        overrides = list(hydra_cfg.overrides.task)
+        # `experiment` is the group of experiment files here, so an ad-hoc grid is named by hydra.job.name
+        if hydra_cfg.job.name not in ("train", "__main__") and not any(o.startswith("experiment=") for o in overrides):
+            overrides.append(f"experiment={hydra_cfg.job.name}")
         try:
-            spec = plan_adhoc(list(HydraConfig.get().overrides.task))
+            spec = plan_adhoc(overrides)
         except StudyError as err:
             print(f"python -m study.train: {err.message}", file=sys.stderr)
             sys.exit(2)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from study.errors import StudyError
 from study.schema import RunDir
 from study.train.distributed import Dist, barrier
 from study.train.state import TrainState
@@ -87,8 +88,36 @@ def load(path: Path, model, optimizer, d: Dist) -> TrainState:
     state = TrainState.read(path / "train_state.json")
     rng_file = path / f"rng_rank{d.rank}.pt"
     if rng_file.is_file() and state.world_size == d.world_size:
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors only: a crafted file cannot run code
     return state
+
+
+def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str) -> TrainState | None:
+    """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when the run
+    has none. A checkpoint saved by another run key is refused by name, never resumed."""
+    import sys
+
+    for path in reversed(complete_checkpoints(run_dir)):
+        state = _read_state(path)
+        if state is not None and state.run_key and state.run_key != run_key:
+            raise StudyError("paths.runs", f"checkpoint {path} belongs to run {state.run_key}, not {run_key}",
+                             "remove the foreign checkpoint (a run directory holds its own run's checkpoints only)")
+        try:
+            return load(path, model, optimizer, d)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # a damaged file of any kind (DCP's CheckpointException is a BaseException)
+            if d.is_main:
+                print(f"checkpoint {path.name} of run {run_key} cannot be loaded ({type(err).__name__}: {err}); "
+                      "falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
+    return None
+
+
+def _read_state(path: Path) -> TrainState | None:
+    try:
+        return TrainState.read(path / "train_state.json")
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def load_model_weights(path: Path, model) -> None:

@@ -40,7 +40,10 @@ def setup(device: str = "auto") -> Dist:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        # `study train --nproc N` rendezvous through a file (STUDY_INIT_METHOD): env:// would open a TCPStore
+        # listening on every interface, unauthenticated, for as long as the run lasts
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=os.environ.get("STUDY_INIT_METHOD"),
+                                rank=rank, world_size=world)
     return Dist(rank, world, local_rank, dev)
 
 
@@ -83,29 +86,43 @@ def barrier(d: Dist) -> None:
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m study.cli <argv>` as `nproc` ranks on this machine (what torchrun does, minus its exit-code
     folding: a preempted run's 75 must reach the caller). If one rank fails, the others are stopped."""
-    import socket
+    import shutil
     import subprocess
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
+    import signal
+    import tempfile
+
+    store = tempfile.mkdtemp(prefix="study-rendezvous-")
+    procs: list = []
+
+    def forward(signum, frame):  # a signal to this parent stops its ranks too (they checkpoint on TERM)
+        for q in procs:
+            if q.poll() is None:
+                q.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "LOCAL_WORLD_SIZE": str(nproc), "STUDY_INIT_METHOD": f"file://{store}/store",
+               "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),  # gloo's pairs on loopback
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         procs.append(subprocess.Popen([sys.executable, "-m", "study.cli", *argv], env=env))
     codes: dict[int, int] = {}
-    while len(codes) < nproc:
-        for i, p in enumerate(procs):
-            if i not in codes and p.poll() is not None:
-                codes[i] = p.returncode
-                if p.returncode not in (0, 75):
-                    for q in procs:
-                        if q.poll() is None:
-                            q.terminate()
-        time.sleep(0.2)
+    try:
+        while len(codes) < nproc:
+            for i, p in enumerate(procs):
+                if i not in codes and p.poll() is not None:
+                    codes[i] = p.returncode
+                    if p.returncode not in (0, 75):
+                        for q in procs:
+                            if q.poll() is None:
+                                q.terminate()
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(store, ignore_errors=True)
     failed = [c for c in codes.values() if c not in (0, 75)]
     return failed[0] if failed else max(codes.values())

@@ -21,11 +21,12 @@ from pathlib import Path
 
 from study import schema
 from study.config.run import RunConfig
-from study.config.spec import RunSpec, write_spec
+from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
 from study.train import checkpoint
 from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, setup
 from study.train.faults import FaultHooks
+from study.train.lease import acquire
 from study.train.signals import StopRequest
 from study.train.state import TrainState
 from study.train.step import cross_entropy, train_step
@@ -112,15 +113,38 @@ def use_bf16(cfg: RunConfig, d: Dist) -> bool:
 
 
 def train(spec: RunSpec) -> Outcome:
-    """Train (or resume) the run the spec describes. Collective when world size > 1."""
-    import torch
-
-    cfg, key, model_cfg = spec.config, spec.key, spec.model
-    d = setup(cfg.train.device)
+    """Train (or resume) the run the spec describes, holding its run directory's lease. Collective when world
+    size > 1."""
+    d = setup(spec.config.train.device)
     rdir = spec.run_dir.path
     if d.is_main:
         _writable(rdir)
-        write_spec(spec)  # the run directory always holds the spec that trained it
+    lease = acquire(rdir, spec.key, d)
+    try:
+        if d.is_main:
+            _claim(spec)
+        return _train(spec, d)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _claim(spec: RunSpec) -> None:
+    """The run directory holds this run's spec, never another's."""
+    path = spec.run_dir.spec
+    if path.is_file():
+        held = read_spec(path)
+        if held.key != spec.key:
+            raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {held.key}, not {spec.key}",
+                             "leave run directories as the launcher made them; move the foreign run.json away")
+    write_spec(spec)  # the run directory always holds the spec that trained it
+
+
+def _train(spec: RunSpec, d: Dist) -> Outcome:
+    import torch
+
+    cfg, key, model_cfg = spec.config, spec.key, spec.model
+    rdir = spec.run_dir.path
     micro, accum = batch_layout(cfg, d.world_size)
     seqs_per_step = micro * accum * d.world_size
     max_steps = train_steps(cfg, spec.counted, seqs_per_step)
@@ -150,10 +174,8 @@ def train(spec: RunSpec) -> Outcome:
     step_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.train, lr)
 
-    state = TrainState(step=0, max_steps=max_steps, run_key=key)
-    found = checkpoint.latest(rdir)
-    if found is not None:
-        state = checkpoint.load(found, model, optimizer, d)
+    state = checkpoint.load_latest(rdir, model, optimizer, d, key) or TrainState(max_steps=max_steps, run_key=key)
+    state.run_key = key
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
@@ -197,7 +219,9 @@ def train(spec: RunSpec) -> Outcome:
             state.step = step
             stopping = all_reduce_max(float(stop.requested), d) > 0
             if step % cfg.train.ckpt_interval == 0 or step == max_steps or stopping:
-                # points up to the checkpoint must land before it counts: a resumed run never recomputes them
+                # points up to the checkpoint are durable in the run directory before it counts (a resumed run never
+                # recomputes them); the flush only makes them land in MLflow sooner
+                tracker.sync()
                 tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
                 checkpoint.save(rdir, model, optimizer, state, d, cfg.train.keep_last)
             if stopping and step < max_steps:
@@ -253,7 +277,7 @@ def _writable(rdir: Path) -> None:
 
     try:
         rdir.mkdir(parents=True, exist_ok=True)
-        probe = rdir / ".write-probe"
+        probe = rdir / f".write-probe-{os.getpid()}"  # one per process: trainers may race here
         probe.write_bytes(b"x" * 4096)
         probe.unlink()
     except OSError as err:
@@ -278,6 +302,7 @@ def _checkpoint_blocks(model) -> None:
 
 
 def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
+    from study.track.params import redact
     from study.track.tags import run_tags
     from study.track.tracker import Tracker
 
@@ -286,16 +311,16 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
     params["params"] = spec.params
-    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, run_tags(spec), params, rank=d.rank,
-                           cfg=cfg.tracking)
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, run_tags(spec), redact(params), rank=d.rank,
+                           cfg=cfg.tracking, log_path=spec.run_dir.metrics)
     if d.is_main:
         import yaml
 
-        tracker.log_dict(asdict(cfg), "config.yaml")
-        tracker.log_dict(spec.as_dict(), "run.json")
+        tracker.log_dict(redact(asdict(cfg)), "config.yaml")
+        tracker.log_dict(redact(spec.as_dict()), "run.json")
         tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
                           "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
-        spec.run_dir.config.write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+        spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
     return tracker
 
 

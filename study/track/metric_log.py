@@ -1,0 +1,87 @@
+"""The run directory's own record of every metric point: `<run dir>/metrics.jsonl`, one JSON line per point.
+
+A point is appended here before it is queued for MLflow (one unbuffered write per `log_metrics` call, so a killed
+process loses nothing that was logged) and the file is fsync'd with every checkpoint. When a tracker opens, the
+store is made to match the log: points the store lacks are sent, none twice. A store swap, a deleted database or an
+outage followed by a kill therefore loses no point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+Point = tuple[str, float, int, int]
+"""(key, value, timestamp in ms, step)."""
+
+
+class MetricLog:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def read(self) -> list[Point]:
+        """Every point logged so far; a line cut short by a crash mid-write is ignored."""
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                k, v, t, s = json.loads(line)
+            except (ValueError, TypeError):
+                continue
+            out.append((str(k), float(v), int(t), int(s)))
+        return out
+
+    def append(self, points: Iterable[Point]) -> None:
+        lines = "".join(json.dumps([k, v, t, s]) + "\n" for k, v, t, s in points)
+        if not lines:
+            return
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if os.fstat(self._fd).st_size and not self._ends_with_newline():
+                os.write(self._fd, b"\n")  # never glue a point to a line a crash cut short
+        os.write(self._fd, lines.encode())
+
+    def _ends_with_newline(self) -> bool:
+        with self.path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def sync(self) -> None:
+        """Make every point so far durable (called with each checkpoint)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def reconcile(log: MetricLog, logged_upto: dict[str, int], stored_steps) -> list[Point]:
+    """Raise `logged_upto` to every step the log holds (a resumed run's recomputed points are repeats) and return
+    the log's points the store lacks; `stored_steps(key)` gives the steps the store has for a key."""
+    points = log.read()
+    for key, _, _, step in points:
+        logged_upto[key] = max(logged_upto.get(key, step), step)
+    missing = missing_from_store(points, {k: stored_steps(k) for k in {p[0] for p in points}})
+    if missing:
+        logger.warning("sending %d metric points the store lacks from %s", len(missing), log.path)
+    return missing
+
+
+def missing_from_store(log: list[Point], stored: dict[str, set[int]]) -> list[Point]:
+    """The log's points whose (key, step) the store does not hold, first occurrence per (key, step)."""
+    out, seen = [], set()
+    for point in log:
+        key, step = point[0], point[3]
+        if step in stored.get(key, ()) or (key, step) in seen:
+            continue
+        seen.add((key, step))
+        out.append(point)
+    return out

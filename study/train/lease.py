@@ -1,0 +1,68 @@
+"""Exactly one trainer per run key: an exclusive lease on the run directory.
+
+The lease is an OS lock (`flock`) on `<run dir>/.lease`, held by the training process for the whole run. The kernel
+releases it when the process dies, however it dies, so a stale lease never blocks a restart. A second trainer of the
+same key (two launches started together, a rerun beside a still-running job) waits until the first has stopped and
+then resumes from its checkpoint, which is usually the last one: it never touches the other's checkpoints while
+that one runs. Under FSDP rank 0 holds the lease and every rank waits with it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from study.schema import RunDir
+from study.train.distributed import Dist, all_reduce_max
+
+POLL_S = 2.0
+
+
+class Lease:
+    def __init__(self, run_dir: Path):
+        self.path = RunDir(run_dir).lease
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "another process"
+        except OSError:
+            return "another process"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def acquire(run_dir: Path, key: str, d: Dist) -> Lease | None:
+    """Hold the run's lease on rank 0, waiting while another trainer has it (every rank waits together, polling,
+    so no collective blocks for long). Returns the lease on rank 0, None elsewhere."""
+    lease = Lease(run_dir) if d.is_main else None
+    said = False
+    while True:
+        got = lease.try_acquire() if lease is not None else False
+        if all_reduce_max(float(got), d) > 0:
+            return lease
+        if lease is not None and not said:
+            print(f"run {key} is being trained by {lease.holder()}: waiting for it to stop, then resuming",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(POLL_S)
