@@ -11,7 +11,7 @@ import pytest
 
 from slurm_helpers import SMALL, private_sweeps, slurm_available, wait_jobs
 
-pytestmark = [pytest.mark.slurm,
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"),
               pytest.mark.skipif(not slurm_available(), reason="no SLURM cluster: run `eval \"$(slurm/local/up)\"`")]
 
 
@@ -153,9 +153,9 @@ def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
 
 
 def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workdir, cluster_env, monkeypatch):
-    """A 1-minute job limit with USR2 45 s before it: every leg of the run is cut once the warning arrives (slurmctld
-    checks limits on a ~30 s timer, so 15-45 s into the job; the 48 s of training outlast it) and the run still ends
-    with the val/loss of an uninterrupted run."""
+    """A 2-minute job limit with USR2 45 s before it: SLURM may send the warning up to 60 s early (sbatch(1)), so it
+    lands 15-75 s into each leg, never before the job's signal handlers exist; the 80 s of training outlast it, so
+    at least one leg is cut, and the run still ends with the val/loss of an uninterrupted run."""
     import json
 
     from study.launch.submit import launch
@@ -163,9 +163,10 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
     from study.train.loop import train
 
     name = "small" + cluster_env
-    common = {**SMALL["common"], "faults": {"sleep_per_step": 3.0}}
+    common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "max_steps": 20},
+              "faults": {"sleep_per_step": 4.0}}
     private_sweeps(workdir, name, common=common, variants={"conventional": {"model": "conventional"}})
-    over = ["cluster=slurm", "cluster.time_min=1", "cluster.signal_delay_s=45", "cluster.max_requeues=8"]
+    over = ["cluster=slurm", "cluster.time_min=2", "cluster.signal_delay_s=45", "cluster.max_requeues=8"]
     stages = launch(name, over, echo=lambda m: None)
     wait_jobs(job_ids(stages), timeout=900)
     (run,) = mlflow_runs(name)

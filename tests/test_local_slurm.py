@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 UP = Path(__file__).resolve().parents[1] / "slurm" / "local" / "up"
 

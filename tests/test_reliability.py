@@ -197,7 +197,7 @@ def test_a_damaged_shard_entry_is_rebuilt_not_trusted(workdir, capsys):
 
     from study.data import prepare_data
 
-    cfg = select_run(RUN).config.data
+    cfg = select_run([*RUN, f"data.cache_dir={workdir / 'own-cache'}"]).config.data  # not the shared cache
     first = prepare_data(cfg)
     want = np.array(first.train)
     path = first.shard_dir / "train.bin"

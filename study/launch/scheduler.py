@@ -83,7 +83,7 @@ def _expand(spec: str) -> list[int]:
 
 def check_slurm() -> None:
     try:
-        ok = subprocess.run(["sinfo", "-h"], capture_output=True, text=True, timeout=30)
+        ok = subprocess.run(["sinfo", "-h"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise StudyError("cluster", f"SLURM is not reachable ({err})",
                          "start it (eval \"$(slurm/local/up)\") or use cluster=local") from None
