@@ -14,10 +14,10 @@ import pytest
 
 from conftest import ROOT, TINY
 from study.cli import main
-from study.config.compose import compose
+from study.config.compose import nested
 from study.config.identity import FIELDS, KEY, OUT, SCHEDULED, placement, run_key
 from study.config.run import RunConfig
-from study.config.spec import RunSpec, read_spec, write_spec
+from study.config.spec import read_spec, write_spec
 from study.errors import StudyError
 from study.plan.planner import plan_adhoc, plan_experiment
 
@@ -190,13 +190,7 @@ def private_tree(workdir, name, experiment):
 def tiny_experiment(workdir, monkeypatch):
     # the scale file keeps its depth, so editing it after launch would change the shape
     settings = dict(o.split("=", 1) for o in TINY if not o.startswith(("scale=", "model.n_layers=")))
-    common: dict = {}
-    for dotted, value in settings.items():
-        node = common
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml_value(value)
+    common = nested({dotted: yaml_value(value) for dotted, value in settings.items()})
     common.setdefault("train", {}).update({"max_steps": 4, "eval_interval": 2, "ckpt_interval": 2})
     tree = private_tree(workdir, "specx", {"baseline": "conventional", "scales": ["tiny"], "seeds": [0, 1],
                                            "variants": {"conventional": {"model": "conventional"},

@@ -78,8 +78,8 @@ class Overrides:
         return [*self.groups, *self.values, *self.reset]
 
 
-def parse_overrides(items: list[str], sweeps_ok: bool = False) -> Overrides:
-    """Hydra's override grammar into selections, values and resets; a sweep (`a,b`) only where `sweeps_ok`."""
+def parse_overrides(items: list[str]) -> Overrides:
+    """Hydra's override grammar into selections, values and resets; a sweep (`a,b`) is Hydra multirun's, not ours."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
     from hydra.errors import HydraException
@@ -98,10 +98,8 @@ def parse_overrides(items: list[str], sweeps_ok: bool = False) -> Overrides:
         if o.package:
             raise StudyError(item, "sets a package", "packages (`key@pkg=...`) are not used by study's config tree")
         if o.is_sweep_override():
-            if not sweeps_ok:
-                raise StudyError(item, "is a sweep", "sweeps run through Hydra's multirun: "
-                                 "python -m study.train -m key=a,b (or list seeds/variants in an experiment file)")
-            continue
+            raise StudyError(item, "is a sweep", "sweeps run through Hydra's multirun: "
+                             "python -m study.train -m key=a,b (or list seeds/variants in an experiment file)")
         if o.type == OverrideType.DEL:
             if key in GROUPS:
                 out.groups[key] = None
@@ -193,8 +191,6 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
             merged = merge_checked(merged, node, where)
     try:
         cfg = OmegaConf.to_object(merged)
-    except StudyError:
-        raise
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, StudyError) else None
         if cause is not None:

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from study.config.run import RunConfig
+from study.config.run import RunConfig, leaves
 
 SCHEMA_VERSION = 2
 """Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
@@ -94,22 +94,13 @@ def placement(dotted: str) -> tuple[str, str]:
     raise KeyError(f"{dotted} is not placed in study/config/identity.py FIELDS")
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_leaves(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any]:
     """What the key hashes: the placed fields (as composed, before matching) and, for a scheduled run, the
     reference runs its profile comes from."""
     scheduled = cfg.model.ffn.schedule == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
-    for dotted, value in _leaves(asdict(cfg)).items():
+    for dotted, value in leaves(asdict(cfg)).items():
         if placement(dotted)[0] in sides:
             payload[dotted] = value
     if scheduled:

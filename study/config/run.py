@@ -54,6 +54,19 @@ class RunConfig:
     """Fault injection (tests only)."""
 
 
+def leaves(node, prefix: str = "", into_lists: bool = False) -> dict:
+    """A nested dict (`asdict` of a config) as {dotted key: leaf value}; lists are leaves unless `into_lists`
+    (then their items are, keyed by index)."""
+    out: dict = {}
+    items = (node.items() if isinstance(node, dict)
+             else enumerate(node) if into_lists and isinstance(node, list) else None)
+    if items is None:
+        return {prefix[:-1]: node}
+    for k, v in items:
+        out.update(leaves(v, f"{prefix}{k}.", into_lists))
+    return out
+
+
 def run_name(cfg: RunConfig) -> str:
     """The MLflow run name (DESIGN schema): `<variant>-<scale>-s<seed>`."""
     return f"{cfg.variant}-{cfg.scale}-s{cfg.seed}"

@@ -7,10 +7,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict
-from typing import Any
 
 from study.config.data import validate_data
-from study.config.run import RunConfig
+from study.config.run import RunConfig, leaves
 from study.errors import StudyError
 
 CHOICES = {
@@ -43,21 +42,10 @@ def _get(cfg: RunConfig, dotted: str):
     return value
 
 
-def _leaves(node: Any, prefix: str = ""):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _leaves(v, f"{prefix}{k}.")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield f"{prefix}{i}", v
-    else:
-        yield prefix[:-1], node
-
-
 def _check_values(cfg: RunConfig) -> None:
     """Strings reach sbatch scripts, file names and shell lines: no control characters anywhere (a newline in a
     profile string would be a shell line of its own). Numbers must be finite."""
-    for dotted, value in _leaves(asdict(cfg)):
+    for dotted, value in leaves(asdict(cfg), into_lists=True).items():
         if isinstance(value, str) and CONTROL.search(value):
             raise StudyError(dotted, f"contains a control character ({CONTROL.search(value)[0]!r})",
                              "write the value on one line, without tabs, newlines or escape characters")

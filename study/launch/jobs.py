@@ -20,6 +20,10 @@ import submitit
 from study.config.spec import RunSpec, read_spec, write_spec
 
 
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
 def _requeue_self(max_requeues: int) -> bool:
     """Requeue this SLURM job (rank 0 only) unless it has used its requeues. True when requeued."""
     job = os.environ.get("SLURM_JOB_ID")
@@ -65,7 +69,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"run {spec.key} was stopped ({outcome.reason}) and cannot be requeued")
         if outcome.status == "FAILED":
             raise RuntimeError(f"run {spec.key} failed: {outcome.reason}")
-        if spec.config.eval.after_train and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        if spec.config.eval.after_train and _is_rank0():
             from study.evaluate.stage import evaluate_run
 
             evaluate_run(spec)
@@ -91,6 +95,6 @@ def _completed(spec: RunSpec) -> RunSpec:
     from study.plan.complete import complete_spec
 
     spec = complete_spec(spec)
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    if _is_rank0():
         write_spec(spec)
     return spec

@@ -27,8 +27,7 @@ def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str],
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
     from study.track.query import write_manifest_tags
-    from study.track.store import get_or_create_experiment, mlflow_client
-    from study.track.store import resolve_tracking_uri
+    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     client = mlflow_client(uri)

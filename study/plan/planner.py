@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-from study.config.compose import GROUPS, Overrides, compose, nested, parse_overrides, sweeps_dir
+from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
 from study.config.identity import run_key
 from study.config.run import RunConfig, run_name
 from study.config.spec import RunSpec
@@ -171,10 +171,6 @@ def _check_distinct(name: str, runs: list[RunSpec]) -> None:
         seen[r.key] = r
 
 
-def _experiment_names() -> frozenset[str]:
-    return frozenset(p.stem for p in (sweeps_dir() / "experiment").glob("*.yaml"))
-
-
 def plan_adhoc(items: list[str]) -> RunSpec:
     """One run composed from overrides alone (experiment `adhoc`): `study train` and `python -m study.train` agree."""
     ov = parse_overrides(items)
@@ -194,7 +190,7 @@ def select_run(items: list[str]) -> RunSpec:
     selectors = ("experiment", "variant", "scale", "seed")
     picked = {i.split("=", 1)[0]: i.split("=", 1)[1] for i in items if "=" in i and i.split("=", 1)[0] in selectors}
     name = picked.get("experiment")
-    if name is None or name not in _experiment_names():  # an ad-hoc run, filed under that experiment name
+    if name is None or name not in group_options("experiment"):  # an ad-hoc run, filed under that experiment name
         return plan_adhoc(items)
     rest = [i for i in items if i.split("=", 1)[0] not in selectors]
     plan = plan_experiment(name, rest)
