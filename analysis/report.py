@@ -18,6 +18,7 @@ from typing import Sequence
 import pandas as pd
 
 from analysis import runs as store
+from analysis.published import published_deltas, published_figures
 from analysis.paired import (CONFIDENCE, JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready,
                              paired_deltas)
 from analysis.render import Block, Heading, Paragraph, Plot, Table, to_html, to_markdown
@@ -86,8 +87,9 @@ def build_report(
             stale.unlink()
     plots = _plots(a, out)
     unpaired = _unpaired(a.flat)
+    published = published_deltas(published_figures(experiment), a.results, a.baseline)
     pd.DataFrame([_csv_row(r) for r in a.flat]).to_csv(out / "pairs.csv", index=False)
-    blocks = _document(a, unpaired, plots)
+    blocks = _document(a, unpaired, plots, published)
     (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(to_html(blocks, f"Report: {experiment}"), encoding="utf-8")
     files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv"] + [p.path for p in plots]
@@ -95,6 +97,7 @@ def build_report(
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
+        "published": [p.to_dict() for p in published],
         "files": [str(f) for f in files], "report_run_id": None,
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
@@ -187,7 +190,7 @@ def _plots(a: Analysis, out: Path) -> list[Plot]:
     return plots
 
 
-def _document(a: Analysis, unpaired: list[dict], plots: list[Plot]) -> list[Block]:
+def _document(a: Analysis, unpaired: list[dict], plots: list[Plot], published: list | None = None) -> list[Block]:
     statuses = Counter(a.runs["status"])
     headline = a.metrics[0]
     blocks: list[Block] = [
@@ -212,6 +215,15 @@ def _document(a: Analysis, unpaired: list[dict], plots: list[Plot]) -> list[Bloc
                    Paragraph("Δ averaged over the tasks listed; each bootstrap draw resamples seeds once for all "
                              "tasks, so tasks that move together widen the interval as they should."),
                    _joint_table(a.joint)]
+    if published:
+        blocks += [Heading("The paper's figures beside ours"),
+                   Paragraph(f"{published[0].source}. Paper Δ = its variant − its {a.baseline}; ours is the paired "
+                             f"mean Δ with its t {CONFIDENCE:.0%} interval."),
+                   Table(["scale", "variant", "metric", f"paper {a.baseline}", "paper variant", "paper Δ", "our Δ",
+                          "our t CI", "paper Δ inside"],
+                         [[p.scale, p.variant, p.metric, _num(p.paper_baseline), _num(p.paper_variant),
+                           _signed(p.paper_delta), _signed(p.ours), _ci(p.ci_low, p.ci_high),
+                           {True: "yes", False: "no", None: "—"}[p.contains]] for p in published])]
     if a.scaling is not None:
         blocks += [Heading(f"Scaling fits of final {a.scaling.metric}"), _scaling_table(a.scaling)]
     blocks += _missing(a.runs, unpaired, a.metrics)

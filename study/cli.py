@@ -35,8 +35,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     exp = plan.experiment
     table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
-    for col in ("run key", "variant", "scale", "seed", "stage", "shape", "FFN widths", "params (counted)",
-                "budget", "mismatch", "attn/FFN", "GFLOP/tok", "GPU-h"):
+    for col in ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths", "params (counted)",
+                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "GPU-h"):
         table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
     total_hours = 0.0
     for run in plan.runs:
@@ -48,8 +48,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         total_hours += hours or 0.0
         table.add_row(
             run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
-            _fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending", f"{run.budget:,}",
-            f"{run.mismatch:+.1e}" if p else "-", f"{p['attention'] / max(p['ffn'], 1):.2f}" if p else "-",
+            f"{m.d_model / m.n_layers:.0f}", _fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending",
+            f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
+            f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
+            f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
             f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
         )
     console = Console(width=200)

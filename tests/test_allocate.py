@@ -114,10 +114,10 @@ def profile(work, intrinsic_dim, sensitivity=None):
 
 def test_widths_from_a_profile_use_intrinsic_exponents_and_sensitivity():
     work, ids = [4.0, 3.0, 2.0, 1.0], [10.0, 20.0, 20.0, 40.0]
-    cfg = AllocationConfig(smoothing="none", w_min_fraction=0.1)
+    cfg = AllocationConfig(smoothing="none", w_min_fraction=0.1, weight_by_sensitivity=False)
     w = np.array(allocate_from_profile(profile(work, ids), 1024.0, cfg))
     assert w.sum() == pytest.approx(4 * 1024.0, rel=1e-12)
-    expected = allocate_widths(work, 4 * 1024.0, 102.4, 2.0 / np.array(ids))
+    expected = 1024.0 * allocate_widths(work, 4.0, 0.1, 2.0 / np.array(ids))  # solved in units of the reference
     np.testing.assert_allclose(w, expected, rtol=1e-12)
     weighted = AllocationConfig(smoothing="none", w_min_fraction=0.1, weight_by_sensitivity=True)
     w_lam = allocate_from_profile(profile(work, ids, sensitivity=[1.0, 1.0, 1.0, -0.5]), 1024.0, weighted)
@@ -126,3 +126,26 @@ def test_widths_from_a_profile_use_intrinsic_exponents_and_sensitivity():
         allocate_from_profile(profile(work, ids), 1024.0, weighted)
     with pytest.raises(StudyError, match="intrinsic_dim"):
         allocate_from_profile(profile(work, [10.0, None, 20.0, 30.0]), 1024.0, cfg)
+
+
+def test_one_profile_gives_the_same_relative_widths_at_any_reference_width():
+    work, ids = [4.0, 3.0, 2.0, 1.0], [10.0, 20.0, 20.0, 40.0]
+    cfg = AllocationConfig(smoothing="none", w_min_fraction=0.1, weight_by_sensitivity=False)
+    small = np.array(allocate_from_profile(profile(work, ids), 3840.0, cfg)) / 3840.0
+    large = np.array(allocate_from_profile(profile(work, ids), 8192.0, cfg)) / 8192.0
+    np.testing.assert_allclose(small, large, rtol=1e-12)
+    # solving in hidden units instead would make the schedule depend on the unit (per-layer exponents differ)
+    a = 2.0 / np.array(ids)
+    raw_small = allocate_widths(work, 4 * 3840.0, 384.0, a) / 3840.0
+    raw_large = allocate_widths(work, 4 * 8192.0, 819.2, a) / 8192.0
+    assert np.max(np.abs(raw_small - raw_large)) > 1e-3
+
+
+def test_sensitivity_weights_are_on_by_default():
+    assert AllocationConfig().weight_by_sensitivity is True
+    work, ids = [4.0, 3.0, 2.0, 1.0], [10.0, 20.0, 20.0, 40.0]
+    weighted = allocate_from_profile(profile(work, ids, sensitivity=[1.0, 1.0, 1.0, 4.0]), 1024.0,
+                                     AllocationConfig(smoothing="none"))
+    plain = allocate_from_profile(profile(work, ids, sensitivity=[1.0, 1.0, 1.0, 4.0]), 1024.0,
+                                  AllocationConfig(smoothing="none", weight_by_sensitivity=False))
+    assert weighted[3] > plain[3]  # the sensitive last layer gets more width

@@ -21,13 +21,25 @@ def built_count(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in build_model(cfg).parameters())
 
 
-def test_113m_reference_counts_the_papers_non_embedding_budget():
-    assert reference_budget(REF_113M, "non_embedding") == 113_246_208
+def test_113m_reference_counts_the_papers_matrix_budget():
+    assert reference_budget(REF_113M, "matrices") == 113_246_208
 
 
-def test_906m_reference_counts_the_papers_non_embedding_budget():
+def test_906m_reference_counts_the_papers_matrix_budget():
     ref = ModelConfig(d_model=1536, n_layers=24, n_heads=24, vocab_size=50304, ffn=FFNConfig(width=6144))
-    assert reference_budget(ref, "non_embedding") == 905_969_664
+    assert reference_budget(ref, "matrices") == 905_969_664
+
+
+def test_the_default_budget_counts_every_non_embedding_parameter_norm_gains_included():
+    norms = 2 * 12 * 768 + 768  # two RMSNorm gains per block and the final one
+    assert reference_budget(REF_113M, "non_embedding") == 113_246_208 + norms
+    olmo = replace(REF_113M, block="olmo2")  # QK-norm gains over q and k, per layer
+    assert reference_budget(olmo, "non_embedding") == 113_246_208 + norms + 12 * 2 * 768
+    hourglass = replace(REF_113M, ffn=FFNConfig(kind="hourglass", k=8, sub_norm=True, widths=[3072] * 12))
+    p = count_params(hourglass, "non_embedding")
+    # eight sub-MLP norms per layer; on the residual stream they replace the FFN pre-norm
+    assert p.counted == p.attention + p.ffn + p.norm and p.norm == norms + 12 * 8 * 768 - 12 * 768
+    assert p.counted == p.total - p.embedding
 
 
 @pytest.mark.parametrize("block", ["llama", "olmo2"])
@@ -42,7 +54,7 @@ def test_count_equals_built_model_numel(block, kind, k, sub_norm, tie, kv):
 @settings(max_examples=40, deadline=None)
 @given(d_heads=st.integers(2, 12), head_dim=st.sampled_from([16, 32, 64]), layers=st.integers(2, 24),
        ff_mult=st.sampled_from([2.5, 3.0, 4.0]), kind=st.sampled_from(["hourglass", "swiglu_cosine", "olmo2"]),
-       k=st.integers(2, 8), mode=st.sampled_from(["non_embedding", "total"]))
+       k=st.integers(2, 8), mode=st.sampled_from(["non_embedding", "matrices", "total"]))
 def test_matcher_meets_budget_within_one_residual_unit(d_heads, head_dim, layers, ff_mult, kind, k, mode):
     d = d_heads * head_dim
     ref = ModelConfig(d_model=d, n_layers=layers, n_heads=d_heads, vocab_size=1000, ffn=FFNConfig(width=int(ff_mult * d)))
@@ -105,7 +117,7 @@ def test_cosine_schedule_follows_the_tlm_formula():
 
 def test_matched_cosine_keeps_the_taper_shape():
     cfg = replace(REF_113M, ffn=FFNConfig(width=3072, schedule="cosine", multiple_of=1))
-    m = match(cfg, 113_246_208, BudgetConfig())
+    m = match(cfg, reference_budget(REF_113M, "non_embedding"), BudgetConfig())
     ideal = cosine_taper(12, 3072)
     assert all(abs(w - i) <= 1 for w, i in zip(m.model.ffn.widths, ideal))
 

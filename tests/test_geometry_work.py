@@ -279,3 +279,44 @@ def test_a_layer_whose_ffn_outputs_nothing_has_zero_sensitivity():
     assert abs(sensitivity[0]) > 1e-6 and abs(sensitivity[2]) > 1e-6
     hf = perturbation_sensitivity(tiny_hf(), [torch.randint(0, 64, (2, 16))], eps=0.2)
     assert len(hf) == 3 and all(np.isfinite(hf))
+
+
+@pytest.mark.parametrize("block", ["llama", "olmo2"])
+def test_the_intrinsic_dimension_cloud_is_what_the_ffn_receives(block):
+    from study.config.model import FFNConfig, ModelConfig
+    from study.models.transformer import build_model
+
+    cfg = ModelConfig(block=block, d_model=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16,
+                      ffn=FFNConfig(widths=[40, 40]))
+    model = build_model(cfg, "cpu", seed=0)
+    with torch.no_grad():  # gains other than 1, so a normalised copy differs from a scaled one
+        for b in model.layers:
+            b.ffn_sublayer.norm.weight.uniform_(0.5, 1.5)
+    batches = [torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2)) for _ in range(3)]
+    clouds = collect_clouds(model, batches, n_tokens=40, seed=0)
+    assert clouds.n_sequences == len({(b, r) for b, r, _ in clouds.positions}) > 8
+    for layer, b in enumerate(model.layers):
+        h = torch.as_tensor(clouds.before[layer])
+        want = h if block == "olmo2" else b.ffn_sublayer.norm(h)  # olmo2 normalises the FFN's output, not input
+        np.testing.assert_allclose(clouds.received[layer], want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    profile = profile_clouds(clouds, AllocationConfig(diagram_workers=1))
+    assert profile["n_sequences"] == clouds.n_sequences
+    assert {s for g in profile["gw_start"].values() for s in g} <= {"identity", "product"}
+
+
+def test_gw_keeps_the_lower_of_the_identity_and_the_default_start():
+    import ot
+
+    from study.geometry.work import gromov_wasserstein_starts
+
+    x = cloud(40, seed=3)
+    y = np.roll(x, 5, axis=0) + 0.05 * cloud(40, seed=4)  # tokens shuffled: the identity is a poor correspondence
+    dx, dy = pairwise_distances(x, "raw"), pairwise_distances(y, "raw")
+    value, start = gromov_wasserstein_starts(dx, dy)
+    scale = max(dx.mean(), dy.mean())
+    w = np.full(40, 1 / 40)
+    solves = {s: ot.gromov.gromov_wasserstein(dx / scale, dy / scale, w, w, "square_loss", G0=g0, log=True)[1]["gw_dist"]
+              for s, g0 in (("identity", np.eye(40) / 40), ("product", None))}
+    solves["identity"] = min(solves["identity"], float(((dx / scale - dy / scale) ** 2).mean()))
+    assert start == min(solves, key=solves.get)
+    assert value == pytest.approx(0.5 * scale * np.sqrt(max(min(solves.values()), 0.0)), rel=1e-12)

@@ -1,5 +1,6 @@
 """Model structure: the blocks read as PAPERS.md states them."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -92,3 +93,25 @@ def test_gqa_runs_with_fewer_kv_heads():
     model = build_model(tiny(n_kv_heads=2), "cpu", seed=0)
     assert model.layers[0].attn_sublayer.fn.wk.out_features == 16
     assert model(torch.randint(0, 64, (1, 8))).shape == (1, 8, 64)
+
+
+@pytest.mark.parametrize("residual", ["stream", "branch"])
+def test_the_hourglass_chain_runs_on_the_reading_it_names(residual):
+    from study.plan.budget import count_params
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16,
+                      ffn=FFNConfig(kind="hourglass", k=3, sub_norm=True, residual=residual, widths=[30]))
+    model = build_model(cfg, "cpu", seed=0)
+    block = model.layers[0]
+    x = torch.randn(2, 8, 32)
+    h = x + block.attn_sublayer(x, model.rope_cos, model.rope_sin)
+    ffn = block.ffn_sublayer.fn
+    chain = h if residual == "stream" else block.ffn_sublayer.norm(h)
+    start = chain
+    for norm, sub in zip(ffn.norms, ffn.subs):  # h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i))
+        chain = chain + sub(norm(chain))
+    want = h + (chain - start)
+    got = block(x, model.rope_cos, model.rope_sin)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (block.ffn_sublayer.norm is None) == (residual == "stream")  # no input is normalised twice
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg, "total").total

@@ -13,8 +13,16 @@ from conftest import ROOT
 from study.cli import main
 from study.plan.planner import plan_experiment
 
-SCALE_BUDGETS = {"113M": 113_246_208, "128M": 127_926_272, "256M": 262_144_000, "440M": 438_829_056,
-                 "906M": 905_969_664, "1B": 1_073_741_824}
+# the papers' matrix arithmetic (attention + FFN) of each scale's reference; the budget adds its norm gains
+SCALE_MATRICES = {"113M": 113_246_208, "128M": 127_926_272, "256M": 262_144_000, "440M": 438_829_056,
+                  "906M": 905_969_664, "1B": 1_073_741_824}
+SCALE_SHAPES = {"113M": (768, 12), "128M": (1024, 8), "256M": (1280, 10), "440M": (1536, 12), "906M": (1536, 24),
+                "1B": (2048, 16)}
+
+
+def budget_of(scale: str) -> int:
+    d, layers = SCALE_SHAPES[scale]
+    return SCALE_MATRICES[scale] + 2 * layers * d + d
 
 
 def plan_json(capsys, *argv) -> dict:
@@ -25,21 +33,63 @@ def plan_json(capsys, *argv) -> dict:
 def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(capsys):
     out = plan_json(capsys, "hourglass")
     runs = out["runs"]
+    variants = ("conventional", "olmo2", "hourglass_fixed", "hourglass_attn", "hourglass_depth")
     assert Counter((r["variant"], r["scale"]) for r in runs) == {
-        (v, s): 5 for v in ("conventional", "hourglass", "hourglass_attn", "olmo2")
-        for s in ("113M", "256M", "440M", "906M", "1B")}
-    assert all(abs(r["mismatch"]) <= 1e-5 for r in runs)
-    assert all(r["budget"] == SCALE_BUDGETS[r["scale"]] for r in runs)
-    hg = [r for r in runs if r["variant"] == "hourglass"]
-    for r in hg:
+        (v, s): 5 for v in variants for s in ("113M", "256M", "440M", "906M", "1B")}
+    assert all(abs(r["mismatch"]) <= 1e-5 for r in runs)  # every non-embedding parameter, norm gains included
+    assert all(r["budget"] == budget_of(r["scale"]) and r["params"]["counted"] == r["params"]["total"]
+               - r["params"]["embedding"] for r in runs)
+    conventional = {(r["scale"], r["seed"]): r["model"] for r in runs if r["variant"] == "conventional"}
+    for r in runs:
         m = r["model"]
+        assert r["d_model_per_layer"] == m["d_model"] / m["n_layers"]
         d_h = sum(m["ffn"]["widths"]) / (m["ffn"]["k"] * m["n_layers"])
-        assert m["ffn"]["kind"] == "hourglass" and m["ffn"]["k"] == 4 and 0.35 <= d_h / m["d_model"] <= 0.45
-    assert len({r["run_key"] for r in runs}) == 100
-    keys = {"run_key", "variant", "scale", "seed", "stage", "model", "params", "budget", "mismatch"}
+        if r["variant"] == "hourglass_fixed":  # attention exactly as the conventional model's
+            ref = conventional[(r["scale"], r["seed"])]
+            assert (m["n_layers"], m["d_model"], m["n_heads"]) == (ref["n_layers"], ref["d_model"], ref["n_heads"])
+            assert m["ffn"]["k"] == 8 and d_h < m["d_model"]
+        elif r["variant"] == "hourglass_attn":
+            assert m["ffn"]["k"] == 4 and 0.38 <= d_h / m["d_model"] <= 0.45 and m["head_dim"] == 64
+            assert 100 <= r["d_model_per_layer"] <= 250 and r["params"]["attention"] > r["params"]["ffn"]
+        elif r["variant"] == "hourglass_depth":
+            assert m["ffn"]["k"] == 4 and 0.35 <= d_h / m["d_model"] <= 0.45
+    attn = next(r for r in runs if r["variant"] == "hourglass_attn" and r["scale"] == "113M")
+    # the paper's best 113M model: 66M attention and 47M FFN
+    assert abs(attn["params"]["attention"] - 66e6) < 2e6 and abs(attn["params"]["ffn"] - 47e6) < 2e6
+    assert len({r["run_key"] for r in runs}) == 125
+    keys = {"run_key", "variant", "scale", "seed", "stage", "model", "params", "budget", "mismatch", "mismatch_total"}
     assert keys <= set(runs[0]) and set(runs[0]["params"]) == {"embedding", "attention", "ffn", "norm", "total", "counted"}
     assert set(runs[0]["model"]) >= {"block", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                      "vocab_size", "tie_embeddings", "ffn"}
+
+
+def test_olmo2_and_conventional_runs_differ_in_the_block_only():
+    from dataclasses import asdict
+
+    from study.track.params import flatten
+
+    plan = plan_experiment("hourglass")
+    by = {(r.config.variant, r.config.scale, r.config.seed): flatten(asdict(r.config)) for r in plan.runs}
+    for (variant, scale, seed), olmo in by.items():
+        if variant != "olmo2":
+            continue
+        conv = by[("conventional", scale, seed)]
+        differ = {k for k in olmo.keys() | conv.keys() if olmo.get(k) != conv.get(k)}
+        # the block, and the FFN widths it leaves after its QK-norm gains; never the recipe or the data
+        assert differ == {"variant", "model.block", "model.ffn.widths"}, (scale, differ)
+    recipe = plan_experiment("demo", ["variants.tapered.model.block=olmo2"])  # a comparison stays one recipe
+    assert len({r.config.train.z_loss for r in recipe.runs}) == 1
+
+
+def test_the_k_sweep_holds_attention_fixed_and_keeps_every_d_h_below_d_model(capsys):
+    runs = plan_json(capsys, "hourglass_k")["runs"]
+    ks = {r["variant"]: r["model"]["ffn"]["k"] for r in runs}
+    assert ks == {"conventional": 1, "hourglass_k6": 6, "hourglass_k8": 8, "hourglass_k12": 12, "hourglass_k16": 16}
+    for r in runs:
+        m = r["model"]
+        assert (m["n_layers"], m["d_model"], m["n_heads"]) == (12, 768, 12) and abs(r["mismatch"]) <= 1e-5
+        if m["ffn"]["kind"] == "hourglass":
+            assert max(m["ffn"]["widths"]) / m["ffn"]["k"] < m["d_model"]
 
 
 def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
@@ -63,9 +113,15 @@ def test_scaling_and_search_experiments_plan_every_run(capsys):
     assert len(scaling) == 5 * 5 * 3
     assert all(abs(r["mismatch"]) <= 1e-5 for r in scaling if r["params"])
     search = plan_json(capsys, "search")["runs"]
-    assert len(search) == 1 + 3 * 2 * 3
-    assert {r["model"]["d_model"] for r in search} == {640, 768, 896}
-    assert all(abs(r["mismatch"]) <= 1e-5 for r in search)
+    assert len(search) == 1 + 4 * 2 * 3
+    assert {r["model"]["d_model"] for r in search} == {768, 896, 1024, 1280, 1536}
+    ratios = [r["d_model_per_layer"] for r in search if r["variant"] != "conventional"]
+    assert min(ratios) < 50 and max(ratios) > 300  # the U-shape's optimum (100-250) lies inside the grid
+    realised = [sum(r["model"]["ffn"]["widths"]) / r["model"]["ffn"]["k"] / r["model"]["n_layers"] / r["model"]["d_model"]
+                for r in search if r["variant"] != "conventional"]
+    assert min(realised) < 0.35 < 0.45 < max(realised)  # the d_h/d_model < 0.4 cliff lies inside the grid too
+    # the resolution bound: one hidden unit is 3 d_model parameters, so the nearest leaves at most 1.5 d_model
+    assert all(abs(r["mismatch"]) * r["budget"] <= 1.5 * r["model"]["d_model"] for r in search)
 
 
 def test_demo_is_tiny_and_matched(capsys):

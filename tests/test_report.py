@@ -152,3 +152,26 @@ def test_report_reads_the_store_named_by_the_environment(store, tmp_path, monkey
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     result = build_report(EXPERIMENT, metrics=["val/loss"], out_dir=tmp_path, log_to_mlflow=False, n_resamples=99)
     assert result["report_run_id"] is None and (tmp_path / EXPERIMENT / "report.html").exists()
+
+
+def test_the_papers_440m_geometry_table_is_shown_beside_our_deltas(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # our effects: near the paper's for geometry and cosine, far from it for anti
+    synthetic_store(uri, "geometry", ["uniform", "cosine", "geometry", "anti"], {"440M": 438_867_456}, seeds=5,
+                    steps=20, eval_tasks=(), baseline="uniform",
+                    effects={"uniform": 0.0, "cosine": -0.003, "geometry": -0.019, "anti": -0.2},
+                    seed_sd=0.02, run_sd=0.002)
+    result = build_report("geometry", tracking_uri=uri, out_dir=tmp_path / "reports", n_resamples=499,
+                          log_to_mlflow=False)
+    rows = {p["variant"]: p for p in result["published"]}
+    assert set(rows) == {"cosine", "geometry", "anti"} and all(p["scale"] == "440M" for p in rows.values())
+    assert rows["geometry"]["paper_delta"] == pytest.approx(3.430 - 3.449)
+    assert rows["anti"]["paper_delta"] == pytest.approx(3.515 - 3.449)
+    by_variant = {r["variant"]: r for r in result["results"] if r["metric"] == "val/loss"}
+    for variant, p in rows.items():  # our side of each row is the report's own paired result
+        ours = by_variant[variant]
+        assert p["ours"] == ours["mean_delta"] and (p["ci_low"], p["ci_high"]) == (ours["ci_low"], ours["ci_high"])
+        assert p["contains"] == (ours["ci_low"] <= p["paper_delta"] <= ours["ci_high"])
+    assert rows["anti"]["contains"] is False  # our anti improves; the paper's hurt
+    text = (tmp_path / "reports" / "geometry" / "report.md").read_text()
+    assert "The paper's figures beside ours" in text and "+0.0660" in text

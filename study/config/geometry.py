@@ -44,8 +44,9 @@ class AllocationConfig:
     """Lower bound of every layer's width, as a fraction of the uniform width."""
     anti: bool = False
     """Allocate against the measured direction: work reflected about its midrange (the anti control)."""
-    weight_by_sensitivity: bool = False
-    """Weight layer l by its measured perturbation sensitivity lambda_l (else lambda_l = 1)."""
+    weight_by_sensitivity: bool = True
+    """Weight layer l by its measured perturbation sensitivity lambda_l, the paper's loss sensitivity (false:
+    lambda_l = 1)."""
     measure_sensitivity: bool = True
     """Measure perturbation sensitivity when profiling (2 L + 1 extra passes over the profiling batches)."""
     sensitivity_eps: float = 0.1
@@ -54,6 +55,9 @@ class AllocationConfig:
     """Radius in the Poincare ball at which unit-normalised states are placed (hyperbolic geometry)."""
     n_tokens: int = 1024
     """Tokens sampled from the validation batches to form each layer's cloud."""
+    n_sequences: int = 256
+    """Validation sequences the tokens are drawn from, a few random positions in each (tokens of one sequence are
+    strongly correlated); the perturbation sensitivity uses the same sequences. Capped by the validation split."""
     seed: int = 0
     """Seed of the token sample (the same positions are used in every layer)."""
     min_position: int = 1
@@ -77,6 +81,8 @@ class AllocationConfig:
             raise StudyError("exponent_const", "the error exponent must be positive", "use e.g. 1.0")
         if not 0.0 < self.w_min_fraction <= 1.0:
             raise StudyError("w_min_fraction", f"{self.w_min_fraction} is outside (0, 1]", "use e.g. 0.25")
+        if self.n_sequences < 1:
+            raise StudyError("n_sequences", f"{self.n_sequences} sequences", "use e.g. 256")
         if self.n_tokens < 8:
             raise StudyError("n_tokens", f"{self.n_tokens} tokens are too few for a cloud", "use e.g. 1024")
         if self.diagram_workers == 0 or self.diagram_workers < -1:

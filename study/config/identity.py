@@ -16,9 +16,10 @@ from typing import Any
 
 from study.config.run import RunConfig, leaves
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
-in a clear error instead of being resumed or matched."""
+in a clear error instead of being resumed or matched. Raised whenever what a hashed field means changes (3: the
+`non_embedding` budget counts norm gains)."""
 
 KEY, OUT, SCHEDULED = "key", "out", "scheduled"
 

@@ -21,6 +21,11 @@ class FFNConfig:
     """Number of residual sub-MLPs per layer (the hourglass depth K); 1 for swiglu."""
     sub_norm: bool = True
     """Hourglass only: RMSNorm before each sub-MLP (one public implementation's choice; the paper does not confirm it)."""
+    residual: str = "stream"
+    """Hourglass only, what the K-step chain runs on: `stream`, the residual stream itself, each sub-MLP normalising
+    its own input (h_1 = the stream, h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i)): no block pre-norm, so no
+    input is normalised twice); or `branch`, the block's pre-normalised copy of the stream (llama pre-norm first,
+    then n() per sub-MLP when sub_norm is on). `stream` needs sub_norm; olmo2 blocks have no input norm to drop."""
     schedule: str = "uniform"
     """Per-layer width schedule: `uniform`, `cosine` (TLM taper), `explicit` (the `widths` list) or `geometry` (from a profile)."""
     cosine_start: float = 1.5
@@ -81,6 +86,12 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.block == "olmo2"
+
+    @property
+    def hourglass_on_stream(self) -> bool:
+        """The hourglass chain runs on the residual stream (llama block): the FFN sublayer has no pre-norm."""
+        f = self.ffn
+        return f.kind == "hourglass" and f.residual == "stream" and f.sub_norm and self.block == "llama"
 
     def sub_widths(self, layer: int) -> list[int]:
         """Hidden widths of a layer's sub-MLPs: the layer's total split as evenly as possible over K.

@@ -134,7 +134,8 @@ class FaultsConfig:
 @dataclass
 class BudgetConfig:
     mode: str = "non_embedding"
-    """What the budget counts: `non_embedding` (attention + FFN matrices) or `total` (every parameter)."""
+    """What the budget counts: `non_embedding` (every parameter but the embeddings, norm gains included),
+    `matrices` (attention + FFN matrices: the papers' arithmetic) or `total` (every parameter)."""
     match: str = "ffn"
     """Free dimension solved to meet the budget: none, ffn, depth, attention or width."""
     tolerance: float = 1e-5

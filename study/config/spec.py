@@ -45,6 +45,8 @@ class RunSpec:
     """The profile a scheduled run's widths come from (its reference's profile.json)."""
     pending: str | None = None
     """Why the widths are not known yet (the stage that will produce them)."""
+    reference_total: int | None = None
+    """Every parameter, embeddings included, of the scale's reference model (for the mismatch of the total)."""
     schema: int = SCHEMA_VERSION
     """Key and spec schema version."""
 
@@ -70,6 +72,14 @@ class RunSpec:
             raise StudyError("run spec", f"run {self.key} has no resolved widths yet ({self.pending})",
                              "let its upstream stage finish first (study launch chains them)")
         return self.params["counted"]
+
+    @property
+    def mismatch_total(self) -> float | None:
+        """(total - reference total) / reference total: what matching the non-embedding budget leaves in the
+        embeddings (a wider d_model has wider embeddings)."""
+        if self.params is None or not self.reference_total:
+            return None
+        return (self.params["total"] - self.reference_total) / self.reference_total
 
     def tokens(self) -> int:
         t = self.config.train

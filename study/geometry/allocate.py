@@ -126,8 +126,10 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
             )
         # A layer whose scaling lowers the loss (noise, or negative curvature) gets no weight, so it sits at w_min.
         weights = np.maximum(np.asarray(profile["sensitivity"], dtype=np.float64), 0.0)
-    widths = allocate_widths(cost, layers * uniform_width, cfg.w_min_fraction * uniform_width, exponents, weights)
-    return widths.tolist()
+    # The work was measured on the reference at its uniform width u, so layer l's error is c_l (w / u)^(-a_l):
+    # solve for the fractions x = w / u (budget L, bound w_min_fraction), which no choice of unit can change.
+    fractions = allocate_widths(cost, float(layers), cfg.w_min_fraction, exponents, weights)
+    return (uniform_width * fractions).tolist()
 
 
 def read_profile(path) -> dict:

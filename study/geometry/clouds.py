@@ -44,6 +44,14 @@ class TokenClouds:
     """(layers, n_tokens, d_model) float32: the residual stream once the FFN branch has been added."""
     positions: np.ndarray
     """(n_tokens, 3) int64: batch index, row in the batch and sequence position of each sampled token."""
+    received: np.ndarray | None = None
+    """(layers, n_tokens, d_model) float32: what the FFN itself receives (the pre-norm's output for llama blocks,
+    the stream for olmo2 blocks and hourglass chains on the stream); None where no such hook site is known."""
+
+    @property
+    def n_sequences(self) -> int:
+        """Distinct sequences the sampled tokens come from."""
+        return int(len({(int(b), int(r)) for b, r, _ in self.positions}))
 
     @property
     def layers(self) -> int:
@@ -56,9 +64,14 @@ class TokenClouds:
 
 def ffn_sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """(input module, branch module) of each layer's FFN, in depth order."""
+    return [(a, b) for a, b, _ in _sites(model)]
+
+
+def _sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module | None]]:
+    """(input module, branch module, the FFN module itself) of each layer, in depth order."""
     layers = getattr(model, "layers", None)
     if layers is not None and len(layers) > 0 and all(hasattr(block, "ffn_sublayer") for block in layers):
-        return [(block.ffn_sublayer, block.ffn_sublayer) for block in layers]
+        return [(block.ffn_sublayer, block.ffn_sublayer, getattr(block.ffn_sublayer, "fn", None)) for block in layers]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         raise StudyError(
@@ -75,7 +88,8 @@ def ffn_sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
             "HF_FFN_SITES in study/geometry/clouds.py",
         )
     input_name, branch_name = HF_FFN_SITES[model_type]
-    return [(getattr(layer, input_name), getattr(layer, branch_name)) for layer in model.get_decoder().layers]
+    return [(getattr(layer, input_name), getattr(layer, branch_name), getattr(layer, "mlp", None))
+            for layer in model.get_decoder().layers]
 
 
 def sample_positions(shapes: Sequence[tuple[int, int]], n_tokens: int, seed: int, min_position: int) -> np.ndarray:
@@ -113,9 +127,10 @@ def collect_clouds(
     if any(ids.ndim != 2 for ids in batches):
         raise StudyError("batches", "token batches must be 2-D (batch, sequence)", "pass tensors of shape (B, T)")
     picks = sample_positions([tuple(ids.shape) for ids in batches], n_tokens, seed, min_position)
-    sites = ffn_sites(model)
+    sites = _sites(model)
     before: list[list[torch.Tensor]] = [[] for _ in sites]
     branch: list[list[torch.Tensor]] = [[] for _ in sites]
+    received: list[list[torch.Tensor]] = [[] for _ in sites]
     current: dict[str, np.ndarray] = {}
 
     def take(h: torch.Tensor) -> torch.Tensor:
@@ -129,6 +144,12 @@ def collect_clouds(
 
         return hook
 
+    def received_hook(layer: int):
+        def hook(module, args, kwargs):
+            received[layer].append(take(args[0] if args else kwargs["hidden_states"]))
+
+        return hook
+
     def branch_hook(layer: int):
         def hook(module, args, output):
             branch[layer].append(take(_first(output)))
@@ -139,9 +160,11 @@ def collect_clouds(
     handles = []
     was_training = model.training
     try:
-        for layer, (input_module, branch_module) in enumerate(sites):
+        for layer, (input_module, branch_module, ffn_module) in enumerate(sites):
             handles.append(input_module.register_forward_pre_hook(input_hook(layer), with_kwargs=True))
             handles.append(branch_module.register_forward_hook(branch_hook(layer)))
+            if ffn_module is not None:
+                handles.append(ffn_module.register_forward_pre_hook(received_hook(layer), with_kwargs=True))
         model.eval()
         with torch.no_grad():
             for index, ids in enumerate(batches):
@@ -156,7 +179,8 @@ def collect_clouds(
         model.train(was_training)
     h = torch.stack([torch.cat(chunks) for chunks in before])
     f = torch.stack([torch.cat(chunks) for chunks in branch])
-    return TokenClouds(before=h.numpy(), after=(h + f).numpy(), positions=picks)
+    r = torch.stack([torch.cat(chunks) for chunks in received]).numpy() if all(received) else None
+    return TokenClouds(before=h.numpy(), after=(h + f).numpy(), positions=picks, received=r)
 
 
 def _mean_loss(model: nn.Module, batches: Sequence[torch.Tensor], device) -> float:

@@ -21,15 +21,17 @@ import numpy as np
 from study.config.geometry import STATISTICS, AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances
-from study.geometry.work import gromov_wasserstein, h1_diagram, shift, timed_diagram_w2, twonn_dimension
+from study.geometry.work import gromov_wasserstein_starts, h1_diagram, shift, timed_diagram_w2, twonn_dimension
 
 METHODS = {
     "shift": "mean distance between corresponding tokens",
-    "gw": "GW_2 = 0.5 sqrt(min GW loss), POT conditional gradient from the identity coupling, uniform weights, "
-    "both matrices divided by the larger mean distance and the result scaled back",
+    "gw": "GW_2 = 0.5 sqrt(min GW loss), POT conditional gradient from the identity coupling and from POT's default "
+    "(product) start, the lower kept (gw_start says which), uniform weights, both matrices divided by the larger "
+    "mean distance and the result scaled back",
     "topo": "exact W_2 (L2 ground metric, POT network simplex) between H1 Vietoris-Rips diagrams (giotto-ph, "
     "full filtration)",
-    "intrinsic_dim": "TwoNN (Facco et al. 2017, 10% discarded) on angular distances of the FFN's input cloud",
+    "intrinsic_dim": "TwoNN (Facco et al. 2017, 10% discarded) on angular distances of the cloud the FFN receives "
+    "(after the block's pre-norm, gains included, where it has one)",
     "sensitivity": "(L(1+eps) + L(1-eps)) / 2 - L(1), FFN branch scaled by 1 +- eps",
 }
 
@@ -88,6 +90,7 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
     radius = cfg.hyperbolic_radius
     layers = clouds.layers
     stats = {s: {g: [0.0] * layers for g in GEOMETRIES} for s in STATISTICS}
+    gw_start = {g: [""] * layers for g in GEOMETRIES}
     intrinsic_dim = []
     timer = _Timer()
     wall = time.perf_counter()
@@ -101,13 +104,16 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
             with timer("shift"):
                 stats["shift"][g][layer] = shift(*clouds_, g, radius)
             with timer("gw"):
-                stats["gw"][g][layer] = gromov_wasserstein(*dist[g])
+                stats["gw"][g][layer], gw_start[g][layer] = gromov_wasserstein_starts(*dist[g])
         with timer("topo"):
             for g in ("raw", "spherical"):
                 diagrams[layer, g] = [h1_diagram(d, threads) for d in dist[g]]
             diagrams[layer, "hyperbolic"] = [angle_to_poincare(dgm, radius) for dgm in diagrams[layer, "spherical"]]
         with timer("intrinsic_dim"):
-            dim = twonn_dimension(dist["spherical"][0])
+            # on what the FFN itself receives (after a pre-norm's gains, for llama blocks), not the bare stream
+            received = dist["spherical"][0] if clouds.received is None else pairwise_distances(
+                clouds.received[layer], "spherical", radius)
+            dim = twonn_dimension(received)
             intrinsic_dim.append(dim if np.isfinite(dim) else None)
     with _executor(cfg.diagram_workers, clouds.n_tokens) as pool:
         futures = {key: pool.submit(timed_diagram_w2, *pair) for key, pair in diagrams.items()}
@@ -121,7 +127,9 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
         "n_tokens": clouds.n_tokens,
         "d_model": int(clouds.before.shape[2]),
         "hyperbolic_radius": radius,
+        "n_sequences": clouds.n_sequences,
         "stats": stats,
+        "gw_start": gw_start,
         "intrinsic_dim": intrinsic_dim,
         "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
         "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None,

@@ -10,13 +10,16 @@ from pathlib import Path
 from study.config.spec import RunSpec
 
 
-def profiling_batches(data, n_tokens: int):
-    """Validation sequences holding at least twice the sampled tokens (positions are sampled among them)."""
+def profiling_batches(data, n_sequences: int, n_tokens: int):
+    """Batches of `n_sequences` validation sequences (as many as the split holds, and at least enough positions for
+    twice the sampled tokens); the tokens are then drawn uniformly among all of them, a few per sequence."""
     from study.data import val_batches
+    from study.data.batches import num_windows
 
     per_batch = 8
-    wanted = max(1, (2 * n_tokens) // (data.seq_len * per_batch) + 1)
-    return [x for x, _ in val_batches(data.val, data.seq_len, per_batch, wanted)]
+    enough = max(n_sequences, -(-2 * n_tokens // max(data.seq_len - 1, 1)))
+    wanted = min(-(-enough // per_batch), num_windows(len(data.val), data.seq_len) // per_batch)
+    return [x for x, _ in val_batches(data.val, data.seq_len, per_batch, max(wanted, 1))]
 
 
 def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
@@ -34,7 +37,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
     g = geometry or cfg.geometry
     model, ckpt = load_trained_model(spec, device)
     data = prepare_data(cfg.data)
-    batches = profiling_batches(data, g.n_tokens)
+    batches = profiling_batches(data, g.n_sequences, g.n_tokens)
     sensitivity = perturbation_sensitivity(model, batches, g.sensitivity_eps) if g.measure_sensitivity else None
     clouds = collect_clouds(model, batches, g.n_tokens, g.seed, g.min_position)
     profile = profile_clouds(clouds, g, sensitivity)

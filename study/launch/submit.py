@@ -180,12 +180,12 @@ def write_specs(plan: Plan) -> None:
     """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths."""
     for spec in plan.runs:
         path = spec.run_dir.spec
-        if spec.pending is not None and path.is_file():
-            try:
-                done = read_spec(path)
-            except StudyError:
-                done = None
-            if done is not None and done.key == spec.key and done.pending is None:
+        if path.is_file():
+            done = read_spec(path)  # a spec of another schema version is named, never overwritten
+            if done.key != spec.key:
+                raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {done.key}, not {spec.key}",
+                                 "leave run directories as the launcher made them; move the foreign run.json away")
+            if spec.pending is not None and done.pending is None:
                 spec = replace(done, config=replace(spec.config, model=done.model))
         write_spec(spec)
 

@@ -70,7 +70,8 @@ class HourglassFFN(nn.Module):
     """K narrow SwiGLU sub-MLPs joined by residual paths: h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i)).
 
     Returns the accumulated increment h_K - h_0, which the block adds to its residual stream; with K = 1 and no
-    sub-norm this is exactly a SwiGLU FFN.
+    sub-norm this is exactly a SwiGLU FFN. What h_0 is, the residual stream or the block's normalised copy of it,
+    is `FFNConfig.residual` (default: the stream, since each n() already normalises its sub-MLP's input).
     """
 
     def __init__(self, d_model: int, widths: list[int], sub_norm: bool, eps: float):

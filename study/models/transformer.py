@@ -28,19 +28,21 @@ from study.models.layers import Attention, HourglassFFN, SwiGLU, rope_tables
 
 
 class Sublayer(nn.Module):
-    """A function with its norm: before it (llama, pre-norm) or on its output (olmo2, reordered norm).
+    """A function with its norm: before it (llama, pre-norm) or on its output (olmo2, reordered norm); none when
+    the function normalises its own input (an hourglass chain on the residual stream).
 
     Its output is the increment added to the residual stream, so hooks on it see (before, increment).
     """
 
-    def __init__(self, fn: nn.Module, d_model: int, eps: float, post_norm: bool):
+    def __init__(self, fn: nn.Module, d_model: int, eps: float, post_norm: bool, own_input_norm: bool = False):
         super().__init__()
-        self.fn, self.norm, self.post_norm = fn, nn.RMSNorm(d_model, eps=eps), post_norm
+        self.fn, self.post_norm = fn, post_norm
+        self.norm = None if own_input_norm and not post_norm else nn.RMSNorm(d_model, eps=eps)
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         if self.post_norm:
             return self.norm(self.fn(x, *args))
-        return self.fn(self.norm(x), *args)
+        return self.fn(x if self.norm is None else self.norm(x), *args)
 
 
 class Block(nn.Module):
@@ -52,7 +54,7 @@ class Block(nn.Module):
         else:
             ffn = SwiGLU(cfg.d_model, cfg.ffn.widths[layer])
         self.attn_sublayer = Sublayer(Attention(cfg), cfg.d_model, cfg.eps, post)
-        self.ffn_sublayer = Sublayer(ffn, cfg.d_model, cfg.eps, post)
+        self.ffn_sublayer = Sublayer(ffn, cfg.d_model, cfg.eps, post, own_input_norm=cfg.hourglass_on_stream)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attn_sublayer(x, cos, sin)

@@ -5,10 +5,12 @@ Counting. Every group is a closed form of the shape (a test checks it equals `su
     embedding  = V d (x2 when untied)
     attention  = L (d q + 2 d kv + q d)            q = n_heads * head_dim, kv = n_kv_heads * head_dim
     ffn        = 3 d * sum_l widths[l]             (SwiGLU and hourglass alike: each hidden unit owns W_1, W_2, W_u rows)
-    norm       = 2 L d + d  (+ L (q + kv) QK-norm, + L K d hourglass sub-norms)
+    norm       = 2 L d + d  (+ L (q + kv) QK-norm, + L K d hourglass sub-norms, - L d when the hourglass chain
+                            runs on the residual stream: its sub-norms replace the FFN pre-norm)
 
-The budget counts `non_embedding` = attention + ffn (the papers' arithmetic: 113,246,208 at 113M; norm gains are
-excluded) or `total` = everything.
+The budget counts `non_embedding` = attention + ffn + norm, every parameter outside the embeddings (the default, so
+a variant with more norm gains carries no unmatched parameters), `matrices` = attention + ffn (the papers'
+arithmetic: 113,246,208 at 113M) or `total` = everything.
 
 Matching. A variant keeps its declared shape and solves its free dimension so that its counted parameters meet the
 budget of the scale's reference model:
@@ -38,7 +40,7 @@ from study.errors import StudyError
 from study.config.model import BLOCKS, FFN_KINDS, ModelConfig
 from study.plan.widths import schedule_shape
 
-MODES = ("non_embedding", "total")
+MODES = ("non_embedding", "matrices", "total")
 STRATEGIES = ("none", "ffn", "depth", "attention", "width")
 
 
@@ -77,15 +79,17 @@ def count_params(cfg: ModelConfig, mode: str = "non_embedding") -> ParamCount:
         norm += n_layers * (q + kv)
     if cfg.ffn.kind == "hourglass" and cfg.ffn.sub_norm:
         norm += n_layers * cfg.ffn.k * d
+    if cfg.hourglass_on_stream:  # the sub-MLPs' norms replace the block's FFN pre-norm
+        norm -= n_layers * d
     total = embedding + attention + ffn + norm
-    counted = attention + ffn if mode == "non_embedding" else total
+    counted = {"non_embedding": attention + ffn + norm, "matrices": attention + ffn}.get(mode, total)
     return ParamCount(embedding, attention, ffn, norm, total, counted)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 N for every matmul weight, including the LM head but not the
     embedding lookup, plus 12 L H Q T for attention scores and values (PaLM appendix B convention)."""
-    p = count_params(cfg, "non_embedding")
+    p = count_params(cfg, "matrices")
     matmul = p.attention + p.ffn + cfg.vocab_size * cfg.d_model
     return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
 
@@ -119,6 +123,11 @@ def validate_shape(cfg: ModelConfig) -> None:
     if cfg.n_heads % cfg.kv_heads:
         raise StudyError("model.n_kv_heads", f"n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.kv_heads}",
                          "choose n_kv_heads dividing n_heads")
+    if cfg.ffn.residual not in ("stream", "branch"):
+        raise StudyError("model.ffn.residual", f"unknown value {cfg.ffn.residual!r}", "use stream or branch")
+    if cfg.ffn.kind == "hourglass" and cfg.ffn.residual == "stream" and not cfg.ffn.sub_norm and cfg.block == "llama":
+        raise StudyError("model.ffn.residual", "a chain on the residual stream needs each sub-MLP's norm",
+                         "set model.ffn.sub_norm=true, or model.ffn.residual=branch")
     if cfg.ffn.kind == "swiglu" and cfg.ffn.k != 1:
         raise StudyError("model.ffn.k", "k > 1 needs the hourglass FFN", "set model.ffn.kind=hourglass or k=1")
     if cfg.ffn.kind == "hourglass" and target_width(cfg) >= cfg.d_model:

@@ -10,7 +10,7 @@ from typing import Any
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
 
-KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common")
+KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "published")
 
 
 @dataclass
@@ -21,6 +21,9 @@ class Variant:
     """Preset in sweeps/model/ it starts from."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Dotted overrides on top of the preset (`model.ffn.k: 8`)."""
+    per_scale: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Dotted overrides for one scale only, applied after `settings` (`at: {113M: {model.n_layers: 6}}`): a shape
+    that differs by scale, such as a width/depth ratio the variant keeps."""
 
 
 @dataclass
@@ -41,6 +44,9 @@ class Experiment:
     """Overrides applied to every run."""
     description: str = ""
     """One line for the plan's title."""
+    published: dict[str, Any] = field(default_factory=dict)
+    """The paper's reported figures: {source, metric, values: {scale: {variant: value}}}; the report shows them
+    beside the measured ones."""
 
 
 def _grid_variants(grid: Any) -> list[Variant]:
@@ -62,7 +68,7 @@ def _grid_variants(grid: Any) -> list[Variant]:
 
 
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
-         "reference": (dict,), "grid": (dict,), "common": (dict,)}
+         "reference": (dict,), "grid": (dict,), "common": (dict,), "published": (dict,)}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 """Experiment and variant names: they become directory, MLflow and job names."""
 
@@ -125,13 +131,22 @@ def load_experiment(name: str) -> Experiment:
     variants = []
     for vname, spec in (OmegaConf.to_container(raw.variants) if raw.get("variants") else {}).items():
         spec = spec or {}
-        extra = set(spec) - {"model", "set"}
+        extra = set(spec) - {"model", "set", "at"}
         if extra:
             raise StudyError(f"{name}.yaml: variants.{vname}.{sorted(extra)[0]}", "is not a variant key",
-                             "a variant has `model` (a preset) and optional `set` (dotted overrides)")
+                             "a variant has `model` (a preset), optional `set` (dotted overrides) and `at` "
+                             "(per-scale dotted overrides)")
         preset = spec.get("model", vname)
         group_file("model", preset)
-        variants.append(Variant(vname, preset, spec.get("set") or {}))
+        at = spec.get("at") or {}
+        if not isinstance(at, dict) or any(not isinstance(v, dict) for v in at.values()):
+            raise StudyError(f"{name}.yaml: variants.{vname}.at", "must map scale names to dotted overrides",
+                             "write e.g. `at: {113M: {model.n_layers: 6, model.d_model: 1280}}`")
+        stray = sorted(set(at) - set(scales))
+        if stray:
+            raise StudyError(f"{name}.yaml: variants.{vname}.at.{stray[0]}", "is not a scale of the experiment",
+                             f"use one of {', '.join(scales)}")
+        variants.append(Variant(vname, preset, spec.get("set") or {}, {str(k): v for k, v in at.items()}))
     if "grid" in raw:
         variants += _grid_variants(raw.grid)
     names = [v.name for v in variants]
@@ -146,4 +161,9 @@ def load_experiment(name: str) -> Experiment:
                              f"use one of {', '.join(names)}")
         reference = (ref["variant"], int(ref.get("seed", 0)))
     common = OmegaConf.to_container(raw.common) if raw.get("common") else {}
-    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""))
+    published = OmegaConf.to_container(raw.published) if raw.get("published") else {}
+    if published and (not isinstance(published.get("metric"), str) or not isinstance(published.get("values"), dict)):
+        raise StudyError(f"{name}.yaml: published", "needs `metric` and `values: {scale: {variant: number}}`",
+                         "see sweeps/experiment/geometry.yaml")
+    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""),
+                      published)

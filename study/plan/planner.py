@@ -49,7 +49,9 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
             "ffn": {"kind": m.ffn.kind, "schedule": m.ffn.schedule, "widths": m.ffn.widths, "k": m.ffn.k,
                     "sub_norm": m.ffn.sub_norm if m.ffn.kind == "hourglass" else False},
         },
+        "d_model_per_layer": m.d_model / m.n_layers,
         "params": spec.params, "budget": spec.budget, "budget_mode": cfg.budget.mode, "mismatch": spec.mismatch,
+        "mismatch_total": spec.mismatch_total,
         "pending": spec.pending, "depends_on": spec.depends_on,
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
     }
@@ -84,7 +86,8 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
     groups = {k: v for k, v in exp.common.items() if k in GROUPS and isinstance(v, str)}
     common = {k: v for k, v in exp.common.items() if k not in groups}
     layers = [(identity, "the experiment's identity"), (common, f"{exp.name}.yaml: common"),
-              (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}")]
+              (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}"),
+              (nested(variant.per_scale.get(scale, {})), f"{exp.name}.yaml: variants.{variant.name}.at.{scale}")]
     run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset, raw=ov.raw)
     return compose({**groups, "scale": scale, "model": variant.model}, layers=layers, overrides=run_ov)
 
@@ -103,15 +106,16 @@ def match_run(cfg: RunConfig) -> Matched:
         raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
 
 
-def make_spec(cfg: RunConfig, key: str, matched: Matched | None, depends_on: list[str] | None = None,
-              profile: str = "", pending: str | None = None) -> RunSpec:
+def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunConfig,
+              depends_on: list[str] | None = None, profile: str = "", pending: str | None = None) -> RunSpec:
     rdir = RunDir.of(cfg.paths.runs, cfg.experiment, key)
+    ref_total = reference_budget(reference.model, "total")
     if matched is None:
         return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
-                       profile=profile, pending=pending)
+                       profile=profile, pending=pending, reference_total=ref_total)
     return RunSpec(key, run_name(cfg), replace(cfg, model=matched.model), str(rdir.path), matched.budget,
                    matched.params.as_dict(), matched.mismatch, flops_per_token(matched.model, cfg.data.seq_len),
-                   list(depends_on or []), profile, None)
+                   list(depends_on or []), profile, None, ref_total)
 
 
 def _check_unique(exp: Experiment) -> None:
@@ -152,10 +156,10 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
                 is_ref = exp.reference == (variant.name, seed)
                 cfg = replace(base, seed=seed, stage="reference" if is_ref else ("scheduled" if scheduled else "train"))
                 if not scheduled:
-                    runs.append(make_spec(cfg, run_key(cfg), matched))
+                    runs.append(make_spec(cfg, run_key(cfg), matched, reference))
                     continue
                 profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
-                spec = make_spec(cfg, run_key(cfg, [ref_key]), None, [ref_key], str(profile),
+                spec = make_spec(cfg, run_key(cfg, [ref_key]), None, reference, [ref_key], str(profile),
                                  f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
                 runs.append(complete_spec(spec) if profile.is_file() else spec)
     _check_distinct(name, runs)
@@ -181,7 +185,7 @@ def plan_adhoc(items: list[str]) -> RunSpec:
     if cfg.model.ffn.schedule == "geometry":
         raise StudyError("model.ffn.schedule", "a geometry-scheduled run needs the reference run of an experiment",
                          "train it through an experiment with a `reference` (study launch geometry)")
-    return make_spec(cfg, run_key(cfg), match_run(cfg))
+    return make_spec(cfg, run_key(cfg), match_run(cfg), reference)
 
 
 def select_run(items: list[str]) -> RunSpec:

@@ -92,9 +92,9 @@ def load(path: Path, model, optimizer, d: Dist) -> TrainState:
     return state
 
 
-def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str) -> TrainState | None:
+def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_hash: str = "") -> TrainState | None:
     """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when the run
-    has none. A checkpoint saved by another run key is refused by name, never resumed."""
+    has none. A checkpoint saved by another run key, or for another model shape, is refused by name."""
     import sys
 
     for path in reversed(complete_checkpoints(run_dir)):
@@ -102,6 +102,9 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str) -> Train
         if state is not None and state.run_key and state.run_key != run_key:
             raise StudyError("paths.runs", f"checkpoint {path} belongs to run {state.run_key}, not {run_key}",
                              "remove the foreign checkpoint (a run directory holds its own run's checkpoints only)")
+        if state is not None and state.model_hash and model_hash and state.model_hash != model_hash:
+            raise StudyError("paths.runs", f"checkpoint {path} holds another model shape than run {run_key}'s spec",
+                             "the spec changed under a trained run: restore its run.json, or train it elsewhere")
         try:
             return load(path, model, optimizer, d)
         except (KeyboardInterrupt, SystemExit):

@@ -174,8 +174,10 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     step_model = torch.compile(model) if cfg.train.compile else model
     optimizer = build_optimizer(model, cfg.train, lr)
 
-    state = checkpoint.load_latest(rdir, model, optimizer, d, key) or TrainState(max_steps=max_steps, run_key=key)
-    state.run_key = key
+    shape = model_hash(model_cfg)
+    state = (checkpoint.load_latest(rdir, model, optimizer, d, key, shape)
+             or TrainState(max_steps=max_steps, run_key=key))
+    state.run_key, state.model_hash = key, shape
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
@@ -251,6 +253,12 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
         spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
                                                    "run_key": spec.key}))
     tracker.close(outcome.status, outcome.reason)
+
+
+def model_hash(model_cfg) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(asdict(model_cfg), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _keep_freed_memory() -> None:

@@ -24,6 +24,8 @@ class TrainState:
     """Ranks that saved the state (per-rank RNG is restored only at the same world size)."""
     run_key: str = ""
     """The run the state belongs to."""
+    model_hash: str = ""
+    """Hash of the matched model the checkpoint holds weights for (a spec whose shape changed is refused)."""
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
