@@ -136,6 +136,7 @@ CASES = [
     (["plan", "demo", "cluster.gpus_per_node=-1"], "cluster.gpus_per_node"),
     (["plan", "demo", "geometry.statistic=volume"], "statistic"),
     (["plan", "demo", "geometry.hyperbolic_radius=1.5"], "hyperbolic_radius"),
+    (["plan", "demo", "geometry.measure_sensitivity=false"], "weight_by_sensitivity"),
     (["launch", "demo", "data.name=/no/such/dataset"], "data.name"),
     (["launch", "demo", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
     (["train", "scale=tiny", "+train.foo=1"], "train.foo"),

@@ -13,7 +13,7 @@ from slurm_helpers import SMALL, private_sweeps
 @pytest.fixture
 def geometry_experiment(workdir, monkeypatch):
     common = {**SMALL["common"], "model": {**SMALL["common"]["model"], "n_layers": 4},
-              "geometry": {"n_tokens": 96, "measure_sensitivity": False}}
+              "geometry": {"n_tokens": 96}}
     private_sweeps(workdir, "geo", baseline="uniform", reference={"variant": "uniform", "seed": 0},
                    variants={"uniform": {"model": "uniform"}, "geometry": {"model": "geometry"},
                              "anti": {"model": "anti"}}, common=common)

@@ -81,6 +81,10 @@ class AllocationConfig:
             raise StudyError("exponent_const", "the error exponent must be positive", "use e.g. 1.0")
         if not 0.0 < self.w_min_fraction <= 1.0:
             raise StudyError("w_min_fraction", f"{self.w_min_fraction} is outside (0, 1]", "use e.g. 0.25")
+        if self.weight_by_sensitivity and not self.measure_sensitivity:
+            raise StudyError("weight_by_sensitivity", "weights layers by a sensitivity the profile would not measure "
+                             "(measure_sensitivity is false)", "set measure_sensitivity=true, or "
+                             "weight_by_sensitivity=false for lambda_l = 1")
         if self.n_sequences < 1:
             raise StudyError("n_sequences", f"{self.n_sequences} sequences", "use e.g. 256")
         if self.n_tokens < 8:
