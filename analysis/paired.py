@@ -146,7 +146,8 @@ def paired_deltas(
     """Per (scale, variant != baseline): paired statistics of ``metric`` against ``baseline``.
 
     ``df`` is :func:`analysis.runs.read_runs` output. Only FINISHED runs with a finite value pair up; the rest
-    are listed in each result's ``unpaired``. The bootstrap is seeded so the report is reproducible.
+    are listed in each result's ``unpaired``. The bootstrap is seeded so the report is reproducible;
+    ``n_resamples=0`` skips it (the decision procedure does not use it).
     """
     _check(df, [metric], baseline)
     better_high = is_higher_better(metric) if higher_is_better is None else higher_is_better
@@ -271,7 +272,7 @@ def _summarise(
         lambda m: stats.bootstrap((deltas,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
                                   n_resamples=n_resamples, method=m, rng=seed),
         deltas,
-    )
+    ) if n_resamples > 0 else (math.nan, math.nan, "none")
     p = float(stats.wilcoxon(deltas).pvalue) if n >= 2 and np.any(deltas != 0) else math.nan
     wins = deltas > 0 if better_high else deltas < 0
     win_rate = float(np.mean(wins)) if n else math.nan

@@ -130,7 +130,8 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
             continue
         lo, hi = max(fit.n_min, base.n_min), min(fit.n_max, base.n_max)
         _fitted(gap_ax, lo, hi, top, lambda n, f=fit: f.predict(n) - base.predict(n), colors[variant], variant)
-        for n in report.crossings.get(variant, []):
+        cross = report.crossings.get(variant)
+        for n in (cross.sizes if cross else []):
             for a in (ax, gap_ax):
                 a.axvline(n, color=colors[variant], lw=0.8, ls=":")
             gap_ax.annotate(f"N≈{n:.3g}", (n, 0.02), xycoords=("data", "axes fraction"), fontsize=7,

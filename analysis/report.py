@@ -8,21 +8,22 @@ every time the experiment is reported again.
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 
 from analysis import runs as store
+from analysis.decide import Decision, decide
+from analysis.document import document
 from analysis.published import published_deltas, published_figures
-from analysis.paired import (CONFIDENCE, JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready,
-                             paired_deltas)
-from analysis.render import Block, Heading, Paragraph, Plot, Table, to_html, to_markdown
+from analysis.paired import JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
+from analysis.render import Plot, to_html, to_markdown
 from analysis.scaling import ScalingReport, scaling_report
+from analysis.sequential import final_decisions, read_looks
+from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.store import resolve_tracking_uri
 
@@ -57,6 +58,16 @@ class Analysis:
     """Scaling fits of val/loss, when logged."""
     n_resamples: int
     """Bootstrap resamples per interval."""
+    rule: DecisionRule = DecisionRule()
+    """How comparisons are decided (the experiment file's `decision:` block)."""
+    decisions: list[Decision] = field(default_factory=list)
+    """The decision table: primary family first, then secondary metrics."""
+    looks: list[dict] = field(default_factory=list)
+    """Looks of an adaptive (`--until-decided`) launch; empty for a fixed-seed one."""
+    sequential_note: str = ""
+    """How the primary verdicts were reached when the launch was adaptive."""
+    items: list = field(default_factory=list)
+    """Downstream-task deltas with two-level (seed, item) bootstrap intervals (analysis.items.ItemDelta)."""
 
     @property
     def flat(self) -> list[PairedResult]:
@@ -73,13 +84,14 @@ def build_report(
     log_to_mlflow: bool = True,
     n_resamples: int = 9999,
     seed: int = 0,
+    rule: DecisionRule | None = None,
 ) -> dict:
     """Report ``experiment`` against ``baseline`` (default: the runs' ``study.baseline`` tag).
 
     ``metrics`` default to the final ``val/loss`` plus every ``eval/*/acc*`` present. Returns
     ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "files", "report_run_id"}``.
     """
-    a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed)
+    a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed, rule)
     out = Path(out_dir) / experiment
     out.mkdir(parents=True, exist_ok=True)
     for pattern in _OWN_PLOTS:
@@ -89,12 +101,16 @@ def build_report(
     unpaired = _unpaired(a.flat)
     published = published_deltas(published_figures(experiment), a.results, a.baseline)
     pd.DataFrame([_csv_row(r) for r in a.flat]).to_csv(out / "pairs.csv", index=False)
-    blocks = _document(a, unpaired, plots, published)
+    pd.DataFrame([d.to_dict() for d in a.decisions]).to_csv(out / "decisions.csv", index=False)
+    blocks = document(a, unpaired, plots, published)
     (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(to_html(blocks, f"Report: {experiment}"), encoding="utf-8")
-    files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv"] + [p.path for p in plots]
+    files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv",
+             out / "decisions.csv"] + [p.path for p in plots]
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
+        "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
+        "looks": a.looks, "sequential": a.sequential_note or None, "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
         "published": [p.to_dict() for p in published],
@@ -102,24 +118,78 @@ def build_report(
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
     if log_to_mlflow:
-        summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files)
+        summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files, a.decisions)
     return json_ready(summary)
 
 
 def analyse(
     experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
-    tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0,
+    tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None,
 ) -> Analysis:
-    """Read the runs and compute every comparison; no files are written."""
+    """Read the runs and compute every comparison; no files are written. ``rule`` defaults to the experiment
+    file's `decision:` block."""
     uri = resolve_tracking_uri(tracking_uri or "")
     runs = store.read_runs(experiment, uri)
     baseline = choose_baseline(runs, baseline)
+    rule = rule or decision_rule(experiment)
     metrics = choose_metrics(runs, metrics)
+    if rule.metric in runs.columns and rule.metric not in metrics:
+        metrics = [rule.metric, *metrics]  # the primary family is decided whatever else is asked for
     results = {m: paired_deltas(runs, m, baseline, n_resamples=n_resamples, seed=seed) for m in metrics}
     joint = [j for group in _task_groups(metrics) for j in
              joint_bootstrap(runs, group, baseline, n_resamples=n_resamples, seed=seed)]
     scaling = scaling_report(runs, baseline, HEADLINE, seed=seed) if HEADLINE in runs.columns else None
-    return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples)
+    decisions = decide(results, rule, _baseline_means(runs, results))
+    looks = _looks(uri, experiment)
+    note = ""
+    if looks:
+        # An adaptive launch decided its primary family look by look; those verdicts stand (recomputing them at
+        # the nominal alpha would forget the looks already taken).
+        final = final_decisions(looks)
+        decisions = [Decision.from_dict(final[d.scale, d.variant]) if d.family == "primary"
+                     and (d.scale, d.variant) in final else d for d in decisions]
+        note = (f"The primary verdicts come from an adaptive launch with {len(looks)} looks: each row is the look "
+                "that decided it (or the last), at that look's spent alpha (Bonferroni alpha spending, "
+                "analysis.sequential).")
+    items = _item_deltas(uri, runs, baseline, n_resamples, seed) if any(m.startswith("eval/") for m in metrics) else []
+    return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
+                    looks, note, items)
+
+
+def _item_deltas(uri: str, runs: pd.DataFrame, baseline: str, n_resamples: int, seed: int) -> list:
+    from analysis.items import item_deltas, read_items
+
+    finished = runs.loc[runs["status"] == store.FINISHED, "run_id"]
+    return item_deltas(runs, read_items(store.client(uri), finished), baseline, n_resamples, seed)
+
+
+def decision_rule(experiment: str) -> DecisionRule:
+    """The experiment file's `decision:` block, else the defaults on val/loss (no file in this checkout)."""
+    from study.plan.experiment import load_experiment
+
+    try:
+        raw = load_experiment(experiment).decision
+    except StudyError:
+        return DecisionRule(metric=HEADLINE)
+    return DecisionRule.from_mapping(raw, f"{experiment}.yaml: decision")
+
+
+def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) -> dict:
+    """(metric, scale, variant) -> the baseline's mean over the seeds of that comparison (the % column)."""
+    out = {}
+    for metric, rs in results.items():
+        for r in rs:
+            base = runs[(runs["scale"] == r.scale) & (runs["variant"] == r.baseline) & runs["seed"].isin(r.seeds)
+                        & (runs["status"] == store.FINISHED)]
+            newest = base.sort_values("start_time").drop_duplicates("seed", keep="last")
+            if len(newest):
+                out[metric, r.scale, r.variant] = float(newest[metric].mean())
+    return out
+
+
+def _looks(uri: str, experiment: str) -> list[dict]:
+    client = store.client(uri)
+    return read_looks(client, store.experiment_id(client, experiment))
 
 
 def choose_baseline(runs: pd.DataFrame, baseline: str | None) -> str:
@@ -183,125 +253,11 @@ def _plots(a: Analysis, out: Path) -> list[Plot]:
             path = plot_forest(rs, out / f"forest_{_slug(metric)}.png")
             plots.append(Plot(path, f"Paired deltas of final {metric} against {a.baseline}: thin = t 95% CI, "
                                     "thick = bootstrap 95% CI"))
-    if a.scaling is not None and a.scaling.fits:
+    if a.scaling is not None and any(f.form != "none" for f in a.scaling.fits.values()):
         path = plot_scaling(a.runs, a.scaling, out / "scaling.png", a.results.get(HEADLINE, []))
         plots.append(Plot(path, f"Final {HEADLINE} against counted parameters with per-variant fits, and each "
                                 f"variant's fitted gap to {a.baseline}"))
     return plots
-
-
-def _document(a: Analysis, unpaired: list[dict], plots: list[Plot], published: list | None = None) -> list[Block]:
-    statuses = Counter(a.runs["status"])
-    headline = a.metrics[0]
-    blocks: list[Block] = [
-        Heading(f"Report: {a.experiment}", 1),
-        Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
-                  + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
-                  + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
-                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
-        Heading(f"Headline: final {headline} per scale"),
-        Paragraph(f"Mean ± sd over finished seeds; Δ is the paired mean of variant − {a.baseline} over seeds "
-                  f"that both finished (negative = lower). Intervals are {CONFIDENCE:.0%}. Verdict: better or "
-                  "worse when the t interval excludes 0, unclear when it does not."),
-    ]
-    for scale in store.scale_order(a.runs):
-        blocks += _headline(a.runs, a.results[headline], headline, a.baseline, scale)
-    blocks.append(Heading("Paired deltas, every metric"))
-    for metric, rs in a.results.items():
-        blocks += [Heading(f"{metric} ({'higher' if is_higher_better(metric) else 'lower'} is better)", 3),
-                   _deltas_table(rs)]
-    if a.joint:
-        blocks += [Heading("Mean across downstream tasks (joint bootstrap)"),
-                   Paragraph("Δ averaged over the tasks listed; each bootstrap draw resamples seeds once for all "
-                             "tasks, so tasks that move together widen the interval as they should."),
-                   _joint_table(a.joint)]
-    if published:
-        blocks += [Heading("The paper's figures beside ours"),
-                   Paragraph(f"{published[0].source}. Paper Δ = its variant − its {a.baseline}; ours is the paired "
-                             f"mean Δ with its t {CONFIDENCE:.0%} interval."),
-                   Table(["scale", "variant", "metric", f"paper {a.baseline}", "paper variant", "paper Δ", "our Δ",
-                          "our t CI", "paper Δ inside"],
-                         [[p.scale, p.variant, p.metric, _num(p.paper_baseline), _num(p.paper_variant),
-                           _signed(p.paper_delta), _signed(p.ours), _ci(p.ci_low, p.ci_high),
-                           {True: "yes", False: "no", None: "—"}[p.contains]] for p in published])]
-    if a.scaling is not None:
-        blocks += [Heading(f"Scaling fits of final {a.scaling.metric}"), _scaling_table(a.scaling)]
-    blocks += _missing(a.runs, unpaired, a.metrics)
-    blocks += [Heading("Figures"), *plots, Heading("Method"),
-               Paragraph(_METHOD.format(n_resamples=a.n_resamples))]
-    return blocks
-
-
-def _headline(runs: pd.DataFrame, results: list[PairedResult], metric: str, baseline: str, scale: str
-              ) -> list[Block]:
-    at_scale = runs[(runs["scale"] == scale) & (runs["status"] == store.FINISHED) & runs[metric].notna()]
-    by_variant = {r.variant: r for r in results if r.scale == scale}
-    loss_like = metric.endswith("/loss")
-    header = ["variant", "seeds", f"{metric} (mean ± sd)"] + (["PPL"] if loss_like else []) + [
-        "Δ vs " + baseline, "t 95% CI", "bootstrap 95% CI", "Wilcoxon p", "win rate", "verdict"]
-    rows = []
-    for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
-        values = at_scale.loc[at_scale["variant"] == variant, metric]
-        cells = [variant, str(len(values)), _mean_sd(values)]
-        if loss_like:
-            cells.append(_num(math.exp(values.mean()), 2) if len(values) else "—")
-        r = by_variant.get(variant)
-        if r is None:
-            cells += ["—"] * 6
-        else:
-            cells += [_signed(r.mean_delta), _ci(r.ci_low, r.ci_high), _ci(r.boot_ci_low, r.boot_ci_high),
-                      _p(r.p_wilcoxon), _pct(r.win_rate), _verdict(r)]
-        rows.append(cells)
-    counted = runs.loc[runs["scale"] == scale, "params_counted"].median()
-    size = f" (≈{counted / 1e6:,.1f}M counted parameters)" if pd.notna(counted) else ""
-    return [Heading(f"Scale {scale}{size}", 3), Table(header, rows)]
-
-
-def _deltas_table(results: list[PairedResult]) -> Table:
-    header = ["scale", "variant", "n", "Δ mean ± sd", "t 95% CI", "bootstrap 95% CI", "method", "Wilcoxon p",
-              "win rate", "verdict"]
-    rows = [[r.scale, r.variant, str(r.n), f"{_signed(r.mean_delta)} ± {_num(r.sd_delta)}",
-             _ci(r.ci_low, r.ci_high), _ci(r.boot_ci_low, r.boot_ci_high), r.boot_method, _p(r.p_wilcoxon),
-             _pct(r.win_rate), _verdict(r)] for r in results]
-    return Table(header, rows)
-
-
-def _joint_table(joint: list[JointResult]) -> Table:
-    rows = [[_task_label(j.metrics), j.scale, j.variant, str(j.n), _signed(j.mean_delta),
-             _ci(j.boot_ci_low, j.boot_ci_high), j.boot_method] for j in joint]
-    header = ["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI", "method"]
-    return Table(header, rows)
-
-
-def _scaling_table(scaling: ScalingReport) -> Table:
-    rows = []
-    for variant, fit in scaling.fits.items():
-        cross = scaling.crossings.get(variant)
-        rows.append([
-            variant, fit.form, fit.status, f"{fit.n_points} / {fit.n_scales}",
-            f"{_num(fit.E, 3)} ± {_num(fit.E_sd, 3)}", _num(fit.A, 4, general=True),
-            f"{_num(fit.alpha, 3)} ± {_num(fit.alpha_sd, 3)}", _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3),
-            "—" if variant == scaling.baseline or cross is None
-            else (", ".join(f"{n:.3g}" for n in cross) or "none in range"),
-        ])
-    header = ["variant", "form", "status", "runs / scales", "E ± se", "A", "α ± se", "α seed-bootstrap CI",
-              f"crosses {scaling.baseline} at N"]
-    return Table(header, rows)
-
-
-def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> list[Block]:
-    blocks: list[Block] = [Heading("Unfinished and unpaired runs")]
-    unfinished = runs[runs["status"] != store.FINISHED]
-    if len(unfinished):
-        blocks.append(Table(["run", "status", "run key"], [[r.run_name, r.status, str(r.run_key)]
-                                                           for r in unfinished.itertuples()]))
-    if unpaired:
-        blocks.append(Table(["variant", "scale", "seed", "status", "run key", "reason", "metrics"],
-                            [[u["variant"], u["scale"], str(u["seed"]), u["status"], str(u["run_key"]), u["reason"],
-                              "all" if u["metrics"] == metrics else ", ".join(u["metrics"])] for u in unpaired]))
-    if len(blocks) == 1:
-        blocks.append(Paragraph("None: every run finished and every seed has its baseline partner."))
-    return blocks
 
 
 def _unpaired(results: list[PairedResult]) -> list[dict]:
@@ -323,8 +279,12 @@ def _csv_row(r: PairedResult) -> dict:
     return row
 
 
-def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path]) -> str:
-    """Upload the files to the experiment's single report run, creating it the first time."""
+def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path], decisions: list[Decision]) -> str:
+    """Upload the files to the experiment's single report run, creating it the first time.
+
+    The verdicts ride along as tags, ``study.verdict.<scale>.<variant>`` for the primary metric and
+    ``study.verdict.<metric>.<scale>.<variant>`` for the others, so the MLflow UI can filter on them.
+    """
     mlflow_client = store.client(uri)
     exp_id = store.experiment_id(mlflow_client, experiment)
     found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`study.stage` = '{store.REPORT_STAGE}'",
@@ -334,77 +294,23 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path])
     else:
         tags = {"study.stage": store.REPORT_STAGE, "study.experiment": experiment}
         run_id = mlflow_client.create_run(exp_id, run_name=REPORT_RUN_NAME, tags=tags).info.run_id
-    mlflow_client.set_tag(run_id, "study.baseline", baseline)
+    from mlflow.entities import RunTag
+
+    tags = [RunTag("study.baseline", baseline)]
+    for d in decisions:
+        where = f"{d.scale}.{d.variant}" if d.family == "primary" else f"{d.metric}.{d.scale}.{d.variant}"
+        tags.append(RunTag(f"study.verdict.{where}", d.verdict))
+    counts = Counter(d.verdict for d in decisions if d.family == "primary")
+    tags.append(RunTag("study.verdicts", ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"))
+    for start in range(0, len(tags), 100):
+        mlflow_client.log_batch(run_id, tags=tags[start:start + 100])
     for path in files:
         mlflow_client.log_artifact(run_id, str(path))
     mlflow_client.set_terminated(run_id, "FINISHED")
     return run_id
 
 
-def _verdict(r: PairedResult) -> str:
-    if r.n < 2 or math.isnan(r.ci_low):
-        return "too few pairs"
-    if r.ci_low > 0 or r.ci_high < 0:
-        return "better" if (r.ci_low > 0) == r.higher_is_better else "worse"
-    return "unclear"
-
-
-def _without_credentials(uri: str) -> str:
-    """The tracking URI as it may appear in a shared report: any ``user:password@`` dropped."""
-    scheme, sep, rest = uri.partition("://")
-    return f"{scheme}{sep}{rest.split('@', 1)[-1]}" if sep and "@" in rest.split("/", 1)[0] else uri
-
-
-def _task_label(metrics: Sequence[str]) -> str:
-    """``acc over arc_easy, piqa`` for ``eval/arc_easy/acc`` and ``eval/piqa/acc``."""
-    parts = [m.split("/") for m in metrics]
-    return f"{parts[0][2]} over {', '.join(p[1] for p in parts)}"
-
-
 def _slug(metric: str) -> str:
     return metric.replace("/", "_")
 
 
-def _num(x: float, digits: int = 4, general: bool = False) -> str:
-    if x is None or not math.isfinite(x):
-        return "—"
-    return f"{x:.{digits}g}" if general else f"{x:.{digits}f}"
-
-
-def _signed(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:+.4f}"
-
-
-def _ci(low: float, high: float, digits: int = 4) -> str:
-    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
-        return "—"
-    return f"[{low:+.{digits}f}, {high:+.{digits}f}]"
-
-
-def _p(p: float) -> str:
-    return "—" if p is None or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
-
-
-def _pct(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:.0%}"
-
-
-def _mean_sd(values: pd.Series) -> str:
-    if not len(values):
-        return "—"
-    sd = values.std(ddof=1) if len(values) > 1 else math.nan
-    return f"{values.mean():.4f} ± {_num(sd)}"
-
-
-_METHOD = (
-    "Runs are paired by (scale, seed): paired runs share data order and initialisation, so the per-seed "
-    "difference cancels most seed noise. Only FINISHED runs with a final value pair; the rest are listed above. "
-    "t CI: mean ± t(0.975, n−1)·sd/√n. Bootstrap CI: scipy.stats.bootstrap of the mean over seeds "
-    "({n_resamples} resamples, fixed seed), BCa when n ≥ 3 and the deltas differ, percentile otherwise; with "
-    "few seeds it is narrower than the t interval and should be read as descriptive. Wilcoxon: two-sided "
-    "signed-rank test of the deltas (exact for small n; with 5 pairs the smallest possible p is 0.0625). Win "
-    "rate: share of seeds where the variant is strictly better (lower loss/perplexity, higher accuracy). "
-    "PPL = exp(mean final val loss). Scaling: L(N) = E + A·N^(−α) fitted by least squares on every finished run "
-    "(N = counted parameters), covariance standard errors and a seed bootstrap for α; a pure power law with "
-    "fewer than 4 scales. Crossings compare point-estimate fits; beyond the largest scale they are extrapolations."
-)

@@ -1,10 +1,14 @@
 """Loss-versus-parameters fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross.
 
-The fit is done in a centred form, ``L = E + exp(b - alpha * (ln N - ln N_ref))`` with N_ref the geometric mean
-of the observed sizes, because ``A`` in raw units spans many orders of magnitude and is nearly collinear with
-``alpha``; ``A = exp(b + alpha * ln N_ref)`` is reported back in raw units. The saturating law has three
-parameters, so it needs at least four distinct scales; with two or three the irreducible loss E is fixed at 0
-(a pure power law), and with one there is nothing to fit.
+The fit follows the corrections Besiroglu et al. (2024) made to Chinchilla's approach 3: it minimises a Huber
+loss (delta = 1e-3) of the log residuals ``log L_fit - log L_obs`` rather than squared errors, from a grid of starts
+(the best one kept), so one odd run cannot drag the law and a local minimum is not mistaken for the fit. It is done
+in a centred form, ``L = E + exp(b - alpha * (ln N - ln N_ref))`` with N_ref the geometric mean of the observed
+sizes, because ``A`` in raw units spans many orders of magnitude and is nearly collinear with ``alpha``.
+Uncertainty comes from a seed-cluster bootstrap: a drawn seed brings its runs at every scale and for every variant,
+so the crossing of two variants is bootstrapped from the same draws. The saturating law needs four distinct scales,
+a pure power law (E = 0) three; below three scales no fit is made. With four scales or more, the fit without the
+largest scale predicts it, which tells how far the law can be trusted beyond the data.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -21,6 +26,12 @@ from analysis.runs import FINISHED
 
 MIN_SCALES_SATURATING = 4
 """Distinct scales needed for the three-parameter law; fewer fall back to a pure power law."""
+
+MIN_SCALES = 3
+"""Distinct scales below which no law is fitted: two points always fit a two-parameter power law exactly."""
+
+HUBER_DELTA = 1e-3
+"""Huber threshold on log residuals (Besiroglu et al. 2024; Hoffmann et al. 2022)."""
 
 EXTRAPOLATE = 100.0
 """Crossings are searched up to this multiple of the largest observed size unless a range is given."""
@@ -64,14 +75,50 @@ class ScalingFit:
     """Percentile interval of alpha over seed-bootstrap refits."""
     boot_fits: int = 0
     """Bootstrap refits that converged."""
+    log_ref: float = math.nan
+    """ln N_ref of the centred form (the geometric mean of the observed sizes)."""
+    boots: list[list[float]] = field(default_factory=list, repr=False)
+    """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted."""
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """The fitted metric at parameter counts ``n``."""
         return self.E + self.A * np.asarray(n, dtype=float) ** (-self.alpha)
 
     def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
+        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
+        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Where a variant's fit meets the baseline's, with its seed-bootstrap uncertainty."""
+
+    sizes: list[float]
+    """Sizes N in the searched range where the point fits are equal (empty: none in range)."""
+    low: float = math.nan
+    """Lower end of the percentile interval of the first crossing over bootstrap draws that cross."""
+    high: float = math.nan
+    """Upper end of that interval."""
+    share: float = math.nan
+    """Share of bootstrap draws whose fits cross inside the range."""
+    draws: int = 0
+    """Bootstrap draws where both fits converged."""
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """The fit without the largest scale, asked to predict it."""
+
+    scale: str
+    """The scale held out."""
+    predicted: float
+    """The held-out fit's prediction at that scale's median N."""
+    observed: float
+    """Mean of the finished runs at that scale."""
+    error: float
+    """predicted - observed."""
+    form: str
+    """Form of the held-out fit."""
 
 
 @dataclass(frozen=True)
@@ -86,14 +133,18 @@ class ScalingReport:
     """Sizes searched for crossings."""
     fits: dict[str, ScalingFit] = field(default_factory=dict)
     """Per variant."""
-    crossings: dict[str, list[float]] = field(default_factory=dict)
-    """Per variant: sizes N in ``n_range`` where its fit equals the baseline's (empty: no crossing)."""
+    crossings: dict[str, Crossing] = field(default_factory=dict)
+    """Per variant other than the baseline, when both have a fit."""
+    holdouts: dict[str, Holdout | str] = field(default_factory=dict)
+    """Per variant: how the fit without its largest scale predicted it, or why that check is not possible."""
 
     def to_dict(self) -> dict:
         """JSON-ready dict; NaN becomes None."""
         return json_ready({
             "metric": self.metric, "baseline": self.baseline, "n_range": list(self.n_range),
-            "fits": {v: f.to_dict() for v, f in self.fits.items()}, "crossings": self.crossings,
+            "fits": {v: f.to_dict() for v, f in self.fits.items()},
+            "crossings": {v: asdict(c) for v, c in self.crossings.items()},
+            "holdouts": {v: h if isinstance(h, str) else asdict(h) for v, h in self.holdouts.items()},
         })
 
 
@@ -101,34 +152,30 @@ def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 2
     """Fit one variant's finished runs (columns scale, seed, params_counted and ``metric``)."""
     n_scales = points["scale"].nunique()
     base = dict(variant=variant, metric=metric, n_points=len(points), n_scales=n_scales)
-    if n_scales < 2:
-        return ScalingFit(form="none", status=f"not enough scales ({n_scales}; a fit needs 2)", **base)
+    if n_scales < MIN_SCALES:
+        return ScalingFit(form="none", status=f"no fit possible: {n_scales} scale(s), a fit needs {MIN_SCALES}",
+                          **base)
     saturating = n_scales >= MIN_SCALES_SATURATING
     status = "ok" if saturating else f"pure power law: {n_scales} scales (E needs {MIN_SCALES_SATURATING})"
     n = points["params_counted"].to_numpy(float)
     loss = points[metric].to_numpy(float)
     log_ref = float(np.mean(np.log(n)))
-    try:
-        theta, cov = _fit(n, loss, log_ref, saturating)
-    except (RuntimeError, ValueError) as exc:
-        if not saturating:
-            return ScalingFit(form="none", status=f"fit failed: {exc}", **base)
-        saturating, status = False, f"saturating fit failed ({exc}); pure power law"
-        theta, cov = _fit(n, loss, log_ref, saturating)
+    theta, cov = _fit(n, loss, log_ref, saturating)
     E, b, alpha = theta
     sd = np.sqrt(np.clip(np.diag(cov), 0, None)) if np.all(np.isfinite(cov)) else np.full(3, math.nan)
     var_log_a = cov[1, 1] + log_ref**2 * cov[2, 2] + 2 * log_ref * cov[1, 2]
     A = math.exp(b + alpha * log_ref)
     boots = _bootstrap(points, metric, log_ref, saturating, theta, n_boot, seed)
+    finite = boots[np.all(np.isfinite(boots), axis=1)]
     quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
-    E_boot = tuple(np.quantile(boots[:, 0], quantiles)) if len(boots) else (math.nan, math.nan)
-    alpha_boot = tuple(np.quantile(boots[:, 2], quantiles)) if len(boots) else (math.nan, math.nan)
+    E_boot = tuple(np.quantile(finite[:, 0], quantiles)) if len(finite) else (math.nan, math.nan)
+    alpha_boot = tuple(np.quantile(finite[:, 2], quantiles)) if len(finite) else (math.nan, math.nan)
     return ScalingFit(
         form="E + A*N^-alpha" if saturating else "A*N^-alpha", status=status, n_min=float(n.min()),
         n_max=float(n.max()), E=float(E), A=A, alpha=float(alpha), E_sd=float(sd[0]),
         A_sd=A * math.sqrt(var_log_a) if np.isfinite(var_log_a) and var_log_a >= 0 else math.nan,
         alpha_sd=float(sd[2]), E_boot=tuple(map(float, E_boot)), alpha_boot=tuple(map(float, alpha_boot)),
-        boot_fits=len(boots), **base,
+        boot_fits=len(finite), log_ref=log_ref, boots=[list(map(float, row)) for row in boots], **base,
     )
 
 
@@ -138,7 +185,9 @@ def scaling_report(
 ) -> ScalingReport:
     """Fit every variant on its finished runs and find where each crosses the baseline within ``n_range``.
 
-    The default range runs from the smallest observed size to ``EXTRAPOLATE`` times the largest.
+    The default range runs from the smallest observed size to ``EXTRAPOLATE`` times the largest. Every variant's
+    bootstrap uses the same seed draws (the same generator seed), so draw i of two variants resamples the same
+    seeds and their crossing in draw i is a paired quantity.
     """
     usable = df[(df["status"] == FINISHED) & df[metric].notna() & df["params_counted"].notna()]
     fits = {v: fit_variant(g, v, metric, n_boot, seed) for v, g in usable.groupby("variant", sort=True)}
@@ -149,8 +198,44 @@ def scaling_report(
     if baseline in fits and fits[baseline].form != "none":
         for variant, fit in fits.items():
             if variant != baseline and fit.form != "none":
-                crossings[variant] = crossing(fit, fits[baseline], n_range)
-    return ScalingReport(metric, baseline, n_range, fits, crossings)
+                crossings[variant] = _crossing_with_interval(fit, fits[baseline], n_range)
+    holdouts = {v: holdout(g, v, metric) for v, g in usable.groupby("variant", sort=True)}
+    return ScalingReport(metric, baseline, n_range, fits, crossings, holdouts)
+
+
+def holdout(points: pd.DataFrame, variant: str, metric: str) -> Holdout | str:
+    """Fit without the largest scale and compare its prediction there with the measured mean."""
+    by_scale = points.groupby("scale")["params_counted"].median().sort_values()
+    if len(by_scale) < MIN_SCALES + 1:
+        return f"needs {MIN_SCALES + 1} scales ({len(by_scale)} finished)"
+    largest = by_scale.index[-1]
+    fit = fit_variant(points[points["scale"] != largest], variant, metric, n_boot=0)
+    predicted = float(fit.predict(float(by_scale.iloc[-1])))
+    observed = float(points.loc[points["scale"] == largest, metric].mean())
+    return Holdout(str(largest), predicted, observed, predicted - observed, fit.form)
+
+
+def _crossing_with_interval(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float]) -> Crossing:
+    sizes = crossing(a, b, n_range)
+    firsts, draws = [], 0
+    for row_a, row_b in zip(a.boots, b.boots):
+        if not (np.all(np.isfinite(row_a)) and np.all(np.isfinite(row_b))):
+            continue
+        draws += 1
+        found = crossing(_from_theta(a, row_a), _from_theta(b, row_b), n_range, grid=128)
+        if found:
+            firsts.append(found[0])
+    if not draws:
+        return Crossing(sizes)
+    quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
+    low, high = (np.quantile(firsts, quantiles) if firsts else (math.nan, math.nan))
+    return Crossing(sizes, float(low), float(high), len(firsts) / draws, draws)
+
+
+def _from_theta(fit: ScalingFit, theta: Sequence[float]) -> ScalingFit:
+    E, b, alpha = theta
+    return ScalingFit(fit.variant, fit.metric, fit.form, fit.status, 0, 0, E=E, A=math.exp(b + alpha * fit.log_ref),
+                      alpha=alpha)
 
 
 def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: int = 512) -> list[float]:
@@ -191,50 +276,77 @@ def _model(log_ref: float, saturating: bool):
 def _fit(
     n: np.ndarray, loss: np.ndarray, log_ref: float, saturating: bool, start: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(E, b, alpha) and their 3x3 covariance; E is 0 with zero variance for the pure power law."""
-    from scipy.optimize import curve_fit
+    """(E, b, alpha) and their 3x3 covariance; E is 0 with zero variance for the pure power law.
+
+    Huber loss on log residuals from every start of a small grid (or from ``start`` alone, for bootstrap refits
+    near the full fit); the lowest loss wins. The covariance is the Gauss-Newton one of the log residuals.
+    """
+    from scipy.optimize import least_squares
 
     floor = float(loss.min())
+    model, jac = _model(log_ref, saturating)
     if saturating:
-        E0 = 0.5 * floor if start is None else min(start[0], floor * 0.999)
-        p0 = [E0, math.log(max(float(loss.mean()) - E0, 1e-6)), 0.3] if start is None else [E0, *start[1:]]
-        # E must sit below every observed loss, or the power-law term would have to be negative.
-        bounds = ([0.0, -50.0, 0.0], [floor, 50.0, 5.0])
+        bounds = ([0.0, -50.0, 0.0], [floor * (1 - 1e-9), 50.0, 5.0])
+        starts = ([start] if start is not None else
+                  [[e * floor, math.log(max(float(loss.mean()) - e * floor, 1e-6)), a]
+                   for e in (0.0, 0.5, 0.9) for a in (0.1, 0.3, 0.6)])
     else:
-        p0 = [math.log(float(loss.mean())), 0.3] if start is None else list(start[1:])
         bounds = ([-50.0, 0.0], [50.0, 5.0])
-    p0 = np.clip(p0, bounds[0], np.nextafter(np.array(bounds[1]), -np.inf))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, jac = _model(log_ref, saturating)
-        theta, cov = curve_fit(model, n, loss, p0=p0, bounds=bounds, jac=jac, maxfev=5000)
+        starts = ([start[1:]] if start is not None else
+                  [[math.log(float(loss.mean())), a] for a in (0.05, 0.1, 0.3, 0.6)])
+
+    def residuals(theta):
+        return np.log(model(n, *theta)) - np.log(loss)
+
+    def jacobian(theta):
+        return jac(n, *theta) / model(n, *theta)[:, None]
+
+    best = None
+    for p0 in starts:
+        p0 = np.clip(np.asarray(p0, float), bounds[0], np.nextafter(np.array(bounds[1]), -np.inf))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = least_squares(residuals, p0, jac=jacobian, bounds=bounds, loss="huber", f_scale=HUBER_DELTA,
+                                x_scale="jac", max_nfev=2000)
+        if np.all(np.isfinite(res.x)) and (best is None or res.cost < best.cost):
+            best = res
+    if best is None:
+        raise RuntimeError("no start converged")
+    dof = max(len(n) - len(best.x), 1)
+    with np.errstate(all="ignore"):
+        try:
+            cov = np.linalg.inv(best.jac.T @ best.jac) * float(np.sum(best.fun**2) / dof)
+        except np.linalg.LinAlgError:
+            cov = np.full((len(best.x),) * 2, math.nan)
     if saturating:
-        return theta, cov
+        return best.x, cov
     full = np.zeros((3, 3))
     full[1:, 1:] = cov
-    return np.array([0.0, *theta]), full
+    return np.array([0.0, *best.x]), full
 
 
 def _bootstrap(
     points: pd.DataFrame, metric: str, log_ref: float, saturating: bool, theta: np.ndarray, n_boot: int, seed: int
 ) -> np.ndarray:
-    """Refits on seeds resampled with replacement (a drawn seed brings its runs at every scale)."""
+    """Refits on seeds resampled with replacement (a drawn seed brings its runs at every scale).
+
+    Row i is draw i; a draw that cannot be fitted is a row of NaN, so the draws of two variants stay aligned.
+    """
     seeds = np.sort(points["seed"].unique())
     if len(seeds) < 2 or n_boot <= 0:
         return np.empty((0, 3))
     columns = points[["params_counted", metric]].to_numpy(float)
     scale_codes = pd.factorize(points["scale"])[0]
     rows_of = [np.flatnonzero(points["seed"].to_numpy() == s) for s in seeds]
-    needed = MIN_SCALES_SATURATING if saturating else 2
+    needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_boot):
-        rows = np.concatenate([rows_of[i] for i in rng.integers(0, len(seeds), size=len(seeds))])
+    out = np.full((n_boot, 3), math.nan)
+    for i in range(n_boot):
+        rows = np.concatenate([rows_of[j] for j in rng.integers(0, len(seeds), size=len(seeds))])
         if len(np.unique(scale_codes[rows])) < needed:
             continue
         try:
-            fitted, _ = _fit(columns[rows, 0], columns[rows, 1], log_ref, saturating, start=theta)
+            out[i], _ = _fit(columns[rows, 0], columns[rows, 1], log_ref, saturating, start=theta)
         except (RuntimeError, ValueError):
             continue
-        out.append(fitted)
-    return np.array(out).reshape(-1, 3)
+    return out

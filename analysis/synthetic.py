@@ -46,6 +46,7 @@ def synthetic_store(
     seed_sd: float = 0.02,
     run_sd: float = 0.004,
     rng_seed: int = 0,
+    items_per_task: int = 0,
 ) -> list[str]:
     """Log one run per (variant, scale, seed) into ``experiment`` and return their run ids.
 
@@ -55,6 +56,9 @@ def synthetic_store(
     ``eval/<task>/acc`` and ``acc_norm`` once. ``effects`` shifts a variant's final loss (default: the
     baseline 0, each further variant 0.015 lower than the one before). ``statuses`` marks chosen runs
     ``FAILED`` or ``RUNNING`` (logged up to half-way, no evaluation) or ``MISSING`` (not logged).
+    ``items_per_task`` > 0 also logs each finished run's per-item scores (the ``items.jsonl`` artifact an
+    evaluation writes): item i of a task is answered correctly with a probability set by its shared difficulty
+    and the run's accuracy, and its log-likelihood follows the run's loss.
     """
     from mlflow.entities import Metric, Param, RunTag
 
@@ -99,10 +103,34 @@ def synthetic_store(
                 client.log_batch(run.info.run_id, metrics=metrics[:head], params=params, tags=tags)
                 for start in range(head, len(metrics), 1000):
                     client.log_batch(run.info.run_id, metrics=metrics[start:start + 1000])
+                if items_per_task and status == "FINISHED":
+                    _log_items(client, run.info.run_id, final, eval_tasks, items_per_task, rng, rng_seed)
                 if status != "RUNNING":
                     client.set_terminated(run.info.run_id, status=status, end_time=t0 + last * 1000)
                 run_ids.append(run.info.run_id)
     return run_ids
+
+
+def _log_items(client, run_id: str, final: float, tasks: Sequence[str], n: int, rng: np.random.Generator,
+               rng_seed: int) -> None:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    lines = []
+    for t, task in enumerate(tasks):
+        difficulty = np.random.default_rng([rng_seed, t]).normal(0.0, 1.0, n)  # the same items in every run
+        chance = TASK_CHANCE.get(task, 0.25)
+        skill = math.log((0.9 - chance) / (1 + math.exp(-2.5 * (3.3 - final)))) - math.log(chance)
+        p = 1 / (1 + np.exp(-(skill - difficulty)))
+        correct = rng.random(n) < p
+        ll = -3.0 * final - 2.0 * difficulty + rng.normal(0.0, 0.3, n)
+        lines += [json.dumps({"task": task, "doc_id": i, "acc": float(c), "acc_norm": float(c), "ll_correct": float(v)})
+                  for i, (c, v) in enumerate(zip(correct, ll))]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "items.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        client.log_artifact(run_id, str(path))
 
 
 def _sizes(scales: Sequence[str] | Mapping[str, int]) -> dict[str, int]:

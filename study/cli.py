@@ -9,14 +9,6 @@ import sys
 from study.errors import StudyError
 
 
-def _fmt_widths(widths: list[int] | None) -> str:
-    if widths is None:
-        return "pending"
-    if len(set(widths)) == 1:
-        return f"{widths[0]}x{len(widths)}"
-    return f"{widths[0]}..{widths[-1]} (sum {sum(widths)})"
-
-
 def _filtered(args: argparse.Namespace, plan):
     from study.plan.planner import filter_runs
 
@@ -25,43 +17,14 @@ def _filtered(args: argparse.Namespace, plan):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from study.plan.planner import plan_experiment
+    from study.plan.show import plan_power_rows, print_plan
 
     plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
+    power, note = plan_power_rows(plan)
     if args.json:
-        print(json.dumps(plan.as_json(), indent=1))
+        print(json.dumps({**plan.as_json(), "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    exp = plan.experiment
-    table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
-    for col in ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths", "params (counted)",
-                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "GPU-h"):
-        table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
-    total_hours = 0.0
-    for run in plan.runs:
-        m, p = run.model, run.params
-        shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}"
-        if m.ffn.kind == "hourglass":
-            shape += f" K{m.ffn.k}"
-        hours = run.gpu_hours()
-        total_hours += hours or 0.0
-        table.add_row(
-            run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
-            f"{m.d_model / m.n_layers:.0f}", _fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending",
-            f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
-            f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
-            f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
-            f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
-        )
-    console = Console(width=200)
-    console.print(table)
-    console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours at "
-                  f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
-    for run in plan.runs:
-        if run.pending:
-            console.print(f"{run.name} ({run.key}): widths wait for the {run.pending}")
-            break
+    print_plan(plan, power, note)
     return 0
 
 
@@ -109,7 +72,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from study.launch.submit import LaunchFailed, launch
 
+    if not args.until_decided and (args.max_seeds is not None or args.max_gpu_hours is not None):
+        raise StudyError("--max-seeds/--max-gpu-hours", "are caps of an adaptive launch",
+                         "add --until-decided, or drop them")
     try:
+        if args.until_decided:
+            if args.dry_run:
+                raise StudyError("--dry-run", "cannot preview an adaptive launch (its later rounds depend on results)",
+                                 "dry-run the plain launch to see the first round")
+            from study.launch.adaptive import until_decided
+
+            return until_decided(args.experiment, args.overrides, args.max_seeds, args.max_gpu_hours, args.new_runs)
         launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
     except LaunchFailed as failed:
         print(f"study launch: {failed}", file=sys.stderr)
@@ -302,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="follow the jobs until none is pending or running")
     p.add_argument("--new-runs", action="store_true",
                    help="train runs the experiment's last launch did not have (overrides that change run identity)")
+    p.add_argument("--until-decided", action="store_true",
+                   help="then add seeds, round by round, only where a comparison is still undecided")
+    p.add_argument("--max-seeds", type=int, default=None, help="adaptive cap: seed pairs per comparison")
+    p.add_argument("--max-gpu-hours", type=float, default=None, help="adaptive cap: estimated GPU-hours in total")
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("status", help="each launched run's MLflow and scheduler state")

@@ -37,12 +37,48 @@ def test_fewer_than_four_scales_fall_back_to_a_pure_power_law():
     assert fit.E == 0.0 and fit.alpha == pytest.approx(0.3, abs=0.01)
 
 
-def test_one_scale_or_one_point_per_scale_is_handled():
-    one = fit_variant(law_points(SIZES[:1]), "base", "val/loss")
-    assert one.form == "none" and one.status.startswith("not enough scales") and math.isnan(one.alpha)
-    assert one.to_dict()["alpha"] is None
-    two = fit_variant(law_points(SIZES[:2], seeds=1), "base", "val/loss")
-    assert two.form == "A*N^-alpha" and two.boot_fits == 0 and math.isnan(two.alpha_boot[0])
+def test_below_three_scales_no_law_is_fitted_and_one_seed_gives_no_bootstrap():
+    for k in (1, 2):
+        fit = fit_variant(law_points(SIZES[:k]), "base", "val/loss")
+        assert fit.form == "none" and fit.status == f"no fit possible: {k} scale(s), a fit needs 3"
+        assert math.isnan(fit.alpha) and fit.to_dict()["alpha"] is None
+    three = fit_variant(law_points(SIZES[:3], seeds=1), "base", "val/loss")
+    assert three.form == "A*N^-alpha" and three.boot_fits == 0 and math.isnan(three.alpha_boot[0])
+
+
+def test_one_wild_run_barely_moves_the_huber_fit_but_drags_least_squares():
+    from scipy.optimize import curve_fit
+
+    points = law_points(SIZES, noise=0.001)
+    points.loc[points.index[-1], "val/loss"] += 0.5  # one diverged run at the largest scale
+    fit = fit_variant(points, "base", "val/loss", n_boot=0)
+    n, loss = points["params_counted"].to_numpy(float), points["val/loss"].to_numpy(float)
+    (E, A, alpha), _ = curve_fit(lambda n, E, A, a: E + A * n ** -a, n, loss, p0=[1.8, 400.0, 0.3], maxfev=20000)
+    assert abs(fit.alpha - 0.3) < 0.01 < abs(alpha - 0.3)
+
+
+def test_the_fit_without_the_largest_scale_predicts_it():
+    points = law_points(SIZES, noise=0.0005)
+    (report := scaling_report(points, "base", n_boot=0))
+    held = report.holdouts["base"]
+    observed = points.loc[points["scale"] == "640M", "val/loss"].mean()
+    truth = 1.8 + 400 * 640e6 ** -0.3
+    assert held.scale == "640M" and held.observed == pytest.approx(observed, abs=1e-12)
+    assert held.error == pytest.approx(held.predicted - observed, abs=1e-12) and abs(held.predicted - truth) < 0.01
+    few = scaling_report(law_points(SIZES[:3]), "base", n_boot=0).holdouts["base"]
+    assert few == "needs 4 scales (3 finished)"
+
+
+def test_crossing_interval_comes_from_paired_seed_bootstrap_draws():
+    # `new` is better at small N and worse at large N: the curves cross inside the range.
+    frame = pd.concat([law_points(SIZES, noise=0.001),
+                       law_points(SIZES, E=1.75, A=600.0, noise=0.001, variant="new", rng_seed=1)])
+    report = scaling_report(frame, "base", n_range=(1e6, 1e13), n_boot=40)
+    cross = report.crossings["new"]
+    (point,) = cross.sizes
+    truth = (200.0 / 0.05) ** (1 / 0.3)  # 1.75 + 600 x = 1.8 + 400 x  with  x = N^-0.3
+    assert point == pytest.approx(truth, rel=0.5)
+    assert cross.draws == 40 and cross.share > 0.9 and cross.low < point < cross.high
 
 
 def test_crossing_is_where_the_two_curves_meet():
@@ -60,5 +96,7 @@ def test_report_compares_every_variant_with_the_baseline_and_ignores_unfinished_
     report = scaling_report(frame, "base", n_boot=10)
     assert set(report.fits) == {"base", "new"} and report.fits["base"].n_points == 10
     assert report.n_range == (20e6, 160e6 * 100)
-    assert set(report.crossings) == {"new"}
+    both = [np.isfinite(a).all() and np.isfinite(b).all()
+            for a, b in zip(report.fits["new"].boots, report.fits["base"].boots)]
+    assert set(report.crossings) == {"new"} and report.crossings["new"].draws == sum(both) > 0
     assert report.to_dict()["fits"]["new"]["form"] == "E + A*N^-alpha"

@@ -147,7 +147,7 @@ def test_model_that_knows_the_answers_scores_one_on_every_local_task(tokenizer, 
     ]
     model = AnswerKey(gold, tokenizer.get_vocab_size(), max_seq_len=256)
     out = evaluate_model(model, tokenizer_path, LOCAL_TASKS, batch_size=8)
-    assert out["metrics"] == pytest.approx(
+    assert {k: v for k, v in out["metrics"].items() if not k.endswith("/ll_correct")} == pytest.approx(
         {f"eval/{task}/{metric}": value for task in LOCAL_TASKS for metric, value in
          [("acc", 1.0), ("acc_stderr", 0.0), ("acc_norm", 1.0), ("acc_norm_stderr", 0.0)]}
     )
@@ -157,9 +157,10 @@ def test_model_that_knows_the_answers_scores_one_on_every_local_task(tokenizer, 
 def test_uniform_model_scores_the_exact_chance_level_of_the_data(tokenizer, tokenizer_path, questions):
     """Uniform logits give each answer -n_tokens * log V: acc picks the fewest tokens, acc_norm the fewest per
     character, and numpy's argmax takes the first choice on ties. That is chance for this data and tokenizer."""
-    expected = {}
+    expected, per_item = {}, {}
+    log_v = math.log(tokenizer.get_vocab_size())
     for task, docs in questions.items():
-        acc, acc_norm = [], []
+        acc, acc_norm, ll = [], [], []
         for prompt, continuations, answer in docs:
             n_tokens = np.array(
                 [len(ids(tokenizer, prompt + c)) - len(ids(tokenizer, prompt)) for c in continuations], dtype=float
@@ -167,11 +168,24 @@ def test_uniform_model_scores_the_exact_chance_level_of_the_data(tokenizer, toke
             n_chars = np.array([len(c) - 1 for c in continuations], dtype=float)
             acc.append(np.argmax(-n_tokens) == answer)
             acc_norm.append(np.argmax(-n_tokens / n_chars) == answer)
+            ll.append(-n_tokens[answer] * log_v)
         expected[f"eval/{task}/acc"] = float(np.mean(acc))
         expected[f"eval/{task}/acc_norm"] = float(np.mean(acc_norm))
+        expected[f"eval/{task}/ll_correct"] = float(np.mean(ll))
+        per_item[task] = (acc, ll)
     model = Uniform(tokenizer.get_vocab_size())
-    metrics = evaluate_model(model, tokenizer_path, LOCAL_TASKS, max_length=256)["metrics"]
-    assert {key: metrics[key] for key in expected} == pytest.approx(expected, abs=1e-12)
+    out = evaluate_model(model, tokenizer_path, LOCAL_TASKS, max_length=256)
+    metrics = out["metrics"]
+    # accuracies exactly; log-likelihoods to the float32 log-softmax they come from
+    assert {key: metrics[key] for key in expected} == pytest.approx(expected, rel=1e-6)
+    assert {k: metrics[k] for k in expected if "/acc" in k} == pytest.approx(
+        {k: v for k, v in expected.items() if "/acc" in k}, abs=1e-12)
+    # the per-item rows the report bootstraps over: one per document, in document order
+    for task, (acc, ll) in per_item.items():
+        rows = out["items"][task]
+        assert [r["doc_id"] for r in rows] == list(range(len(acc)))
+        assert [r["acc"] for r in rows] == [float(a) for a in acc]
+        assert [r["ll_correct"] for r in rows] == pytest.approx(ll, rel=1e-6)
     assert 0.0 < expected["eval/arc_easy_local/acc"] < 0.5
 
 

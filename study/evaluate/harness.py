@@ -301,7 +301,7 @@ def evaluate_model(
                     device=device,
                     limit=limit,
                     task_manager=manager,
-                    log_samples=False,
+                    log_samples=True,  # per-item scores: the report's item-level bootstrap reads them
                     random_seed=None,
                     numpy_random_seed=None,
                     torch_random_seed=None,
@@ -315,4 +315,33 @@ def evaluate_model(
                 ) from error
     finally:
         model.train(was_training)
-    return {"lm_eval": results, "metrics": flatten_scores(results)}
+    items = item_scores(results.pop("samples", {}) or {})
+    metrics = flatten_scores(results)
+    for task, rows in items.items():
+        lls = [r["ll_correct"] for r in rows if r.get("ll_correct") is not None]
+        if lls:
+            # far less noisy than accuracy at small scale: every item contributes, not only the argmax
+            metrics[f"eval/{task}/ll_correct"] = float(sum(lls) / len(lls))
+    return {"lm_eval": results, "metrics": metrics, "items": items}
+
+
+def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Per task, one row per scored document: doc_id, each per-item metric lm-eval logged (acc, acc_norm, ...),
+    and ll_correct, the log-likelihood of the correct choice for multiple-choice tasks."""
+    out: dict[str, list[dict]] = {}
+    for task, rows in samples.items():
+        items = []
+        for sample in rows:
+            row = {"doc_id": int(sample["doc_id"])}
+            for name in sample.get("metrics", []):
+                value = sample.get(name)
+                if isinstance(value, bool | int | float):
+                    row[name] = float(value)
+            target, resps = sample.get("target"), sample.get("filtered_resps") or []
+            if isinstance(target, str) and target.isdigit():
+                target = int(target)
+            if isinstance(target, int) and 0 <= target < len(resps) and isinstance(resps[target], list | tuple):
+                row["ll_correct"] = float(resps[target][0])
+            items.append(row)
+        out[task] = sorted(items, key=lambda r: r["doc_id"])
+    return out

@@ -60,8 +60,13 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     tracker.log_metrics(result["metrics"], step)  # another evaluation at this step is another point, never dropped
     tracker.log_artifact(record, f"evals/{record.name}")
     tracker.log_artifact(spec.run_dir.eval, "eval.json")
+    tracker.log_artifact(record.with_suffix(".items.jsonl"), ITEMS_ARTIFACT)
     tracker.close()
     return result["metrics"]
+
+
+ITEMS_ARTIFACT = "items.jsonl"
+"""Artifact of a run's latest evaluation, one JSON line per (task, document) with its per-item scores."""
 
 
 def write_record(spec: RunSpec, tasks: list[str], limit: int | None, step: int, result: dict) -> Path:
@@ -82,6 +87,8 @@ def write_record(spec: RunSpec, tasks: list[str], limit: int | None, step: int, 
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, path)
     spec.run_dir.eval.write_text(json.dumps(result["lm_eval"], default=str, indent=1))
+    lines = [json.dumps({"task": task, **row}) for task, rows in result.get("items", {}).items() for row in rows]
+    path.with_suffix(".items.jsonl").write_text("".join(line + "\n" for line in lines))
     return path
 
 

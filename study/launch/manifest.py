@@ -20,8 +20,10 @@ def manifest_path(runs_root: str | Path, experiment: str) -> Path:
 
 
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
-                   tracking_uri: str = "") -> dict:
+                   tracking_uri: str = "", extra_seeds: dict | None = None) -> dict:
     entry = {"experiment": experiment, "overrides": list(overrides), "keys": list(keys), "time": time.time()}
+    if extra_seeds:
+        entry["extra_seeds"] = extra_seeds  # seeds an adaptive launch added, per scale and variant
     path = manifest_path(runs_root, experiment)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:

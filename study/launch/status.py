@@ -52,8 +52,8 @@ def launched_plan(experiment: str, overrides: list[str]) -> Plan:
         probe = plan_experiment(experiment, [])
         cfg = probe.runs[0].config
         manifest = latest_manifest(cfg.paths.runs, experiment, cfg.tracking.uri)
-        if manifest is not None and manifest["overrides"]:
-            return plan_experiment(experiment, manifest["overrides"])
+        if manifest is not None and (manifest["overrides"] or manifest.get("extra_seeds")):
+            return plan_experiment(experiment, manifest["overrides"], manifest.get("extra_seeds"))
         return probe
     return plan_experiment(experiment, overrides)
 

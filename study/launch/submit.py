@@ -191,10 +191,11 @@ def write_specs(plan: Plan) -> None:
 
 
 def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: bool = False, echo=print,
-           new: bool = False) -> list[Stage]:
+           new: bool = False, extra_seeds: dict[str, dict[str, list[int]]] | None = None) -> list[Stage]:
     """Submit every stage that still has work; returns the stages (with job ids unless dry_run). `new` allows runs
-    the last launch of the experiment did not have (overrides that change run identities)."""
-    plan = plan_experiment(experiment, overrides)
+    the last launch of the experiment did not have (overrides that change run identities); `extra_seeds` adds seeds
+    per scale and variant (:func:`study.plan.planner.plan_experiment`)."""
+    plan = plan_experiment(experiment, overrides, extra_seeds)
     cluster = plan.runs[0].config.cluster
     if cluster.name != "local" and not dry_run:
         check_slurm()
@@ -216,7 +217,8 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         validate_data(data)  # what every job would fail on is refused before anything is submitted
     _check_tasks(plan)
     write_specs(plan)
-    write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri)
+    write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
+                   plan.extra_seeds)
     if not stages:
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []

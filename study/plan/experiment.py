@@ -10,7 +10,8 @@ from typing import Any
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
 
-KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "published")
+KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "published",
+        "decision")
 
 
 @dataclass
@@ -47,6 +48,9 @@ class Experiment:
     published: dict[str, Any] = field(default_factory=dict)
     """The paper's reported figures: {source, metric, values: {scale: {variant: value}}}; the report shows them
     beside the measured ones."""
+    decision: dict[str, Any] = field(default_factory=dict)
+    """How the report decides (analysis.decide.DecisionRule): primary metric, equivalence margin, alpha, power,
+    prior sd of paired deltas for planning."""
 
 
 def _grid_variants(grid: Any) -> list[Variant]:
@@ -68,7 +72,8 @@ def _grid_variants(grid: Any) -> list[Variant]:
 
 
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
-         "reference": (dict,), "grid": (dict,), "common": (dict,), "published": (dict,)}
+         "reference": (dict,), "grid": (dict,), "common": (dict,), "published": (dict,),
+         "decision": (dict,)}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 """Experiment and variant names: they become directory, MLflow and job names."""
 
@@ -165,5 +170,9 @@ def load_experiment(name: str) -> Experiment:
     if published and (not isinstance(published.get("metric"), str) or not isinstance(published.get("values"), dict)):
         raise StudyError(f"{name}.yaml: published", "needs `metric` and `values: {scale: {variant: number}}`",
                          "see sweeps/experiment/geometry.yaml")
+    decision = OmegaConf.to_container(raw.decision) if raw.get("decision") else {}
+    from study.config.decision import DecisionRule
+
+    DecisionRule.from_mapping(decision, f"{name}.yaml: decision")  # refused here, before anything is planned
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""),
-                      published)
+                      published, decision)

@@ -8,7 +8,7 @@ once; its seeds differ in the seed only.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
@@ -30,6 +30,8 @@ class Plan:
     runs: list[RunSpec]
     overrides: list[str]
     """The command-line overrides the plan was made with (the launch manifest records them)."""
+    extra_seeds: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """Seeds added beyond the experiment file's, per scale and variant (an adaptive launch's)."""
 
     def as_json(self) -> dict[str, Any]:
         return {"experiment": self.experiment.name, "baseline": self.experiment.baseline,
@@ -129,8 +131,13 @@ def _check_unique(exp: Experiment) -> None:
                              "list every seed once (a repeated seed would train the same run twice)")
 
 
-def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
-    """Every run of the experiment as a spec, matched to its scale's budget."""
+def plan_experiment(name: str, overrides: list[str] | None = None,
+                    extra_seeds: dict[str, dict[str, list[int]]] | None = None) -> Plan:
+    """Every run of the experiment as a spec, matched to its scale's budget.
+
+    ``extra_seeds[scale][variant]`` adds seeds beyond the experiment file's for one variant at one scale (what an
+    adaptive launch trains where a comparison is still undecided).
+    """
     from study.plan.complete import complete_spec
 
     exp = load_experiment(name)
@@ -152,7 +159,8 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
                                  "add `reference: {variant: <uniform variant>, seed: 0}` to the experiment")
             matched = None if scheduled else match_run(base)
-            for seed in exp.seeds[scale]:
+            added = [s for s in (extra_seeds or {}).get(scale, {}).get(variant.name, []) if s not in exp.seeds[scale]]
+            for seed in [*exp.seeds[scale], *added]:
                 is_ref = exp.reference == (variant.name, seed)
                 cfg = replace(base, seed=seed, stage="reference" if is_ref else ("scheduled" if scheduled else "train"))
                 if not scheduled:
@@ -163,7 +171,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None) -> Plan:
                                  f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
                 runs.append(complete_spec(spec) if profile.is_file() else spec)
     _check_distinct(name, runs)
-    return Plan(exp, runs, list(overrides or []))
+    return Plan(exp, runs, list(overrides or []), extra_seeds or {})
 
 
 def _check_distinct(name: str, runs: list[RunSpec]) -> None:

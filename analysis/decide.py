@@ -1,0 +1,286 @@
+"""The decision table: one verdict per (scale, variant, metric) that a study can act on.
+
+Every comparison is a paired one (variant − baseline over seeds that both finished, :mod:`analysis.paired`). A
+verdict is one of four:
+
+- **better** / **worse**: the paired t test rejects "no difference" after the family's correction;
+- **equivalent**: TOST shows the delta lies inside the declared margin, after the same correction;
+- **undecided**: neither, with the seeds that would probably decide it.
+
+The primary family (every variant x scale on the experiment's primary metric) is corrected with Holm, which
+holds the family-wise error rate; secondary metrics (other metrics and downstream tasks) with Benjamini-Hochberg,
+which holds the false discovery rate. With 3-5 seeds the exact nonparametric tests cannot reach p < 0.05 (the
+two-sided sign-flip and Wilcoxon minimum with 5 pairs is 0.0625), so they are reported beside the t test but do not
+decide; a bootstrap over fewer than :data:`BOOTSTRAP_MIN_N` seeds has too few distinct resamples to be evidence and
+is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from analysis.paired import PairedResult, json_ready
+from study.config.decision import DecisionRule
+
+BOOTSTRAP_MIN_N = 8
+"""Below this many pairs the bootstrap interval is omitted (3 seeds give 10 distinct resamples)."""
+
+SIGNFLIP_EXACT_MAX_N = 16
+"""Up to this many pairs the sign-flip p enumerates all 2^n sign patterns; above, 99,999 random flips."""
+
+VERDICTS = ("better", "worse", "equivalent", "undecided")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One row of the decision table."""
+
+    scale: str
+    """Scale name."""
+    variant: str
+    """Variant compared."""
+    baseline: str
+    """Variant it is compared against."""
+    metric: str
+    """Final metric compared."""
+    family: str
+    """``primary`` (Holm) or ``secondary`` (Benjamini-Hochberg)."""
+    n: int
+    """Seed pairs."""
+    mean_delta: float
+    """Mean of variant − baseline."""
+    pct_delta: float
+    """mean_delta as a percentage of the baseline's mean over the same seeds."""
+    sd_delta: float
+    """Sample sd (ddof=1) of the deltas."""
+    ci_low: float
+    """Lower end of the paired t interval at 1 − alpha."""
+    ci_high: float
+    """Upper end of the paired t interval at 1 − alpha."""
+    p_t: float
+    """Two-sided paired t p (scipy.stats.ttest_rel)."""
+    p_adjusted: float
+    """p_t after the family's correction (Holm or BH)."""
+    p_signflip: float
+    """Two-sided sign-flip permutation p of the mean delta (exact up to SIGNFLIP_EXACT_MAX_N pairs)."""
+    p_wilcoxon: float
+    """Two-sided Wilcoxon signed-rank p."""
+    d_z: float
+    """Standardised paired effect, mean_delta / sd_delta."""
+    prob_improvement: float
+    """Share of seeds where the variant is better (ties count one half)."""
+    mde: float
+    """Smallest |delta| the t test detects with the rule's power at this n and alpha (in metric units)."""
+    margin: float | None
+    """Equivalence margin, when declared for this metric."""
+    p_tost: float
+    """TOST p for |delta| < margin (statsmodels ttost_paired); NaN without a margin."""
+    p_tost_adjusted: float
+    """p_tost after the family's correction."""
+    verdict: str
+    """better, worse, equivalent or undecided."""
+    seeds_to_decide: int | None
+    """Undecided only: pairs that would probably decide it (see :func:`seeds_to_decide`)."""
+    reason: str
+    """Why the verdict is what it is, in words."""
+    boot_ci_low: float
+    """Bootstrap interval (descriptive), only from BOOTSTRAP_MIN_N pairs on."""
+    boot_ci_high: float
+    """Upper end of the descriptive bootstrap interval."""
+    higher_is_better: bool
+    """Direction of the metric."""
+    alpha: float
+    """Error rate the verdict was reached at (after any sequential spending)."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; NaN becomes None."""
+        return json_ready(asdict(self))
+
+    @classmethod
+    def from_dict(cls, row: Mapping) -> "Decision":
+        """Inverse of :meth:`to_dict` (None back to NaN where the field is a float)."""
+        floats = {name for name, f in cls.__dataclass_fields__.items() if f.type == "float"}
+        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in row.items()
+                      if k in cls.__dataclass_fields__})
+
+
+def decide(
+    results: Mapping[str, Sequence[PairedResult]],
+    rule: DecisionRule,
+    baseline_means: Mapping[tuple[str, str, str], float] | None = None,
+    alpha: float | None = None,
+) -> list[Decision]:
+    """Verdicts for every paired result; ``results`` maps metric to its per-(scale, variant) results.
+
+    ``alpha`` overrides the rule's (a sequential look spends part of it). ``baseline_means`` maps
+    (metric, scale, variant) to the baseline's mean over the paired seeds, for the percentage column.
+    """
+    from statsmodels.stats.multitest import multipletests
+
+    alpha = rule.alpha if alpha is None else alpha
+    rows = [_statistics(r, rule, alpha, (baseline_means or {}).get((r.metric, r.scale, r.variant)))
+            for metric in results for r in results[metric]]
+    families = {"primary": "holm", "secondary": "fdr_bh"}
+    for family, method in families.items():
+        members = [i for i, row in enumerate(rows) if row["family"] == family]
+        for p_key, adjusted_key in (("p_t", "p_adjusted"), ("p_tost", "p_tost_adjusted")):
+            idx = [i for i in members if math.isfinite(rows[i][p_key])]
+            if idx:
+                adjusted = multipletests([rows[i][p_key] for i in idx], alpha=alpha, method=method)[1]
+                for i, p in zip(idx, adjusted):
+                    rows[i][adjusted_key] = float(p)
+    m_primary = sum(1 for row in rows if row["family"] == "primary")
+    out = []
+    for row in rows:
+        # Planning alpha for an undecided primary row: Bonferroni's alpha/m bounds Holm's strictest step.
+        plan_alpha = alpha / max(m_primary, 1) if row["family"] == "primary" else alpha
+        out.append(Decision(**_verdict(row, alpha, rule.power, plan_alpha), alpha=alpha))
+    return out
+
+
+def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean: float | None) -> dict:
+    from scipy import stats
+    from statsmodels.stats.weightstats import ttost_paired
+
+    d = np.asarray(r.deltas, float)
+    n = len(d)
+    sd = float(np.std(d, ddof=1)) if n >= 2 else math.nan
+    mean = float(d.mean()) if n else math.nan
+    row = dict(scale=r.scale, variant=r.variant, baseline=r.baseline, metric=r.metric,
+               family="primary" if r.metric == rule.metric else "secondary", n=n, mean_delta=mean,
+               pct_delta=100 * mean / baseline_mean if baseline_mean else math.nan, sd_delta=sd,
+               ci_low=math.nan, ci_high=math.nan, p_t=math.nan, p_adjusted=math.nan, p_signflip=math.nan,
+               p_wilcoxon=r.p_wilcoxon, d_z=math.nan, prob_improvement=math.nan, mde=math.nan,
+               margin=rule.margin_of(r.metric), p_tost=math.nan, p_tost_adjusted=math.nan,
+               boot_ci_low=math.nan, boot_ci_high=math.nan, higher_is_better=r.higher_is_better)
+    if n:
+        better = d > 0 if r.higher_is_better else d < 0
+        row["prob_improvement"] = float(np.mean(better) + 0.5 * np.mean(d == 0))
+    if n >= BOOTSTRAP_MIN_N:
+        row["boot_ci_low"], row["boot_ci_high"] = r.boot_ci_low, r.boot_ci_high
+    if n < 2 or not sd > 0:
+        return row
+    row["ci_low"], row["ci_high"] = (float(x) for x in stats.t.interval(1 - alpha, n - 1, loc=mean,
+                                                                        scale=sd / math.sqrt(n)))
+    row["p_t"] = float(stats.ttest_1samp(d, 0.0).pvalue)
+    row["p_signflip"] = signflip_p(d)
+    row["d_z"] = mean / sd
+    row["mde"] = minimum_detectable_effect(n, sd, alpha, rule.power)
+    if row["margin"] is not None:
+        row["p_tost"] = float(ttost_paired(d, np.zeros(n), -row["margin"], row["margin"])[0])
+    return row
+
+
+def _verdict(row: dict, alpha: float, power: float, plan_alpha: float) -> dict:
+    n = row["n"]
+    good_up = row["higher_is_better"]
+    seeds = None
+    if n < 2 or not math.isfinite(row["p_t"]):
+        verdict = "undecided"
+        reason = ("fewer than 2 seed pairs" if n < 2 else "every delta is identical: no spread to test against")
+    elif row["p_adjusted"] < alpha:
+        verdict = "better" if (row["mean_delta"] > 0) == good_up else "worse"
+        reason = f"adjusted p {row['p_adjusted']:.3g} < {alpha:g}"
+    elif math.isfinite(row["p_tost_adjusted"]) and row["p_tost_adjusted"] < alpha:
+        verdict = "equivalent"
+        reason = f"TOST adjusted p {row['p_tost_adjusted']:.3g}: |Δ| < {row['margin']:g}"
+    else:
+        verdict = "undecided"
+        seeds = seeds_to_decide(row["mean_delta"], row["sd_delta"], row["margin"], plan_alpha, power)
+        reason = (f"adjusted p {row['p_adjusted']:.3g}"
+                  + (f", TOST adjusted p {row['p_tost_adjusted']:.3g}" if row["margin"] is not None else
+                     ", no equivalence margin declared")
+                  + (f"; about {seeds} seed pairs would decide it" if seeds else ""))
+    return {**row, "verdict": verdict, "seeds_to_decide": seeds, "reason": reason}
+
+
+def signflip_p(deltas: np.ndarray, seed: int = 0) -> float:
+    """Two-sided sign-flip permutation p of the mean (scipy.stats.permutation_test), exact for small n."""
+    from scipy import stats
+
+    d = np.asarray(deltas, float)
+    exact = len(d) <= SIGNFLIP_EXACT_MAX_N
+    res = stats.permutation_test((d,), lambda x, axis=-1: np.mean(x, axis=axis), permutation_type="samples",
+                                 vectorized=True, n_resamples=np.inf if exact else 99_999,
+                                 alternative="two-sided", rng=seed)
+    return float(res.pvalue)
+
+
+def t_power(effect: float, n: float, alpha: float, alternative: str = "two-sided") -> float:
+    """Power of the one-sample (paired) t test at standardised effect ``effect`` over ``n`` pairs.
+
+    The formula of statsmodels' ``TTestPower.power``; the far tail is taken as the upper tail at −effect because
+    scipy's ``nct.cdf`` returns NaN there for large noncentralities, where the true value is ~0.
+    """
+    from scipy import stats
+
+    df, nc = n - 1, effect * math.sqrt(n)
+    if alternative == "larger":
+        return float(stats.nct.sf(stats.t.isf(alpha, df), df, nc))
+    crit = stats.t.isf(alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.sf(crit, df, -nc))
+
+
+def minimum_detectable_effect(n: int, sd: float, alpha: float, power: float) -> float:
+    """Smallest true |delta| the two-sided paired t test at ``alpha`` finds with ``power`` over ``n`` pairs."""
+    from scipy.optimize import brentq
+
+    if n < 2 or not sd > 0:
+        return math.nan
+    effect = brentq(lambda e: t_power(e, n, alpha) - power, 1e-9, 1e6, xtol=1e-12, rtol=1e-10)
+    return float(effect) * sd
+
+
+def _solve_pairs(effect: float, alpha: float, power: float, alternative: str) -> int | None:
+    """Smallest whole number of pairs whose power reaches ``power`` (None beyond 100,000 pairs)."""
+    from scipy import stats
+
+    if not effect > 0:
+        return None
+    # The normal approximation is a lower bound on the t test's n: step up from it.
+    z = stats.norm.isf(alpha / 2 if alternative == "two-sided" else alpha) + stats.norm.isf(1 - power)
+    n = max(2, math.floor((z / effect) ** 2))
+    while t_power(effect, n, alpha, alternative) < power:
+        n += 1 if n < 64 else max(1, n // 16)
+        if n > 100_000:
+            return None
+    while n > 2 and t_power(effect, n - 1, alpha, alternative) >= power:
+        n -= 1
+    return n
+
+
+def seeds_for_difference(effect: float, sd: float, alpha: float, power: float) -> int | None:
+    """Pairs for the two-sided paired t test to detect a true |delta| = ``effect`` with ``power``."""
+    if not sd > 0:
+        return None
+    return _solve_pairs(effect / sd, alpha, power, "two-sided")
+
+
+def seeds_for_equivalence(true_delta: float, margin: float | None, sd: float, alpha: float, power: float
+                          ) -> int | None:
+    """Pairs for TOST to show |delta| < ``margin`` when the true delta is ``true_delta``, with ``power``.
+
+    TOST rejects when both one-sided tests do; their joint power is at least 1 − (misses of each), so each
+    one-sided test is sized for power 1 − (1 − power)/2 against the nearer bound: a slight overestimate of the
+    seeds needed, never an underestimate.
+    """
+    if margin is None or not sd > 0 or abs(true_delta) >= margin:
+        return None
+    return _solve_pairs((margin - abs(true_delta)) / sd, alpha, 1 - (1 - power) / 2, "larger")
+
+
+def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, power: float) -> int | None:
+    """Pairs that would probably decide a comparison if the observed mean and sd are the truth.
+
+    The smaller of what detecting the observed delta needs and what showing equivalence needs (when the observed
+    delta lies inside the margin); None when neither is reachable (no spread, or a delta of exactly zero and no
+    margin).
+    """
+    options = [seeds_for_difference(abs(mean), sd, alpha, power),
+               seeds_for_equivalence(mean, margin, sd, alpha, power)]
+    options = [o for o in options if o is not None]
+    return min(options) if options else None

@@ -1,0 +1,275 @@
+"""The report as blocks: the decision table first, then the descriptive tables, fits, figures and method."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Sequence
+
+import pandas as pd
+
+from analysis import runs as store
+from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
+from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.render import Block, Heading, Paragraph, Plot, Table
+from analysis.scaling import ScalingReport
+
+if TYPE_CHECKING:
+    from analysis.report import Analysis
+
+
+def document(a: Analysis, unpaired: list[dict], plots: list[Plot], published: list | None = None) -> list[Block]:
+    """Every block of the report, in reading order."""
+    statuses = Counter(a.runs["status"])
+    rule = a.rule
+    primary = [d for d in a.decisions if d.family == "primary"]
+    secondary = [d for d in a.decisions if d.family == "secondary"]
+    counts = Counter(d.verdict for d in primary)
+    alpha = primary[0].alpha if primary else rule.alpha
+    blocks: list[Block] = [
+        Heading(f"Report: {a.experiment}", 1),
+        Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
+                  + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
+                  + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
+                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
+        Heading(f"Decisions on final {rule.metric}"),
+        Paragraph(f"{', '.join(f'{counts[v]} {v}' for v in VERDICTS)}. Each row pairs the variant with "
+                  f"{a.baseline} over the seeds both finished. Primary family: every variant × scale on "
+                  f"{rule.metric}, Holm-corrected at family-wise α = {alpha:g}. "
+                  + (f"Equivalent: TOST shows |Δ| < {rule.margin:g} (Holm-corrected). " if rule.margin else
+                     "No equivalence margin is declared (decision.margin), so no row can be called equivalent. ")
+                  + "Undecided rows say how many seed pairs would probably decide them."
+                  + (f" {a.sequential_note}" if a.sequential_note else "")),
+        _decision_table(primary) if primary else Paragraph(f"No run logged {rule.metric}: nothing to decide."),
+    ]
+    if a.looks:
+        blocks += [Heading("Sequential looks", 3), _looks_table(a.looks)]
+    if secondary:
+        blocks += [Heading("Secondary metrics"),
+                   Paragraph("Other metrics and downstream tasks, Benjamini-Hochberg-corrected together "
+                             f"(false discovery rate {alpha:g}); equivalence only where decision.margins names a "
+                             "margin."),
+                   _decision_table(secondary, with_metric=True)]
+    headline = a.metrics[0]
+    verdicts = {(d.metric, d.scale, d.variant): d.verdict for d in a.decisions}
+    blocks.append(Heading(f"Final {headline} per scale"))
+    for scale in store.scale_order(a.runs):
+        blocks += _per_scale(a.runs, a.results[headline], headline, a.baseline, scale, verdicts)
+    blocks += [Heading("Paired deltas, every metric (descriptive)"),
+               Paragraph(f"Bootstrap intervals are descriptive and shown only from {BOOTSTRAP_MIN_N} pairs: over "
+                         "fewer seeds a bootstrap has too few distinct resamples (3 seeds give 10) and comes out "
+                         "narrower than the t interval.")]
+    for metric, rs in a.results.items():
+        blocks += [Heading(f"{metric} ({'higher' if is_higher_better(metric) else 'lower'} is better)", 3),
+                   _deltas_table(rs)]
+    if a.joint:
+        blocks += [Heading("Mean across downstream tasks (joint bootstrap, descriptive)"),
+                   Paragraph("Δ averaged over the tasks listed; each bootstrap draw resamples seeds once for all "
+                             "tasks, so tasks that move together widen the interval as they should."),
+                   _joint_table(a.joint)]
+    if a.items:
+        blocks += [Heading("Downstream tasks, item level (descriptive)"),
+                   Paragraph("Per task and per-item score: the baseline's mean (accuracy, or the log-likelihood of "
+                             "the correct choice, which every item informs and so is far less noisy at small scale), "
+                             "the paired Δ over seeds and items, and a two-level bootstrap interval that resamples "
+                             "seeds, then items (analysis.items)."),
+                   Table(["task", "score", "scale", "variant", "seeds", "items", f"{a.baseline} mean", "Δ",
+                          "seed × item 95% CI"],
+                         [[i.task, i.metric, i.scale, i.variant, str(i.n_seeds), str(i.n_items),
+                           _num(i.baseline_mean), _signed(i.mean_delta), _ci(i.ci_low, i.ci_high)]
+                          for i in a.items])]
+    if published:
+        blocks += [Heading("The paper's figures beside ours"),
+                   Paragraph(f"{published[0].source}. Paper Δ = its variant − its {a.baseline}; ours is the paired "
+                             "mean Δ with its t 95% interval."),
+                   Table(["scale", "variant", "metric", f"paper {a.baseline}", "paper variant", "paper Δ", "our Δ",
+                          "our t CI", "paper Δ inside"],
+                         [[p.scale, p.variant, p.metric, _num(p.paper_baseline), _num(p.paper_variant),
+                           _signed(p.paper_delta), _signed(p.ours), _ci(p.ci_low, p.ci_high),
+                           {True: "yes", False: "no", None: "—"}[p.contains]] for p in published])]
+    if a.scaling is not None:
+        blocks += [Heading(f"Scaling fits of final {a.scaling.metric}"), *_scaling_blocks(a.scaling)]
+    blocks += _missing(a.runs, unpaired, a.metrics)
+    blocks += [Heading("Figures"), *plots, Heading("Method"),
+               Paragraph(_METHOD.format(n_resamples=a.n_resamples, min_n=BOOTSTRAP_MIN_N))]
+    return blocks
+
+
+def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Table:
+    header = (["metric"] if with_metric else []) + [
+        "scale", "variant", "n", "Δ", "Δ %", "t CI", "p (adj.)", "sign-flip p", "Wilcoxon p", "d_z",
+        "P(improve)", "MDE (80%)", "TOST p (adj.)", "verdict", "seeds to decide"]
+    body = []
+    for d in rows:
+        level = 1 - d.alpha
+        body.append(([d.metric] if with_metric else []) + [
+            d.scale, d.variant, str(d.n), _signed(d.mean_delta), _signed_pct(d.pct_delta),
+            f"{_ci(d.ci_low, d.ci_high)} ({level:.1%})" if math.isfinite(d.ci_low) else "—",
+            _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon), _num(d.d_z, 2), _pct(d.prob_improvement),
+            _num(d.mde), f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
+            d.verdict, str(d.seeds_to_decide) if d.seeds_to_decide else "—"])
+    return Table(header, body)
+
+
+def _looks_table(looks: Sequence[dict]) -> Table:
+    rows = [[str(look["round"]), f"{look['alpha']:.4g}", f"{look['alpha_spent']:.4g}",
+             ", ".join(f"{k} {v}" for k, v in sorted(look["verdicts"].items())),
+             ", ".join(look["added"]) or "—"] for look in looks]
+    return Table(["look", "α this look", "α spent so far", "verdicts", "seeds added after it"], rows)
+
+
+def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, baseline: str, scale: str,
+               verdicts: dict) -> list[Block]:
+    at_scale = runs[(runs["scale"] == scale) & (runs["status"] == store.FINISHED) & runs[metric].notna()]
+    by_variant = {r.variant: r for r in results if r.scale == scale}
+    loss_like = metric.endswith("/loss")
+    header = ["variant", "seeds", f"{metric} (mean ± sd)"] + (["PPL"] if loss_like else []) + [
+        "Δ vs " + baseline, "t 95% CI", "verdict"]
+    rows = []
+    for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
+        values = at_scale.loc[at_scale["variant"] == variant, metric]
+        cells = [variant, str(len(values)), _mean_sd(values)]
+        if loss_like:
+            cells.append(_num(math.exp(values.mean()), 2) if len(values) else "—")
+        r = by_variant.get(variant)
+        if r is None:
+            cells += ["—"] * 3
+        else:
+            cells += [_signed(r.mean_delta), _ci(r.ci_low, r.ci_high), verdicts.get((metric, scale, variant), "—")]
+        rows.append(cells)
+    counted = runs.loc[runs["scale"] == scale, "params_counted"].median()
+    size = f" (≈{counted / 1e6:,.1f}M counted parameters)" if pd.notna(counted) else ""
+    return [Heading(f"Scale {scale}{size}", 3), Table(header, rows)]
+
+
+def _boot(low: float, high: float, method: str, n: int) -> str:
+    return f"omitted (n < {BOOTSTRAP_MIN_N})" if n < BOOTSTRAP_MIN_N else f"{_ci(low, high)} {method}"
+
+
+def _deltas_table(results: list[PairedResult]) -> Table:
+    header = ["scale", "variant", "n", "Δ mean ± sd", "t 95% CI", "bootstrap 95% CI", "Wilcoxon p", "win rate"]
+    rows = [[r.scale, r.variant, str(r.n), f"{_signed(r.mean_delta)} ± {_num(r.sd_delta)}",
+             _ci(r.ci_low, r.ci_high), _boot(r.boot_ci_low, r.boot_ci_high, r.boot_method, r.n),
+             _p(r.p_wilcoxon), _pct(r.win_rate)] for r in results]
+    return Table(header, rows)
+
+
+def _joint_table(joint: list[JointResult]) -> Table:
+    rows = [[_task_label(j.metrics), j.scale, j.variant, str(j.n), _signed(j.mean_delta),
+             _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)] for j in joint]
+    header = ["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI"]
+    return Table(header, rows)
+
+
+def _scaling_blocks(scaling: ScalingReport) -> list[Block]:
+    rows = []
+    for variant, fit in scaling.fits.items():
+        cross = scaling.crossings.get(variant)
+        if variant == scaling.baseline or cross is None:
+            crossing = "—"
+        else:
+            crossing = ", ".join(f"{n:.3g}" for n in cross.sizes) or "none in range"
+            if cross.draws:
+                crossing += (f"; bootstrap: {cross.share:.0%} of draws cross"
+                             + (f", [{cross.low:.3g}, {cross.high:.3g}]" if math.isfinite(cross.low) else ""))
+        held = scaling.holdouts.get(variant)
+        holdout = ("—" if held is None else held if isinstance(held, str) else
+                   f"{held.scale}: predicted {held.predicted:.4f}, measured {held.observed:.4f} "
+                   f"({held.error:+.4f})")
+        rows.append([
+            variant, fit.form, fit.status, f"{fit.n_points} / {fit.n_scales}",
+            f"{_num(fit.E, 3)} ± {_num(fit.E_sd, 3)}", _num(fit.A, 4, general=True),
+            f"{_num(fit.alpha, 3)} ± {_num(fit.alpha_sd, 3)}", _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3),
+            crossing, holdout,
+        ])
+    header = ["variant", "form", "status", "runs / scales", "E ± se", "A", "α ± se", "α seed-bootstrap CI",
+              f"crosses {scaling.baseline} at N", "largest scale left out"]
+    blocks: list[Block] = [Table(header, rows)]
+    if all(f.form == "none" for f in scaling.fits.values()):
+        blocks.insert(0, Paragraph("No scaling law is fitted: it needs at least 3 scales with finished runs, and "
+                                   "no curve is drawn."))
+    return blocks
+
+
+def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> list[Block]:
+    blocks: list[Block] = [Heading("Unfinished and unpaired runs")]
+    unfinished = runs[runs["status"] != store.FINISHED]
+    if len(unfinished):
+        blocks.append(Table(["run", "status", "run key"], [[r.run_name, r.status, str(r.run_key)]
+                                                           for r in unfinished.itertuples()]))
+    if unpaired:
+        blocks.append(Table(["variant", "scale", "seed", "status", "run key", "reason", "metrics"],
+                            [[u["variant"], u["scale"], str(u["seed"]), u["status"], str(u["run_key"]), u["reason"],
+                              "all" if u["metrics"] == metrics else ", ".join(u["metrics"])] for u in unpaired]))
+    if len(blocks) == 1:
+        blocks.append(Paragraph("None: every run finished and every seed has its baseline partner."))
+    return blocks
+
+
+def _without_credentials(uri: str) -> str:
+    """The tracking URI as it may appear in a shared report: any ``user:password@`` dropped."""
+    scheme, sep, rest = uri.partition("://")
+    return f"{scheme}{sep}{rest.split('@', 1)[-1]}" if sep and "@" in rest.split("/", 1)[0] else uri
+
+
+def _task_label(metrics: Sequence[str]) -> str:
+    """``acc over arc_easy, piqa`` for ``eval/arc_easy/acc`` and ``eval/piqa/acc``."""
+    parts = [m.split("/") for m in metrics]
+    return f"{parts[0][2]} over {', '.join(p[1] for p in parts)}"
+
+
+def _num(x: float, digits: int = 4, general: bool = False) -> str:
+    if x is None or not math.isfinite(x):
+        return "—"
+    return f"{x:.{digits}g}" if general else f"{x:.{digits}f}"
+
+
+def _signed(x: float) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.4f}"
+
+
+def _signed_pct(x: float) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.2f}%"
+
+
+def _ci(low: float, high: float, digits: int = 4) -> str:
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return "—"
+    return f"[{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def _p(p: float) -> str:
+    return "—" if p is None or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _pct(x: float) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.0%}"
+
+
+def _mean_sd(values: pd.Series) -> str:
+    if not len(values):
+        return "—"
+    sd = values.std(ddof=1) if len(values) > 1 else math.nan
+    return f"{values.mean():.4f} ± {_num(sd)}"
+
+
+_METHOD = (
+    "Runs are paired by (scale, seed): paired runs share data order and initialisation, so the per-seed "
+    "difference cancels most seed noise. Only FINISHED runs with a final value pair; the rest are listed above. "
+    "Decisions: the paired t test (scipy.stats.ttest_1samp of the deltas) decides better/worse after Holm's "
+    "correction over the primary family or Benjamini-Hochberg's over the secondary metrics (statsmodels "
+    "multipletests); equivalence is TOST against the declared margin (statsmodels ttost_paired), corrected the "
+    "same way; the t interval is at 1 − α. Sign-flip p: exact permutation test of the mean delta "
+    "(scipy.stats.permutation_test, all 2^n sign patterns up to 16 pairs); Wilcoxon: two-sided signed-rank test. "
+    "With 5 pairs neither can go below 0.0625, so they are shown, not used to decide. d_z = mean/sd of the "
+    "deltas; P(improve): share of seeds where the variant is better, ties one half. MDE: the smallest true |Δ| the "
+    "t test finds with 80% power at this n and α (the noncentral t power of statsmodels' TTestPower). Seeds to "
+    "decide: pairs at which the observed Δ (or, inside the margin, equivalence) would be found with 80% power at "
+    "the family's Bonferroni level, assuming the observed sd. Bootstrap CI: scipy.stats.bootstrap of the mean over "
+    "seeds ({n_resamples} resamples, fixed seed), descriptive only and omitted below {min_n} pairs. PPL = exp(mean "
+    "final val loss). Scaling: L(N) = E + A·N^(−α) fitted to every finished run (N = counted parameters) with a "
+    "Huber loss (δ = 1e-3) on log residuals from a grid of starts; E is fixed at 0 with 3 scales and no law is "
+    "fitted below 3. Intervals come from a seed-cluster bootstrap shared by all variants, so a crossing's interval "
+    "is over paired draws; with 4 scales or more the fit without the largest scale predicts it."
+)

@@ -1,0 +1,136 @@
+"""Downstream-task deltas with item-level uncertainty: a two-level bootstrap over seeds, then items.
+
+A task score is a mean over a fixed set of items, so its noise has two sources: which seeds were trained and which
+items the benchmark happens to hold. Each run's evaluation keeps its per-item scores (the ``items.jsonl`` artifact
+of :mod:`study.evaluate.stage`); paired runs scored the same items, so the per-(seed, item) difference
+``variant - baseline`` is the unit. One bootstrap draw resamples the seeds and, independently, the items (the same
+items for every seed, as a new benchmark of the same size would be), and takes the mean difference. The interval
+is descriptive: with few seeds its seed level has few distinct draws, and the verdicts come from the paired t test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis.paired import CONFIDENCE, json_ready
+
+ITEMS_ARTIFACT = "items.jsonl"
+"""Per-item scores of a run's latest evaluation (written by study.evaluate.stage)."""
+
+ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
+"""Per-item scores compared: accuracy, length-normalised accuracy, log-likelihood of the correct choice."""
+
+
+@dataclass(frozen=True)
+class ItemDelta:
+    """Variant minus baseline on one task's per-item score at one scale."""
+
+    task: str
+    """lm-eval task name."""
+    metric: str
+    """Per-item score (acc, acc_norm or ll_correct)."""
+    scale: str
+    """Scale name."""
+    variant: str
+    """Variant compared."""
+    baseline: str
+    """Baseline variant."""
+    n_seeds: int
+    """Seed pairs with items on both sides."""
+    n_items: int
+    """Items scored on both sides of every pair."""
+    baseline_mean: float
+    """The baseline's mean score over those seeds and items (an absolute level beside the delta)."""
+    mean_delta: float
+    """Mean over seeds and items of variant − baseline."""
+    ci_low: float
+    """Lower end of the two-level bootstrap interval."""
+    ci_high: float
+    """Upper end of the two-level bootstrap interval."""
+
+    def to_dict(self) -> dict:
+        return json_ready(asdict(self))
+
+
+def two_level_bootstrap(deltas: np.ndarray, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean of a (seeds x items) delta matrix, resampling seeds and items.
+
+    Resampling is done with multinomial counts, so a draw costs two small matrix products instead of an
+    n_seeds x n_items gather.
+    """
+    d = np.asarray(deltas, float)
+    n, m = d.shape
+    if n < 2 or m < 1:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    item_counts = rng.multinomial(m, np.full(m, 1 / m), size=n_resamples)      # (B, m)
+    seed_counts = rng.multinomial(n, np.full(n, 1 / n), size=n_resamples)      # (B, n)
+    per_seed = item_counts @ d.T / m                                             # (B, n): each seed's item mean
+    means = np.einsum("bn,bn->b", seed_counts, per_seed) / n
+    low, high = np.quantile(means, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(low), float(high)
+
+
+def item_deltas(runs: pd.DataFrame, items: dict[str, pd.DataFrame], baseline: str, n_resamples: int = 9999,
+                seed: int = 0) -> list[ItemDelta]:
+    """Per (task, metric, scale, variant): the paired delta over seeds and items with its two-level interval.
+
+    ``items`` maps a run id to its per-item rows (task, doc_id and the scores); runs without items are left out.
+    """
+    finished = runs[(runs["status"] == "FINISHED") & runs["run_id"].isin(list(items))]
+    newest = finished.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
+    out = []
+    for scale, at_scale in newest.groupby("scale", sort=False):
+        base = at_scale[at_scale["variant"] == baseline].set_index("seed")
+        for variant in sorted(set(at_scale["variant"]) - {baseline}):
+            var = at_scale[at_scale["variant"] == variant].set_index("seed")
+            seeds = sorted(set(base.index) & set(var.index))
+            if not seeds:
+                continue
+            tables = {s: (items[base.loc[s, "run_id"]], items[var.loc[s, "run_id"]]) for s in seeds}
+            tasks = sorted(set.intersection(*(set(b["task"]) & set(v["task"]) for b, v in tables.values())))
+            for task in tasks:
+                for metric in ITEM_METRICS:
+                    row = _one(task, metric, scale, variant, baseline, tables, n_resamples, seed)
+                    if row is not None:
+                        out.append(row)
+    return out
+
+
+def _one(task, metric, scale, variant, baseline, tables, n_resamples, seed) -> ItemDelta | None:
+    sides = []
+    for b, v in tables.values():
+        b, v = (t[t["task"] == task].set_index("doc_id") for t in (b, v))
+        if metric not in b.columns or metric not in v.columns:
+            return None
+        sides.append((b[metric], v[metric]))
+    common = sorted(set.intersection(*(set(b.dropna().index) & set(v.dropna().index) for b, v in sides)))
+    if not common:
+        return None
+    base = np.array([b.loc[common].to_numpy(float) for b, _ in sides])
+    var = np.array([v.loc[common].to_numpy(float) for _, v in sides])
+    low, high = two_level_bootstrap(var - base, n_resamples, seed)
+    return ItemDelta(task, metric, scale, variant, baseline, len(sides), len(common), float(base.mean()),
+                     float((var - base).mean()), low, high)
+
+
+def read_items(client, run_ids) -> dict[str, pd.DataFrame]:
+    """Per run id, its per-item scores from the ``items.jsonl`` artifact (runs without one are left out)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run_id in run_ids:
+            names = {a.path for a in client.list_artifacts(run_id)}
+            if ITEMS_ARTIFACT not in names:
+                continue
+            path = client.download_artifacts(run_id, ITEMS_ARTIFACT, tmp)
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if rows:
+                out[run_id] = pd.DataFrame(rows)
+    return out

@@ -1,0 +1,114 @@
+"""Power before spending: per comparison, the seeds that resolve the declared margin and the GPU-hours they cost.
+
+The noise is the seed-to-seed sd of paired deltas on the primary metric: measured where the store already has at
+least :data:`MIN_PAIRS_FOR_SD` finished pairs of that comparison, else the experiment's ``decision.prior_sd``.
+"Resolve" means both directions of the question: a true difference of one margin is found by the paired t test with
+the rule's power, and a true difference of zero is shown equivalent by TOST with that power, each at the family's
+Bonferroni level alpha/m (which bounds Holm's strictest step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from analysis.decide import seeds_for_difference, seeds_for_equivalence
+from study.config.decision import DecisionRule
+
+MIN_PAIRS_FOR_SD = 3
+"""Finished pairs of a comparison before its measured sd replaces the prior."""
+
+
+@dataclass(frozen=True)
+class PowerRow:
+    """The seeds one (scale, variant) comparison needs."""
+
+    scale: str
+    """Scale name."""
+    variant: str
+    """Variant compared with the baseline."""
+    sd: float | None
+    """sd of paired deltas used (None: neither measured nor a prior)."""
+    source: str
+    """Where the sd comes from: ``measured (n pairs)``, ``prior`` or ``none``."""
+    seeds_difference: int | None
+    """Pairs to find a true |delta| = margin."""
+    seeds_equivalence: int | None
+    """Pairs to show equivalence when the true delta is 0."""
+    seeds_needed: int | None
+    """The larger of the two: the pairs that resolve the comparison either way."""
+    planned: int
+    """Seeds the experiment file plans at this scale."""
+    gpu_hours: float | None
+    """GPU-hours of seeds_needed pairs (variant and baseline runs)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_power(plan, rule: DecisionRule, measured: dict[tuple[str, str], tuple[float, int]] | None = None
+               ) -> list[PowerRow]:
+    """One row per (scale, variant other than the baseline) of ``plan`` (a :class:`study.plan.planner.Plan`)."""
+    exp = plan.experiment
+    others = [v.name for v in exp.variants if v.name != exp.baseline]
+    m = max(1, len(others) * len(exp.scales))
+    alpha = rule.alpha / m
+    hours = {(r.config.variant, r.config.scale): r.gpu_hours() for r in plan.runs}
+    rows = []
+    for scale in exp.scales:
+        for variant in others:
+            sd, source = None, "none"
+            if measured and (scale, variant) in measured:
+                sd, n = measured[scale, variant]
+                source = f"measured ({n} pairs)"
+            elif rule.prior_sd:
+                sd, source = rule.prior_sd, "prior"
+            diff = equiv = None
+            if sd and rule.margin:
+                diff = seeds_for_difference(rule.margin, sd, alpha, rule.power)
+                equiv = seeds_for_equivalence(0.0, rule.margin, sd, alpha, rule.power)
+            needed = max((x for x in (diff, equiv) if x is not None), default=None)
+            pair_hours = [hours.get((variant, scale)), hours.get((exp.baseline, scale))]
+            cost = needed * sum(pair_hours) if needed and None not in pair_hours else None
+            rows.append(PowerRow(scale, variant, sd, source, diff, equiv, needed, len(exp.seeds[scale]), cost))
+    return rows
+
+
+def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_uri: str
+                   ) -> tuple[dict[tuple[str, str], tuple[float, int]], str]:
+    """(scale, variant) -> (sd of paired deltas, pairs) from the store, for comparisons with enough finished pairs,
+    and a note on what was read.
+
+    Planning must not wait on a store: a missing SQLite file or an experiment not logged yet gives {}, and a
+    tracking server is asked once with a short timeout; a store that cannot be read is named in the note.
+    """
+    from analysis.paired import paired_deltas
+    from analysis.runs import read_runs
+    from study.errors import StudyError
+    from study.track.store import resolve_tracking_uri, sqlite_path
+
+    uri = resolve_tracking_uri(tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        return {}, f"no store at {db} yet"
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
+    try:
+        runs = read_runs(experiment, uri)
+        if rule.metric not in runs.columns or baseline not in set(runs["variant"]):
+            return {}, f"no finished {baseline} runs with {rule.metric} in the store yet"
+        results = paired_deltas(runs, rule.metric, baseline, n_resamples=0)
+    except StudyError as err:
+        return {}, err.problem
+    except Exception as err:  # a server that is down must not stop planning; the note says so
+        return {}, f"the store could not be read ({type(err).__name__})"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    found = {(r.scale, r.variant): (r.sd_delta, r.n) for r in results
+             if r.n >= MIN_PAIRS_FOR_SD and math.isfinite(r.sd_delta) and r.sd_delta > 0}
+    return found, f"measured for {len(found)} comparisons with at least {MIN_PAIRS_FOR_SD} finished pairs"

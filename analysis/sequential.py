@@ -1,0 +1,229 @@
+"""Seeds added only where a comparison is still undecided, with error rates that survive looking after every round.
+
+Design: a group-sequential procedure with Bonferroni alpha spending. Looks are planned at n_0 (the experiment's
+seeds), n_0 + 1, ..., ``max_seeds`` pairs; look k spends
+
+    alpha_k = alpha * (n_k - n_{k-1}) / max_seeds      (n_{-1} = 0; linear in the information fraction)
+
+so the alpha of all planned looks sums to at most alpha. At every look the whole primary family is decided at
+alpha_k with Holm's correction (:func:`analysis.decide.decide`); a comparison's first verdict other than
+undecided is final, and only still-undecided comparisons get another seed (for the variant and its baseline
+together, so pairs stay pairs). A false verdict anywhere needs a false rejection at some look, each of which has
+probability at most alpha_k, so the family-wise error over all looks is at most alpha by the union bound, whatever
+the stopping rule. It is conservative (it ignores the correlation between looks) and needs no boundary tables.
+
+The loop is :func:`until_decided`; it trains through an ``execute`` callable and reads through ``read``, so it
+runs the same with real launches (``study launch --until-decided``) and with a synthetic noise model in tests.
+Each look reads only the seeds planned up to it, so running the same command again after an interruption replays
+the finished looks exactly (their runs are found finished and not trained again) and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import pandas as pd
+
+from analysis.decide import Decision, decide
+from analysis.paired import paired_deltas
+from study.config.decision import DecisionRule
+from study.errors import StudyError
+
+SEQUENTIAL_STAGE = "sequential"
+"""``study.stage`` of the experiment-level MLflow run that records every look."""
+
+LOOKS_ARTIFACT = "looks.json"
+"""Artifact of that run holding every look with its full decision rows."""
+
+Run = tuple[str, str, int]
+"""(variant, scale, seed)."""
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Where the adaptive loop stops even with comparisons undecided."""
+
+    max_seeds: int
+    """Most seed pairs any comparison gets (the last planned look)."""
+    max_gpu_hours: float | None = None
+    """Most GPU-hours of training in total, the first round included; None: no cap."""
+
+
+@dataclass
+class Outcome:
+    """What the loop did."""
+
+    looks: list[dict] = field(default_factory=list)
+    """Every look, in order (round, alpha, alpha_spent, n, verdicts, added, decisions)."""
+    stopped: str = ""
+    """Why it stopped: every comparison decided, the seed cap, or the GPU-hour cap."""
+    gpu_hours: float = 0.0
+    """GPU-hours of every run trained (estimated from the plan)."""
+
+    @property
+    def final(self) -> dict[tuple[str, str], dict]:
+        """Per (scale, variant): the decision row of the look that decided it, else of the last look."""
+        return final_decisions(self.looks)
+
+
+def look_alpha(alpha: float, n_now: int, n_before: int, max_seeds: int) -> float:
+    """Alpha spent at a look with ``n_now`` pairs after one with ``n_before`` (linear spending)."""
+    return alpha * (min(n_now, max_seeds) - n_before) / max_seeds
+
+
+def until_decided(
+    rule: DecisionRule,
+    baseline: str,
+    seeds: dict[str, list[int]],
+    variants: Sequence[str],
+    execute: Callable[[list[Run]], None],
+    read: Callable[[], pd.DataFrame],
+    cost: Callable[[Run], float],
+    caps: Caps,
+    record: Callable[[dict], None] = lambda look: None,
+) -> Outcome:
+    """Train the experiment's runs, then add a seed per round to every undecided (scale, variant) until decided.
+
+    ``seeds`` are the experiment's seeds per scale, ``variants`` its variants (the baseline among them).
+    ``execute`` trains the given runs and returns when they are done; ``read`` returns the store's runs
+    (:func:`analysis.runs.read_runs`); ``cost`` is one run's GPU-hours; ``record`` receives each look as it is made.
+    """
+    n0 = min(len(s) for s in seeds.values())
+    if caps.max_seeds < n0:
+        raise StudyError("--max-seeds", f"is {caps.max_seeds}, below the experiment's {n0} seeds",
+                         f"pass --max-seeds {n0} or more")
+    first = [(v, scale, s) for scale, ss in seeds.items() for v in variants for s in ss]
+    out = Outcome(gpu_hours=sum(cost(r) for r in first))
+    if caps.max_gpu_hours is not None and out.gpu_hours > caps.max_gpu_hours:
+        raise StudyError("--max-gpu-hours", f"is {caps.max_gpu_hours:g}, below the first round's "
+                         f"{out.gpu_hours:,.1f} GPU-hours", "raise it, or drop scales or seeds from the experiment")
+    execute(first)
+    seeds = {scale: list(ss) for scale, ss in seeds.items()}
+    others = [v for v in variants if v != baseline]
+    frozen: dict[tuple[str, str], Decision] = {}
+    n_before, spent, n_now = 0, 0.0, n0
+    for round_ in range(1, caps.max_seeds - n0 + 2):
+        alpha = look_alpha(rule.alpha, n_now, n_before, caps.max_seeds)
+        spent += alpha
+        runs = _planned(read(), seeds)
+        decisions = decide({rule.metric: paired_deltas(runs, rule.metric, baseline, n_resamples=0)}, rule,
+                           alpha=alpha) if rule.metric in runs.columns else []
+        for d in decisions:
+            if d.verdict != "undecided" and (d.scale, d.variant) not in frozen:
+                frozen[d.scale, d.variant] = d
+        current = {(d.scale, d.variant): frozen.get((d.scale, d.variant), d) for d in decisions}
+        open_ = sorted(k for k in ((scale, v) for scale in seeds for v in others) if k not in frozen)
+        look = {"round": round_, "n": n_now, "alpha": alpha, "alpha_spent": spent,
+                "verdicts": _counts(current.values(), len(seeds) * len(others)), "added": [],
+                "decisions": [current[k].to_dict() for k in sorted(current)]}
+        added, stop = _next_round(open_, seeds, baseline, n_now, caps, out.gpu_hours, cost)
+        if stop:
+            out.stopped = stop
+        look["added"] = [f"{v}@{scale} seed {s}" for v, scale, s in added]
+        out.looks.append(look)
+        record(look)
+        if stop:
+            return out
+        out.gpu_hours += sum(cost(r) for r in added)
+        for _, scale, s in added:
+            if s not in seeds[scale]:
+                seeds[scale].append(s)
+        execute(added)
+        n_before, n_now = n_now, n_now + 1
+    out.stopped = f"every planned look is made ({caps.max_seeds} seeds)"
+    return out
+
+
+def _planned(runs: pd.DataFrame, seeds: dict[str, list[int]]) -> pd.DataFrame:
+    """Only the seeds this look is planned on: a relaunch of an interrupted loop then replays every look exactly,
+    even though the store already holds the seeds later rounds trained."""
+    if runs.empty:
+        return runs
+    planned = {(scale, seed) for scale, ss in seeds.items() for seed in ss}
+    return runs[[(sc, int(sd)) in planned for sc, sd in zip(runs["scale"], runs["seed"])]]
+
+
+def _next_round(open_: list[tuple[str, str]], seeds: dict[str, list[int]], baseline: str, n_now: int, caps: Caps,
+                hours: float, cost: Callable[[Run], float]) -> tuple[list[Run], str]:
+    if not open_:
+        return [], "every comparison is decided"
+    if n_now >= caps.max_seeds:
+        return [], f"max seeds reached ({caps.max_seeds}) with {len(open_)} undecided"
+    added: list[Run] = []
+    for scale in sorted({scale for scale, _ in open_}):
+        seed = max(seeds[scale]) + 1
+        added.append((baseline, scale, seed))
+        added += [(v, scale, seed) for s, v in open_ if s == scale]
+    more = sum(cost(r) for r in added)
+    if caps.max_gpu_hours is not None and hours + more > caps.max_gpu_hours:
+        return [], (f"GPU-hour cap: the next round needs {more:,.1f} more, {hours:,.1f} of "
+                    f"{caps.max_gpu_hours:g} are spent; {len(open_)} undecided")
+    return added, ""
+
+
+def _counts(decisions, total: int) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for d in decisions:
+        counts[d.verdict] = counts.get(d.verdict, 0) + 1
+    missing = total - sum(counts.values())
+    if missing > 0:
+        counts["undecided"] = counts.get("undecided", 0) + missing
+    return counts
+
+
+def final_decisions(looks: Sequence[dict]) -> dict[tuple[str, str], dict]:
+    """Per (scale, variant): its row at the look that decided it, else at the last look."""
+    out: dict[tuple[str, str], dict] = {}
+    for look in looks:
+        for row in look["decisions"]:
+            key = (row["scale"], row["variant"])
+            if key not in out or out[key]["verdict"] == "undecided":
+                out[key] = row
+    return out
+
+
+def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: list[dict]) -> str:
+    """Record one look in the experiment's sequential MLflow run (created at the first look)."""
+    import tempfile
+    from pathlib import Path
+
+    from mlflow.entities import Metric
+
+    if run_id is None:
+        run_id = client.create_run(experiment_id, run_name="until-decided",
+                                   tags={"study.stage": SEQUENTIAL_STAGE}).info.run_id
+    step = look["round"]
+    metrics = [Metric("look/alpha", look["alpha"], 0, step), Metric("look/alpha_spent", look["alpha_spent"], 0, step),
+               Metric("look/n", look["n"], 0, step)]
+    metrics += [Metric(f"look/{v}", n, 0, step) for v, n in look["verdicts"].items()]
+    for row in look["decisions"]:
+        prefix = f"look/{row['scale']}/{row['variant']}"
+        metrics += [Metric(f"{prefix}/{k}", row[k], 0, step) for k in ("n", "mean_delta", "ci_low", "ci_high")
+                    if row.get(k) is not None]
+    client.log_batch(run_id, metrics=metrics)
+    for row in look["decisions"]:
+        client.set_tag(run_id, f"study.verdict.{row['scale']}.{row['variant']}", row["verdict"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / LOOKS_ARTIFACT
+        path.write_text(json.dumps(looks, indent=1) + "\n")
+        client.log_artifact(run_id, str(path))
+    return run_id
+
+
+def read_looks(client, experiment_id: str) -> list[dict]:
+    """The looks of the experiment's latest sequential run; [] when it was never run adaptively."""
+    import tempfile
+
+    found = client.search_runs([experiment_id], filter_string=f"tags.`study.stage` = '{SEQUENTIAL_STAGE}'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(found[0].info.run_id, LOOKS_ARTIFACT, tmp)
+        except Exception:  # a run whose first look never finished uploading
+            return []
+        with open(path) as f:
+            return json.load(f)

@@ -1,0 +1,118 @@
+"""`study launch EXPERIMENT --until-decided`: the sequential loop of :mod:`analysis.sequential` on real launches.
+
+Each round is an ordinary idempotent launch of the experiment with the seeds added so far (recorded in the launch
+manifest, so `study status` sees them), waited on until it finishes; each look reads the store and is logged to the
+experiment's `until-decided` MLflow run. On SLURM the loop itself runs in a small CPU controller job, so the user's
+shell can go away; the controller is checkpointable, and a requeued or relaunched controller replays the finished
+looks from the store (their runs are found finished) and carries on.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+import submitit
+
+from study.errors import StudyError
+
+
+@dataclass
+class Adaptive:
+    """Everything one adaptive launch needs, so the same object runs in the shell or in a controller job."""
+
+    experiment: str
+    """Experiment name."""
+    overrides: list[str]
+    """The launch's overrides (cluster=... and settings)."""
+    max_seeds: int | None = None
+    """Most seed pairs per comparison; None: the experiment's seeds + 3."""
+    max_gpu_hours: float | None = None
+    """Most estimated GPU-hours in total; None: no cap."""
+    new_runs: bool = False
+    """Passed to the first round's launch (see `study launch --new-runs`)."""
+
+    def run(self, echo=print):
+        """Run the loop here and now; returns the :class:`analysis.sequential.Outcome`."""
+        from analysis.runs import client as store_client
+        from analysis.runs import experiment_id, read_runs
+        from analysis.sequential import Caps, log_look, until_decided
+        from study.config.decision import DecisionRule
+        from study.launch.submit import launch
+        from study.plan.planner import plan_experiment
+
+        plan = plan_experiment(self.experiment, self.overrides)
+        exp = plan.experiment
+        rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
+        caps = Caps(self.max_seeds or max(len(s) for s in exp.seeds.values()) + 3, self.max_gpu_hours)
+        uri = plan.runs[0].config.tracking.uri
+        hours = {(r.config.variant, r.config.scale): r.gpu_hours() or 0.0 for r in plan.runs}
+        extra: dict[str, dict[str, list[int]]] = {}
+        state = {"first": True, "run_id": None, "looks": []}
+
+        def execute(runs):
+            for variant, scale, seed in runs:
+                if seed not in exp.seeds[scale]:
+                    seeds = extra.setdefault(scale, {}).setdefault(variant, [])
+                    if seed not in seeds:
+                        seeds.append(seed)
+            first, state["first"] = state["first"], False
+            launch(self.experiment, self.overrides, wait=True, echo=echo, new=self.new_runs or not first,
+                   extra_seeds={s: {v: sorted(x) for v, x in vs.items()} for s, vs in extra.items()})
+
+        def record(look):
+            state["looks"].append(look)
+            client = store_client(uri)
+            state["run_id"] = log_look(client, experiment_id(client, self.experiment), state["run_id"], look,
+                                       state["looks"])
+            counts = ", ".join(f"{n} {v}" for v, n in sorted(look["verdicts"].items()))
+            echo(f"look {look['round']}: {look['n']} seed pairs, alpha {look['alpha']:.4g} "
+                 f"(spent {look['alpha_spent']:.4g}): {counts}"
+                 + (f"; adding {', '.join(look['added'])}" if look["added"] else ""))
+
+        outcome = until_decided(rule, exp.baseline, exp.seeds, [v.name for v in exp.variants], execute,
+                                lambda: read_runs(self.experiment, uri), lambda run: hours[run[0], run[1]], caps,
+                                record)
+        echo(f"{self.experiment}: stopped after {len(outcome.looks)} looks: {outcome.stopped} "
+             f"(about {outcome.gpu_hours:,.1f} GPU-hours of training)")
+        return outcome
+
+
+@dataclass
+class ControllerJob(submitit.helpers.Checkpointable):
+    """The adaptive loop as a SLURM job: on a time-limit warning it is requeued and replays to where it was."""
+
+    adaptive: Adaptive
+
+    def __call__(self) -> str:
+        outcome = self.adaptive.run(echo=lambda line: print(line, flush=True))
+        return outcome.stopped
+
+
+def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, max_gpu_hours: float | None,
+                  new_runs: bool = False, echo=print) -> int:
+    """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
+    from study.launch.scheduler import check_slurm
+    from study.launch.submit import _executor, _safe_name
+    from study.plan.planner import plan_experiment
+    from study.schema import submitit_dir
+
+    if max_seeds is not None and max_seeds < 2:
+        raise StudyError("--max-seeds", f"is {max_seeds}", "pass 2 or more: a paired test needs 2 pairs")
+    if max_gpu_hours is not None and not max_gpu_hours > 0:
+        raise StudyError("--max-gpu-hours", f"is {max_gpu_hours}", "pass a positive number of GPU-hours")
+    adaptive = Adaptive(experiment, list(overrides), max_seeds, max_gpu_hours, new_runs)
+    cfg = plan_experiment(experiment, overrides).runs[0].config
+    if cfg.cluster.name == "local":
+        adaptive.run(echo)
+        return 0
+    check_slurm()
+    # The controller needs one CPU and no GPU, for as long as the cluster profile lets a job run; a requeue
+    # (time limit) replays it.
+    cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
+    ex = _executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j", _safe_name(f"{experiment}-until-decided"))
+    job = ex.submit(ControllerJob(adaptive))
+    echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "
+         f"'until-decided' of experiment {experiment}, its log to {job.paths.stdout}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,80 @@
+"""`study plan`'s table: every run's shape, budget and cost, then the seeds each comparison needs."""
+
+from __future__ import annotations
+
+from study.plan.planner import Plan
+
+
+def fmt_widths(widths: list[int] | None) -> str:
+    if widths is None:
+        return "pending"
+    if len(set(widths)) == 1:
+        return f"{widths[0]}x{len(widths)}"
+    return f"{widths[0]}..{widths[-1]} (sum {sum(widths)})"
+
+
+def plan_power_rows(plan: Plan) -> tuple[list, str]:
+    """Power rows (analysis.power) when the experiment declares a decision margin, and where the noise came from."""
+    exp = plan.experiment
+    if not exp.decision.get("margin") or not plan.runs:
+        return [], "no decision.margin declared: no power analysis"
+    from analysis.power import measured_noise, plan_power
+    from study.config.decision import DecisionRule
+
+    rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
+    measured, note = measured_noise(exp.name, exp.baseline, rule, plan.runs[0].config.tracking.uri)
+    return plan_power(plan, rule, measured), note
+
+
+def print_plan(plan: Plan, power: list, note: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    exp = plan.experiment
+    table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
+    for col in ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths", "params (counted)",
+                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "GPU-h"):
+        table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
+    total_hours = 0.0
+    for run in plan.runs:
+        m, p = run.model, run.params
+        shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}"
+        if m.ffn.kind == "hourglass":
+            shape += f" K{m.ffn.k}"
+        hours = run.gpu_hours()
+        total_hours += hours or 0.0
+        table.add_row(
+            run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
+            f"{m.d_model / m.n_layers:.0f}", fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending",
+            f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
+            f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
+            f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
+            f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
+        )
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours at "
+                  f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
+    for run in plan.runs:
+        if run.pending:
+            console.print(f"{run.name} ({run.key}): widths wait for the {run.pending}")
+            break
+    if power:
+        console.print(_power_table(plan, power, note))
+
+
+def _power_table(plan: Plan, power: list, note: str):
+    from rich.table import Table
+
+    d = plan.experiment.decision
+    m = len(power)
+    table = Table(title=f"Seeds to resolve |Δ {d.get('metric', 'val/loss')}| = {d['margin']:g} either way at "
+                        f"{d.get('power', 0.8):.0%} power, α = {d.get('alpha', 0.05):g}/{m} (noise: {note})")
+    for col in ("scale", "variant", "sd of paired Δ", "from", "to find Δ = margin", "to show equivalence",
+                "seeds needed", "planned", "GPU-h for them"):
+        table.add_column(col, justify="left" if col in ("scale", "variant", "from") else "right")
+    for r in power:
+        table.add_row(r.scale, r.variant, f"{r.sd:.4g}" if r.sd else "-", r.source,
+                      str(r.seeds_difference or "-"), str(r.seeds_equivalence or "-"), str(r.seeds_needed or "-"),
+                      str(r.planned), f"{r.gpu_hours:,.1f}" if r.gpu_hours is not None else "-")
+    return table

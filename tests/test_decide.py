@@ -1,0 +1,229 @@
+"""The decision table: four verdicts on a store with known truth, every statistic against the library that defines it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.power import TTestPower
+from statsmodels.stats.weightstats import ttost_paired
+
+from analysis.decide import (decide, minimum_detectable_effect, seeds_for_difference, seeds_for_equivalence,
+                             signflip_p, t_power)
+from analysis.paired import paired_deltas
+from analysis.report import build_report
+from analysis.runs import client, experiment_id, read_runs
+from analysis.synthetic import synthetic_store
+from study.config.decision import DecisionRule
+from study.errors import StudyError
+
+EXPERIMENT = "truth"
+RULE = DecisionRule(metric="val/loss", margin=0.01)
+# better: truly 0.05 lower; same: exactly the baseline; worse: 0.05 higher; short: 0.05 lower but only 1 pair.
+EFFECTS = {"base": 0.0, "better": -0.05, "same": 0.0, "worse": 0.05, "short": -0.05}
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory):
+    root = tmp_path_factory.mktemp("truth")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    missing = {("short", "50M", k): "MISSING" for k in range(1, 6)}
+    synthetic_store(uri, EXPERIMENT, list(EFFECTS), ["50M"], seeds=6, steps=4, eval_tasks=("arc_easy",),
+                    effects=EFFECTS, statuses=missing, seed_sd=0.02, run_sd=0.002, rng_seed=3, items_per_task=40)
+    result = build_report(EXPERIMENT, tracking_uri=uri, out_dir=root / "reports", n_resamples=99, rule=RULE)
+    return uri, result, root / "reports" / EXPERIMENT
+
+
+def test_known_truth_gives_exactly_the_four_verdicts(truth):
+    _, result, _ = truth
+    primary = {d["variant"]: d for d in result["decisions"] if d["family"] == "primary"}
+    assert {v: d["verdict"] for v, d in primary.items()} == {
+        "better": "better", "same": "equivalent", "worse": "worse", "short": "undecided"}
+    assert primary["short"]["n"] == 1 and primary["short"]["reason"] == "fewer than 2 seed pairs"
+    assert {d["metric"] for d in result["decisions"] if d["family"] == "secondary"} == {
+        "eval/arc_easy/acc", "eval/arc_easy/acc_norm"}
+
+
+def test_every_statistic_matches_scipy_and_statsmodels_on_the_stores_values(truth):
+    uri, result, _ = truth
+    runs = read_runs(EXPERIMENT, uri)
+    base = runs[runs["variant"] == "base"].set_index("seed")["val/loss"]
+    rows = {d["variant"]: d for d in result["decisions"] if d["family"] == "primary"}
+    p_raw = {}
+    for variant in ("better", "same", "worse"):
+        v = runs[runs["variant"] == variant].set_index("seed")["val/loss"]
+        x, y = v.to_numpy(), base.loc[v.index].to_numpy()
+        d, row = x - y, rows[variant]
+        assert row["n"] == 6 and row["mean_delta"] == pytest.approx(d.mean(), abs=1e-12)
+        assert row["pct_delta"] == pytest.approx(100 * d.mean() / y.mean(), rel=1e-9)
+        p_raw[variant] = stats.ttest_rel(x, y).pvalue
+        assert row["p_t"] == pytest.approx(p_raw[variant], rel=1e-9)
+        low, high = stats.t.interval(0.95, 5, loc=d.mean(), scale=stats.sem(d))
+        assert (row["ci_low"], row["ci_high"]) == pytest.approx((low, high), rel=1e-9)
+        assert row["p_tost"] == pytest.approx(ttost_paired(x, y, -0.01, 0.01)[0], rel=1e-9)
+        assert row["p_wilcoxon"] == pytest.approx(stats.wilcoxon(x, y).pvalue, rel=1e-9)
+        flips = np.array(np.meshgrid(*[[-1, 1]] * 6)).reshape(6, -1).T
+        exact = np.mean(np.abs((flips * d).mean(axis=1)) >= abs(d.mean()) - 1e-15)
+        assert row["p_signflip"] == pytest.approx(exact, rel=1e-9)
+        assert row["d_z"] == pytest.approx(d.mean() / d.std(ddof=1), rel=1e-9)
+        assert row["mde"] == pytest.approx(
+            TTestPower().solve_power(nobs=6, alpha=0.05, power=0.8) * d.std(ddof=1), rel=1e-6)
+    # Holm over the whole primary family: the three above plus `short`, which has no p and stays out.
+    names = list(p_raw)
+    holm = multipletests([p_raw[v] for v in names], alpha=0.05, method="holm")[1]
+    for variant, p in zip(names, holm):
+        assert rows[variant]["p_adjusted"] == pytest.approx(p, rel=1e-9)
+
+
+def test_secondary_metrics_are_corrected_with_benjamini_hochberg(truth):
+    _, result, _ = truth
+    secondary = [d for d in result["decisions"] if d["family"] == "secondary" and d["p_t"] is not None]
+    bh = multipletests([d["p_t"] for d in secondary], method="fdr_bh")[1]
+    assert [d["p_adjusted"] for d in secondary] == pytest.approx(list(bh), rel=1e-9)
+    assert all(d["margin"] is None and d["p_tost"] is None for d in secondary)  # no margin declared for them
+
+
+def test_report_leads_with_the_decision_table_and_the_report_run_carries_verdicts(truth):
+    uri, result, out = truth
+    md = (out / "report.md").read_text()
+    assert md.index("## Decisions on final val/loss") < md.index("## Final val/loss per scale")
+    assert "1 better, 1 worse, 1 equivalent, 1 undecided" in md
+    assert "omitted (n < 8)" in md and "BCa" not in md  # 6 seeds: no bootstrap shown as evidence
+    mlflow = client(uri)
+    run = mlflow.get_run(result["report_run_id"])
+    tags = run.data.tags
+    assert {k: v for k, v in tags.items() if k.startswith("study.verdict.50M")} == {
+        "study.verdict.50M.better": "better", "study.verdict.50M.same": "equivalent",
+        "study.verdict.50M.worse": "worse", "study.verdict.50M.short": "undecided"}
+    found = mlflow.search_runs([experiment_id(mlflow, EXPERIMENT)],
+                               filter_string="tags.`study.verdict.50M.better` = 'better'")
+    assert [r.info.run_id for r in found] == [result["report_run_id"]]
+
+
+def test_undecided_rows_say_how_many_seeds_would_decide_them():
+    rng = np.random.default_rng(1)
+    df = _frame({"base": 0.0, "near": -0.004}, n=4, sd=0.004, rng=rng)
+    (row,) = decide({"val/loss": paired_deltas(df, "val/loss", "base", n_resamples=99)}, DecisionRule())
+    assert row.verdict == "undecided" and row.margin is None
+    expected = math.ceil(TTestPower().solve_power(effect_size=abs(row.mean_delta) / row.sd_delta, alpha=0.05,
+                                                  power=0.8))
+    assert row.seeds_to_decide == expected
+
+
+def test_power_helpers_agree_with_statsmodels():
+    test = TTestPower()
+    for effect, n, alpha in ((0.3, 10, 0.05), (1.2, 4, 0.0125), (2.0, 3, 0.01)):
+        assert t_power(effect, n, alpha) == pytest.approx(test.power(effect, n, alpha), rel=1e-9)
+        assert t_power(effect, n, alpha, "larger") == pytest.approx(
+            test.power(effect, n, alpha, alternative="larger"), rel=1e-9)
+    n = seeds_for_difference(0.01, 0.02, 0.05, 0.8)
+    assert n == math.ceil(test.solve_power(effect_size=0.5, alpha=0.05, power=0.8))
+    assert t_power(0.5, n, 0.05) >= 0.8 > t_power(0.5, n - 1, 0.05)
+    m = seeds_for_equivalence(0.0, 0.01, 0.02, 0.05, 0.8)
+    assert t_power(0.5, m, 0.05, "larger") >= 0.9 > t_power(0.5, m - 1, 0.05, "larger")
+    assert seeds_for_equivalence(0.02, 0.01, 0.02, 0.05, 0.8) is None  # outside the margin: never equivalent
+    # statsmodels' own root finder gives up on the huge effects 2-3 pairs need; the same root, found here
+    mde = minimum_detectable_effect(3, 1.0, 0.01, 0.8)
+    assert t_power(mde, 3, 0.01) == pytest.approx(0.8, abs=1e-9)
+
+
+def test_signflip_p_is_exact_and_cannot_go_below_two_over_two_to_the_n():
+    assert signflip_p(np.array([-1.0, -2.0, -1.5, -0.5, -1.2])) == pytest.approx(2 / 32)
+    assert signflip_p(np.array([1.0, -1.0])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"margin": -0.1}, "decision.margin"), ({"alpha": 0.7}, "decision.alpha"), ({"power": 1.5}, "decision.power"),
+    ({"marginn": 0.1}, "decision.marginn"), ({"margins": {"eval/a/acc": 0}}, "decision.margins"),
+    ({"metric": 3}, "decision.metric"),
+])
+def test_bad_decision_blocks_name_the_field(raw, field):
+    with pytest.raises(StudyError) as err:
+        DecisionRule.from_mapping(raw)
+    assert err.value.field == field
+
+
+def _frame(effects: dict[str, float], n: int, sd: float, rng, scale: str = "s"):
+    import pandas as pd
+
+    rows = [{"run_id": f"{v}{k}", "run_key": f"{v}{k}", "variant": v, "scale": scale, "seed": k,
+             "status": "FINISHED", "start_time": 0, "failure_reason": None, "params_counted": 1000,
+             "val/loss": 3.0 + e + rng.normal(0, sd)} for v, e in effects.items() for k in range(n)]
+    return pd.DataFrame(rows)
+
+
+def test_plan_shows_the_seeds_each_comparison_needs_from_the_prior_then_from_measured_noise(truth, monkeypatch,
+                                                                                            tmp_path, capsys):
+    import json
+
+    from analysis.power import measured_noise, plan_power
+    from study.cli import main
+    from study.plan.planner import plan_experiment
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["plan", "demo", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [(p["variant"], p["source"]) for p in shown["power"]] == [("hourglass", "prior"), ("tapered", "prior")]
+
+    plan = plan_experiment("demo")
+    rule = DecisionRule(margin=0.02, prior_sd=0.02)
+    rows = plan_power(plan, rule)
+    assert [(r.scale, r.variant, r.source) for r in rows] == [("tiny", "hourglass", "prior"), ("tiny", "tapered", "prior")]
+    # margin / sd = 1 at Bonferroni alpha 0.05 / 2 comparisons
+    need = math.ceil(TTestPower().solve_power(effect_size=1.0, alpha=0.025, power=0.8))
+    assert rows[0].seeds_difference == need
+    one_sided = math.ceil(TTestPower().solve_power(effect_size=1.0, alpha=0.025, power=0.9, alternative="larger"))
+    assert rows[0].seeds_equivalence == one_sided and rows[0].seeds_needed == max(need, one_sided)
+    assert shown["power"][0]["seeds_needed"] == rows[0].seeds_needed  # the demo file declares this rule
+    hours = {(r.config.variant, r.config.scale): r.gpu_hours() for r in plan.runs}
+    assert rows[0].gpu_hours == pytest.approx(rows[0].seeds_needed * (hours["hourglass", "tiny"]
+                                                                      + hours["conventional", "tiny"]))
+    uri, _, _ = truth
+    measured, note = measured_noise(EXPERIMENT, "base", RULE, uri)
+    runs = read_runs(EXPERIMENT, uri)
+    base = runs[runs["variant"] == "base"].set_index("seed")["val/loss"]
+    worse = runs[runs["variant"] == "worse"].set_index("seed")["val/loss"]
+    assert measured["50M", "worse"] == pytest.approx(((worse - base).std(ddof=1), 6), rel=1e-9)
+    assert ("50M", "short") not in measured and "3 finished pairs" in note
+    absent, why = measured_noise(EXPERIMENT, "base", RULE, "sqlite:////nonexistent/dir/mlflow.db")
+    assert absent == {} and why.startswith("no store at")
+
+
+def test_task_deltas_carry_a_two_level_interval_over_the_runs_own_items(truth):
+    import pandas as pd
+
+    from analysis.items import read_items
+
+    uri, result, out = truth
+    runs = read_runs(EXPERIMENT, uri)
+    items = read_items(client(uri), runs["run_id"])
+    row = next(i for i in result["item_deltas"] if (i["variant"], i["metric"]) == ("worse", "ll_correct"))
+    by = {(r.variant, r.seed): items[r.run_id] for r in runs.itertuples()}
+    deltas = np.array([by["worse", s]["ll_correct"].to_numpy() - by["base", s]["ll_correct"].to_numpy()
+                       for s in range(6)])
+    assert (row["n_seeds"], row["n_items"]) == (6, 40) and row["task"] == "arc_easy"
+    assert row["mean_delta"] == pytest.approx(deltas.mean(), abs=1e-12)
+    assert row["baseline_mean"] == pytest.approx(np.mean([by["base", s]["ll_correct"].mean() for s in range(6)]))
+    assert row["ci_low"] < row["mean_delta"] < row["ci_high"]
+    assert "Downstream tasks, item level" in (out / "report.md").read_text()
+    assert isinstance(items[runs.run_id[0]], pd.DataFrame)
+
+
+def test_two_level_bootstrap_reduces_to_each_single_level_bootstrap():
+    from analysis.items import two_level_bootstrap
+
+    rng = np.random.default_rng(5)
+    # no item-to-item spread: only seeds vary, so it is the percentile bootstrap of the seed means
+    seeds_only = np.repeat(rng.normal(0.1, 0.05, size=(6, 1)), 30, axis=1)
+    low, high = two_level_bootstrap(seeds_only, n_resamples=40000, seed=1)
+    ref = stats.bootstrap((seeds_only[:, 0],), np.mean, n_resamples=40000, method="percentile", rng=2)
+    assert (low, high) == pytest.approx((ref.confidence_interval.low, ref.confidence_interval.high), abs=2e-3)
+    # identical seeds: only items vary, so it is the percentile bootstrap of the item means
+    items_only = np.repeat(rng.normal(0.0, 1.0, size=(1, 50)), 4, axis=0)
+    low, high = two_level_bootstrap(items_only, n_resamples=40000, seed=1)
+    ref = stats.bootstrap((items_only[0],), np.mean, n_resamples=40000, method="percentile", rng=2)
+    assert (low, high) == pytest.approx((ref.confidence_interval.low, ref.confidence_interval.high), abs=0.01)
