@@ -138,7 +138,7 @@ def decide(
     for row in rows:
         # Planning alpha for an undecided primary row: Bonferroni's alpha/m bounds Holm's strictest step.
         plan_alpha = alpha / max(m_primary, 1) if row["family"] == "primary" else alpha
-        out.append(Decision(**_verdict(row, alpha, rule.power, plan_alpha), alpha=alpha))
+        out.append(Decision(**_verdict(row, alpha, rule.power, plan_alpha, rule.prior_sd), alpha=alpha))
     return out
 
 
@@ -175,13 +175,17 @@ def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean
     return row
 
 
-def _verdict(row: dict, alpha: float, power: float, plan_alpha: float) -> dict:
+def _verdict(row: dict, alpha: float, power: float, plan_alpha: float, prior_sd: float | None) -> dict:
     n = row["n"]
     good_up = row["higher_is_better"]
     seeds = None
     if n < 2 or not math.isfinite(row["p_t"]):
         verdict = "undecided"
         reason = ("fewer than 2 seed pairs" if n < 2 else "every delta is identical: no spread to test against")
+        if prior_sd and row["family"] == "primary":  # no spread measured yet: the experiment's prior stands in
+            observed = row["mean_delta"] if math.isfinite(row["mean_delta"]) else 0.0
+            seeds = seeds_to_decide(observed, prior_sd, row["margin"], plan_alpha, power)
+            reason += f"; about {seeds} seed pairs would decide it at the prior sd {prior_sd:g}" if seeds else ""
     elif row["p_adjusted"] < alpha:
         verdict = "better" if (row["mean_delta"] > 0) == good_up else "worse"
         reason = f"adjusted p {row['p_adjusted']:.3g} < {alpha:g}"

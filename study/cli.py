@@ -177,13 +177,16 @@ def _print_headline(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result['experiment']}: paired deltas vs {result['baseline']}")
-    for col in ("scale", "variant", "metric", "n", "mean delta", "95% t CI", "bootstrap CI", "wins"):
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    table = Table(title=f"{result['experiment']}: decisions vs {result['baseline']}")
+    for col in ("scale", "variant", "metric", "n", "mean delta", "t CI", "adjusted p", "verdict", "seeds to decide"):
         table.add_column(col)
-    for r in result["results"]:
-        table.add_row(r["scale"], r["variant"], r["metric"], str(r["n"]), f"{r['mean_delta']:+.4f}",
-                      f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]", f"[{r['boot_ci_low']:+.4f}, {r['boot_ci_high']:+.4f}]",
-                      f"{r['win_rate']:.0%}")
+    for d in result["decisions"]:
+        table.add_row(d["scale"], d["variant"], d["metric"], str(d["n"]), num(d["mean_delta"], "+.4f"),
+                      f"[{num(d['ci_low'], '+.4f')}, {num(d['ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
+                      d["verdict"], str(d["seeds_to_decide"] or "-"))
     Console(width=160).print(table)
 
 

@@ -227,3 +227,16 @@ def test_two_level_bootstrap_reduces_to_each_single_level_bootstrap():
     low, high = two_level_bootstrap(items_only, n_resamples=40000, seed=1)
     ref = stats.bootstrap((items_only[0],), np.mean, n_resamples=40000, method="percentile", rng=2)
     assert (low, high) == pytest.approx((ref.confidence_interval.low, ref.confidence_interval.high), abs=0.01)
+
+
+def test_a_single_pair_takes_the_seeds_it_needs_from_the_prior_sd():
+    rng = np.random.default_rng(2)
+    df = _frame({"base": 0.0, "one": -0.01}, n=1, sd=0.0, rng=rng)
+    rule = DecisionRule(margin=0.02, prior_sd=0.02)
+    (row,) = decide({"val/loss": paired_deltas(df, "val/loss", "base", n_resamples=0)}, rule)
+    assert row.verdict == "undecided" and row.n == 1
+    # |delta| = 0.01 inside the margin 0.02: equivalence (effect 0.5) needs fewer pairs than finding 0.01 (0.5 too,
+    # but two-sided at power 0.8 vs one-sided at 0.9): the smaller of the two
+    assert row.seeds_to_decide == min(seeds_for_difference(0.01, 0.02, 0.05, 0.8),
+                                      seeds_for_equivalence(-0.01, 0.02, 0.02, 0.05, 0.8))
+    assert "prior sd 0.02" in row.reason

@@ -176,3 +176,23 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
                                                 "faults.sleep_per_step=0"]).runs[0])
     got = json.loads((workdir / "runs" / name / planned.key / "result.json").read_text())
     assert got["val_loss"] == clean.val_loss
+
+
+def test_until_decided_on_slurm_runs_its_loop_in_a_controller_job(workdir, cluster_env, capsys):
+    from analysis.sequential import read_looks
+    from study.cli import main
+    from study.track.store import mlflow_client, resolve_tracking_uri
+
+    name = "adapt" + cluster_env
+    private_sweeps(workdir, name, seeds=[0, 1])
+    assert main(["launch", name, "cluster=slurm", "train.max_steps=6", "--until-decided", "--max-seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    controller = out.split("controller job ", 1)[1].split(";", 1)[0]
+    # the shell is free at once; the controller trains the first round through its own launch, then looks
+    assert wait_jobs([controller], timeout=900)[controller] == "COMPLETED"
+    client = mlflow_client(resolve_tracking_uri(""))
+    looks = read_looks(client, client.get_experiment_by_name(name).experiment_id)
+    assert [(look["round"], look["n"], look["added"]) for look in looks] == [(1, 2, [])]
+    log = next((workdir / "runs" / name / "_submitit").glob(f"{controller}/{controller}_0_log.out")).read_text()
+    assert "stopped after 1 looks: max seeds reached (2)" in log
+    assert {r.data.tags.get("study.seed") for r in mlflow_runs(name)} == {"0", "1", None}  # None: the looks run
