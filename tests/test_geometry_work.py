@@ -107,6 +107,53 @@ def test_a_noisy_circle_has_exactly_one_long_h1_bar():
     assert persistence[:-1].max(initial=0.0) < 0.1
 
 
+@pytest.mark.parametrize("geometry", ["raw", "spherical", "hyperbolic"])
+def test_ripser_and_giotto_ph_give_the_same_diagrams_bit_for_bit(geometry):
+    pytest.importorskip("gph")  # the optional AGPL backend (`pip install study[gph]`; the dev extra has it)
+    from study.geometry.work import vr_backend
+
+    d = pairwise_distances(cloud(120, seed=11), geometry, 0.9)
+    order = lambda dgm: dgm[np.lexsort((dgm[:, 1], dgm[:, 0]))]  # noqa: E731
+    ours, theirs = order(h1_diagram(d, backend="ripser")), order(h1_diagram(d, threads=2, backend="gph"))
+    assert len(ours) > 10 and np.array_equal(ours, theirs)
+    assert vr_backend("auto") == "gph" and vr_backend("ripser") == "ripser"
+
+
+def test_a_plain_install_pulls_no_agpl_package():
+    """Walk the installed requirement tree of `study` without extras: no distribution in it is AGPL-licensed."""
+    import re
+    from importlib import metadata
+
+    def licence(dist) -> str:
+        """The declared licence: expression, classifiers, and a short License field (some wheels put every bundled
+        third-party licence text there, which would match on a mention)."""
+        meta = dist.metadata
+        short = meta.get("License", "") or ""
+        return " ".join([short if len(short) < 200 else "", meta.get("License-Expression", "") or "",
+                         *[c for c in meta.get_all("Classifier", []) if c.startswith("License")]])
+
+    seen, todo, agpl = set(), ["study"], []
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an environment marker left it out of this platform
+        if re.search(r"AGPL|Affero", licence(dist)):
+            agpl.append(name)
+        for req in dist.requires or []:
+            if "extra ==" in req:
+                continue  # only what a plain `pip install` pulls
+            todo.append(re.match(r"[A-Za-z0-9_.-]+", req).group(0))
+    assert "torch" in seen and "ripser" in seen and "giotto-ph" not in seen
+    assert agpl == []
+    assert re.search(r"AGPL|Affero", licence(metadata.distribution("giotto-ph")))  # the check does see AGPL
+
+
 def test_the_hyperbolic_diagram_is_the_spherical_diagram_with_distances_mapped():
     x, r = cloud(60, seed=5), 0.9
     mapped = angle_to_poincare(h1_diagram(pairwise_distances(x, "spherical")), r)

@@ -10,6 +10,7 @@ STATISTICS = ("shift", "gw", "topo")
 GEOMETRIES = ("raw", "spherical", "hyperbolic")
 SMOOTHING = ("gaussian", "moving", "none")
 EXPONENTS = ("intrinsic", "constant")
+VR_BACKENDS = ("auto", "ripser", "gph")
 
 
 def one_of(field: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -63,6 +64,10 @@ class AllocationConfig:
     min_position: int = 1
     """First sequence position eligible: position 0 is an attention sink with outsized norm, the same state in
     every sequence that starts with the same token, and would dominate raw distances."""
+    vr_backend: str = "auto"
+    """Vietoris-Rips persistence: ripser (MIT, installed with study), gph (giotto-ph, AGPL: `pip install
+    study[gph]`, multithreaded) or auto (gph when installed, else ripser). Both run Ripser's algorithm in float32 and
+    give the same diagrams bit for bit."""
     diagram_workers: int = -1
     """Processes computing the persistence-diagram distances: -1 one per available core, 1 inline (no processes).
     Workers are spawned, so a script that profiles needs the usual `if __name__ == "__main__":` guard."""
@@ -72,6 +77,7 @@ class AllocationConfig:
         one_of("geometry", self.geometry, GEOMETRIES)
         one_of("smoothing", self.smoothing, SMOOTHING)
         one_of("exponent", self.exponent, EXPONENTS)
+        one_of("vr_backend", self.vr_backend, VR_BACKENDS)
         check_radius(self.hyperbolic_radius)
         if self.smoothing == "moving" and (self.smoothing_width < 1 or self.smoothing_width % 2 != 1):
             raise StudyError("smoothing_width", f"{self.smoothing_width} is not an odd window", "use 1, 3, 5, ...")

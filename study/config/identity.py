@@ -77,6 +77,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.gpu_peak_tflops": (OUT, "an estimate for MFU and GPU-hours"),
     "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
     "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),
+    "geometry.vr_backend": (OUT, "ripser and giotto-ph give the same diagrams bit for bit (tests/test_geometry_work.py)"),
     "eval": (OUT, "downstream evaluation happens after training"),
     "tracking": (OUT, "where metrics go"),
     "cluster": (OUT, "cluster resources"),

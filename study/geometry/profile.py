@@ -21,15 +21,16 @@ import numpy as np
 from study.config.geometry import STATISTICS, AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances
-from study.geometry.work import gromov_wasserstein_starts, h1_diagram, shift, timed_diagram_w2, twonn_dimension
+from study.geometry.work import (gromov_wasserstein_starts, h1_diagram, shift, timed_diagram_w2, twonn_dimension,
+                                 vr_backend)
 
 METHODS = {
     "shift": "mean distance between corresponding tokens",
     "gw": "GW_2 = 0.5 sqrt(min GW loss), POT conditional gradient from the identity coupling and from POT's default "
     "(product) start, the lower kept (gw_start says which), uniform weights, both matrices divided by the larger "
     "mean distance and the result scaled back",
-    "topo": "exact W_2 (L2 ground metric, POT network simplex) between H1 Vietoris-Rips diagrams (giotto-ph, "
-    "full filtration)",
+    "topo": "exact W_2 (L2 ground metric, POT network simplex) between H1 Vietoris-Rips diagrams (Ripser's "
+    "algorithm, full filtration; vr_backend names the implementation)",
     "intrinsic_dim": "TwoNN (Facco et al. 2017, 10% discarded) on angular distances of the cloud the FFN receives "
     "(after the block's pre-norm, gains included, where it has one)",
     "sensitivity": "(L(1+eps) + L(1-eps)) / 2 - L(1), FFN branch scaled by 1 +- eps",
@@ -96,6 +97,7 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
     wall = time.perf_counter()
     diagrams: dict[tuple[int, str], list[np.ndarray]] = {}
     threads = _cores()
+    backend = vr_backend(cfg.vr_backend)
     for layer in range(layers):
         clouds_ = (clouds.before[layer], clouds.after[layer])
         with timer("distances"):
@@ -107,7 +109,7 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
                 stats["gw"][g][layer], gw_start[g][layer] = gromov_wasserstein_starts(*dist[g])
         with timer("topo"):
             for g in ("raw", "spherical"):
-                diagrams[layer, g] = [h1_diagram(d, threads) for d in dist[g]]
+                diagrams[layer, g] = [h1_diagram(d, threads, backend) for d in dist[g]]
             diagrams[layer, "hyperbolic"] = [angle_to_poincare(dgm, radius) for dgm in diagrams[layer, "spherical"]]
         with timer("intrinsic_dim"):
             # on what the FFN itself receives (after a pre-norm's gains, for llama blocks), not the bare stream
@@ -130,6 +132,7 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
         "n_sequences": clouds.n_sequences,
         "stats": stats,
         "gw_start": gw_start,
+        "vr_backend": backend,
         "intrinsic_dim": intrinsic_dim,
         "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
         "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None,

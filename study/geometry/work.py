@@ -62,15 +62,34 @@ def gromov_wasserstein_starts(d_before: np.ndarray, d_after: np.ndarray) -> tupl
     return 0.5 * scale * float(np.sqrt(max(losses[start], 0.0))), start
 
 
-def h1_diagram(distances: np.ndarray, threads: int = 2) -> np.ndarray:
-    """Degree-1 persistence diagram (k, 2) of the Vietoris-Rips filtration on a distance matrix (giotto-ph).
+def vr_backend(choice: str = "auto") -> str:
+    """The Vietoris-Rips backend to use: giotto-ph (AGPL, an optional extra) for `auto` when it is installed,
+    else ripser (MIT, always installed)."""
+    if choice != "auto":
+        return choice
+    try:
+        import gph  # noqa: F401
+    except ImportError:
+        return "ripser"
+    return "gph"
+
+
+def h1_diagram(distances: np.ndarray, threads: int = 2, backend: str = "auto") -> np.ndarray:
+    """Degree-1 persistence diagram (k, 2) of the Vietoris-Rips filtration on a distance matrix.
 
     The full filtration is built (no threshold), so every H1 bar dies and the diagram has no infinite points.
-    Edge collapse is left off: on transformer-like clouds it made giotto-ph 100x slower.
+    ripser and giotto-ph run the same algorithm in float32 and return the same diagram bit for bit; giotto-ph is
+    multithreaded. Its edge collapse is left off: on transformer-like clouds it made giotto-ph 100x slower.
     """
-    from gph import ripser_parallel
+    backend = vr_backend(backend)
+    if backend == "gph":
+        from gph import ripser_parallel
 
-    dgm = ripser_parallel(distances, metric="precomputed", maxdim=1, n_threads=threads)["dgms"][1]
+        dgm = ripser_parallel(distances, metric="precomputed", maxdim=1, n_threads=threads)["dgms"][1]
+    else:
+        from ripser import ripser
+
+        dgm = ripser(distances, distance_matrix=True, maxdim=1)["dgms"][1]
     return np.asarray(dgm, dtype=np.float64)
 
 
