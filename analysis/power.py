@@ -42,6 +42,8 @@ class PowerRow:
     """Seeds the experiment file plans at this scale."""
     gpu_hours: float | None
     """GPU-hours of seeds_needed pairs (variant and baseline runs)."""
+    hours_from_baseline: bool = False
+    """The variant's widths wait for a profile, so its runs are costed at the baseline's (the budgets match)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,9 +71,12 @@ def plan_power(plan, rule: DecisionRule, measured: dict[tuple[str, str], tuple[f
                 diff = seeds_for_difference(rule.margin, sd, alpha, rule.power)
                 equiv = seeds_for_equivalence(0.0, rule.margin, sd, alpha, rule.power)
             needed = max((x for x in (diff, equiv) if x is not None), default=None)
-            pair_hours = [hours.get((variant, scale)), hours.get((exp.baseline, scale))]
-            cost = needed * sum(pair_hours) if needed and None not in pair_hours else None
-            rows.append(PowerRow(scale, variant, sd, source, diff, equiv, needed, len(exp.seeds[scale]), cost))
+            base_hours, var_hours = hours.get((exp.baseline, scale)), hours.get((variant, scale))
+            borrowed = var_hours is None and base_hours is not None
+            var_hours = base_hours if borrowed else var_hours
+            cost = needed * (var_hours + base_hours) if needed and None not in (var_hours, base_hours) else None
+            rows.append(PowerRow(scale, variant, sd, source, diff, equiv, needed, len(exp.seeds[scale]), cost,
+                                 borrowed))
     return rows
 
 

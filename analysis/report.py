@@ -138,7 +138,9 @@ def analyse(
     results = {m: paired_deltas(runs, m, baseline, n_resamples=n_resamples, seed=seed) for m in metrics}
     joint = [j for group in _task_groups(metrics) for j in
              joint_bootstrap(runs, group, baseline, n_resamples=n_resamples, seed=seed)]
-    scaling = scaling_report(runs, baseline, HEADLINE, seed=seed) if HEADLINE in runs.columns else None
+    # the seed bootstrap of the fits is a bootstrap interval too: it takes at most the resamples asked for
+    scaling = (scaling_report(runs, baseline, HEADLINE, n_boot=min(200, n_resamples), seed=seed)
+               if HEADLINE in runs.columns else None)
     decisions = decide(results, rule, _baseline_means(runs, results))
     looks = _looks(uri, experiment)
     note = ""

@@ -51,3 +51,6 @@ def test_adaptive_launch_adds_seeds_logs_looks_and_replays(adaptive_experiment, 
     again = capsys.readouterr().out
     assert "done" not in again and again.count("nothing to submit") == 2
     assert read_looks(client, exp_id) == looks
+    # a plain relaunch keeps the added seeds in the launch, so status still lists them
+    assert main(["launch", "adapt", "cluster=local", "train.max_steps=6"]) == 0
+    assert len(experiment_status("adapt", [])) == 6

@@ -317,3 +317,18 @@ def test_a_truncated_journal_line_and_a_damaged_store_are_handled(workdir, capsy
     assert main(["status", "demo"]) == 2
     err = capsys.readouterr().err
     assert "`tracking.uri`" in err and "Traceback" not in err
+
+
+def test_submissions_from_inside_a_job_leave_that_allocations_slurm_variables_behind(monkeypatch):
+    import os
+
+    from study.launch.scheduler import outside_allocation
+
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "4096")
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SBATCH_ACCOUNT", "lab")
+    with outside_allocation():
+        assert "SLURM_MEM_PER_NODE" not in os.environ and "SLURM_JOB_ID" not in os.environ
+        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf" and os.environ["SBATCH_ACCOUNT"] == "lab"
+    assert os.environ["SLURM_MEM_PER_NODE"] == "4096" and os.environ["SLURM_JOB_ID"] == "9"

@@ -38,7 +38,8 @@ class Adaptive:
         from analysis.runs import experiment_id, read_runs
         from analysis.sequential import Caps, log_look, until_decided
         from study.config.decision import DecisionRule
-        from study.launch.submit import launch
+        from study.launch.status import experiment_status
+        from study.launch.submit import LaunchFailed, launch
         from study.plan.planner import plan_experiment
 
         plan = plan_experiment(self.experiment, self.overrides)
@@ -57,8 +58,20 @@ class Adaptive:
                     if seed not in seeds:
                         seeds.append(seed)
             first, state["first"] = state["first"], False
+            seeds = {s: {v: sorted(x) for v, x in vs.items()} for s, vs in extra.items()}
             launch(self.experiment, self.overrides, wait=True, echo=echo, new=self.new_runs or not first,
-                   extra_seeds={s: {v: sorted(x) for v, x in vs.items()} for s, vs in extra.items()})
+                   extra_seeds=seeds)
+            # A look on a round with failed runs would count them as missing pairs and add seeds for them:
+            # stop instead, and say which runs to look at (a relaunch resumes them, then the loop replays).
+            wanted = {f"{v}-{scale}-s{seed}" for v, scale, seed in runs}
+            rows = experiment_status(self.experiment, self.overrides, plan_experiment(self.experiment,
+                                                                                      self.overrides, seeds))
+            unfinished = [f"{r.name} ({r.key}): {r.verdict}" for r in rows if r.name in wanted
+                          and r.verdict != "finished"]
+            if unfinished:
+                raise LaunchFailed(f"{len(unfinished)} runs of this round did not finish: {'; '.join(unfinished)}. "
+                                   f"`study status {self.experiment}` says why; the same command again resumes "
+                                   "them and carries on")
 
         def record(look):
             state["looks"].append(look)
@@ -92,7 +105,7 @@ class ControllerJob(submitit.helpers.Checkpointable):
 def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, max_gpu_hours: float | None,
                   new_runs: bool = False, echo=print) -> int:
     """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
-    from study.launch.scheduler import check_slurm
+    from study.launch.scheduler import check_slurm, outside_allocation
     from study.launch.submit import _executor, _safe_name
     from study.plan.planner import plan_experiment
     from study.schema import submitit_dir
@@ -111,7 +124,8 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
     # (time limit) replays it.
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
     ex = _executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j", _safe_name(f"{experiment}-until-decided"))
-    job = ex.submit(ControllerJob(adaptive))
+    with outside_allocation():
+        job = ex.submit(ControllerJob(adaptive))
     echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "
          f"'until-decided' of experiment {experiment}, its log to {job.paths.stdout}")
     sys.stdout.flush()

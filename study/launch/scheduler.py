@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 from study.errors import StudyError
@@ -16,6 +18,21 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
 
 DEAD = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
         "VANISHED"}
+
+
+@contextmanager
+def outside_allocation():
+    """Submit as if from a login shell. Inside a job (a controller job, an `salloc` shell) the environment holds that
+    allocation's SLURM_* variables; sbatch would pass them on to the new jobs, whose srun then refuses the mix
+    ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and SLURM_MEM_PER_NODE are mutually exclusive"). SLURM_CONF, which
+    names the cluster, and the user's own SBATCH_* settings stay."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k != "SLURM_CONF"}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:

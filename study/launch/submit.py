@@ -20,7 +20,7 @@ from study.config.sections import ClusterConfig
 from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
-from study.launch.scheduler import ACTIVE, check_slurm, journal, record, slurm_jobs, slurm_states
+from study.launch.scheduler import ACTIVE, check_slurm, journal, outside_allocation, record, slurm_jobs, slurm_states
 from study.plan.planner import Plan, plan_experiment
 from study.schema import submitit_dir
 from study.track.query import status_by_key
@@ -128,7 +128,8 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
     make = ProfileJob if stage.name == "profile" else TrainJob
     try:
-        jobs = _submit_array(ex, [make(r.dir) for r in stage.runs])
+        with outside_allocation():
+            jobs = _submit_array(ex, [make(r.dir) for r in stage.runs])
     except Exception as err:  # sbatch's own message is the useful part
         raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
                          "check the cluster profile (partition, account, qos, time limit) against `sinfo`") from None
@@ -200,7 +201,11 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     if cluster.name != "local" and not dry_run:
         check_slurm()
     tracking_uri = plan.runs[0].config.tracking.uri
-    fresh = new_runs([r.key for r in plan.runs], latest_manifest(_root(plan), experiment, tracking_uri))
+    last = latest_manifest(_root(plan), experiment, tracking_uri)
+    if extra_seeds is None and last and last.get("extra_seeds") and last["overrides"] == list(overrides):
+        # the seeds an adaptive launch added stay part of the experiment when it is relaunched plainly
+        plan = plan_experiment(experiment, overrides, last["extra_seeds"])
+    fresh = new_runs([r.key for r in plan.runs], last)
     if fresh and not new and not dry_run:
         names = ", ".join(f"{r.name} ({r.key})" for r in plan.runs if r.key in fresh)
         raise StudyError("overrides", f"{len(fresh)} of {len(plan.runs)} planned runs of {experiment} are not in its "

@@ -76,5 +76,6 @@ def _power_table(plan: Plan, power: list, note: str):
     for r in power:
         table.add_row(r.scale, r.variant, f"{r.sd:.4g}" if r.sd else "-", r.source,
                       str(r.seeds_difference or "-"), str(r.seeds_equivalence or "-"), str(r.seeds_needed or "-"),
-                      str(r.planned), f"{r.gpu_hours:,.1f}" if r.gpu_hours is not None else "-")
+                      str(r.planned), "-" if r.gpu_hours is None else
+                      f"≈{r.gpu_hours:,.1f} (widths pending)" if r.hours_from_baseline else f"{r.gpu_hours:,.1f}")
     return table
