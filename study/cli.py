@@ -143,8 +143,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, default=str))
     else:
-        for f in result.get("files", []):
-            print(f)
+        _print_headline(result)
+        print(f"report: {Path(args.out).resolve() / args.experiment / 'report.md'} (and report.html, report.json, "
+              f"decisions.csv, pairs.csv, figures)")
     return 0
 
 
@@ -174,20 +175,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _print_headline(result: dict) -> None:
-    from rich.console import Console
+    from study.term import console
     from rich.table import Table
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    table = Table(title=f"{result['experiment']}: decisions vs {result['baseline']}")
+    table = Table(title=f"{result['experiment']}: decisions vs {result['baseline']}"
+                  + (f" ({result['sequential']})" if result.get("sequential") else ""))
     for col in ("scale", "variant", "metric", "n", "mean delta", "t CI", "adjusted p", "verdict", "seeds to decide"):
         table.add_column(col)
     for d in result["decisions"]:
         table.add_row(d["scale"], d["variant"], d["metric"], str(d["n"]), num(d["mean_delta"], "+.4f"),
                       f"[{num(d['ci_low'], '+.4f')}, {num(d['ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
                       d["verdict"], str(d["seeds_to_decide"] or "-"))
-    Console(width=160).print(table)
+    console().print(table)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -254,7 +256,13 @@ def _selection(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
+    try:
+        parser.add_argument("--version", action="version", version=f"study {version('study')}")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        parser.add_argument("--version", action="version", version="study (not installed)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="expand an experiment into parameter-matched runs (nothing is submitted)")

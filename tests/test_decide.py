@@ -240,3 +240,16 @@ def test_a_single_pair_takes_the_seeds_it_needs_from_the_prior_sd():
     assert row.seeds_to_decide == min(seeds_for_difference(0.01, 0.02, 0.05, 0.8),
                                       seeds_for_equivalence(-0.01, 0.02, 0.02, 0.05, 0.8))
     assert "prior sd 0.02" in row.reason
+
+
+def test_study_report_prints_the_decisions(truth, capsys, tmp_path):
+    from study.cli import main
+
+    uri, _, _ = truth
+    assert main(["report", EXPERIMENT, "--tracking-uri", uri, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.count("│") > 8]
+    verdicts = {row[1]: row[7] for row in cells if row[2] == "val/loss"}
+    # no experiment file declares a margin for `truth`, so from the command line `same` cannot be equivalent
+    assert verdicts == {"better": "better", "same": "undecided", "worse": "worse", "short": "undecided"}
+    assert f"report: {tmp_path / EXPERIMENT / 'report.md'}" in out

@@ -141,3 +141,22 @@ def test_plan_command_imports_neither_torch_nor_mlflow(tmp_path):
             "sys.stderr.write(repr(sorted(m for m in ('torch', 'mlflow') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stderr.strip().endswith("[]"), out.stderr[-500:]
+
+
+def test_tables_fit_columns_when_it_is_set_and_the_version_is_the_installed_one(monkeypatch, capsys, tmp_path):
+    from importlib.metadata import version
+
+    from study.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80 and "conventional" in out
+    monkeypatch.delenv("COLUMNS")
+    assert main(["plan", "demo"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) > 80  # into a pipe: one line per run
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"study {version('study')}"

@@ -84,7 +84,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
 
 
 def print_status(rows: list[RunStatus], title: str) -> None:
-    from rich.console import Console
+    from study.term import console
     from rich.table import Table
 
     table = Table(title=title)
@@ -94,9 +94,9 @@ def print_status(rows: list[RunStatus], title: str) -> None:
         table.add_row(s.key, s.name, s.stage, s.mlflow, s.job_id, s.job_state,
                       str(s.last_step) if s.last_step is not None else "-",
                       f"{s.val_loss:.4f}" if s.val_loss is not None else "-", str(s.restarts), s.verdict)
-    Console(width=200).print(table)
+    console().print(table)
     counts: dict[str, int] = {}
     for s in rows:
         word = s.verdict.split(" (")[0]
         counts[word] = counts.get(word, 0) + 1
-    Console().print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    console().print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

@@ -27,7 +27,7 @@ def plan_power_rows(plan: Plan) -> tuple[list, str]:
 
 
 def print_plan(plan: Plan, power: list, note: str) -> None:
-    from rich.console import Console
+    from study import term
     from rich.table import Table
 
     exp = plan.experiment
@@ -51,7 +51,7 @@ def print_plan(plan: Plan, power: list, note: str) -> None:
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
             f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
         )
-    console = Console(width=200)
+    console = term.console()
     console.print(table)
     console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours at "
                   f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
