@@ -149,10 +149,12 @@ def _next_round(open_: list[tuple[str, str]], seeds: dict[str, list[int]], basel
                 hours: float, cost: Callable[[Run], float]) -> tuple[list[Run], str]:
     if not open_:
         return [], "every comparison is decided"
-    if n_now >= caps.max_seeds:
+    # a scale that started with more seeds than others reaches the cap sooner
+    growing = sorted({scale for scale, _ in open_ if len(seeds[scale]) < caps.max_seeds})
+    if n_now >= caps.max_seeds or not growing:
         return [], f"max seeds reached ({caps.max_seeds}) with {len(open_)} undecided"
     added: list[Run] = []
-    for scale in sorted({scale for scale, _ in open_}):
+    for scale in growing:
         seed = max(seeds[scale]) + 1
         added.append((baseline, scale, seed))
         added += [(v, scale, seed) for s, v in open_ if s == scale]

@@ -111,3 +111,13 @@ def test_running_the_loop_again_replays_every_look_without_training():
                           model.read, lambda run: 1.0, Caps(6))
     assert again.looks == first.looks and len(model.rows) == trained
     assert all(batch == [] for batch in model.rounds[-len(again.looks):])
+
+
+def test_a_scale_that_starts_with_more_seeds_stops_growing_at_the_cap():
+    model = NoiseModel({"base": 0.0, "a": 0.0}, sd=0.02)
+    out = until_decided(DecisionRule(), "base", {"small": [0, 1, 2], "big": [0, 1, 2, 3, 4]}, ["base", "a"],
+                        model.execute, model.read, lambda run: 1.0, Caps(6))
+    seeds = {scale: {seed for _, sc, seed in (r for batch in model.rounds for r in batch) if sc == scale}
+             for scale in ("small", "big")}
+    assert seeds == {"small": set(range(6)), "big": set(range(6))}
+    assert out.stopped.startswith("max seeds reached (6)")
