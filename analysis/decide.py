@@ -32,6 +32,9 @@ BOOTSTRAP_MIN_N = 8
 SIGNFLIP_EXACT_MAX_N = 16
 """Up to this many pairs the sign-flip p enumerates all 2^n sign patterns; above, 99,999 random flips."""
 
+MAX_PAIRS = 100_000
+"""Seed pairs beyond which "seeds to decide" is reported as none (not reachable)."""
+
 VERDICTS = ("better", "worse", "equivalent", "undecided")
 
 
@@ -240,17 +243,20 @@ def minimum_detectable_effect(n: int, sd: float, alpha: float, power: float) -> 
 
 
 def _solve_pairs(effect: float, alpha: float, power: float, alternative: str) -> int | None:
-    """Smallest whole number of pairs whose power reaches ``power`` (None beyond 100,000 pairs)."""
+    """Smallest whole number of pairs whose power reaches ``power`` (None beyond MAX_PAIRS)."""
     from scipy import stats
 
     if not effect > 0:
         return None
     # The normal approximation is a lower bound on the t test's n: step up from it.
     z = stats.norm.isf(alpha / 2 if alternative == "two-sided" else alpha) + stats.norm.isf(1 - power)
-    n = max(2, math.floor((z / effect) ** 2))
+    approx = (z / effect) ** 2
+    if not approx <= MAX_PAIRS:
+        return None  # a delta this small relative to its spread would need more seeds than any study trains
+    n = max(2, math.floor(approx))
     while t_power(effect, n, alpha, alternative) < power:
         n += 1 if n < 64 else max(1, n // 16)
-        if n > 100_000:
+        if n > MAX_PAIRS:
             return None
     while n > 2 and t_power(effect, n - 1, alpha, alternative) >= power:
         n -= 1

@@ -122,6 +122,9 @@ def _one(task, metric, scale, variant, baseline, tables, n_resamples, seed) -> I
 
 def read_items(client, run_ids) -> dict[str, pd.DataFrame]:
     """Per run id, its per-item scores from the ``items.jsonl`` artifact (runs without one are left out)."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per run would flood stderr
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run_id in run_ids:

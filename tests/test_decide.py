@@ -242,9 +242,10 @@ def test_a_single_pair_takes_the_seeds_it_needs_from_the_prior_sd():
     assert "prior sd 0.02" in row.reason
 
 
-def test_study_report_prints_the_decisions(truth, capsys, tmp_path):
+def test_study_report_prints_the_decisions(truth, capsys, tmp_path, monkeypatch):
     from study.cli import main
 
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line, whatever terminal the suite runs in
     uri, _, _ = truth
     assert main(["report", EXPERIMENT, "--tracking-uri", uri, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -253,3 +254,10 @@ def test_study_report_prints_the_decisions(truth, capsys, tmp_path):
     # no experiment file declares a margin for `truth`, so from the command line `same` cannot be equivalent
     assert verdicts == {"better": "better", "same": "undecided", "worse": "worse", "short": "undecided"}
     assert f"report: {tmp_path / EXPERIMENT / 'report.md'}" in out
+
+
+def test_a_delta_tiny_against_its_spread_needs_no_reachable_number_of_seeds():
+    assert seeds_for_difference(1e-12, 0.02, 0.05, 0.8) is None
+    assert seeds_for_equivalence(0.0, 1e-12, 0.02, 0.05, 0.8) is None
+    assert seeds_for_difference(0.02, 0.02, 0.05, 0.8) == math.ceil(
+        TTestPower().solve_power(effect_size=1.0, alpha=0.05, power=0.8))
