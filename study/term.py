@@ -13,6 +13,9 @@ def console():
     """A rich console as wide as the terminal, or COLUMNS when it is set, or PIPED_WIDTH into a pipe or file."""
     from rich.console import Console
 
-    if os.environ.get("COLUMNS") or sys.stdout.isatty():
-        return Console()  # rich reads COLUMNS, then the terminal's size
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return Console(width=int(columns))  # said outright: rich alone does not apply it in every environment
+    if sys.stdout.isatty():
+        return Console()
     return Console(width=PIPED_WIDTH)
