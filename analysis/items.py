@@ -19,9 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE, json_ready
-
-ITEMS_ARTIFACT = "items.jsonl"
-"""Per-item scores of a run's latest evaluation (written by study.evaluate.stage)."""
+from study.schema import ITEMS_ARTIFACT
 
 ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
 """Per-item scores compared: accuracy, length-normalised accuracy, log-likelihood of the correct choice."""

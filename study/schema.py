@@ -26,6 +26,8 @@ TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM = "train/loss", "train/lr", "train/grad_no
 TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PREEMPTED_AT = "train/tokens_per_s", "train/mfu", "train/preempted_at"
 VAL_LOSS, VAL_PPL = "val/loss", "val/ppl"
 EVAL_PREFIX = "eval/"
+ITEMS_ARTIFACT = "items.jsonl"
+"""Artifact of a run's latest evaluation: one JSON line per (task, document) with its per-item scores."""
 
 
 class RunDir:

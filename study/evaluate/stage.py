@@ -8,6 +8,7 @@ from pathlib import Path
 
 from study.config.spec import RunSpec, read_spec
 from study.errors import StudyError
+from study.schema import ITEMS_ARTIFACT
 from study.train import checkpoint
 
 
@@ -63,10 +64,6 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     tracker.log_artifact(record.with_suffix(".items.jsonl"), ITEMS_ARTIFACT)
     tracker.close()
     return result["metrics"]
-
-
-ITEMS_ARTIFACT = "items.jsonl"
-"""Artifact of a run's latest evaluation, one JSON line per (task, document) with its per-item scores."""
 
 
 def write_record(spec: RunSpec, tasks: list[str], limit: int | None, step: int, result: dict) -> Path:
