@@ -167,3 +167,6 @@ class TrackingConfig:
     """Longest wait, before each checkpoint, for buffered points to land (an outage then only delays them)."""
     terminate_timeout_s: float = 10.0
     """Time `close` allows for ending the run after its flush deadline has passed."""
+    system_metrics_s: float = 30.0
+    """Seconds between samples of MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) while a run
+    trains; 0 turns them off. They need psutil."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -181,7 +182,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
-    tracker = _open_tracker(spec, d, max_steps, lr)
+    tracker = _open_tracker(spec, d, max_steps, lr, data)
     stop = StopRequest.install()
     stream = batch_stream(cfg, data, d, start)
     progress = _progress(d, start, max_steps, spec.name)
@@ -234,6 +235,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     except Diverged as err:
         outcome = Outcome("FAILED", step, None, losses, str(err))
     except BaseException as err:
+        _log_job_output(tracker, spec)
         tracker.close("FAILED", f"{type(err).__name__}: {err}")
         raise
     finally:
@@ -252,7 +254,42 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
     if outcome.status == "FINISHED" and d.is_main:
         spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
                                                    "run_key": spec.key}))
+    _log_job_output(tracker, spec)
     tracker.close(outcome.status, outcome.reason)
+    if outcome.status == "FINISHED":
+        from study.track.groups import refresh_quietly
+
+        tracker.record("parent summary", refresh_quietly)
+
+
+def _log_job_output(tracker, spec: RunSpec) -> None:
+    """The job's own stdout and stderr, when they go to files (a SLURM or local-launch log), as artifacts
+    `logs/<name>`: the run page then holds what the job printed, progress and warnings included."""
+    import os
+
+    if tracker.run_id is None:
+        return
+    seen = set()
+    for fd in (1, 2):
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            return  # no /proc: not Linux
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        if path.stat().st_size > MAX_LOG_ARTIFACT:
+            print(f"the job log {path} is over {MAX_LOG_ARTIFACT >> 20} MiB: not copied to MLflow", flush=True)
+            continue
+        sys.stdout.flush(), sys.stderr.flush()
+        try:
+            tracker.log_artifact(path, f"logs/{path.name}")
+        except OSError as exc:
+            print(f"the job log {path} could not be copied to MLflow: {exc}", file=sys.stderr, flush=True)
+
+
+MAX_LOG_ARTIFACT = 64 << 20
+"""Largest job log copied to MLflow at the end of a run."""
 
 
 def model_hash(model_cfg) -> str:
@@ -309,7 +346,9 @@ def _checkpoint_blocks(model) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
 
 
-def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
+def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
+    from study.track import lineage
+    from study.track.groups import parent_for
     from study.track.params import redact
     from study.track.tags import run_tags
     from study.track.tracker import Tracker
@@ -319,10 +358,23 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
     params["params"] = spec.params
-    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, run_tags(spec), redact(params), rank=d.rank,
-                           cfg=cfg.tracking, log_path=spec.run_dir.metrics)
+    tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
+                           cfg=cfg.tracking, log_path=spec.run_dir.metrics,
+                           system_metrics=cfg.tracking.system_metrics_s > 0)
     if d.is_main:
         import yaml
+
+        def lineage_records(client, run_id):
+            run = client.get_run(run_id)
+            parent = parent_for(client, run.info.experiment_id, run.data.tags)
+            client.set_tag(run_id, lineage.PARENT, parent)
+            dataset = lineage.dataset_input(data, cfg.data)
+            if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
+                client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
+
+        tracker.record("lineage", lineage_records)
+        tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
 
         tracker.log_dict(redact(asdict(cfg)), "config.yaml")
         tracker.log_dict(redact(spec.as_dict()), "run.json")
