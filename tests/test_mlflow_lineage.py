@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, TRAINING_RUNS
 from slurm_helpers import private_sweeps
 from study.cli import main
+from study.plan.planner import plan_experiment
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +28,10 @@ def nested(tmp_path_factory, data_cache):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         private_sweeps(workdir, "nest", seeds=[0, 1])
         mp.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
-        assert main(["launch", "nest", "cluster=local", "train.max_steps=4", "tracking.system_metrics_s=0.2"]) == 0
+        overrides = ["cluster=local", "train.max_steps=4", "tracking.system_metrics_s=0.2"]
+        assert main(["launch", "nest", *overrides]) == 0
         client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-        yield client, client.get_experiment_by_name("nest"), mp
+        yield client, client.get_experiment_by_name("nest"), plan_experiment("nest", overrides)
 
 
 def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spread(nested):
@@ -89,3 +91,17 @@ def test_the_report_run_lists_the_runs_it_read_and_each_points_back(nested, caps
     assert sorted(r["run_id"] for r in listed) == sorted(r.info.run_id for r in runs)
     assert client.get_run(report_id).data.tags["study.report.runs"] == "4"
     assert all(client.get_run(r.info.run_id).data.tags["study.report_run_id"] == report_id for r in runs)
+
+
+def test_each_trainer_leaves_its_last_figures_for_the_launch_board(nested):
+    from study.launch.board import DONE, RunBoard
+
+    client, exp, plan = nested
+    board = RunBoard(plan.runs)
+    board.mark(plan.runs[0].key, DONE)
+    by_key = {r.data.tags["study.run_key"]: r for r in client.search_runs([exp.experiment_id],
+                                                                         filter_string=TRAINING_RUNS)}
+    for run, row in zip(plan.runs, board.rows(), strict=True):
+        loss = [m for m in client.get_metric_history(by_key[run.key].info.run_id, "train/loss") if m.step == 4]
+        assert row[:4] == (run.name, board.states[run.key], "4/4", f"{loss[0].value:.4f}")
+    assert board.rows()[0][5] == "-" and board.rows()[1][5] == "0:00"  # nothing left to wait for

@@ -35,8 +35,9 @@ def group_name(variant: str, scale: str) -> str:
 def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
     """The id of the parent run of a seed run with these `study.*` tags, created the first time.
 
-    Seed runs of one cell start together on a cluster: each creates the parent if none is found, then all keep the
-    oldest and delete the rest (the same rule that keeps one run per run key)."""
+    `study launch` creates every parent first (`ensure_parents`); a run trained on its own (`study train`) creates
+    its parent if none is found, and then the oldest is kept and the rest deleted (the rule that keeps one run per
+    run key)."""
     name = group_name(tags[schema.TAG_VARIANT], tags[schema.TAG_SCALE])
     found = _parents(client, experiment_id, name)
     if not found:
@@ -52,6 +53,22 @@ def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
         for duplicate in found[1:]:
             client.delete_run(duplicate.info.run_id)
     return found[0].info.run_id
+
+
+def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
+    """The parent run of every (variant, scale) of a launch, created by the launcher before any job starts.
+
+    A seed run creating its own parent races its siblings: a run created late by a delayed write can be older than
+    one another process has already chosen. One creator, first, leaves the jobs only finding."""
+    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
+    from study.track.tags import run_tags
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow_client(uri)
+    experiment_id = get_or_create_experiment(client, uri, experiment)
+    cells = {group_name(r.config.variant, r.config.scale): r for r in runs}
+    for run in cells.values():
+        parent_for(client, experiment_id, run_tags(run))
 
 
 def _parents(client, experiment_id: str, name: str) -> list:

@@ -185,7 +185,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     tracker = _open_tracker(spec, d, max_steps, lr, data)
     stop = StopRequest.install()
     stream = batch_stream(cfg, data, d, start)
-    progress = _progress(d, start, max_steps, spec.name)
+    progress = _progress(d, start, max_steps, spec.name, spec.run_dir.progress)
     losses: dict[int, float] = {}
     faults = FaultHooks(cfg.faults)
     autocast_bf16 = use_bf16(cfg, d) and d.world_size == 1  # FSDP's policy casts sharded runs
@@ -385,13 +385,13 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
 
 
 class _progress:
-    """One progress line on rank 0: step, loss, tokens/s, ETA."""
+    """One progress line on rank 0 (step, loss, tokens/s, ETA), and the same figures in the run directory's
+    progress.json for whoever watches several runs at once (`study launch` on this machine, `study demo`)."""
 
-    def __init__(self, d: Dist, start: int, total: int, name: str):
-        self.bar = None
+    def __init__(self, d: Dist, start: int, total: int, name: str, path: Path | None = None):
+        self.bar, self.path = None, path if d.is_main else None
+        self.start, self.total, self.t0 = start, total, time.monotonic()
         if d.is_main:
-            import sys
-
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True,
@@ -403,7 +403,20 @@ class _progress:
             self.bar.update(step - self.last)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
         self.last = step
+        if self.path is not None:
+            rate = (step - self.start) / max(time.monotonic() - self.t0, 1e-9)
+            write_progress(self.path, {"step": step, "max_steps": self.total, "loss": loss, "tokens_per_s": tps,
+                                       "eta_s": (self.total - step) / rate if rate > 0 else None})
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def write_progress(path: Path, figures: dict) -> None:
+    """Replaces progress.json whole (write, then rename), so a reader never sees half of it."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**figures, "time": time.time()}))
+    os.replace(tmp, path)
