@@ -57,8 +57,9 @@ class TrainConfig:
     """`auto` (CUDA when present), `cpu` or `cuda`."""
     precision: str = "auto"
     """`auto` (bf16 mixed precision on CUDA, fp32 on CPU), `fp32` or `bf16`."""
-    compile: bool = False
-    """torch.compile the model (a GPU switch: no speed-up on CPU)."""
+    compile: bool | None = None
+    """torch.compile the model: None (the default) compiles on CUDA and not on CPU (no speed-up there); true or
+    false decides outright (`train.compile=false` when a model does not compile)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (GPU memory switch)."""
     gpu_peak_tflops: float = 989.0

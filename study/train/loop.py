@@ -108,6 +108,11 @@ def wrap_fsdp(model, cfg: RunConfig, d: Dist):
     return model
 
 
+def use_compile(cfg: RunConfig, d: Dist) -> bool:
+    c = cfg.train.compile
+    return d.device.startswith("cuda") if c is None else bool(c)
+
+
 def use_bf16(cfg: RunConfig, d: Dist) -> bool:
     p = cfg.train.precision
     return p == "bf16" or (p == "auto" and d.device.startswith("cuda"))
@@ -172,7 +177,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
         _checkpoint_blocks(model)
-    step_model = torch.compile(model) if cfg.train.compile else model
+    step_model = torch.compile(model) if use_compile(cfg, d) else model
     optimizer = build_optimizer(model, cfg.train, lr)
 
     shape = model_hash(model_cfg)
