@@ -372,8 +372,8 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
 
         def lineage_records(client, run_id):
             run = client.get_run(run_id)
-            parent = parent_for(client, run.info.experiment_id, run.data.tags)
-            client.set_tag(run_id, lineage.PARENT, parent)
+            if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
+                client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
             dataset = lineage.dataset_input(data, cfg.data)
             if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
                 client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
