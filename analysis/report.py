@@ -118,7 +118,7 @@ def build_report(
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
     if log_to_mlflow:
-        summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files, a.decisions)
+        summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files, a.decisions, a.runs)
     return json_ready(summary)
 
 
@@ -281,11 +281,17 @@ def _csv_row(r: PairedResult) -> dict:
     return row
 
 
-def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path], decisions: list[Decision]) -> str:
+REPORT_RUNS_TAG, REPORT_RUNS_ARTIFACT, REPORT_LINK_TAG = "study.report.runs", "runs.json", "study.report_run_id"
+
+
+def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path], decisions: list[Decision],
+                    runs: pd.DataFrame) -> str:
     """Upload the files to the experiment's single report run, creating it the first time.
 
     The verdicts ride along as tags, ``study.verdict.<scale>.<variant>`` for the primary metric and
-    ``study.verdict.<metric>.<scale>.<variant>`` for the others, so the MLflow UI can filter on them.
+    ``study.verdict.<metric>.<scale>.<variant>`` for the others, so the MLflow UI can filter on them. The runs it
+    read are linked both ways: the artifact ``runs.json`` lists them (run id, key, cell, status) with the count in
+    tag ``study.report.runs``, and each of them gets tag ``study.report_run_id``.
     """
     mlflow_client = store.client(uri)
     exp_id = store.experiment_id(mlflow_client, experiment)
@@ -304,10 +310,15 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
         tags.append(RunTag(f"study.verdict.{where}", d.verdict))
     counts = Counter(d.verdict for d in decisions if d.family == "primary")
     tags.append(RunTag("study.verdicts", ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "none"))
+    used = runs[["run_id", "run_key", "variant", "scale", "seed", "status"]].to_dict("records")
+    tags.append(RunTag(REPORT_RUNS_TAG, str(len(used))))
     for start in range(0, len(tags), 100):
         mlflow_client.log_batch(run_id, tags=tags[start:start + 100])
     for path in files:
         mlflow_client.log_artifact(run_id, str(path))
+    mlflow_client.log_dict(run_id, json_ready({"runs": used}), REPORT_RUNS_ARTIFACT)
+    for row in used:
+        mlflow_client.set_tag(row["run_id"], REPORT_LINK_TAG, run_id)
     mlflow_client.set_terminated(run_id, "FINISHED")
     return run_id
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from study.errors import StudyError
 from study.track.store import mlflow_client, sqlite_path
+from study.track.groups import GROUP_STAGE
 from study.track.query import all_runs, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
@@ -67,7 +68,7 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
     Columns: run_id, run_name, run_key, variant, scale, seed (int), stage, baseline, status, failure_reason,
     start_time, params_counted (int or NaN), then one column per final metric named by its MLflow key
     (``val/loss``, ``eval/arc_easy/acc``, ...).
-    Report runs (``study.stage=report``) and runs without the study's variant/scale/seed tags are not training
+    Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's variant/scale/seed tags are not training
     runs and are left out; when `study launch` recorded a manifest, only the last launch's runs are kept.
     """
     store = client(tracking_uri)
@@ -93,7 +94,7 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
 
 def _row(run) -> dict | None:
     tags = run.data.tags
-    if tags.get("study.stage") == REPORT_STAGE or any(t not in tags for t in _REQUIRED_TAGS):
+    if tags.get("study.stage") in (REPORT_STAGE, GROUP_STAGE) or any(t not in tags for t in _REQUIRED_TAGS):
         return None
     counted = run.data.params.get("params.counted")
     row = {

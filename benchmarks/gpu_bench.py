@@ -1,4 +1,5 @@
-"""GPU figures: bf16 training throughput, MFU and peak memory of the 113M and 1B conventional and hourglass models.
+"""GPU figures: bf16 training throughput, MFU and peak memory of the 113M and 1B conventional and hourglass models,
+eager and under torch.compile (training's default on CUDA).
 
 Needs torch and this repository only (study.models, study.plan.budget, study.train.step): no transformers, mlflow
 or data. The step is the training loop's single-GPU one (bf16 autocast over fp32 weights, fused AdamW, clip without
@@ -102,10 +103,10 @@ def run(quick: bool) -> list[dict]:
     measured, datasheet = matmul_peak(), datasheet_peak(gpu)
     rows = [row(f"bf16 matmul 8192^3 TFLOP/s vs the {gpu} datasheet", measured, datasheet, "TFLOP/s", "higher")]
 
-    def ours(cfg):
+    def ours(cfg, compiled: bool = False):
         def build():
             model = build_model(cfg, "cuda", seed=0)
-            return model, model
+            return model, torch.compile(model) if compiled else model  # training compiles on CUDA by default
         return build
 
     def peer(cfg):
@@ -128,6 +129,11 @@ def run(quick: bool) -> list[dict]:
                         f"tokens/s ({describe(hg)})", hg_result["tokens_per_s"], conv_result["tokens_per_s"],
                         "tokens/s", "higher", **_extra(scale, hg, shape, hg_result, measured, datasheet),
                         peer_micro_batch=conv_result["micro_batch"]))
+        for name, cfg, eager in (("conventional", conv, conv_result), (f"hourglass K={HOURGLASS_K}", hg, hg_result)):
+            compiled = throughput(ours(cfg, compiled=True), shape, steps, eager["micro_batch"])
+            rows.append(row(f"{scale} {name} torch.compile vs eager, bf16 train step tokens/s",
+                            compiled["tokens_per_s"], eager["tokens_per_s"], "tokens/s", "higher",
+                            **_extra(scale, cfg, shape, compiled, measured, datasheet)))
     return rows
 
 

@@ -17,14 +17,19 @@ def _filtered(args: argparse.Namespace, plan):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from study.plan.planner import plan_experiment
-    from study.plan.show import plan_power_rows, print_plan
+    from study.plan.show import estimates, plan_power_rows, print_plan
 
     plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
     power, note = plan_power_rows(plan)
+    cost = estimates(plan)
     if args.json:
-        print(json.dumps({**plan.as_json(), "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
+        out = plan.as_json()
+        for run in out["runs"]:
+            est = cost[run["run_key"]]
+            run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s)
+        print(json.dumps({**out, "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
         return 0
-    print_plan(plan, power, note)
+    print_plan(plan, power, note, cost)
     return 0
 
 
@@ -146,6 +151,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         _print_headline(result)
         print(f"report: {Path(args.out).resolve() / args.experiment / 'report.md'} (and report.html, report.json, "
               f"decisions.csv, pairs.csv, figures)")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from study.launch.calibrate import calibrate
+
+    calibrate(args.experiment, args.overrides, steps=args.steps, again=args.again)
+    print(f"`study plan {args.experiment}` now takes GPU-hours from these figures for the shapes measured")
     return 0
 
 
@@ -291,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seeds", type=int, default=None, help="adaptive cap: seed pairs per comparison")
     p.add_argument("--max-gpu-hours", type=float, default=None, help="adaptive cap: estimated GPU-hours in total")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("calibrate", help="one short job per distinct model shape: measured tokens/s and MFU for "
+                       "`study plan`'s GPU-hours")
+    p.add_argument("experiment")
+    p.add_argument("overrides", nargs="*", help="cluster=<profile> (the one the study will run on) and key=value")
+    p.add_argument("--steps", type=int, default=40, help="training steps per job (the first quarter is warm-up)")
+    p.add_argument("--again", action="store_true", help="measure shapes already calibrated on this profile anew")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("status", help="each launched run's MLflow and scheduler state")
     p.add_argument("experiment")

@@ -47,6 +47,8 @@ class RunDir:
     checkpoints = property(lambda self: self.path / "checkpoints")
     metrics = property(lambda self: self.path / "metrics.jsonl")
     """Every metric point the run logged, appended before it is sent (the store is made to match it)."""
+    progress = property(lambda self: self.path / "progress.json")
+    """The trainer's latest figures (step, max_steps, loss, tokens/s, ETA), replaced at every logged step."""
     lease = property(lambda self: self.path / ".lease")
     """Held (flock) by the one process training the run."""
     evals = property(lambda self: self.path / "evals")

@@ -26,6 +26,9 @@ def workdir(tmp_path, monkeypatch, data_cache) -> Path:
     return tmp_path
 
 
+TRAINING_RUNS = "tags.`study.run_key` LIKE '%'"
+"""MLflow filter for training runs only: parent (per variant and scale), report and sequential runs carry no key."""
+
 # Small, fast runs: tiny model, 2 layers, short sequences, a capped corpus.
 TINY = ["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.ffn.width=128",
         "model.max_seq_len=32", "data.seq_len=32", "data.max_docs=1500", "data.vocab_size=512",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import TINY
+from conftest import TINY, TRAINING_RUNS
 from study.cli import main
 from study.plan.planner import select_run
 from study.train.loop import train
@@ -21,7 +21,7 @@ def test_eval_scores_a_trained_run_into_its_own_mlflow_run(workdir, capsys):
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("evalrun").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name("evalrun").experiment_id], filter_string=TRAINING_RUNS)
     assert run.info.status == "FINISHED"  # evaluation adds scores, it does not reopen the run
     assert run.data.metrics["eval/arc_easy_local/acc"] == printed["eval/arc_easy_local/acc"]
     assert "eval.json" in [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, TRAINING_RUNS
 from study.plan.planner import select_run
 from study.train.loop import train
 
@@ -29,7 +29,7 @@ def history(db: str, experiment: str = "faults", key: str = "train/loss"):
 
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id])
+    runs = client.search_runs([exp.experiment_id], filter_string=TRAINING_RUNS)
     return runs, {r.info.run_id: sorted(m.step for m in client.get_metric_history(r.info.run_id, key)) for r in runs}
 
 
@@ -127,7 +127,7 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("nan_sweep").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("nan_sweep").experiment_id], filter_string=TRAINING_RUNS)
     by_variant = {}
     for r in runs:
         by_variant.setdefault(r.data.tags["study.variant"], []).append(r)
@@ -158,7 +158,7 @@ def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(work
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-2000:]
         client = MlflowClient(server.uri)
-        runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id])
+        runs = client.search_runs([client.get_experiment_by_name("faults").experiment_id], filter_string=TRAINING_RUNS)
         assert len(runs) == 1 and runs[0].info.status == "FINISHED" and outage >= 30
         for key in ("train/loss", "train/lr"):
             steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, key)]

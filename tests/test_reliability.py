@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, TRAINING_RUNS
 from slurm_helpers import private_sweeps
 from study.errors import StudyError
 from study.plan.planner import select_run
@@ -36,7 +36,7 @@ def store(db) -> "object":
 def runs_of(db, experiment):
     client = store(db)
     exp = client.get_experiment_by_name(experiment)
-    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+    return client, (client.search_runs([exp.experiment_id], filter_string=TRAINING_RUNS) if exp else [])
 
 
 def steps(client, run, key="train/loss"):
@@ -129,7 +129,7 @@ def test_an_outage_then_a_kill_loses_no_point(workdir):
         from mlflow import MlflowClient
 
         client = MlflowClient(server.uri)
-        (run,) = client.search_runs([client.get_experiment_by_name("rel").experiment_id])
+        (run,) = client.search_runs([client.get_experiment_by_name("rel").experiment_id], filter_string=TRAINING_RUNS)
         assert run.info.status == "FINISHED" and steps(client, run) == list(range(1, 25))
     finally:
         server.stop()

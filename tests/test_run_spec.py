@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, TRAINING_RUNS
 from study.cli import main
 from study.config.compose import nested
 from study.config.identity import FIELDS, KEY, OUT, SCHEDULED, placement, run_key
@@ -225,7 +225,7 @@ def test_a_job_trains_the_planned_shape_after_the_sweeps_tree_changes(tiny_exper
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("specx").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name("specx").experiment_id], filter_string=TRAINING_RUNS)
     assert json.loads(run.data.params["resolved.ffn_widths"]) == planned.model.ffn.widths
     assert run.data.params["resolved.n_layers"] == str(planned.model.n_layers)
     assert run.data.tags["study.run_key"] == planned.key

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, TRAINING_RUNS
 from study.train.distributed import Dist
 from study.plan.planner import select_run
 from study.train.loop import batch_stream, train
@@ -22,7 +22,7 @@ def mlflow_runs(experiment="unit", db="mlflow.db"):
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{os.getcwd()}/{db}")
-    return mlflow.search_runs(experiment_names=[experiment], output_format="list")
+    return mlflow.search_runs(experiment_names=[experiment], filter_string=TRAINING_RUNS, output_format="list")
 
 
 def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):

@@ -57,8 +57,9 @@ class TrainConfig:
     """`auto` (CUDA when present), `cpu` or `cuda`."""
     precision: str = "auto"
     """`auto` (bf16 mixed precision on CUDA, fp32 on CPU), `fp32` or `bf16`."""
-    compile: bool = False
-    """torch.compile the model (a GPU switch: no speed-up on CPU)."""
+    compile: bool | None = None
+    """torch.compile the model: None (the default) compiles on CUDA and not on CPU (no speed-up there); true or
+    false decides outright (`train.compile=false` when a model does not compile)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (GPU memory switch)."""
     gpu_peak_tflops: float = 989.0
@@ -167,3 +168,6 @@ class TrackingConfig:
     """Longest wait, before each checkpoint, for buffered points to land (an outage then only delays them)."""
     terminate_timeout_s: float = 10.0
     """Time `close` allows for ending the run after its flush deadline has passed."""
+    system_metrics_s: float = 30.0
+    """Seconds between samples of MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) while a run
+    trains; 0 turns them off. They need psutil."""

@@ -16,6 +16,13 @@ from study.track.query import runs_by_key
 from study.train import checkpoint
 
 
+LOCAL = "local process"
+COLUMNS = ("run key", "run", "stage", "MLflow status", "job id", "scheduler state", "checkpoint step",
+           "val/loss (last)", "restarts", "state")
+"""`study status` columns: `scheduler state` is SLURM's view of the job (or `local process`), `state` the one word
+to act on, from MLflow and the scheduler together."""
+
+
 @dataclass
 class RunStatus:
     key: str
@@ -24,7 +31,10 @@ class RunStatus:
     mlflow: str
     """MLflow run status, or `-` when the run never started."""
     job_id: str
+    """SLURM job id (`<array>_<task>` for an array task), or the local process id, `-` when never submitted."""
     job_state: str
+    """What the scheduler says now: a SLURM state (PENDING, RUNNING, COMPLETED, ...), `local process` for a run the
+    launcher ran on this machine (no queue keeps its state), `-` when never submitted."""
     last_step: int | None
     val_loss: float | None
     restarts: int
@@ -70,7 +80,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
         entry = jobs.get(planned.key, {})
         job_id = r.data.tags.get(schema.TAG_SLURM_JOB, entry.get("job_id", "-")) if r else entry.get("job_id", "-")
         job_state = states.get(entry.get("job_id", ""), "-") if entry.get("scheduler") == "slurm" else (
-            "local" if entry else "-")
+            LOCAL if entry else "-")
         latest = checkpoint.latest(planned.run_dir.path)
         mlflow = r.info.status if r else "-"
         out.append(RunStatus(
@@ -88,7 +98,7 @@ def print_status(rows: list[RunStatus], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("run key", "run", "stage", "MLflow", "job", "SLURM", "ckpt step", "val/loss", "restarts", "state"):
+    for col in COLUMNS:
         table.add_column(col)
     for s in rows:
         table.add_row(s.key, s.name, s.stage, s.mlflow, s.job_id, s.job_state,

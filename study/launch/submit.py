@@ -19,10 +19,12 @@ from pathlib import Path
 from study.config.sections import ClusterConfig
 from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
+from study.launch.board import DONE, FAILED, RUNNING, RunBoard
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.scheduler import ACTIVE, check_slurm, journal, outside_allocation, record, slurm_jobs, slurm_states
 from study.plan.planner import Plan, plan_experiment
 from study.schema import submitit_dir
+from study.track.groups import ensure_parents
 from study.track.query import status_by_key
 
 
@@ -224,6 +226,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     write_specs(plan)
     write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)
+    ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
     if not stages:
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
@@ -298,21 +301,26 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        for stage in stages:
-            echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
-            for i in range(0, len(stage.runs), parallel):
-                chunk = Stage(stage.name, stage.runs[i:i + parallel])
-                live[:] = submit_stage(plan, chunk)
-                for run, job in zip(chunk.runs, live):
-                    try:
-                        job.result()
-                        echo(f"  done    {run.key}  {run.name}")
-                    except Exception as err:  # a failed run must not stop its siblings
-                        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                        failures.append((run, reason))
-                        echo(f"  FAILED  {run.key}  {run.name}: {reason}")
-                stage.job_ids += [j.job_id for j in live]
-                live.clear()
+        with RunBoard([r for stage in stages for r in stage.runs]) as board:
+            for stage in stages:
+                echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
+                for i in range(0, len(stage.runs), parallel):
+                    chunk = Stage(stage.name, stage.runs[i:i + parallel])
+                    live[:] = submit_stage(plan, chunk)
+                    for run in chunk.runs:
+                        board.mark(run.key, RUNNING)
+                    for run, job in zip(chunk.runs, live):
+                        try:
+                            job.result()
+                            board.mark(run.key, DONE)
+                            echo(f"  done    {run.key}  {run.name}")
+                        except Exception as err:  # a failed run must not stop its siblings
+                            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                            failures.append((run, reason))
+                            board.mark(run.key, FAILED)
+                            echo(f"  FAILED  {run.key}  {run.name}: {reason}")
+                    stage.job_ids += [j.job_id for j in live]
+                    live.clear()
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_jobs(live)
         signum = getattr(stopped, "signum", signal.SIGINT)

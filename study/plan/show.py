@@ -26,14 +26,24 @@ def plan_power_rows(plan: Plan) -> tuple[list, str]:
     return plan_power(plan, rule, measured), note
 
 
-def print_plan(plan: Plan, power: list, note: str) -> None:
+def estimates(plan: Plan) -> dict:
+    """run key -> its GPU-hour `Estimate` (measured by `study calibrate` where its shape was, else assumed)."""
+    from study.plan.throughput import estimate, measured
+
+    calibrations = measured(plan.runs[0].config.tracking.uri) if plan.runs else {}
+    return {run.key: estimate(run, calibrations) for run in plan.runs}
+
+
+def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
     from study import term
     from rich.table import Table
+
+    cost = cost if cost is not None else estimates(plan)
 
     exp = plan.experiment
     table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
     for col in ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths", "params (counted)",
-                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "GPU-h"):
+                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "tok/s", "GPU-h"):
         table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
     total_hours = 0.0
     for run in plan.runs:
@@ -41,7 +51,8 @@ def print_plan(plan: Plan, power: list, note: str) -> None:
         shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}"
         if m.ffn.kind == "hourglass":
             shape += f" K{m.ffn.k}"
-        hours = run.gpu_hours()
+        est = cost[run.key]
+        hours = est.gpu_hours
         total_hours += hours or 0.0
         table.add_row(
             run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
@@ -49,12 +60,18 @@ def print_plan(plan: Plan, power: list, note: str) -> None:
             f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
             f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
-            f"{run.flops_per_token / 1e9:.2f}" if p else "-", f"{hours:,.1f}" if hours is not None else "-",
+            f"{run.flops_per_token / 1e9:.2f}" if p else "-",
+            f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
+            f"{hours:,.1f}" if hours is not None else "-",
         )
     console = term.console()
     console.print(table)
-    console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours at "
-                  f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU" if plan.runs else "no runs")
+    n_measured = sum(e.tokens_per_s is not None for e in cost.values())
+    sources = sorted({e.source for e in cost.values() if e.tokens_per_s is not None})
+    console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured "
+                  f"throughput ({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} "
+                  f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
+                  f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
     for run in plan.runs:
         if run.pending:
             console.print(f"{run.name} ({run.key}): widths wait for the {run.pending}")

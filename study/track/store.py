@@ -123,14 +123,20 @@ def mlflow_client(uri: str):
         return MlflowClient(tracking_uri=uri)
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); with it, in the runs table."""
+
+
 def get_or_create_experiment(client, uri: str, name: str) -> str:
-    """The id of experiment `name`, created (see `artifact_location`) or restored from deleted if needed."""
+    """The id of experiment `name`, created (see `artifact_location`, `EXPERIMENT_KIND`) or restored from deleted
+    if needed."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         from mlflow.exceptions import MlflowException
 
         try:
-            return client.create_experiment(name, artifact_location=artifact_location(uri, name))
+            return client.create_experiment(name, artifact_location=artifact_location(uri, name),
+                                            tags=EXPERIMENT_KIND)
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -76,6 +76,7 @@ class Tracker:
         self._final: tuple[str | None, str | None] = ("FINISHED", None)
         self._deadline = math.inf
         self._closed = False
+        self._monitor = None
         self._thread = threading.Thread(target=self._run, name=f"mlflow-flush-{run_id[:8]}", daemon=True)
         self._thread.start()
         atexit.register(self._close_at_exit)
@@ -91,6 +92,7 @@ class Tracker:
         rank: int = 0,
         cfg: TrackingConfig | None = None,
         log_path: Path | None = None,
+        system_metrics: bool = False,
     ) -> Tracker:
         """Creates the run for `run_key`, or resumes it after a restart (never a second run for one key).
 
@@ -118,7 +120,10 @@ class Tracker:
                 )
             return run
 
-        return cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
+        tracker = cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
+        if system_metrics:
+            tracker._start_system_metrics()
+        return tracker
 
     @classmethod
     def attach(cls, run_key: str, experiment: str, rank: int = 0, cfg: TrackingConfig | None = None) -> Tracker:
@@ -169,6 +174,27 @@ class Tracker:
         replay = [] if log is None else reconcile(log, logged_upto, lambda k: {m.step for m in call_with_retries(
             lambda: client.get_metric_history(run.info.run_id, k), cfg, deadline, "metric history")})
         return cls(client, run.info.run_id, cfg, logged_upto, terminate, log, replay)
+
+    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
+        """`fn(client, run_id)` now, for what is written once per run (lineage, the parent run), retried on
+        transient errors for up to a minute. A failure is logged and gives None: lineage never stops training."""
+        deadline = time.monotonic() + min(self._cfg.open_timeout_s, 60.0)
+        try:
+            return call_with_retries(lambda: fn(self._client, self.run_id), self._cfg, deadline, what)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("MLflow %s for run %s failed: %s", what, self.run_id, short(exc))
+            return None
+
+    def _start_system_metrics(self) -> None:
+        try:
+            import psutil  # noqa: F401  (MLflow's monitor needs it)
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        except ImportError:
+            logger.info("system metrics are off: install psutil (and pynvml for GPUs) to record them")
+            return
+        self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self._cfg.system_metrics_s,
+                                             resume_logging=True, tracking_uri=self._client.tracking_uri)
+        self._monitor.start()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
@@ -257,6 +283,8 @@ class Tracker:
         if not self._closed:
             self._closed = True
             atexit.unregister(self._close_at_exit)
+            if self._monitor is not None:
+                self._monitor.finish()  # its last samples land while the run is still RUNNING
             self._final = (status, reason)
             self._deadline = time.monotonic() + timeout_s
             self._closing.set()
@@ -382,6 +410,9 @@ class NullTracker(Tracker):
 
     def log_artifact(self, source: Path | str, name: str) -> None:
         pass
+
+    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
+        return None
 
     def sync(self) -> None:
         pass

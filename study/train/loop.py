@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,6 +108,11 @@ def wrap_fsdp(model, cfg: RunConfig, d: Dist):
     return model
 
 
+def use_compile(cfg: RunConfig, d: Dist) -> bool:
+    c = cfg.train.compile
+    return d.device.startswith("cuda") if c is None else bool(c)
+
+
 def use_bf16(cfg: RunConfig, d: Dist) -> bool:
     p = cfg.train.precision
     return p == "bf16" or (p == "auto" and d.device.startswith("cuda"))
@@ -171,7 +177,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
         _checkpoint_blocks(model)
-    step_model = torch.compile(model) if cfg.train.compile else model
+    step_model = torch.compile(model) if use_compile(cfg, d) else model
     optimizer = build_optimizer(model, cfg.train, lr)
 
     shape = model_hash(model_cfg)
@@ -181,10 +187,10 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
-    tracker = _open_tracker(spec, d, max_steps, lr)
+    tracker = _open_tracker(spec, d, max_steps, lr, data)
     stop = StopRequest.install()
     stream = batch_stream(cfg, data, d, start)
-    progress = _progress(d, start, max_steps, spec.name)
+    progress = _progress(d, start, max_steps, spec.name, spec.run_dir.progress)
     losses: dict[int, float] = {}
     faults = FaultHooks(cfg.faults)
     autocast_bf16 = use_bf16(cfg, d) and d.world_size == 1  # FSDP's policy casts sharded runs
@@ -234,6 +240,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     except Diverged as err:
         outcome = Outcome("FAILED", step, None, losses, str(err))
     except BaseException as err:
+        _log_job_output(tracker, spec)
         tracker.close("FAILED", f"{type(err).__name__}: {err}")
         raise
     finally:
@@ -252,7 +259,42 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
     if outcome.status == "FINISHED" and d.is_main:
         spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
                                                    "run_key": spec.key}))
+    _log_job_output(tracker, spec)
     tracker.close(outcome.status, outcome.reason)
+    if outcome.status == "FINISHED":
+        from study.track.groups import refresh_quietly
+
+        tracker.record("parent summary", refresh_quietly)
+
+
+def _log_job_output(tracker, spec: RunSpec) -> None:
+    """The job's own stdout and stderr, when they go to files (a SLURM or local-launch log), as artifacts
+    `logs/<name>`: the run page then holds what the job printed, progress and warnings included."""
+    import os
+
+    if tracker.run_id is None:
+        return
+    seen = set()
+    for fd in (1, 2):
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            return  # no /proc: not Linux
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        if path.stat().st_size > MAX_LOG_ARTIFACT:
+            print(f"the job log {path} is over {MAX_LOG_ARTIFACT >> 20} MiB: not copied to MLflow", flush=True)
+            continue
+        sys.stdout.flush(), sys.stderr.flush()
+        try:
+            tracker.log_artifact(path, f"logs/{path.name}")
+        except OSError as exc:
+            print(f"the job log {path} could not be copied to MLflow: {exc}", file=sys.stderr, flush=True)
+
+
+MAX_LOG_ARTIFACT = 64 << 20
+"""Largest job log copied to MLflow at the end of a run."""
 
 
 def model_hash(model_cfg) -> str:
@@ -309,7 +351,9 @@ def _checkpoint_blocks(model) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
 
 
-def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
+def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
+    from study.track import lineage
+    from study.track.groups import parent_for
     from study.track.params import redact
     from study.track.tags import run_tags
     from study.track.tracker import Tracker
@@ -319,10 +363,23 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
     params["params"] = spec.params
-    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, run_tags(spec), redact(params), rank=d.rank,
-                           cfg=cfg.tracking, log_path=spec.run_dir.metrics)
+    tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
+                           cfg=cfg.tracking, log_path=spec.run_dir.metrics,
+                           system_metrics=cfg.tracking.system_metrics_s > 0)
     if d.is_main:
         import yaml
+
+        def lineage_records(client, run_id):
+            run = client.get_run(run_id)
+            if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
+                client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
+            dataset = lineage.dataset_input(data, cfg.data)
+            if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
+                client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
+
+        tracker.record("lineage", lineage_records)
+        tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
 
         tracker.log_dict(redact(asdict(cfg)), "config.yaml")
         tracker.log_dict(redact(spec.as_dict()), "run.json")
@@ -333,13 +390,13 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float):
 
 
 class _progress:
-    """One progress line on rank 0: step, loss, tokens/s, ETA."""
+    """One progress line on rank 0 (step, loss, tokens/s, ETA), and the same figures in the run directory's
+    progress.json for whoever watches several runs at once (`study launch` on this machine, `study demo`)."""
 
-    def __init__(self, d: Dist, start: int, total: int, name: str):
-        self.bar = None
+    def __init__(self, d: Dist, start: int, total: int, name: str, path: Path | None = None):
+        self.bar, self.path = None, path if d.is_main else None
+        self.start, self.total, self.t0 = start, total, time.monotonic()
         if d.is_main:
-            import sys
-
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True,
@@ -351,7 +408,20 @@ class _progress:
             self.bar.update(step - self.last)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
         self.last = step
+        if self.path is not None:
+            rate = (step - self.start) / max(time.monotonic() - self.t0, 1e-9)
+            write_progress(self.path, {"step": step, "max_steps": self.total, "loss": loss, "tokens_per_s": tps,
+                                       "eta_s": (self.total - step) / rate if rate > 0 else None})
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def write_progress(path: Path, figures: dict) -> None:
+    """Replaces progress.json whole (write, then rename), so a reader never sees half of it."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**figures, "time": time.time()}))
+    os.replace(tmp, path)

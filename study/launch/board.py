@@ -1,0 +1,82 @@
+"""One live table across the runs of a local launch (`study launch cluster=local`, `study demo`): each run's state,
+step of total, loss, tokens/s and ETA, read from the progress.json its trainer replaces at every logged step.
+
+On a terminal the table redraws in place; into a pipe or a file there is no animation, only the launcher's plain
+`done` / `FAILED` lines, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+
+from study.config.spec import RunSpec
+
+WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "FAILED"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class RunBoard:
+    """The table for `runs`; `mark(key, state)` records what the launcher knows (running, done, FAILED)."""
+
+    def __init__(self, runs: Iterable[RunSpec]):
+        self.runs = list(runs)
+        self.states = {r.key: WAITING for r in self.runs}
+        self._live = None
+
+    def mark(self, key: str, state: str) -> None:
+        self.states[key] = state
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """(run, state, step, loss, tokens/s, ETA) per run, as shown."""
+        out = []
+        for run in self.runs:
+            figures = _read(run)
+            state = self.states[run.key]
+            if figures is None:
+                out.append((run.name, state, "-", "-", "-", "-"))
+                continue
+            out.append((run.name, state, f"{figures['step']}/{figures['max_steps']}", f"{figures['loss']:.4f}",
+                        f"{figures['tokens_per_s']:,.0f}",
+                        "-" if state in (DONE, FAILED) else _duration(figures.get("eta_s"))))
+        return out
+
+    def table(self):
+        from rich.table import Table
+
+        done = sum(s == DONE for s in self.states.values())
+        table = Table(title=f"{done} of {len(self.runs)} runs done")
+        for col in ("run", "state", "step", "loss", "tokens/s", "ETA"):
+            table.add_column(col, justify="left" if col in ("run", "state") else "right")
+        for row in self.rows():
+            table.add_row(*row)
+        return table
+
+    def __enter__(self) -> RunBoard:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(file=sys.stderr)
+        if console.is_terminal:
+            self._live = Live(get_renderable=self.table, console=console, refresh_per_second=2, transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def _read(run: RunSpec) -> dict | None:
+    try:
+        return json.loads(run.run_dir.progress.read_text())
+    except (OSError, ValueError):
+        return None

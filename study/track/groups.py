@@ -1,0 +1,129 @@
+"""Parent runs: one MLflow run per (experiment, variant, scale), with that cell's seed runs nested under it.
+
+MLflow's runs table folds nested runs under their parent (the `mlflow.parentRunId` tag), so a study reads as one
+row per variant and scale. The parent carries the mean, the sample standard deviation and the count of its finished
+seed runs' final metrics, under the seed runs' own metric names (`val/loss`, `val/loss/sd`, `val/loss/n`): one
+column of the table compares variants. Its metric step is the number of finished seeds summarised, so the history
+shows how the mean moved as seeds arrived.
+
+A parent has no `study.seed` and no `study.run_key`, and `study.stage=group`: analysis, status and relaunch never
+take it for a training run. The summary is recomputed from the seed runs whenever one finishes or is evaluated, so
+it is never the only record of anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Mapping
+
+from study import schema
+from study.track.lineage import DESCRIPTION, PARENT
+
+logger = logging.getLogger(__name__)
+GROUP_STAGE = "group"
+TAG_GROUP = "study.group"
+SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)
+"""Final metrics a parent summarises, besides every `eval/...` score."""
+
+
+def group_name(variant: str, scale: str) -> str:
+    return f"{variant}-{scale}"
+
+
+def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
+    """The id of the parent run of a seed run with these `study.*` tags, created the first time.
+
+    `study launch` creates every parent first (`ensure_parents`); a run trained on its own (`study train`) creates
+    its parent if none is found, and then the oldest is kept and the rest deleted (the rule that keeps one run per
+    run key)."""
+    name = group_name(tags[schema.TAG_VARIANT], tags[schema.TAG_SCALE])
+    found = _parents(client, experiment_id, name)
+    if not found:
+        parent_tags = {TAG_GROUP: name, schema.TAG_STAGE: GROUP_STAGE,
+                       schema.TAG_EXPERIMENT: tags.get(schema.TAG_EXPERIMENT, ""),
+                       schema.TAG_VARIANT: tags[schema.TAG_VARIANT], schema.TAG_SCALE: tags[schema.TAG_SCALE],
+                       schema.TAG_BASELINE: tags.get(schema.TAG_BASELINE, ""),
+                       DESCRIPTION: f"{name}: mean, standard deviation (/sd) and count (/n) over its finished seed "
+                                    f"runs of {', '.join(SUMMARISED)} and the eval/ scores"}
+        run = client.create_run(experiment_id, run_name=name, tags=parent_tags)
+        client.set_terminated(run.info.run_id, "FINISHED")
+        found = _parents(client, experiment_id, name)
+        for duplicate in found[1:]:
+            client.delete_run(duplicate.info.run_id)
+    return found[0].info.run_id
+
+
+def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
+    """The parent run of every (variant, scale) of a launch, created by the launcher before any job starts.
+
+    A seed run creating its own parent races its siblings: a run created late by a delayed write can be older than
+    one another process has already chosen. One creator, first, leaves the jobs only finding."""
+    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
+    from study.track.tags import run_tags
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow_client(uri)
+    experiment_id = get_or_create_experiment(client, uri, experiment)
+    cells = {group_name(r.config.variant, r.config.scale): r for r in runs}
+    for run in cells.values():
+        parent_for(client, experiment_id, run_tags(run))
+
+
+def _parents(client, experiment_id: str, name: str) -> list:
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_GROUP}` = '{name}' and "
+                              f"tags.`{schema.TAG_STAGE}` = '{GROUP_STAGE}'", max_results=100)
+    return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+
+def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, float], int]:
+    """(metrics, n finished): mean, `/sd` (n >= 2) and `/n` of each summarised final metric over the FINISHED
+    children; `keys` limits them to those run keys (the experiment's latest launch)."""
+    done = [c for c in children if c.info.status == "FINISHED"
+            and (keys is None or c.data.tags.get(schema.TAG_RUN_KEY) in keys)]
+    values: dict[str, list[float]] = {}
+    for child in done:
+        for key, value in child.data.metrics.items():
+            if (key in SUMMARISED or key.startswith(schema.EVAL_PREFIX)) and math.isfinite(value):
+                values.setdefault(key, []).append(value)
+    out: dict[str, float] = {}
+    for key, vals in sorted(values.items()):
+        out[key] = statistics.fmean(vals)
+        out[f"{key}/n"] = float(len(vals))
+        if len(vals) >= 2:
+            out[f"{key}/sd"] = statistics.stdev(vals)
+    return out, len(done)
+
+
+def refresh(client, run_id: str) -> dict[str, float]:
+    """Recomputes the summary on the parent of seed run `run_id` (nothing when it has none) and returns it."""
+    from mlflow.entities import Metric
+
+    from study.track.query import read_manifest_tags
+
+    run = client.get_run(run_id)
+    parent = run.data.tags.get(PARENT)
+    if not parent:
+        return {}
+    experiment_id = run.info.experiment_id
+    children = client.search_runs([experiment_id], filter_string=f"tags.`{PARENT}` = '{parent}'", max_results=1000)
+    manifest = read_manifest_tags(client, client.get_experiment(experiment_id).name)
+    keys = set(manifest["keys"]) if manifest and manifest["keys"] else None
+    metrics, n = summary(children, keys)
+    if metrics:
+        import time
+
+        now = int(time.time() * 1000)
+        points = [Metric(k, v, now, n) for k, v in metrics.items()]
+        for i in range(0, len(points), 1000):
+            client.log_batch(parent, metrics=points[i:i + 1000], synchronous=True)
+    return metrics
+
+
+def refresh_quietly(client, run_id: str) -> None:
+    """`refresh`, with a failure logged rather than raised: the seed runs hold every number it would show."""
+    try:
+        refresh(client, run_id)
+    except Exception as exc:  # noqa: BLE001 - a summary must never fail a training run or an evaluation
+        logger.warning("could not update the parent run of %s: %s", run_id, str(exc).splitlines()[0][:200])

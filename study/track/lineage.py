@@ -1,0 +1,114 @@
+"""Where a run came from, in MLflow's own terms: the code (source and git commit tags, which the UI shows on the run
+page), a one-line description (the run page's description box), and the token shards it trained on (a dataset
+input, listed in the runs table's Dataset column).
+
+Everything here is computed once per run at open; nothing is on the training step's path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from study.config.spec import RunSpec
+
+# MLflow's own tag names (mlflow.utils.mlflow_tags); the UI renders them on the run page
+SOURCE_NAME, SOURCE_TYPE = "mlflow.source.name", "mlflow.source.type"
+GIT_COMMIT, GIT_REPO = "mlflow.source.git.commit", "mlflow.source.git.repoURL"
+DESCRIPTION = "mlflow.note.content"
+PARENT = "mlflow.parentRunId"
+DATASET_CONTEXT = "mlflow.data.context"
+DIGEST_CHARS = 32
+"""MLflow stores a dataset digest in 36 characters."""
+
+
+@functools.cache
+def _checkout() -> tuple[str | None, bool, str | None]:
+    """(commit, dirty, remote URL) of the git checkout `study` is imported from; (None, False, None) outside one."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return None, False, None
+    # tracked files only: run directories, caches and stores inside a checkout are not code changes
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return commit, dirty, git("remote", "get-url", "origin")
+
+
+def source_tags(entry: str = "study train") -> dict[str, str]:
+    """MLflow's source tags for a run started by `entry`, with the git commit of the code when it is a checkout
+    (`study.git_dirty` says whether tracked files differed from it) and the package version."""
+    tags = {SOURCE_NAME: entry, SOURCE_TYPE: "JOB", "study.version": _version()}
+    commit, dirty, remote = _checkout()
+    if commit is not None:
+        tags[GIT_COMMIT] = commit
+        tags["study.git_dirty"] = str(dirty).lower()
+    if remote:
+        tags[GIT_REPO] = remote
+    return tags
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("study")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def description(spec: RunSpec) -> str:
+    """One line for the run page: variant, scale and seed, the shape, and the budget it is matched to."""
+    cfg, m = spec.config, spec.model
+    ffn = m.ffn
+    widths = ffn.widths or []
+    if ffn.kind == "hourglass":
+        sub = sorted({w // max(ffn.k, 1) for w in widths}) or [ffn.width]
+        body = f"hourglass FFN K={ffn.k} d_h={_span(sub)}"
+    else:
+        body = f"SwiGLU FFN d_ff={_span(sorted(set(widths)) or [ffn.width])}"
+    if len(set(widths)) > 1:
+        body += f" ({ffn.schedule} schedule)"
+    line = (f"{cfg.variant} at {cfg.scale}, seed {cfg.seed}: {m.block} L{m.n_layers} d_model={m.d_model} "
+            f"heads={m.n_heads}, {body}")
+    if spec.params and spec.budget:
+        line += f"; {spec.counted / 1e6:,.2f}M parameters counted against a {spec.budget / 1e6:,.2f}M budget"
+        if spec.mismatch is not None:
+            line += f" ({spec.mismatch:+.1e})"
+    return line
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def dataset_input(data, data_cfg) -> Any:
+    """The run's token shards as an MLflow `DatasetInput`: named after the corpus, digest of the shards' checksums,
+    token and document counts as its profile, context `training`."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    meta = data.meta
+    sums = meta.get("sha256") or {}
+    digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:DIGEST_CHARS]
+    name = data_cfg.name if not data_cfg.config_name else f"{data_cfg.name}:{data_cfg.config_name}"
+    local = Path(data_cfg.name).expanduser().exists()
+    source = {"uri": str(Path(data_cfg.name).expanduser().resolve()) if local else data_cfg.name,
+              "shards": str(data.shard_dir)}
+    splits = meta.get("splits", {})
+    profile = {f"{split}_{what}": stats[what] for split, stats in splits.items() for what in ("tokens", "documents")
+               if what in stats}
+    profile.update({"vocab_size": meta.get("vocab_size"), "dtype": meta.get("dtype")})
+    dataset = Dataset(name=name[:500], digest=digest, source_type="local" if local or data_cfg.name == "docstrings"
+                      else "hugging_face", source=json.dumps(source), profile=json.dumps(profile))
+    return DatasetInput(dataset=dataset, tags=[InputTag(key=DATASET_CONTEXT, value="training")])
