@@ -135,9 +135,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from study.evaluate.stage import find_run
-    from study.export.stage import describe, export_run
+    from study.export.stage import check_options, describe, export_run
 
     settings = _settings(args.overrides, ("paths.runs",), "export")
+    check_options(args.format, args.dtype)
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     print(describe(export_run(spec, args.format, args.out, args.force, args.dtype)))
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from study.config.spec import RunSpec
 from study.errors import StudyError
-from study.export import hf
+from study.export.hf import hf_architecture, hf_unsupported, padded_units, save_pretrained
 from study.export.native import MANIFEST, WEIGHTS, save_weights
 
 FORMATS = ("hf",)
@@ -44,7 +44,21 @@ class Exported:
     step: int
     """The checkpoint's training step."""
     padded_units: dict[int, int]
-    """Zero FFN hidden units added per layer to give the hf format one width (exact: `hf.padded_units`)."""
+    """Zero FFN hidden units added per layer to give the hf format one width (exact: `padded_units`)."""
+
+
+def check_options(fmt: str, dtype: str) -> None:
+    """The options, checked before the run is looked up."""
+    if fmt not in FORMATS:
+        raise StudyError("--format", f"{fmt!r} is not an export format", f"use --format {' or '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise StudyError("--dtype", f"{dtype!r} is not an export dtype", f"use --dtype {', '.join(DTYPES)}")
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise StudyError("--format", f"the {fmt} export needs transformers and safetensors ({err})",
+                         "install them: pip install -e '.[hf]'") from None
 
 
 def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, force: bool = False,
@@ -57,16 +71,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     from study.evaluate.stage import load_trained_model
     from study.train.state import TrainState
 
-    if fmt not in FORMATS:
-        raise StudyError("--format", f"{fmt!r} is not an export format", f"use --format {' or '.join(FORMATS)}")
-    try:
-        import safetensors  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as err:
-        raise StudyError("--format", f"the {fmt} export needs transformers and safetensors ({err})",
-                         "install them: pip install -e '.[hf]'") from None
-    if dtype not in DTYPES:
-        raise StudyError("--dtype", f"{dtype!r} is not an export dtype", f"use --dtype {', '.join(DTYPES)}")
+    check_options(fmt, dtype)
     out = Path(out).resolve() if out else spec.run_dir.export
     if out.exists() and not out.is_dir():
         raise StudyError("--out", f"{out} is a file", "give a directory path (it is created)")
@@ -88,9 +93,9 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
         raise StudyError("data.tokenizer", f"the run's tokenizer emits {data.vocab_size} ids but the model embeds "
                          f"{spec.model.vocab_size}", "export a run whose model.vocab_size covers its tokenizer")
 
-    architecture, why_study = hf.hf_architecture(spec.model), hf.hf_unsupported(spec.model)
+    architecture, why_study = hf_architecture(spec.model), hf_unsupported(spec.model)
     exported = Exported(out.resolve(), "hf" if architecture else "study", architecture, why_study, weights_dtype,
-                        reason, state.step, hf.padded_units(spec.model) if architecture else {})
+                        reason, state.step, padded_units(spec.model) if architecture else {})
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,7 +103,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     try:
         eos = _write_tokenizer(tmp, data.tokenizer_path, data.eos_id, spec.model.max_seq_len)
         if architecture:
-            hf.save_pretrained(model, tmp, data.eos_id, weights_dtype)
+            save_pretrained(model, tmp, data.eos_id, weights_dtype)
         else:
             save_weights(model, tmp / WEIGHTS, getattr(torch, weights_dtype))
         _write_manifest(tmp, spec, exported, ckpt.name, eos)
@@ -122,7 +127,7 @@ def _weights_dtype(choice: str, computed: str, precision: str) -> tuple[str, str
 
 
 def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int) -> str:
-    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf.hf_config`); returns
+    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`); returns
     the EOS token."""
     from transformers import PreTrainedTokenizerFast
 
