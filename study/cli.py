@@ -138,6 +138,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from study.evaluate.stage import find_run
+    from study.export.stage import check_options, describe, export_run
+
+    settings = _settings(args.overrides, ("paths.runs",), "export")
+    check_options(args.format, args.dtype)
+    spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
+    print(describe(export_run(spec, args.format, args.out, args.force, args.dtype)))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -324,6 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_key")
     p.add_argument("overrides", nargs="*", help="tasks=arc_easy,hellaswag,piqa limit=N")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="a trained run's checkpoint as transformers files (safetensors + config)")
+    p.add_argument("run_key")
+    p.add_argument("overrides", nargs="*", help="paths.runs=DIR")
+    p.add_argument("--format", required=True, help="hf: what transformers, lm-eval's hf model and vLLM read")
+    p.add_argument("--out", default=None, help="output directory (default: <run dir>/export)")
+    p.add_argument("--force", action="store_true", help="replace an earlier export in --out")
+    p.add_argument("--dtype", default="auto", help="auto (what the run computed in), fp32 or bf16")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="paired-difference report of an experiment")
     p.add_argument("experiment")

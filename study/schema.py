@@ -58,6 +58,8 @@ class RunDir:
     eval = property(lambda self: self.path / "eval.json")
     profile = property(lambda self: self.path / "profile.json")
     """A reference run's geometry profile (and profile.png, widths.png beside it)."""
+    export = property(lambda self: self.path / "export")
+    """`study export`'s default output: the latest checkpoint as transformers (or study-format) files."""
 
 
 def launch_dir(runs_root: str | Path, experiment: str) -> Path:

@@ -148,6 +148,11 @@ CASES = [
     (["eval", "*"], "RUN_KEY"),
     (["eval", "0123456789ab", "limit=0"], "limit"),
     (["eval", "0123456789ab", "limit=lots"], "limit"),
+    (["export", "0123456789ab", "--format", "onnx"], "--format"),
+    (["export", "0123456789ab", "--format", "hf", "--dtype", "fp8"], "--dtype"),
+    (["export", "nosuchkey", "--format", "hf"], "RUN_KEY"),
+    (["export", "0123456789ab", "--format", "hf"], "RUN_KEY"),
+    (["export", "0123456789ab", "--format", "hf", "dtype=bf16"], "dtype"),
     (["profile", "*"], "RUN_KEY"),
     (["profile", "0123456789ab", "colour=red"], "colour"),
     (["status", "demo", "seed=1"], "seed"),
@@ -200,7 +205,8 @@ def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
 
 def test_bad_input_count_covers_every_command():
     assert len(CASES) >= 80
-    assert {c[0][0] for c in CASES} >= {"plan", "launch", "train", "eval", "profile", "allocate", "report", "status"}
+    assert {c[0][0] for c in CASES} >= {"plan", "launch", "train", "eval", "export", "profile", "allocate", "report",
+                                          "status"}
 
 
 def test_the_real_command_exits_2_without_a_traceback(tmp_path):

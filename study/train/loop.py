@@ -118,6 +118,13 @@ def use_bf16(cfg: RunConfig, d: Dist) -> bool:
     return p == "bf16" or (p == "auto" and d.device.startswith("cuda"))
 
 
+def compute_dtype(cfg: RunConfig, d: Dist) -> str:
+    """What the run's forward passes compute in: bf16 under FSDP's policy or CUDA autocast (the only autocast the
+    step enables), else fp32."""
+    bf16 = use_bf16(cfg, d) and (d.world_size > 1 or d.device.startswith("cuda"))
+    return "bfloat16" if bf16 else "float32"
+
+
 def train(spec: RunSpec) -> Outcome:
     """Train (or resume) the run the spec describes, holding its run directory's lease. Collective when world
     size > 1."""
@@ -183,7 +190,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     shape = model_hash(model_cfg)
     state = (checkpoint.load_latest(rdir, model, optimizer, d, key, shape)
              or TrainState(max_steps=max_steps, run_key=key))
-    state.run_key, state.model_hash = key, shape
+    state.run_key, state.model_hash, state.compute_dtype = key, shape, compute_dtype(cfg, d)
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 

@@ -26,6 +26,9 @@ class TrainState:
     """The run the state belongs to."""
     model_hash: str = ""
     """Hash of the matched model the checkpoint holds weights for (a spec whose shape changed is refused)."""
+    compute_dtype: str = ""
+    """What the forward passes computed in, `bfloat16` or `float32` (`train.precision: auto` depends on the device,
+    so only the run knows); the master weights are fp32 either way. Empty in checkpoints written before it existed."""
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))

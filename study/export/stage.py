@@ -1,0 +1,168 @@
+"""`study export RUN_KEY --format hf`: a trained run's latest checkpoint as a directory other tools read.
+
+A model a transformers class computes (llama or olmo2 block, uniform SwiGLU) becomes `config.json`,
+`model.safetensors` and the tokenizer files, which `AutoModelForCausalLM.from_pretrained(dir)`, lm-eval's `hf`
+model and vLLM load; any other model is written in the study format (`study.export.native`), read back with
+`study.export.load(dir)`. Every export also holds `study_export.json`: run key, checkpoint, dtype and the run spec.
+
+The checkpoint is DCP, sharded over however many ranks trained it; loading it into one unsharded model reshards it
+(`checkpoint.load_model_weights`), so the export is consolidated whatever the world size was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.errors import StudyError
+from study.export.hf import hf_architecture, hf_unsupported, padded_units, save_pretrained
+from study.export.native import MANIFEST, WEIGHTS, save_weights
+
+FORMATS = ("hf",)
+DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
+"""--dtype choices; `auto` is what the run computed in (its checkpoint records it)."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    """The export directory."""
+    format: str
+    """`hf` (a transformers class reads it) or `study` (read it with `study.export.load`)."""
+    architecture: str | None
+    """The transformers class, for the hf format."""
+    why_study: str | None
+    """What no transformers class expresses, for the study format."""
+    dtype: str
+    """dtype of the stored weights."""
+    dtype_reason: str
+    """Why that dtype."""
+    step: int
+    """The checkpoint's training step."""
+    padded_units: dict[int, int]
+    """Zero FFN hidden units added per layer to give the hf format one width (exact: `padded_units`)."""
+
+
+def check_options(fmt: str, dtype: str) -> None:
+    """The options, checked before the run is looked up."""
+    if fmt not in FORMATS:
+        raise StudyError("--format", f"{fmt!r} is not an export format", f"use --format {' or '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise StudyError("--dtype", f"{dtype!r} is not an export dtype", f"use --dtype {', '.join(DTYPES)}")
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise StudyError("--format", f"the {fmt} export needs transformers and safetensors ({err})",
+                         "install them: pip install -e '.[hf]'") from None
+
+
+def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, force: bool = False,
+               dtype: str = "auto") -> Exported:
+    """Write the run's latest complete checkpoint to `out` (default `<run dir>/export`); every input is checked
+    before anything is written, and the directory appears whole or not at all."""
+    import torch
+
+    from study.data import prepare_data
+    from study.evaluate.stage import load_trained_model
+    from study.train.state import TrainState
+
+    check_options(fmt, dtype)
+    out = Path(out).resolve() if out else spec.run_dir.export
+    if out.exists() and not out.is_dir():
+        raise StudyError("--out", f"{out} is a file", "give a directory path (it is created)")
+    if out == spec.run_dir.path or out in spec.run_dir.path.parents:
+        raise StudyError("--out", f"{out} holds the run directory {spec.run_dir.path}",
+                         "give a directory outside it (the default is <run dir>/export)")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise StudyError("--out", f"{out} exists and is not empty",
+                             "add --force to replace an earlier export, or choose another --out")
+        if not (out / MANIFEST).is_file():  # --force replaces exports only, never a folder of other files
+            raise StudyError("--out", f"{out} is not empty and holds no earlier export ({MANIFEST})",
+                             "choose a new or empty directory")
+    model, ckpt = load_trained_model(spec)
+    state = TrainState.read(ckpt / "train_state.json")
+    weights_dtype, reason = _weights_dtype(dtype, state.compute_dtype, spec.config.train.precision)
+    data = prepare_data(spec.config.data)  # the tokenizer the run trained with, from the same cache
+    if data.vocab_size > spec.model.vocab_size:
+        raise StudyError("data.tokenizer", f"the run's tokenizer emits {data.vocab_size} ids but the model embeds "
+                         f"{spec.model.vocab_size}", "export a run whose model.vocab_size covers its tokenizer")
+
+    architecture, why_study = hf_architecture(spec.model), hf_unsupported(spec.model)
+    exported = Exported(out.resolve(), "hf" if architecture else "study", architecture, why_study, weights_dtype,
+                        reason, state.step, padded_units(spec.model) if architecture else {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        eos = _write_tokenizer(tmp, data.tokenizer_path, data.eos_id, spec.model.max_seq_len)
+        if architecture:
+            save_pretrained(model, tmp, data.eos_id, weights_dtype)
+        else:
+            save_weights(model, tmp / WEIGHTS, getattr(torch, weights_dtype))
+        _write_manifest(tmp, spec, exported, ckpt.name, eos)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return exported
+
+
+def _weights_dtype(choice: str, computed: str, precision: str) -> tuple[str, str]:
+    if DTYPES[choice]:
+        return DTYPES[choice], f"--dtype {choice}"
+    if computed == "bfloat16":
+        return computed, "the run computed in bf16 (its fp32 master weights rounded to bf16)"
+    if computed == "float32" or precision == "fp32":
+        return "float32", "the run trained in fp32"
+    return "float32", (f"the checkpoint does not record what train.precision={precision} computed in; fp32 keeps "
+                       "its master weights exactly (--dtype bf16 halves the files)")
+
+
+def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int) -> str:
+    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`); returns
+    the EOS token."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), model_max_length=max_len)
+    eos = tok.convert_ids_to_tokens(eos_id)
+    tok.eos_token = tok.bos_token = eos
+    tok.save_pretrained(out)
+    # transformers 5 names its class TokenizersBackend; PreTrainedTokenizerFast is the name 4.x and 5 both resolve
+    path = out / "tokenizer_config.json"
+    written = json.loads(path.read_text())
+    written["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(written, indent=2) + "\n")
+    return eos
+
+
+def _write_manifest(out: Path, spec: RunSpec, exported: Exported, checkpoint: str, eos: str) -> None:
+    from study.track.params import redact
+
+    record = {"format": exported.format, "architecture": exported.architecture, "why_study": exported.why_study,
+              "loader": "transformers.AutoModelForCausalLM" if exported.architecture else "study.export.load",
+              "run_key": spec.key, "name": spec.name, "checkpoint": checkpoint, "step": exported.step,
+              "dtype": exported.dtype, "dtype_reason": exported.dtype_reason, "padded_units": exported.padded_units,
+              "eos_token": eos,
+              "spec": redact(spec.as_dict())}
+    (out / MANIFEST).write_text(json.dumps(record, indent=1, default=str))
+
+
+def describe(exported: Exported) -> str:
+    """The console summary: what was written, how to load it, and why."""
+    where = f"step {exported.step} -> {exported.path} ({exported.dtype}: {exported.dtype_reason})"
+    if exported.architecture:
+        padded = (f"; FFN layers {sorted(exported.padded_units)} zero-padded by "
+                  f"{sorted(exported.padded_units.values())} units to one width (the same function)"
+                  if exported.padded_units else "")
+        return (f"exported as {exported.architecture}, {where}{padded}. Load with "
+                f"transformers.AutoModelForCausalLM.from_pretrained, lm-eval --model hf or vLLM")
+    return (f"no transformers class computes {exported.why_study}: exported in the study format, {where}. "
+            f"Load with study.export.load({str(exported.path)!r})")
