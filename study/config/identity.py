@@ -4,7 +4,9 @@ Every field of `RunConfig` is placed here, on one side, with a one-line reason (
 a field that is not). A section can be placed whole. `scheduled` fields join the key of geometry-scheduled runs
 only: they decide those runs' widths and nothing about any other run.
 
-The key is computed once, by the planner, and travels in the run spec; jobs never recompute it.
+The key is computed once, by the planner, and travels in the run spec; jobs never recompute it. The key schema is
+frozen: fields added or moved since it froze are hashed by one rule, `_frozen`, that leaves every existing key as it
+was.
 """
 
 from __future__ import annotations

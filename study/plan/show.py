@@ -21,14 +21,14 @@ def fmt_widths(widths: list[int] | None) -> str:
 
 
 def fmt_heads(heads: list[int]) -> str:
-    """Query heads per layer, run-length encoded: `8x2 12x3 16x3`."""
+    """Query heads per layer, repeats run-length encoded: `8 10 13 15x2 13 10 8`, `16x8`."""
     runs: list[list[int]] = []
     for h in heads:
         if runs and runs[-1][0] == h:
             runs[-1][1] += 1
         else:
             runs.append([h, 1])
-    return " ".join(f"{h}x{n}" for h, n in runs)
+    return " ".join(f"{h}x{n}" if n > 1 else str(h) for h, n in runs)
 
 
 def plan_power_rows(plan: Plan) -> tuple[list, str]:
