@@ -165,7 +165,8 @@ def test_an_adhoc_run_is_named_after_its_presets():
 
 
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):
-    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2"]
+    # a field under its old name (now model.ffn.schedule.start) reads on both paths
+    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2", "model.ffn.cosine_start=1.25"]
     out = subprocess.run([sys.executable, "-m", "study.cli", "train", *over, "--cfg", "job"], cwd=workdir,
                          capture_output=True, text=True, env=os.environ, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
