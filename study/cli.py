@@ -255,12 +255,13 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     if scale not in exp.scales:
         raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
     settings = parse_overrides([f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}",
-                                f"geometry.anti={args.anti}"])
+                                f"model.ffn.schedule.reverse={args.anti}"])
     reference = compose_run(exp, Variant("reference", "conventional"), scale, parse_overrides([]))
     cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
     profile = read_profile(args.profile)
     budget = cfg.budget.target
-    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry)
+    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
+                             anti=args.anti)
     m = match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
     out = {"statistic": args.statistic, "geometry": args.geometry, "anti": args.anti, "scale": scale,
            "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,

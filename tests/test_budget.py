@@ -141,3 +141,30 @@ def test_infeasible_budget_is_refused():
     with pytest.raises(StudyError) as err:
         match(REF_113M, 1_000_000, BudgetConfig())
     assert err.value.field == "budget"
+
+
+@pytest.mark.parametrize("block", ["llama", "olmo2"])
+@pytest.mark.parametrize("kv", [0, 2], ids=["mha", "gqa"])
+def test_heads_per_layer_are_counted_as_the_built_model_has_them(block, kv):
+    import torch
+
+    from study.models.transformer import build_model
+
+    cfg = ModelConfig(block=block, d_model=64, n_layers=3, n_heads=4, n_kv_heads=kv, head_dim=16, vocab_size=300,
+                      max_seq_len=16, layer_heads=[2, 6, 4], ffn=FFNConfig(widths=[50, 61, 47]))
+    group = 4 // (kv or 4)
+    q = [2, 6, 4]
+    kvs = [h // group for h in q]
+    p = count_params(cfg, "total")
+    assert p.attention == sum(2 * 64 * 16 * (a + b) for a, b in zip(q, kvs))  # W_q, W_o and W_k, W_v per layer
+    assert p.total == built_count(cfg)
+    model = build_model(cfg, "cpu")
+    assert [layer.attn_sublayer.fn.n_kv for layer in model.layers] == kvs
+    assert model(torch.randint(0, 300, (2, 16))).shape == (2, 16, 300)
+
+
+def test_heads_per_layer_must_be_whole_kv_groups():
+    cfg = replace(REF_113M, n_kv_heads=4, layer_heads=[4] * 12)  # 3 query heads per KV head: 4 is no whole group
+    with pytest.raises(StudyError) as err:
+        match(cfg, 113_246_208, BudgetConfig())
+    assert err.value.field == "model.layer_heads"

@@ -16,6 +16,7 @@ from conftest import ROOT, TINY, TRAINING_RUNS
 from study.cli import main
 from study.config.compose import nested
 from study.config.identity import FIELDS, KEY, OUT, SCHEDULED, placement, run_key
+from study.config.model import FAMILIES
 from study.config.run import RunConfig
 from study.config.spec import read_spec, write_spec
 from study.errors import StudyError
@@ -37,7 +38,12 @@ def leaves(cls, prefix=""):
 # fields whose typed config checks its own choices get another valid value
 ALTERNATIVES = {"geometry.statistic": "gw", "geometry.geometry": "raw", "geometry.smoothing": "none",
                 "geometry.exponent": "constant", "geometry.hyperbolic_radius": 0.5, "geometry.w_min_fraction": 0.5,
-                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser"}
+                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser", "model.ffn.schedule.family": "linear"}
+
+
+# a width-schedule family that reads each schedule parameter (study.config.model.FAMILIES)
+READER = {"start": "cosine", "end": "cosine", "steepness": "sigmoid", "beta": "layerwise", "alpha": "layerwise",
+          "isotropic_ends": "layerwise", "reverse": "cosine"}
 
 
 def changed(value, dotted=""):
@@ -75,18 +81,23 @@ def test_every_config_field_is_placed_on_one_side_of_the_key():
 def test_a_field_changes_the_key_exactly_when_it_is_placed_in_it(scheduled):
     base = RunConfig()
     if scheduled:
-        base = with_field(base, "model.ffn.schedule", "geometry")
+        base = with_field(base, "model.ffn.schedule.family", "geometry")
     upstream = ["abcdef012345"] if scheduled else None
     key = run_key(base, upstream)
+    family = base.model.ffn.schedule.family
     for dotted, default in leaves(RunConfig).items():
-        if dotted == "model.ffn.schedule":
-            continue
         side = placement(dotted)[0]
         start, start_key = base, key
         if dotted == "geometry.measure_sensitivity":  # measuring no sensitivity is valid only without its weights
             start = with_field(base, "geometry.weight_by_sensitivity", False)
             start_key = run_key(start, upstream)
         moved = run_key(with_field(start, dotted, changed(default, dotted)), upstream) != start_key
+        param = dotted.removeprefix("model.ffn.schedule.")
+        if param in READER and param not in FAMILIES[family] and param not in ("start", "end"):
+            # another family's parameter cannot change this model; under a family that reads it, it is in the key
+            assert not moved, dotted
+            reader = with_field(start, "model.ffn.schedule.family", READER[param])
+            moved = run_key(with_field(reader, dotted, changed(default, dotted))) != run_key(reader)
         assert moved == (side == KEY or (scheduled and side == SCHEDULED)), dotted
     if scheduled:
         assert run_key(base, ["0123456789ab"]) != key  # another reference is another run
@@ -152,7 +163,8 @@ def test_an_adhoc_run_is_named_after_its_presets():
 
 
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):
-    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2"]
+    # a field under its old name (now model.ffn.schedule.start) reads on both paths
+    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2", "model.ffn.cosine_start=1.25"]
     out = subprocess.run([sys.executable, "-m", "study.cli", "train", *over, "--cfg", "job"], cwd=workdir,
                          capture_output=True, text=True, env=os.environ, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

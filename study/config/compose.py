@@ -3,7 +3,9 @@
 Every path composes here: `study plan/launch/status/report` (per variant and scale of an experiment), `study train`,
 and `python -m study.train` (Hydra expands sweeps and launchers, then hands each job's task overrides to `compose`).
 Order: the primary `sweeps/train.yaml` body <- the selected group files (scale, model, train, data, cluster) <-
-caller layers (an experiment's identity, shared and per-variant settings) <- the overrides.
+caller layers (an experiment's identity, shared and per-variant settings) <- the overrides. Every layer is first
+brought to the current shape (`study.config.model.upgrade_legacy`: `model.ffn.schedule: cosine` and the old cosine and
+anti fields).
 
 Overrides follow Hydra's grammar: `key=value`, `+key=value`, `++key=value` set a field; `~key` restores its typed
 default; `group=option` selects a file and `~group` drops the selection. The typed config has a fixed schema, so a
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from study.config.model import LEGACY_KEYS, upgrade_dotted, upgrade_legacy
 from study.config.run import RunConfig
 from study.errors import StudyError
 
@@ -124,7 +127,7 @@ def typed_defaults():
 
 def nested(dotted: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in dotted.items():
+    for key, value in upgrade_dotted(dotted).items():
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -181,7 +184,9 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
                   "the selected presets"))
     nodes += list(layers or [])
     nodes.append((nested(ov.values), "the command-line overrides"))
-    nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
+    reset = [LEGACY_KEYS.get(k, k) for k in ov.reset]
+    nodes.append((nested({k: _default_of(k) for k in reset}), "the `~` overrides"))
+    nodes = [(upgrade_legacy(node), where) for node, where in nodes]
     # One typed merge of the plain layers is fast; per-layer merges only run to name the culprit.
     try:
         merged = OmegaConf.merge(typed_defaults(), *(n for n, _ in nodes))

@@ -43,8 +43,6 @@ class AllocationConfig:
     """a for every layer when exponent is constant."""
     w_min_fraction: float = 0.25
     """Lower bound of every layer's width, as a fraction of the uniform width."""
-    anti: bool = False
-    """Allocate against the measured direction: work reflected about its midrange (the anti control)."""
     weight_by_sensitivity: bool = True
     """Weight layer l by its measured perturbation sensitivity lambda_l, the paper's loss sensitivity (false:
     lambda_l = 1)."""

@@ -4,16 +4,20 @@ Every field of `RunConfig` is placed here, on one side, with a one-line reason (
 a field that is not). A section can be placed whole. `scheduled` fields join the key of geometry-scheduled runs
 only: they decide those runs' widths and nothing about any other run.
 
-The key is computed once, by the planner, and travels in the run spec; jobs never recompute it.
+The key is computed once, by the planner, and travels in the run spec; jobs never recompute it. The key schema is
+frozen: fields added or moved since it froze are hashed by one rule, `_frozen`, that leaves every existing key as it
+was.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict
 from typing import Any
 
+from study.config.model import FAMILIES
 from study.config.run import RunConfig, leaves
 
 SCHEMA_VERSION = 3
@@ -96,15 +100,51 @@ def placement(dotted: str) -> tuple[str, str]:
     raise KeyError(f"{dotted} is not placed in study/config/identity.py FIELDS")
 
 
+SCHEDULE = "model.ffn.schedule."
+FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
+                SCHEDULE + "end": "model.ffn.cosine_end"}
+"""Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
+ADDED = frozenset({"model.layer_heads", *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends",
+                                                                  "reverse"))})
+"""Fields added since key schema 3."""
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict[str, Any]:
+    return leaves(asdict(RunConfig()))
+
+
+def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[str, bool]:
+    """(name, hashed?) of a field on the key's side, under the frozen key schema.
+
+    The key schema is frozen (SCHEMA_VERSION 3: every existing run keeps its key), so a field added since enters the
+    key only when it can change the trained model: when it differs from its default (a run that leaves it there hashes
+    exactly what it did before), and, for a width-schedule parameter, when the run's family reads it (`FAMILIES`: a
+    parameter of another family cannot change this model, so it must not make a second key for it). A field moved
+    since is hashed under its old name; the geometry schedule's `reverse` is the anti control, hashed as
+    `geometry.anti` for every scheduled run as schema 3 did.
+    """
+    if dotted in FROZEN_NAMES:
+        return FROZEN_NAMES[dotted], True
+    if scheduled and dotted == SCHEDULE + "reverse":
+        return "geometry.anti", True
+    if dotted not in ADDED:
+        return dotted, True
+    read = not dotted.startswith(SCHEDULE) or dotted[len(SCHEDULE):] in FAMILIES.get(cfg.model.ffn.schedule.family, ())
+    return dotted, read and value != _defaults()[dotted]
+
+
 def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any]:
-    """What the key hashes: the placed fields (as composed, before matching) and, for a scheduled run, the
-    reference runs its profile comes from."""
-    scheduled = cfg.model.ffn.schedule == "geometry"
+    """What the key hashes: the placed fields (as composed, before matching; new fields by the frozen schema's
+    rule, `_frozen`) and, for a scheduled run, the reference runs its profile comes from."""
+    scheduled = cfg.model.ffn.schedule.family == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
     for dotted, value in leaves(asdict(cfg)).items():
         if placement(dotted)[0] in sides:
-            payload[dotted] = value
+            name, hashed = _frozen(dotted, value, cfg, scheduled)
+            if hashed:
+                payload[name] = value
     if scheduled:
         payload["upstream"] = sorted(upstream or [])
     return payload

@@ -6,7 +6,53 @@ from dataclasses import dataclass, field
 
 BLOCKS = ("llama", "olmo2")
 FFN_KINDS = ("swiglu", "hourglass")
-SCHEDULES = ("uniform", "cosine", "explicit", "geometry")
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "uniform": (),
+    "explicit": ("reverse",),
+    "geometry": ("reverse",),
+    "linear": ("start", "end", "reverse"),
+    "cosine": ("start", "end", "reverse"),
+    "sigmoid": ("start", "end", "steepness", "reverse"),
+    "layerwise": ("beta", "alpha", "isotropic_ends", "reverse"),
+}
+"""Width-schedule families and the `WidthSchedule` parameters each one reads (the others cannot change its model)."""
+
+
+@dataclass
+class WidthSchedule:
+    """A per-layer width schedule: a named family and its few parameters. The family fixes the shape of the widths
+    across depth (and, for `layerwise` with `alpha`, the heads per layer); the budget matcher fixes their scale.
+
+    One line of a variant: `model.ffn.schedule: {family: sigmoid, start: 1.5, end: 0.5, steepness: 8}`; the old
+    string form `model.ffn.schedule: cosine` names the family alone (see `upgrade_legacy`).
+    """
+
+    family: str = "uniform"
+    """`uniform`; `explicit` (the `model.ffn.widths` list); `geometry` (from a reference's work profile); the TLM
+    tapers (arXiv 2606.23670) `linear`, `cosine` and `sigmoid` from `start` to `end`; `layerwise` (OpenELM's
+    layer-wise scaling, apple/corenet general_gpt.py, and the Crown / Frame / Reverse variants of arXiv 2509.06518):
+    FFN multipliers `beta` and attention multipliers `alpha` interpolated linearly through 2 or 3 points."""
+    start: float = 1.5
+    """Tapers: width of the first layer as a multiple of the uniform width (TLM: 1.5)."""
+    end: float = 0.5
+    """Tapers: width of the last layer as a multiple of the uniform width (TLM: 0.5)."""
+    steepness: float = 8.0
+    """`sigmoid`: slope k of the logistic sigma(k (1/2 - t)) over relative depth t = l / (L - 1); larger is closer
+    to a step at mid-depth, smaller closer to `linear`."""
+    beta: list[float] = field(default_factory=lambda: [0.5, 4.0])
+    """`layerwise`: FFN multipliers beta (width = beta d_model before the budget fixes the scale) at the first and
+    last layer, or first, middle and last (OpenELM: 0.5 to 4.0)."""
+    alpha: list[float] = field(default_factory=list)
+    """`layerwise`: attention multipliers alpha at the same points (query heads = alpha d_model / head_dim, whole
+    KV groups; OpenELM: 0.5 to 1.0); empty keeps `n_heads` in every layer."""
+    isotropic_ends: bool = False
+    """`layerwise`: the first and last layer keep the isotropic shape (beta = FFN width / d_model of the declared
+    model, n_heads) and the points span the layers between them (the Frame variant)."""
+    reverse: bool = False
+    """Reflect the family about its midrange, m_l -> max m + min m - m_l: the layers that get the most get the least.
+    For the tapers and two-point `layerwise` this is their mirror in depth; for `geometry` it is the anti control
+    (the measured work reflected before allocation, arXiv 2608.02064)."""
+
 
 
 @dataclass
@@ -26,16 +72,16 @@ class FFNConfig:
     its own input (h_1 = the stream, h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i)): no block pre-norm, so no
     input is normalised twice); or `branch`, the block's pre-normalised copy of the stream (llama pre-norm first,
     then n() per sub-MLP when sub_norm is on). `stream` needs sub_norm; olmo2 blocks have no input norm to drop."""
-    schedule: str = "uniform"
-    """Per-layer width schedule: `uniform`, `cosine` (TLM taper), `explicit` (the `widths` list) or `geometry` (from a profile)."""
-    cosine_start: float = 1.5
-    """Cosine taper: width of the first layer as a multiple of the uniform width (TLM: 1.5)."""
-    cosine_end: float = 0.5
-    """Cosine taper: width of the last layer as a multiple of the uniform width (TLM: 0.5)."""
+    schedule: WidthSchedule = field(default_factory=WidthSchedule)
+    """Per-layer width schedule: a family and its parameters (`WidthSchedule`)."""
     multiple_of: int = 1
     """Widths are rounded to this multiple (e.g. 64 or 256 on GPUs); the matcher's fine adjustment may leave one layer off it."""
     widths: list[int] | None = None
     """Per-layer total hidden width (K * d_h for hourglass). Set by `explicit`, and by the matcher for every schedule."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schedule, str):  # FFNConfig(schedule="cosine"), as config files may write it
+            self.schedule = WidthSchedule(family=self.schedule)
 
 
 @dataclass
@@ -52,6 +98,10 @@ class ModelConfig:
     """Key/value heads (GQA); 0 means n_heads (multi-head attention)."""
     head_dim: int = 0
     """Dimension per head; 0 means d_model // n_heads."""
+    layer_heads: list[int] | None = None
+    """Query heads per layer, each a whole number of KV groups (n_heads / n_kv_heads query heads share one KV head,
+    so layer l has layer_heads[l] / group KV heads). Set by the `layerwise` schedule with `alpha`; None: n_heads in
+    every layer."""
     vocab_size: int = 4096
     """Embedding rows; must cover the tokenizer's vocabulary."""
     max_seq_len: int = 128
@@ -70,6 +120,17 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per KV head (1 without GQA); per-layer head counts keep it."""
+        return self.n_heads // self.kv_heads
+
+    def q_heads(self, layer: int) -> int:
+        return self.layer_heads[layer] if self.layer_heads is not None else self.n_heads
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.q_heads(layer) // self.kv_group
 
     @property
     def dim_head(self) -> int:
@@ -102,3 +163,58 @@ class ModelConfig:
         total = self.ffn.widths[layer]
         k = self.ffn.k
         return [total // k + (1 if i < total % k else 0) for i in range(k)]
+
+
+
+LEGACY_KEYS = {"model.ffn.cosine_start": "model.ffn.schedule.start", "model.ffn.cosine_end": "model.ffn.schedule.end",
+               "geometry.anti": "model.ffn.schedule.reverse"}
+"""Fields of the first config (key schema 3) that now live in the `WidthSchedule`, by dotted name."""
+
+
+def _pop(node: dict, dotted: str):
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(node, dict) and leaf in node:
+        return True, node.pop(leaf)
+    return False, None
+
+
+def _put(node: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[leaf] = value
+
+
+def upgrade_legacy(node: dict) -> dict:
+    """A config mapping (a composer layer, or a stored run spec's config) in the current shape: `model.ffn.schedule:
+    cosine` becomes `{family: cosine}` and the fields of `LEGACY_KEYS` move to their new place. Shipped sweeps, users'
+    files and run specs written before the schedule was a mapping keep working, and keep their run keys
+    (study/config/identity.py hashes the schedule under these old names)."""
+    import copy
+
+    if not isinstance(node, dict):
+        return node
+    out = copy.deepcopy(node)
+    found, family = _pop(out, "model.ffn.schedule")
+    if found:
+        _put(out, "model.ffn.schedule", family if isinstance(family, dict) else {"family": family})
+    for old, new in LEGACY_KEYS.items():
+        found, value = _pop(out, old)
+        if found:
+            _put(out, new, value)
+    return out
+
+
+def upgrade_dotted(dotted: dict) -> dict:
+    """Dotted settings (overrides, an experiment's `set`) in the current shape, so that the old string form mixes
+    with the new fields: `model.ffn.schedule=sigmoid model.ffn.schedule.steepness=3`."""
+    out = {}
+    for key, value in dotted.items():
+        if key == "model.ffn.schedule" and isinstance(value, str):
+            key = "model.ffn.schedule.family"
+        out[LEGACY_KEYS.get(key, key)] = value
+    return out

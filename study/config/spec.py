@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from study.config.identity import SCHEMA_VERSION
+from study.config.model import upgrade_legacy
 from study.config.run import RunConfig
 from study.errors import StudyError
 from study.schema import RunDir
@@ -141,6 +142,7 @@ def read_spec(path: Path | str) -> RunSpec:
         found = raw.get("schema") if isinstance(raw, dict) else None
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
+    raw["config"] = upgrade_legacy(raw.get("config"))  # a spec written before the schedule was a mapping
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunSpec), raw)
         spec = OmegaConf.to_object(node)

@@ -101,17 +101,19 @@ def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) 
     return widths(log_mu)
 
 
-def profile_cost(profile: dict, cfg: AllocationConfig) -> np.ndarray:
-    """c_l for the configured statistic and geometry: smoothed, reflected for the anti control."""
+def profile_cost(profile: dict, cfg: AllocationConfig, anti: bool = False) -> np.ndarray:
+    """c_l for the configured statistic and geometry: smoothed, reflected for the anti control (the geometry
+    schedule's `reverse`)."""
     work = np.asarray(profile["stats"][cfg.statistic][cfg.geometry], dtype=np.float64)
     cost = smooth_profile(work, cfg.smoothing, cfg.smoothing_width)
-    return anti_profile(cost) if cfg.anti else cost
+    return anti_profile(cost) if anti else cost
 
 
-def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig) -> list[float]:
+def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig,
+                          anti: bool = False) -> list[float]:
     """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer."""
     layers = int(profile["layers"])
-    cost = profile_cost(profile, cfg)
+    cost = profile_cost(profile, cfg, anti)
     if cfg.exponent == "intrinsic":
         exponents = intrinsic_exponents(profile["intrinsic_dim"])
     else:
@@ -144,9 +146,10 @@ def read_profile(path) -> dict:
                          "point at the profile.json that `study profile RUN_KEY` wrote") from None
 
 
-def geometry_widths(profile: dict, uniform_width: float, n_layers: int, alloc: AllocationConfig) -> list[float]:
+def geometry_widths(profile: dict, uniform_width: float, n_layers: int, alloc: AllocationConfig,
+                    anti: bool = False) -> list[float]:
     """Real-valued per-layer widths with the total of `n_layers` uniform layers (the budget matcher rounds them)."""
     if int(profile["layers"]) != n_layers:
         raise StudyError("profile", f"the profile has {profile['layers']} layers, the model {n_layers}",
                          "profile a reference run with the same depth as the scheduled runs")
-    return allocate_from_profile(profile, uniform_width, alloc)
+    return allocate_from_profile(profile, uniform_width, alloc, anti)

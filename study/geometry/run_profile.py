@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from study.config.spec import RunSpec
@@ -55,7 +54,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
     base = sum(uniform) / n
     schedules = {"uniform": uniform,
                  f"geometry ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, g),
-                 f"anti ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, replace(g, anti=True))}
+                 f"anti ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, g, anti=True)}
     plot_widths(schedules, out / "widths.png")
 
     tracker = Tracker.attach(key, cfg.experiment, cfg=cfg.tracking)

@@ -27,11 +27,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Causal self-attention with RoPE, optional GQA and optional QK-norm (OLMo-2: RMSNorm over the full q and k
-    projections, before the head reshape and before RoPE)."""
+    projections, before the head reshape and before RoPE). Layer `layer` has its own head count when the config sets
+    heads per layer (layer-wise scaling), with the model's query heads per KV head."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        self.n_heads, self.n_kv, self.head_dim = cfg.q_heads(layer), cfg.kv_heads_of(layer), cfg.dim_head
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.wq = nn.Linear(cfg.d_model, q_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)

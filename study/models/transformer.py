@@ -5,7 +5,8 @@
     logits = LMHead(RMSNorm(out_L))
 
 FFN is SwiGLU (width d_ff[l]) or hourglass (K residual sub-MLPs of width d_h). Every block's FFN width comes from
-`cfg.ffn.widths`, set by the budget matcher (a run spec carries them). CPU recipe (a doctest):
+`cfg.ffn.widths`, set by the budget matcher (a run spec carries them), and its query heads from `cfg.layer_heads`
+when a layer-wise schedule sets them. CPU recipe (a doctest):
 
     >>> import torch
     >>> from study.config.model import FFNConfig, ModelConfig
@@ -53,7 +54,7 @@ class Block(nn.Module):
             ffn = HourglassFFN(cfg.d_model, cfg.sub_widths(layer), cfg.ffn.sub_norm, cfg.eps)
         else:
             ffn = SwiGLU(cfg.d_model, cfg.ffn.widths[layer])
-        self.attn_sublayer = Sublayer(Attention(cfg), cfg.d_model, cfg.eps, post)
+        self.attn_sublayer = Sublayer(Attention(cfg, layer), cfg.d_model, cfg.eps, post)
         self.ffn_sublayer = Sublayer(ffn, cfg.d_model, cfg.eps, post, own_input_norm=cfg.hourglass_on_stream)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Counting. Every group is a closed form of the shape (a test checks it equals `sum(p.numel())` of the built model):
 
     embedding  = V d (x2 when untied)
-    attention  = L (d q + 2 d kv + q d)            q = n_heads * head_dim, kv = n_kv_heads * head_dim
+    attention  = sum_l (d q_l + 2 d kv_l + q_l d)  q_l = heads_l * head_dim, kv_l = kv_heads_l * head_dim (every
+                                                   layer n_heads / n_kv_heads, unless `layer_heads` sets them)
     ffn        = 3 d * sum_l widths[l]             (SwiGLU and hourglass alike: each hidden unit owns W_1, W_2, W_u rows)
-    norm       = 2 L d + d  (+ L (q + kv) QK-norm, + L K d hourglass sub-norms, - L d when the hourglass chain
-                            runs on the residual stream: its sub-norms replace the FFN pre-norm)
+    norm       = 2 L d + d  (+ sum_l (q_l + kv_l) QK-norm, + L K d hourglass sub-norms, - L d when the hourglass
+                            chain runs on the residual stream: its sub-norms replace the FFN pre-norm)
 
 The budget counts `non_embedding` = attention + ffn + norm, every parameter outside the embeddings (the default, so
 a variant with more norm gains carries no unmatched parameters), `matrices` = attention + ffn (the papers'
@@ -15,7 +16,8 @@ arithmetic: 113,246,208 at 113M) or `total` = everything.
 Matching. A variant keeps its declared shape and solves its free dimension so that its counted parameters meet the
 budget of the scale's reference model:
 
-    ffn        the FFN widths (the schedule's shape is kept, its scale solved)
+    ffn        the FFN widths (the schedule's shape is kept, its scale solved; heads per layer stay as the
+               `layerwise` family sets them, so attention is fixed and the FFN alone meets the budget)
     depth      L, at the target d_h, then the FFN widths            (hourglass: saved parameters become layers)
     attention  n_heads at fixed head_dim, at the target d_h, then the FFN widths (saved parameters become attention)
     width      d_model at fixed head_dim and d_h/d_model, then the FFN widths
@@ -38,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from study.config.sections import BudgetConfig
 from study.errors import StudyError
 from study.config.model import BLOCKS, FFN_KINDS, ModelConfig
-from study.plan.widths import schedule_shape
+from study.plan.widths import FIELD, schedule_shape
 
 MODES = ("non_embedding", "matrices", "total")
 STRATEGIES = ("none", "ffn", "depth", "attention", "width")
@@ -70,13 +72,13 @@ class Matched:
 def count_params(cfg: ModelConfig, mode: str = "non_embedding") -> ParamCount:
     """Parameters of the model the config builds, per group, without building it."""
     d, n_layers = cfg.d_model, cfg.n_layers
-    q, kv = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    q_kv = sum(cfg.q_heads(l) + cfg.kv_heads_of(l) for l in range(n_layers)) * cfg.dim_head
     embedding = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    attention = n_layers * (2 * d * q + 2 * d * kv)
+    attention = 2 * d * q_kv
     ffn = 3 * d * sum(cfg.ffn.widths)
     norm = 2 * n_layers * d + d
     if cfg.qk_norm:
-        norm += n_layers * (q + kv)
+        norm += q_kv
     if cfg.ffn.kind == "hourglass" and cfg.ffn.sub_norm:
         norm += n_layers * cfg.ffn.k * d
     if cfg.hourglass_on_stream:  # the sub-MLPs' norms replace the block's FFN pre-norm
@@ -91,7 +93,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     embedding lookup, plus 12 L H Q T for attention scores and values (PaLM appendix B convention)."""
     p = count_params(cfg, "matrices")
     matmul = p.attention + p.ffn + cfg.vocab_size * cfg.d_model
-    return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+    heads = sum(cfg.q_heads(l) for l in range(cfg.n_layers))
+    return 6.0 * matmul + 12.0 * heads * cfg.dim_head * seq_len
 
 
 def reference_budget(reference: ModelConfig, mode: str) -> int:
@@ -123,6 +126,11 @@ def validate_shape(cfg: ModelConfig) -> None:
     if cfg.n_heads % cfg.kv_heads:
         raise StudyError("model.n_kv_heads", f"n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.kv_heads}",
                          "choose n_kv_heads dividing n_heads")
+    heads = cfg.layer_heads
+    if heads is not None and (len(heads) != cfg.n_layers or any(h <= 0 or h % cfg.kv_group for h in heads)):
+        raise StudyError("model.layer_heads", f"{list(heads)} is not one positive whole number of KV groups "
+                         f"({cfg.kv_group} query heads each) per layer for {cfg.n_layers} layers",
+                         f"give {cfg.n_layers} multiples of {cfg.kv_group}, or leave it unset (n_heads everywhere)")
     if cfg.ffn.residual not in ("stream", "branch"):
         raise StudyError("model.ffn.residual", f"unknown value {cfg.ffn.residual!r}", "use stream or branch")
     if cfg.ffn.kind == "hourglass" and cfg.ffn.residual == "stream" and not cfg.ffn.sub_norm and cfg.block == "llama":
@@ -142,6 +150,12 @@ def target_width(cfg: ModelConfig) -> int:
     return cfg.ffn.width
 
 
+def ideal_widths(shape: list[float], units: int) -> list[float]:
+    """The schedule's shape scaled so its widths sum to `units` hidden units: the widths before rounding."""
+    total = sum(shape)
+    return [units * s / total for s in shape]
+
+
 def round_widths(ideal: list[float], units: int, multiple: int) -> list[int]:
     """Integer widths summing to `units`: multiples of `multiple` by largest remainder, leftovers on one layer."""
     scaled = [x / multiple for x in ideal]
@@ -154,10 +168,17 @@ def round_widths(ideal: list[float], units: int, multiple: int) -> list[int]:
     return widths
 
 
+def with_schedule(cfg: ModelConfig) -> tuple[ModelConfig, list[float] | None]:
+    """The config with the heads its schedule sets, and the schedule's width shape (None: widths pending)."""
+    shape, heads = schedule_shape(cfg, target_width(cfg) * cfg.ffn.k)
+    return (cfg if heads is None else replace(cfg, layer_heads=heads)), shape
+
+
 def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    """Scale the schedule's shape so the counted parameters land on the budget (within d parameters)."""
+    """Scale the schedule's shape so the counted parameters land on the budget (within d parameters). Heads per
+    layer are the schedule's: only the FFN widths move."""
     k = cfg.ffn.k
-    shape = schedule_shape(cfg.ffn, cfg.n_layers, target_width(cfg) * k)
+    cfg, shape = with_schedule(cfg)
     if shape is None:
         return cfg
     zero = replace(cfg, ffn=replace(cfg.ffn, widths=[0] * cfg.n_layers))
@@ -167,11 +188,14 @@ def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     if units < k * cfg.n_layers:
         raise StudyError("budget", f"the budget {budget:,} leaves no room for the FFN of this variant "
                          f"({fixed:,} parameters outside the FFN)", "use a larger scale or fewer layers/heads")
-    total_shape = sum(shape)
-    widths = round_widths([units * s / total_shape for s in shape], units, cfg.ffn.multiple_of)
-    if min(widths) < k:
-        raise StudyError("model.ffn.widths", "a layer would get fewer hidden units than sub-MLPs",
-                         "raise the cosine end factor or the minimum width")
+    widths = round_widths(ideal_widths(shape, units), units, cfg.ffn.multiple_of)
+    least = max(k, cfg.ffn.multiple_of)
+    if min(widths) < least:
+        layer = widths.index(min(widths))
+        raise StudyError(FIELD, f"at this budget layer {layer} gets {widths[layer]} hidden units, under the minimum "
+                         f"width {least} (one block of multiple_of {cfg.ffn.multiple_of}, one unit per sub-MLP)",
+                         "raise the schedule's smallest ratio (end, beta) or lower its steepness, or use a larger "
+                         "budget")
     out = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
     if cfg.ffn.kind == "hourglass" and max(max(out.sub_widths(l)) for l in range(cfg.n_layers)) >= cfg.d_model:
         raise StudyError("model.ffn.width", f"matching needs hourglass d_h >= d_model ({cfg.d_model})",
@@ -224,6 +248,9 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
         raise StudyError("budget.match", f"unknown strategy {budget_cfg.match!r}", f"use one of {', '.join(STRATEGIES)}")
     validate_shape(cfg)
     mode, strategy = budget_cfg.mode, budget_cfg.match
+    if strategy not in ("ffn", "none") and cfg.ffn.schedule.family == "layerwise" and cfg.ffn.schedule.alpha:
+        raise StudyError("budget.match", f"`{strategy}` re-solves a shape whose heads the layerwise schedule fixes "
+                         "layer by layer", "use budget.match=ffn (the FFN widths meet the budget around those heads)")
     if strategy == "depth":
         cfg = _solve_depth(cfg, budget, mode)
     elif strategy == "attention":
@@ -231,7 +258,7 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
     elif strategy == "width":
         cfg = _solve_width(cfg, budget, mode)
     if strategy == "none":
-        shape = schedule_shape(cfg.ffn, cfg.n_layers, target_width(cfg) * cfg.ffn.k)
+        cfg, shape = with_schedule(cfg)
         widths = None if shape is None else [max(cfg.ffn.k, round(s)) for s in shape]
         cfg = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
     else:

@@ -26,7 +26,8 @@ def complete_spec(spec: RunSpec) -> RunSpec:
                          "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
     cfg = spec.config
     profile = read_profile(path)
-    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry)
+    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
+                             anti=cfg.model.ffn.schedule.reverse)
     model = replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths))
     try:
         matched = match(model, spec.budget, cfg.budget)

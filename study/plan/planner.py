@@ -8,7 +8,7 @@ once; its seeds differ in the seed only.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
@@ -48,8 +48,11 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
             "block": m.block, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
             "n_kv_heads": m.kv_heads, "head_dim": m.dim_head, "vocab_size": m.vocab_size,
             "tie_embeddings": m.tie_embeddings,
-            "ffn": {"kind": m.ffn.kind, "schedule": m.ffn.schedule, "widths": m.ffn.widths, "k": m.ffn.k,
-                    "sub_norm": m.ffn.sub_norm if m.ffn.kind == "hourglass" else False},
+            "layer_heads": [m.q_heads(l) for l in range(m.n_layers)],
+            "layer_kv_heads": [m.kv_heads_of(l) for l in range(m.n_layers)],
+            "ffn": {"kind": m.ffn.kind, "schedule": m.ffn.schedule.family, "widths": m.ffn.widths, "k": m.ffn.k,
+                    "sub_norm": m.ffn.sub_norm if m.ffn.kind == "hourglass" else False,
+                    "width_schedule": asdict(m.ffn.schedule)},
         },
         "d_model_per_layer": m.d_model / m.n_layers,
         "params": spec.params, "budget": spec.budget, "budget_mode": cfg.budget.mode, "mismatch": spec.mismatch,
@@ -154,7 +157,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             ref_key = run_key(ref_cfg)
         for variant in exp.variants:
             base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
-            scheduled = base.model.ffn.schedule == "geometry"
+            scheduled = base.model.ffn.schedule.family == "geometry"
             if scheduled and not exp.reference:
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
                                  "add `reference: {variant: <uniform variant>, seed: 0}` to the experiment")
@@ -190,7 +193,7 @@ def plan_adhoc(items: list[str]) -> RunSpec:
     reference = compose(overrides=Overrides(groups={**ov.groups, "model": "conventional"}, values=ov.values,
                                             reset=ov.reset))
     cfg = with_budget(cfg, reference)
-    if cfg.model.ffn.schedule == "geometry":
+    if cfg.model.ffn.schedule.family == "geometry":
         raise StudyError("model.ffn.schedule", "a geometry-scheduled run needs the reference run of an experiment",
                          "train it through an experiment with a `reference` (study launch geometry)")
     return make_spec(cfg, run_key(cfg), match_run(cfg), reference)

@@ -5,12 +5,30 @@ from __future__ import annotations
 from study.plan.planner import Plan
 
 
+BARS = "▁▂▃▄▅▆▇█"
+
+
 def fmt_widths(widths: list[int] | None) -> str:
+    """Uniform widths as `3840x8`; others as first..last, their sum and a bar per layer from the narrowest to the
+    widest, so a crown, a taper and its mirror read apart at a glance."""
     if widths is None:
         return "pending"
     if len(set(widths)) == 1:
         return f"{widths[0]}x{len(widths)}"
-    return f"{widths[0]}..{widths[-1]} (sum {sum(widths)})"
+    low, span = min(widths), max(widths) - min(widths)
+    bars = "".join(BARS[round((w - low) / span * (len(BARS) - 1))] for w in widths)
+    return f"{widths[0]}..{widths[-1]} (sum {sum(widths)}) {bars}"
+
+
+def fmt_heads(heads: list[int]) -> str:
+    """Query heads per layer, repeats run-length encoded: `8 10 13 15x2 13 10 8`, `16x8`."""
+    runs: list[list[int]] = []
+    for h in heads:
+        if runs and runs[-1][0] == h:
+            runs[-1][1] += 1
+        else:
+            runs.append([h, 1])
+    return " ".join(f"{h}x{n}" if n > 1 else str(h) for h, n in runs)
 
 
 def plan_power_rows(plan: Plan) -> tuple[list, str]:
@@ -42,9 +60,14 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
 
     exp = plan.experiment
     table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
-    for col in ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths", "params (counted)",
-                "budget", "mismatch", "total mism.", "attn/FFN (M)", "GFLOP/tok", "tok/s", "GPU-h"):
-        table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths") else "left")
+    # heads per layer get a column only in a plan where some run's vary
+    per_layer = any(r.model.layer_heads is not None and len(set(r.model.layer_heads)) > 1 for r in plan.runs)
+    cols = ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths",
+            *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
+            "attn/FFN (M)", "GFLOP/tok", "tok/s", "GPU-h")
+    for col in cols:
+        table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths",
+                                                             "heads/layer") else "left")
     total_hours = 0.0
     for run in plan.runs:
         m, p = run.model, run.params
@@ -56,7 +79,9 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
         total_hours += hours or 0.0
         table.add_row(
             run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
-            f"{m.d_model / m.n_layers:.0f}", fmt_widths(m.ffn.widths), f"{p['counted']:,}" if p else "pending",
+            f"{m.d_model / m.n_layers:.0f}", fmt_widths(m.ffn.widths),
+            *((fmt_heads([m.q_heads(l) for l in range(m.n_layers)]),) if per_layer else ()),
+            f"{p['counted']:,}" if p else "pending",
             f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
             f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",

@@ -78,10 +78,12 @@ def description(spec: RunSpec) -> str:
         body = f"hourglass FFN K={ffn.k} d_h={_span(sub)}"
     else:
         body = f"SwiGLU FFN d_ff={_span(sorted(set(widths)) or [ffn.width])}"
+    schedule = ffn.schedule
     if len(set(widths)) > 1:
-        body += f" ({ffn.schedule} schedule)"
+        body += f" ({'reversed ' if schedule.reverse else ''}{schedule.family} schedule)"
+    heads = sorted({m.q_heads(layer) for layer in range(m.n_layers)})
     line = (f"{cfg.variant} at {cfg.scale}, seed {cfg.seed}: {m.block} L{m.n_layers} d_model={m.d_model} "
-            f"heads={m.n_heads}, {body}")
+            f"heads={_span(heads)}, {body}")
     if spec.params and spec.budget:
         line += f"; {spec.counted / 1e6:,.2f}M parameters counted against a {spec.budget / 1e6:,.2f}M budget"
         if spec.mismatch is not None:

@@ -14,10 +14,24 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
 
+    from omegaconf import OmegaConf
+
     from study.config.compose import sweeps_dir
+    from study.config.model import LEGACY_KEYS
     from study.config.run import RunConfig
 
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    # Hydra composes the tree here only to expand sweeps and launchers: each job's config is composed and checked again
+    # by study's composer (plan_adhoc), which also reads the old forms of config files (a string `schedule`,
+    # `cosine_start`, `geometry.anti`, study.config.model.upgrade_legacy). So the schema Hydra sees holds the typed
+    # defaults as plain values: every key is known (a misspelt one is still refused), no type blocks an old form.
+    schema = OmegaConf.to_container(OmegaConf.structured(RunConfig))
+    for old in LEGACY_KEYS:
+        *parents, leaf = old.split(".")
+        node = schema
+        for p in parents:
+            node = node[p]
+        node[leaf] = None
+    ConfigStore.instance().store(name="run_schema", node=schema)
 
     @hydra.main(version_base=None, config_path=str(sweeps_dir()), config_name="train")
     def _run(node) -> float | None:

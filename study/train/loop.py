@@ -368,6 +368,7 @@ def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
     cfg, m = spec.config, spec.model
     params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                          **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
                           "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
     params["params"] = spec.params
     tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
