@@ -31,8 +31,10 @@ def hf_unsupported(cfg: ModelConfig) -> str | None:
     """Why no transformers class computes this model, or None when one does."""
     if cfg.ffn.kind != "swiglu":
         return f"the {cfg.ffn.kind} FFN (K={cfg.ffn.k} sub-MLPs per layer)"
-    if cfg.ffn.schedule != "uniform" and len(set(cfg.ffn.widths or [])) > 1:
-        return f"per-layer FFN widths that differ ({cfg.ffn.schedule} schedule: {cfg.ffn.widths})"
+    if cfg.ffn.schedule.family != "uniform" and len(set(cfg.ffn.widths or [])) > 1:
+        return f"per-layer FFN widths that differ ({cfg.ffn.schedule.family} schedule: {cfg.ffn.widths})"
+    if cfg.layer_heads is not None and len(set(cfg.layer_heads)) > 1:
+        return f"attention heads that differ per layer ({cfg.layer_heads})"
     if cfg.block not in ARCHITECTURES:
         return f"the {cfg.block} block"
     return None
