@@ -55,6 +55,10 @@ def test_eval_scores_a_trained_run_into_its_own_mlflow_run_and_run_directory(wor
     assert run.data.tags[TAG_EVAL + "arc_easy_local"] == run.data.tags[TAG_EVAL + "piqa_local"] == record["id"]
     logged = client.download_artifacts(run.info.run_id, eval_artifact(record["id"], EVAL_RECORD), str(tmp_path))
     assert json.loads(open(logged).read()) == record
+    from analysis.items import read_items
+
+    (read,) = read_items(client, [run.info.run_id]).values()  # what the report bootstraps over
+    assert read.to_dict("records") == items
     assert main(["eval", spec.key, "tasks=no_such_task_local"]) == 2
     assert "`tasks`" in capsys.readouterr().err
 

@@ -43,5 +43,20 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
                          "again, in both places")
     if is_of_record(spec, settings):
         # which evaluation the eval/<task>/* scores are: tagged once its points and artifacts have landed
-        tracker.set_tags({TAG_EVAL + task: settings.id for task in settings.tasks})
+        _set_tags(spec, tracker.run_id, {TAG_EVAL + task: settings.id for task in settings.tasks})
     return record
+
+
+def _set_tags(spec: RunSpec, run_id: str, tags: dict[str, str]) -> None:
+    """Tags on the run now, retrying a transient failure for tracking.open_timeout_s as the tracker does."""
+    import time
+
+    from mlflow.entities import RunTag
+
+    from study.track.store import call_with_retries, mlflow_client, resolve_tracking_uri
+
+    cfg = spec.config.tracking
+    client = mlflow_client(resolve_tracking_uri(cfg.uri))
+    batch = [RunTag(k, v) for k, v in tags.items()]
+    call_with_retries(lambda: client.log_batch(run_id, tags=batch, synchronous=True), cfg,
+                      time.monotonic() + cfg.open_timeout_s, "tags")

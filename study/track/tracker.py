@@ -224,15 +224,6 @@ class Tracker:
         else:
             raise ValueError(f"artifact name {name!r} must end in .json, .yaml or .yml")
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Sets tags on the run now, not through the buffer (retrying a transient failure for cfg.open_timeout_s);
-        usable after `close`, e.g. to tag a result once its points and artifacts have landed."""
-        from mlflow.entities import RunTag
-
-        batch = [RunTag(k, str(v)[:MAX_TAG_CHARS]) for k, v in tags.items()]
-        call_with_retries(lambda: self._client.log_batch(self.run_id, tags=batch, synchronous=True), self._cfg,
-                          time.monotonic() + self._cfg.open_timeout_s, "tags")
-
     def sync(self) -> None:
         """Make the run directory's metric log durable up to now (with every checkpoint)."""
         if self._log is not None:
@@ -390,9 +381,6 @@ class NullTracker(Tracker):
         pass
 
     def log_artifact(self, source: Path | str, name: str) -> None:
-        pass
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
         pass
 
     def sync(self) -> None:
