@@ -70,14 +70,18 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot], published: li
                    _joint_table(a.joint)]
     if a.items:
         blocks += [Heading("Downstream tasks, item level (descriptive)"),
-                   Paragraph("Per task and per-item score: the baseline's mean (accuracy, or the log-likelihood of "
-                             "the correct choice, which every item informs and so is far less noisy at small scale), "
-                             "the paired Δ over seeds and items, and a two-level bootstrap interval that resamples "
-                             "seeds, then items (analysis.items)."),
-                   Table(["task", "score", "scale", "variant", "seeds", "items", f"{a.baseline} mean", "Δ",
-                          "seed × item 95% CI"],
+                   Paragraph("Per task and per-item score: each side's absolute mean (accuracy, or the log-likelihood "
+                             "of the correct choice, which every item informs and so is far less noisy at small "
+                             "scale) beside the items scored and the accuracy of a random guess on them (the mean of "
+                             "1 / the number of choices), the paired Δ over seeds and items, and a two-level bootstrap "
+                             "interval that resamples seeds, then items (analysis.items). Scores are each run's "
+                             "evaluation of record, the one with its configured eval settings (tag study.eval.<task>); "
+                             "re-evaluations with another limit or few-shot count are never used."),
+                   Table(["task", "score", "scale", "variant", "seeds", "items", "chance", f"{a.baseline} mean",
+                          "variant mean", "Δ", "seed × item 95% CI"],
                          [[i.task, i.metric, i.scale, i.variant, str(i.n_seeds), str(i.n_items),
-                           _num(i.baseline_mean), _signed(i.mean_delta), _ci(i.ci_low, i.ci_high)]
+                           _num(i.chance) if math.isfinite(i.chance) else "—", _num(i.baseline_mean),
+                           _num(i.variant_mean), _signed(i.mean_delta), _ci(i.ci_low, i.ci_high)]
                           for i in a.items])]
     if published:
         blocks += [Heading("The paper's figures beside ours"),

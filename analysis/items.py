@@ -1,8 +1,9 @@
 """Downstream-task deltas with item-level uncertainty: a two-level bootstrap over seeds, then items.
 
 A task score is a mean over a fixed set of items, so its noise has two sources: which seeds were trained and which
-items the benchmark happens to hold. Each run's evaluation keeps its per-item scores (the ``items.jsonl`` artifact
-of :mod:`study.evaluate.stage`); paired runs scored the same items, so the per-(seed, item) difference
+items the benchmark happens to hold. Each run's evaluation of record keeps its per-item scores (the ``items.jsonl``
+artifact in ``evals/<id>/``, the evaluation the run's ``study.eval.<task>`` tag names; :mod:`study.evaluate.records`),
+so limited or few-shot re-evaluations never enter. Paired runs scored the same items, so the per-(seed, item) difference
 ``variant - baseline`` is the unit. One bootstrap draw resamples the seeds and, independently, the items (the same
 items for every seed, as a new benchmark of the same size would be), and takes the mean difference. The interval
 is descriptive: with few seeds its seed level has few distinct draws, and the verdicts come from the paired t test.
@@ -19,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE, json_ready
-from study.schema import ITEMS_ARTIFACT
+from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 
 ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
 """Per-item scores compared: accuracy, length-normalised accuracy, log-likelihood of the correct choice."""
@@ -43,8 +44,13 @@ class ItemDelta:
     """Seed pairs with items on both sides."""
     n_items: int
     """Items scored on both sides of every pair."""
+    chance: float
+    """Accuracy a random guess scores on those items (mean of 1 / their number of choices); NaN for ll_correct or
+    where the items do not say how many choices they have."""
     baseline_mean: float
     """The baseline's mean score over those seeds and items (an absolute level beside the delta)."""
+    variant_mean: float
+    """The variant's mean score over the same seeds and items."""
     mean_delta: float
     """Mean over seeds and items of variant − baseline."""
     ci_low: float
@@ -114,24 +120,46 @@ def _one(task, metric, scale, variant, baseline, tables, n_resamples, seed) -> I
     base = np.array([b.loc[common].to_numpy(float) for b, _ in sides])
     var = np.array([v.loc[common].to_numpy(float) for _, v in sides])
     low, high = two_level_bootstrap(var - base, n_resamples, seed)
-    return ItemDelta(task, metric, scale, variant, baseline, len(sides), len(common), float(base.mean()),
-                     float((var - base).mean()), low, high)
+    return ItemDelta(task, metric, scale, variant, baseline, len(sides), len(common), _chance(tables, task, metric,
+                     common), float(base.mean()), float(var.mean()), float((var - base).mean()), low, high)
+
+
+def _chance(tables, task: str, metric: str, items: list) -> float:
+    """Mean of 1 / n_choices over the items (every run scored the same documents, so one run's table says it)."""
+    if not metric.startswith("acc"):
+        return math.nan
+    table = next(iter(tables.values()))[0]
+    choices = table[table["task"] == task].set_index("doc_id").reindex(items).get("n_choices")
+    if choices is None or choices.isna().any():
+        return math.nan
+    return float((1 / choices.to_numpy(float)).mean())
 
 
 def read_items(client, run_ids) -> dict[str, pd.DataFrame]:
-    """Per run id, its per-item scores from the ``items.jsonl`` artifact (runs without one are left out)."""
+    """Per run id, the per-item scores of its evaluation of record, task by task (runs without one are left out).
+
+    Tag ``study.eval.<task>`` names the evaluation whose scores are the run's ``eval/<task>/*`` metrics; its rows of
+    that task come from ``evals/<id>/items.jsonl``.
+    """
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per run would flood stderr
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run_id in run_ids:
-            names = {a.path for a in client.list_artifacts(run_id)}
-            if ITEMS_ARTIFACT not in names:
-                continue
-            path = client.download_artifacts(run_id, ITEMS_ARTIFACT, tmp)
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+            tasks_of: dict[str, set[str]] = {}
+            for key, eval_id in client.get_run(run_id).data.tags.items():
+                if key.startswith(TAG_EVAL):
+                    tasks_of.setdefault(eval_id, set()).add(key[len(TAG_EVAL):])
+            rows = []
+            for eval_id, tasks in sorted(tasks_of.items()):
+                if ITEMS_ARTIFACT not in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
+                        run_id, eval_artifact(eval_id))}:
+                    continue
+                os.makedirs(dst := os.path.join(tmp, run_id), exist_ok=True)
+                path = client.download_artifacts(run_id, eval_artifact(eval_id, ITEMS_ARTIFACT), dst)
+                with open(path) as f:
+                    rows += [row for row in map(json.loads, filter(str.strip, f)) if row["task"] in tasks]
             if rows:
                 out[run_id] = pd.DataFrame(rows)
     return out

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 from study.track.store import get_or_create_experiment, mlflow_client
 
 E_TRUE, A_TRUE, ALPHA_TRUE = 1.8, 400.0, 0.3
@@ -26,6 +27,9 @@ VOCAB = 4096
 
 TASK_CHANCE = {"arc_easy": 0.25, "hellaswag": 0.25, "piqa": 0.5}
 """Chance accuracy of each synthetic downstream task."""
+
+SYNTHETIC_EVAL = "synthetic"
+"""Evaluation id of the synthetic runs' item scores."""
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9}
 
@@ -117,6 +121,8 @@ def _log_items(client, run_id: str, final: float, tasks: Sequence[str], n: int, 
     import tempfile
     from pathlib import Path
 
+    from mlflow.entities import RunTag
+
     lines = []
     for t, task in enumerate(tasks):
         difficulty = np.random.default_rng([rng_seed, t]).normal(0.0, 1.0, n)  # the same items in every run
@@ -125,12 +131,14 @@ def _log_items(client, run_id: str, final: float, tasks: Sequence[str], n: int, 
         p = 1 / (1 + np.exp(-(skill - difficulty)))
         correct = rng.random(n) < p
         ll = -3.0 * final - 2.0 * difficulty + rng.normal(0.0, 0.3, n)
-        lines += [json.dumps({"task": task, "doc_id": i, "acc": float(c), "acc_norm": float(c), "ll_correct": float(v)})
-                  for i, (c, v) in enumerate(zip(correct, ll))]
+        lines += [json.dumps({"task": task, "doc_id": i, "acc": float(c), "acc_norm": float(c), "ll_correct": float(v),
+                              "n_choices": round(1 / chance)}) for i, (c, v) in enumerate(zip(correct, ll))]
+    # laid out as study.evaluate.records files a run's evaluation of record
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "items.jsonl"
+        path = Path(tmp) / ITEMS_ARTIFACT
         path.write_text("\n".join(lines) + "\n")
-        client.log_artifact(run_id, str(path))
+        client.log_artifact(run_id, str(path), eval_artifact(SYNTHETIC_EVAL))
+    client.log_batch(run_id, tags=[RunTag(TAG_EVAL + task, SYNTHETIC_EVAL) for task in tasks])
 
 
 def _sizes(scales: Sequence[str] | Mapping[str, int]) -> dict[str, int]:

@@ -125,16 +125,20 @@ def _settings(overrides: list[str], allowed: tuple[str, ...], command: str) -> d
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from study.evaluate.stage import evaluate_run, find_run
+    from study.evaluate.locate import find_run
+    from study.evaluate.stage import evaluate_run
 
-    settings = _settings(args.overrides, ("tasks", "limit", "paths.runs"), "eval")
+    settings = _settings(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
-    limit = int(settings["limit"]) if settings.get("limit", "").isdigit() else None
-    if "limit" in settings and not limit:
-        raise StudyError("limit", f"{settings['limit']!r} is not a whole number >= 1", "use limit=N with N >= 1")
+    limit, num_fewshot = (_whole(settings, name) for name in ("limit", "num_fewshot"))
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
-    metrics = evaluate_run(spec, tasks, limit)
-    print(json.dumps(metrics, indent=1))
+    record = evaluate_run(spec, tasks, limit, num_fewshot)
+    where = ("the run's eval/<task>/* scores" if record["of_record"] else
+             f"evals/{record['id']}/<task>/*, beside the run's eval/<task>/* scores (other settings than its eval "
+             "config)")
+    print(f"evaluation {record['id']} recorded in {spec.run_dir.evals / record['id']} and MLflow as {where}",
+          file=sys.stderr)
+    print(json.dumps(record, indent=1))
     return 0
 
 
@@ -147,6 +151,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     print(describe(export_run(spec, args.format, args.out, args.force, args.dtype)))
     return 0
+
+
+def _whole(settings: dict[str, str], name: str) -> int | None:
+    """A `study eval` option that is a whole number >= 0, or None when not given."""
+    if name not in settings:
+        return None
+    if not settings[name].isdigit():
+        raise StudyError(name, f"{settings[name]!r} is not a whole number >= 0",
+                         f"use {name}=N with N >= 0" + (" (0: every document)" if name == "limit" else ""))
+    return int(settings[name])
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -220,7 +234,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from study.config.geometry import AllocationConfig
-    from study.evaluate.stage import find_run
+    from study.evaluate.locate import find_run
     from study.geometry.run_profile import profile_run
 
     settings = _settings(args.overrides, ("geometry", "paths.runs"), "profile")
@@ -334,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="lm-eval on a run's checkpoint; scores go to its MLflow run")
     p.add_argument("run_key")
-    p.add_argument("overrides", nargs="*", help="tasks=arc_easy,hellaswag,piqa limit=N")
+    p.add_argument("overrides", nargs="*", help="tasks=arc_easy,hellaswag,piqa limit=N (0: all) num_fewshot=N "
+                   "(default: the run's eval config)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="a trained run's checkpoint as transformers files (safetensors + config)")

@@ -26,8 +26,22 @@ TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM = "train/loss", "train/lr", "train/grad_no
 TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PREEMPTED_AT = "train/tokens_per_s", "train/mfu", "train/preempted_at"
 VAL_LOSS, VAL_PPL = "val/loss", "val/ppl"
 EVAL_PREFIX = "eval/"
+# One evaluation of a run (`study eval`, or the evaluation after training) is one folder `evals/<evaluation id>/`,
+# in the run directory and among the MLflow run's artifacts alike.
+EVALS = "evals"
+EVAL_RECORD = "record.json"
+"""The evaluation's settings (tasks, limit, few-shot, checkpoint step), item counts, chance levels and scores."""
+EVAL_RESULTS = "eval.json"
+"""lm-eval's full results of the evaluation."""
 ITEMS_ARTIFACT = "items.jsonl"
-"""Artifact of a run's latest evaluation: one JSON line per (task, document) with its per-item scores."""
+"""One JSON line per (task, document) with its per-item scores and number of choices."""
+TAG_EVAL = "study.eval."
+"""Tag prefix: `study.eval.<task>` names the evaluation whose scores are the run's `eval/<task>/*` metrics."""
+
+
+def eval_artifact(eval_id: str, name: str = "") -> str:
+    """Where an evaluation's file `name` (or, without one, its folder) lies among the run's artifacts."""
+    return f"{EVALS}/{eval_id}/{name}".rstrip("/")
 
 
 class RunDir:
@@ -51,11 +65,10 @@ class RunDir:
     """The trainer's latest figures (step, max_steps, loss, tokens/s, ETA), replaced at every logged step."""
     lease = property(lambda self: self.path / ".lease")
     """Held (flock) by the one process training the run."""
-    evals = property(lambda self: self.path / "evals")
-    """One JSON record per evaluation (tasks, limit, few-shot, checkpoint step, scores)."""
+    evals = property(lambda self: self.path / EVALS)
+    """One folder per evaluation, `<evaluation id>/` with EVAL_RECORD, EVAL_RESULTS and ITEMS_ARTIFACT."""
     result = property(lambda self: self.path / "result.json")
     """Written when training finished: final step and validation loss."""
-    eval = property(lambda self: self.path / "eval.json")
     profile = property(lambda self: self.path / "profile.json")
     """A reference run's geometry profile (and profile.png, widths.png beside it)."""
     export = property(lambda self: self.path / "export")

@@ -209,7 +209,13 @@ def test_task_deltas_carry_a_two_level_interval_over_the_runs_own_items(truth):
     assert row["mean_delta"] == pytest.approx(deltas.mean(), abs=1e-12)
     assert row["baseline_mean"] == pytest.approx(np.mean([by["base", s]["ll_correct"].mean() for s in range(6)]))
     assert row["ci_low"] < row["mean_delta"] < row["ci_high"]
-    assert "Downstream tasks, item level" in (out / "report.md").read_text()
+    assert row["variant_mean"] == pytest.approx(np.mean([by["worse", s]["ll_correct"].mean() for s in range(6)]))
+    assert row["chance"] is None  # a log-likelihood has no chance level (NaN, written as JSON null)
+    acc = next(i for i in result["item_deltas"] if (i["variant"], i["metric"]) == ("worse", "acc"))
+    assert acc["chance"] == 0.25  # the synthetic arc_easy's items have 4 choices each
+    assert acc["variant_mean"] == pytest.approx(np.mean([by["worse", s]["acc"].mean() for s in range(6)]))
+    report = (out / "report.md").read_text()
+    assert "Downstream tasks, item level" in report and "| chance |" in report.replace("  ", " ")
     assert isinstance(items[runs.run_id[0]], pd.DataFrame)
 
 

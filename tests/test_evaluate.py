@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from study.errors import StudyError
-from study.evaluate.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, render_local_tasks
+from study.evaluate.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, task_summary
 
 LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local"]
 EOS = "<|endoftext|>"
@@ -48,10 +48,11 @@ def tokenizer(tokenizer_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, list[str], int]]]:
-    """Per local task, each document as lm-eval builds it: (prompt, continuations with delimiter, gold index)."""
-    rendered = tmp_path_factory.mktemp("tasks")
-    render_local_tasks(LOCAL_TASK_DIR, rendered)
-    tasks = TaskManager(include_path=str(rendered), include_defaults=False).load(LOCAL_TASKS)["tasks"]
+    """Per local task, each document as lm-eval builds it: (prompt, continuations with delimiter, gold index).
+    Loaded from another working directory than the repository's: the shipped YAMLs find their data themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("elsewhere"))
+        tasks = TaskManager(include_path=str(LOCAL_TASK_DIR), include_defaults=False).load(LOCAL_TASKS)["tasks"]
     return {
         name: [
             (
@@ -186,7 +187,17 @@ def test_uniform_model_scores_the_exact_chance_level_of_the_data(tokenizer, toke
         assert [r["doc_id"] for r in rows] == list(range(len(acc)))
         assert [r["acc"] for r in rows] == [float(a) for a in acc]
         assert [r["ll_correct"] for r in rows] == pytest.approx(ll, rel=1e-6)
+        assert [r["n_choices"] for r in rows] == [len(continuations) for _, continuations, _ in questions[task]]
     assert 0.0 < expected["eval/arc_easy_local/acc"] < 0.5
+    # item counts and chance levels, from the raw documents: ARC-Easy and HellaSwag have 4 choices, PIQA 2
+    raw = {task: [json.loads(line) for line in (LOCAL_TASK_DIR / f"{task}.jsonl").read_text().splitlines()]
+           for task in LOCAL_TASKS}
+    n_choices = {"arc_easy_local": lambda d: len(d["choices"]["text"]), "hellaswag_local": lambda d: len(d["endings"]),
+                 "piqa_local": lambda d: 2}
+    assert task_summary(out["items"]) == {
+        task: {"items": len(docs), "chance": pytest.approx(np.mean([1 / n_choices[task](d) for d in docs]))}
+        for task, docs in raw.items()}
+    assert task_summary(out["items"])["piqa_local"]["chance"] == 0.5
 
 
 def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
@@ -279,3 +290,18 @@ def test_unknown_hub_task_is_a_study_error_that_says_hub_tasks_need_network(toke
         evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["piqa_local", "no_such_task"],
                        max_length=16)
     assert "no_such_task" in error.value.problem and "piqa_local" in error.value.fix
+
+
+def test_model_args_recover_a_run_key_that_lm_eval_parsed_as_a_number():
+    from study.evaluate.model_args import parse_run_key
+
+    # lm-eval turns an all-digit value into an int, dropping leading zeros; keys are 12 characters
+    assert parse_run_key(12345) == "000000012345" and parse_run_key("0a1b2c3d4e5f") == "0a1b2c3d4e5f"
+    with pytest.raises(StudyError, match="quote the key"):
+        parse_run_key(1.234e60)  # `1234e5678901` read as a float cannot be told apart from other keys
+
+
+def test_model_args_the_study_model_does_not_take_are_refused_by_name():
+    with pytest.raises(StudyError, match=r"no argument\(s\) \['pretrained'\]") as error:
+        StudyLM.create_from_arg_string("pretrained=gpt2")
+    assert error.value.field == "model_args" and "run (a run key)" in error.value.fix

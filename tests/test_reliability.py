@@ -135,26 +135,38 @@ def test_an_outage_then_a_kill_loses_no_point(workdir):
         server.stop()
 
 
-def test_a_re_evaluation_is_a_record_of_its_own(workdir, capsys):
+def test_a_re_evaluation_with_other_settings_is_a_record_of_its_own_in_mlflow_and_files(workdir, capsys, tmp_path):
     from study.cli import main
+    from study.evaluate.records import read_records
+    from study.schema import EVAL_RECORD, TAG_EVAL, eval_artifact
 
-    spec = select_run([*RUN, "model.max_seq_len=128", "data.seq_len=32"])
+    spec = select_run([*RUN, "model.max_seq_len=128", "data.seq_len=32", "eval.limit=4"])
     assert train(spec).status == "FINISHED"
     capsys.readouterr()
-    assert main(["eval", spec.key, "tasks=arc_easy_local", "limit=4"]) == 0
-    four = json.loads(capsys.readouterr().out)["eval/arc_easy_local/acc"]
+    assert main(["eval", spec.key, "tasks=arc_easy_local"]) == 0  # the configured evaluation: 4 documents
+    four = json.loads(capsys.readouterr().out)
     assert main(["eval", spec.key, "tasks=arc_easy_local", "limit=8"]) == 0
-    eight = json.loads(capsys.readouterr().out)["eval/arc_easy_local/acc"]
-    records = sorted(spec.run_dir.evals.glob("*.json"))
-    assert len(records) == 2
-    got = {json.loads(p.read_text())["limit"]: json.loads(p.read_text())["metrics"]["eval/arc_easy_local/acc"]
-           for p in records}
-    assert got == {4: four, 8: eight}
+    eight = json.loads(capsys.readouterr().out)
+    assert (four["of_record"], eight["of_record"]) == (True, False) and four["id"] != eight["id"]
+    assert main(["eval", spec.key, "tasks=arc_easy_local"]) == 0  # the same settings: the same record again
+    assert json.loads(capsys.readouterr().out)["metrics"] == four["metrics"]
+
+    records = {r["limit"]: r for r in read_records(spec)}
+    assert sorted(records) == [4, 8] and records[8] == eight
+    assert [r["tasks_summary"]["arc_easy_local"]["items"] for r in (records[4], records[8])] == [4, 8]
     client, (run,) = runs_of(workdir / "mlflow.db", "rel")
-    history = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "eval/arc_easy_local/acc"),
-                                       key=lambda m: m.timestamp)]
-    assert history == [four, eight]  # both kept, in order; the latest is the run's value
-    assert run.data.metrics["eval/arc_easy_local/acc"] == eight
+    # the run's eval/* scores stay the configured evaluation's; the other one sits beside them under its id
+    assert four["metrics"].keys() == {k for k in run.data.metrics if k.startswith("eval/")}
+    assert eight["metrics"].keys() == {k for k in run.data.metrics if k.startswith(f"evals/{eight['id']}/")}
+    assert {k: run.data.metrics[k] for k in [*four["metrics"], *eight["metrics"]]} == {**four["metrics"],
+                                                                                      **eight["metrics"]}
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/arc_easy_local/acc")] == [
+        four["metrics"]["eval/arc_easy_local/acc"]] * 2
+    assert run.data.tags[TAG_EVAL + "arc_easy_local"] == four["id"]
+    for record in (four, eight):
+        logged = client.download_artifacts(run.info.run_id, eval_artifact(record["id"], EVAL_RECORD),
+                                           str(tmp_path / record["id"]))
+        assert json.loads(open(logged).read())["metrics"] == record["metrics"]
 
 
 def test_a_broken_newest_checkpoint_falls_back_to_the_previous_one(workdir, capsys):
@@ -186,7 +198,7 @@ def test_a_checkpoint_or_spec_of_another_run_is_refused_by_name(workdir):
     shutil.copyfile(a.run_dir.spec, b.run_dir.spec)
     with pytest.raises(StudyError, match=f"holds run {a.key}"):
         train(b)
-    from study.evaluate.stage import find_run
+    from study.evaluate.locate import find_run
 
     with pytest.raises(StudyError, match=f"holds the spec of run {a.key}"):
         find_run(b.key)

@@ -76,6 +76,8 @@ class EvalConfig:
     """Evaluate the final checkpoint at the end of training."""
     limit: int = 0
     """Examples per task; 0 means all."""
+    num_fewshot: int = 0
+    """Solved examples put before each prompt (lm-eval's num_fewshot)."""
     batch_size: int = 16
     """Requests per forward pass."""
 

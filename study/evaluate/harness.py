@@ -12,7 +12,6 @@ CPU recipe:
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tokenizers import Tokenizer
 
 from study.config.data import EOS_CANDIDATES
@@ -158,6 +157,21 @@ class StudyLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, totals[-1])
         return totals
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None) -> StudyLM:
+        """How lm-eval's CLI builds the model (`--model study --model_args run=KEY[,tracking_uri=URI][,runs=DIR]`,
+        or `checkpoint=<run dir>/checkpoints/step_N`): the run is found and loaded as `study eval` does, with the
+        tokenizer, context length and EOS token it was trained with. A `--batch_size` that is not a number
+        (`auto`) takes the run's `eval.batch_size`."""
+        from study.evaluate.model_args import from_model_args
+
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return from_model_args(cls, {**arg_dict, **extra})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> StudyLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         raise StudyError(
             "tasks",
@@ -166,23 +180,16 @@ class StudyLM(TemplateLM):
         )
 
 
+class _TaskYaml(yaml.SafeLoader):
+    """Reads a task YAML without importing what its `!function` tags name (lm-eval does that when it loads it)."""
+
+
+_TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
 def local_task_names(task_dir: Path) -> list[str]:
     """Names of the tasks whose YAML templates lie in task_dir."""
-    return sorted(yaml.safe_load(path.read_text())["task"] for path in task_dir.glob("*.yaml"))
-
-
-def render_local_tasks(task_dir: Path, out_dir: Path) -> None:
-    """Write task_dir's YAML templates into out_dir with their data files as absolute paths.
-
-    lm-eval hands `data_files` to `datasets`, which resolves relative paths against the current directory,
-    not the YAML's: the shipped templates name their data relative to themselves.
-    """
-    for template in task_dir.glob("*.yaml"):
-        config = yaml.safe_load(template.read_text())
-        data_files = config.get("dataset_kwargs", {}).get("data_files", {})
-        for split, name in data_files.items():
-            data_files[split] = str((task_dir / name).resolve())
-        (out_dir / template.name).write_text(yaml.safe_dump(config, sort_keys=False))
+    return sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path in task_dir.glob("*.yaml"))
 
 
 def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
@@ -217,7 +224,7 @@ def _unknown_tasks_error(unknown: list[str], local: list[str]) -> StudyError:
     )
 
 
-def _model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
+def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
     if max_length is not None:
         return max_length
     config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
@@ -230,7 +237,7 @@ def _model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
     return int(config_max)
 
 
-def _check_vocab(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
+def check_vocab(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
     model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
     if model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
         raise StudyError(
@@ -273,11 +280,11 @@ def evaluate_model(
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
     tokenizer = load_tokenizer(tokenizer_path)
-    _check_vocab(model, tokenizer, tokenizer_path)
+    check_vocab(model, tokenizer, tokenizer_path)
     lm = StudyLM(
         model.to(device),
         tokenizer,
-        max_length=_model_max_length(model, max_length),
+        max_length=model_max_length(model, max_length),
         batch_size=batch_size,
         device=device,
         eos_token=eos_token,
@@ -285,34 +292,32 @@ def evaluate_model(
     was_training = model.training
     model.eval()
     try:
-        with tempfile.TemporaryDirectory(prefix="study-tasks-") as rendered:
-            render_local_tasks(task_dir, Path(rendered))
-            manager = TaskManager(include_path=rendered, include_defaults=bool(hub))
-            if unknown := sorted(set(hub) - set(manager.all_tasks)):
-                raise _unknown_tasks_error(unknown, local)
-            try:
-                # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
-                # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
-                results = simple_evaluate(
-                    model=lm,
-                    tasks=names,
-                    num_fewshot=num_fewshot,
-                    batch_size=batch_size,
-                    device=device,
-                    limit=limit,
-                    task_manager=manager,
-                    log_samples=True,  # per-item scores: the report's item-level bootstrap reads them
-                    random_seed=None,
-                    numpy_random_seed=None,
-                    torch_random_seed=None,
-                )
-            except ConnectionError as error:
-                raise StudyError(
-                    "tasks",
-                    f"the data of hub task(s) {hub} could not be downloaded ({error})",
-                    f"run where the Hugging Face Hub is reachable (or with the datasets already in "
-                    f"HF_DATASETS_CACHE), or use the offline local tasks {local}",
-                ) from error
+        manager = TaskManager(include_path=str(task_dir), include_defaults=bool(hub))
+        if unknown := sorted(set(hub) - set(manager.all_tasks)):
+            raise _unknown_tasks_error(unknown, local)
+        try:
+            # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
+            # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
+            results = simple_evaluate(
+                model=lm,
+                tasks=names,
+                num_fewshot=num_fewshot,
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                task_manager=manager,
+                log_samples=True,  # per-item scores: the report's item-level bootstrap reads them
+                random_seed=None,
+                numpy_random_seed=None,
+                torch_random_seed=None,
+            )
+        except ConnectionError as error:
+            raise StudyError(
+                "tasks",
+                f"the data of hub task(s) {hub} could not be downloaded ({error})",
+                f"run where the Hugging Face Hub is reachable (or with the datasets already in "
+                f"HF_DATASETS_CACHE), or use the offline local tasks {local}",
+            ) from error
     finally:
         model.train(was_training)
     items = item_scores(results.pop("samples", {}) or {})
@@ -327,7 +332,8 @@ def evaluate_model(
 
 def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Per task, one row per scored document: doc_id, each per-item metric lm-eval logged (acc, acc_norm, ...),
-    and ll_correct, the log-likelihood of the correct choice for multiple-choice tasks."""
+    and for multiple-choice tasks n_choices (the document's answers, one scored response each) and ll_correct,
+    the log-likelihood of the correct choice."""
     out: dict[str, list[dict]] = {}
     for task, rows in samples.items():
         items = []
@@ -338,6 +344,8 @@ def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
                 if isinstance(value, bool | int | float):
                     row[name] = float(value)
             target, resps = sample.get("target"), sample.get("filtered_resps") or []
+            if all(isinstance(r, list | tuple) for r in resps) and len(resps) > 1:
+                row["n_choices"] = len(resps)
             if isinstance(target, str) and target.isdigit():
                 target = int(target)
             if isinstance(target, int) and 0 <= target < len(resps) and isinstance(resps[target], list | tuple):
@@ -345,3 +353,14 @@ def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
             items.append(row)
         out[task] = sorted(items, key=lambda r: r["doc_id"])
     return out
+
+
+def task_summary(items: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per task: the documents scored and the chance level of accuracy, the mean over them of 1 / their number of
+    choices (None for tasks without choices): what a model guessing at random scores on exactly these items."""
+    summary = {}
+    for task, rows in items.items():
+        choices = [r["n_choices"] for r in rows if "n_choices" in r]
+        chance = sum(1 / n for n in choices) / len(choices) if choices and len(choices) == len(rows) else None
+        summary[task] = {"items": len(rows), "chance": chance}
+    return summary

@@ -1,104 +1,65 @@
-"""Evaluate a trained run on downstream tasks and file the scores under the same MLflow run."""
+"""Evaluate a trained run on downstream tasks and file the scores under the same MLflow run.
+
+Each evaluation is its own record (study.evaluate.records): a folder in the run directory, the same folder among
+the MLflow run's artifacts, and metric points at the checkpoint's step, under `eval/<task>/<metric>` for the
+evaluation of record and `evals/<id>/<task>/<metric>` for any other.
+"""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
-from study.config.spec import RunSpec, read_spec
+from study.config.spec import RunSpec
 from study.errors import StudyError
-from study.schema import ITEMS_ARTIFACT
-from study.train import checkpoint
+from study.evaluate.records import is_of_record, settings_for, write_record
+from study.schema import EVAL_RECORD, TAG_EVAL, eval_artifact
 
 
-def find_run(key: str, runs_root: str = "runs") -> RunSpec:
-    """The spec of the run with this key, from its run directory (<runs>/<experiment>/<key>/run.json)."""
-    if not re.fullmatch(r"[0-9a-f]{12}", key):
-        raise StudyError("RUN_KEY", f"{key!r} is not a run key (12 hexadecimal characters)",
-                         "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT`")
-    found = sorted(Path(runs_root).glob(f"*/{key}/run.json"))
-    if not found:
-        raise StudyError("RUN_KEY", f"no run with key {key!r} under {Path(runs_root).resolve()}",
-                         "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT` (launch it first)")
-    spec = read_spec(found[0])
-    if spec.key != key:
-        raise StudyError("RUN_KEY", f"{found[0]} holds the spec of run {spec.key}, not {key}",
-                         "a run directory holds its own run.json only: relaunch the experiment to rewrite it")
-    return spec
+def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | None = None,
+                 num_fewshot: int | None = None) -> dict:
+    """Score the run's latest checkpoint with lm-eval and record it (files first, then MLflow); returns the record.
 
-
-def load_trained_model(spec: RunSpec, device: str = "cpu"):
-    """The run's model (built from its spec) with the weights of its latest complete checkpoint."""
-    from study.models.transformer import build_model
-
-    ckpt = checkpoint.latest(spec.run_dir.path)
-    if ckpt is None:
-        raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint yet", "train it first (study train/launch)")
-    if spec.pending is not None:
-        raise StudyError("RUN_KEY", f"run {spec.key}'s spec is still pending ({spec.pending})",
-                         "let its job complete the spec and train it first")
-    model = build_model(spec.model, device, seed=spec.config.seed)
-    checkpoint.load_model_weights(ckpt, model)
-    return model.eval(), ckpt
-
-
-def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | None = None) -> dict:
-    """Score the run's final checkpoint with lm-eval; metrics go to `eval/<task>/<metric>` of its MLflow run."""
-    from study.data import prepare_data
-    from study.evaluate.harness import evaluate_model
+    `limit` (0: every document) and `num_fewshot` default to the run's `eval` config, `tasks` to `eval.tasks`.
+    """
+    from study.evaluate.harness import evaluate_model, task_summary
+    from study.evaluate.locate import open_trained
     from study.track.tracker import Tracker
 
     cfg = spec.config
-    tasks = tasks or cfg.eval.tasks
-    model, ckpt = load_trained_model(spec)
-    data = prepare_data(cfg.data)
-    result = evaluate_model(model, data.tokenizer_path, tasks, limit=limit or cfg.eval.limit or None,
-                            batch_size=cfg.eval.batch_size, eos_token=cfg.data.eos_token)
-    step = int(ckpt.name.split("_")[-1])
-    record = write_record(spec, tasks, limit or cfg.eval.limit or None, step, result)
+    run = open_trained(spec)
+    settings = settings_for(spec, list(tasks or cfg.eval.tasks), run.step, limit, num_fewshot)
+    result = evaluate_model(run.model, run.tokenizer_path, list(settings.tasks), limit=settings.limit,
+                            batch_size=cfg.eval.batch_size, num_fewshot=settings.num_fewshot,
+                            eos_token=cfg.data.eos_token)
+    folder = write_record(spec, settings, result, task_summary(result["items"]))
+    record = json.loads((folder / EVAL_RECORD).read_text())
     tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)
-    tracker.log_metrics(result["metrics"], step)  # another evaluation at this step is another point, never dropped
-    tracker.log_artifact(record, f"evals/{record.name}")
-    tracker.log_artifact(spec.run_dir.eval, "eval.json")
-    tracker.log_artifact(record.with_suffix(".items.jsonl"), ITEMS_ARTIFACT)
-    tracker.close()
-    return result["metrics"]
+    tracker.log_metrics(record["metrics"], settings.step)  # an attached tracker drops no point as a repeat
+    tracker.log_artifact(folder, eval_artifact(settings.id))
+    if left := tracker.close():
+        raise StudyError("tracking.uri", f"evaluation {settings.id} is recorded in {folder}, but {left} of its "
+                         "metric points and artifacts did not reach MLflow",
+                         "run the same `study eval` again once the store answers: it records the same evaluation "
+                         "again, in both places")
+    if is_of_record(spec, settings):
+        # which evaluation the eval/<task>/* scores are: tagged once its points and artifacts have landed
+        _set_tags(spec, tracker.run_id, {TAG_EVAL + task: settings.id for task in settings.tasks})
+        from study.track.groups import refresh_quietly
+
+        tracker.record("parent summary", refresh_quietly)  # the variant's mean and spread include these scores
+    return record
 
 
-def write_record(spec: RunSpec, tasks: list[str], limit: int | None, step: int, result: dict) -> Path:
-    """One evaluation as its own record, `evals/step<N>-<settings hash>.json`, never replacing another with other
-    settings; `eval.json` holds the latest evaluation's full lm-eval output."""
-    import hashlib
-    import os
+def _set_tags(spec: RunSpec, run_id: str, tags: dict[str, str]) -> None:
+    """Tags on the run now, retrying a transient failure for tracking.open_timeout_s as the tracker does."""
     import time
 
-    settings = {"tasks": sorted(tasks), "limit": limit, "step": step}
-    name = f"step{step:08d}-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:8]}.json"
-    folder = spec.run_dir.evals
-    folder.mkdir(parents=True, exist_ok=True)
-    record = {**settings, "run_key": spec.key, "checkpoint": f"step_{step:08d}", "time": time.time(),
-              "metrics": result["metrics"]}
-    path = folder / name
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, path)
-    spec.run_dir.eval.write_text(json.dumps(result["lm_eval"], default=str, indent=1))
-    lines = [json.dumps({"task": task, **row}) for task, rows in result.get("items", {}).items() for row in rows]
-    path.with_suffix(".items.jsonl").write_text("".join(line + "\n" for line in lines))
-    return path
+    from mlflow.entities import RunTag
 
+    from study.track.store import call_with_retries, mlflow_client, resolve_tracking_uri
 
-def evaluated(spec: RunSpec) -> bool:
-    """Whether the run has an evaluation record of its final checkpoint with its configured tasks."""
-    folder = spec.run_dir.evals
-    if not folder.is_dir():
-        return False
-    for path in folder.glob("*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if set(record.get("tasks", [])) >= set(spec.config.eval.tasks):
-            return True
-    return False
+    cfg = spec.config.tracking
+    client = mlflow_client(resolve_tracking_uri(cfg.uri))
+    batch = [RunTag(k, v) for k, v in tags.items()]
+    call_with_retries(lambda: client.log_batch(run_id, tags=batch, synchronous=True), cfg,
+                      time.monotonic() + cfg.open_timeout_s, "tags")

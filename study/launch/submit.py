@@ -62,7 +62,7 @@ def to_submit(plan: Plan) -> tuple[list[RunSpec], list[RunSpec], list[RunSpec], 
         resumes at its last checkpoint, so only the evaluation runs)."""
         if status.get(r.key) != "FINISHED":
             return False
-        from study.evaluate.stage import evaluated
+        from study.evaluate.records import evaluated
 
         return not r.config.eval.after_train or evaluated(r)
 

@@ -1,0 +1,34 @@
+"""`python -m study.evaluate ARGS`: lm-eval's own command line with the `study` model registered.
+
+lm-eval 0.4 finds models only in its own table or among classes already registered in the process (it reads no
+entry points), so `lm_eval --model study` alone answers "Unknown model 'study'". This imports the registration,
+then hands the same arguments to lm-eval's CLI:
+
+    python -m study.evaluate --model study --model_args run=KEY,tracking_uri=sqlite:///path/mlflow.db \\
+        --tasks arc_easy_local --include_path study/evaluate/tasks --limit 20
+
+It scores only: lm-eval prints (and with --output_path writes) the results, nothing is added to the run's records.
+`study eval` is the recording path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from study.errors import StudyError
+
+
+def main() -> int:
+    import study.evaluate.harness  # noqa: F401  (registers `--model study`)
+    from lm_eval.__main__ import cli_evaluate
+
+    try:
+        cli_evaluate()  # reads sys.argv, as `lm_eval` does
+    except StudyError as error:
+        print(f"python -m study.evaluate: {error.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

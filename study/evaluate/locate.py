@@ -1,0 +1,116 @@
+"""From what a user names (a run key, or a checkpoint folder) to the trained model and its tokenizer, in one place:
+`study eval` and lm-eval's own CLI (`--model study --model_args run=KEY`) resolve runs through here."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from study.config.spec import RunSpec, read_spec
+from study.errors import StudyError
+from study.schema import TAG_RUN_KEY
+from study.train import checkpoint
+
+_KEY_FIX = "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT`"
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A run's checkpoint opened for scoring."""
+
+    spec: RunSpec
+    """The run spec the model was built from."""
+    checkpoint: Path
+    """The complete checkpoint whose weights the model holds."""
+    model: Any
+    """The Transformer in eval mode (torch.nn.Module)."""
+    tokenizer_path: Path
+    """The tokenizer.json the run was trained with."""
+
+    @property
+    def step(self) -> int:
+        return int(self.checkpoint.name.split("_")[-1])
+
+
+def find_run(key: str, runs_root: str | Path = "runs", tracking_uri: str | None = None) -> RunSpec:
+    """The spec of the run with this key: from `<runs_root>/<experiment>/<key>/run.json`, else, when a tracking URI
+    is given, from the run directory its MLflow run recorded (so a run is found from any working directory)."""
+    if not re.fullmatch(r"[0-9a-f]{12}", key):
+        raise StudyError("RUN_KEY", f"{key!r} is not a run key (12 hexadecimal characters)", _KEY_FIX)
+    found = sorted(Path(runs_root).glob(f"*/{key}/run.json"))
+    if found:
+        spec = read_spec(found[0])
+    elif tracking_uri:
+        spec = read_spec(_run_dir_from_mlflow(key, tracking_uri))
+    else:
+        raise StudyError("RUN_KEY", f"no run with key {key!r} under {Path(runs_root).resolve()}",
+                         f"{_KEY_FIX} (launch it first), or name the runs folder (paths.runs=DIR; lm-eval: runs=DIR) "
+                         "or the MLflow store that tracks it (lm-eval: tracking_uri=URI)")
+    if spec.key != key:
+        raise StudyError("RUN_KEY", f"{spec.run_dir.spec} holds the spec of run {spec.key}, not {key}",
+                         "a run directory holds its own run.json only: relaunch the experiment to rewrite it")
+    return spec
+
+
+def _run_dir_from_mlflow(key: str, tracking_uri: str) -> Path:
+    """The run directory the run's `run.json` artifact names (the spec training logged)."""
+    from study.track.query import open_store, readable
+
+    client = open_store(tracking_uri)
+    if client is None:
+        raise StudyError("tracking_uri", f"no MLflow store at {tracking_uri}", "name the store the run was tracked in")
+    with readable(tracking_uri):
+        ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(ids, filter_string=f"tags.`{TAG_RUN_KEY}` = '{key}'", max_results=10) if ids else []
+        if not runs:
+            raise StudyError("RUN_KEY", f"no MLflow run with key {key!r} in {tracking_uri}", _KEY_FIX)
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = json.loads(Path(client.download_artifacts(runs[0].info.run_id, "run.json", tmp)).read_text())
+    run_dir = Path(spec["dir"])
+    if not run_dir.is_dir():
+        raise StudyError("RUN_KEY", f"run {key}'s directory {run_dir} (recorded in MLflow) is not on this machine",
+                         "evaluate where the run directories are, or pass runs=<folder holding them>")
+    return run_dir
+
+
+def run_of_checkpoint(path: str | Path) -> tuple[RunSpec, Path]:
+    """The run a checkpoint folder (`<run dir>/checkpoints/step_N`) belongs to, checked against its train state."""
+    path = Path(path).resolve()
+    if not checkpoint.is_complete(path):
+        raise StudyError("checkpoint", f"{path} is not a complete checkpoint",
+                         "name a <run dir>/checkpoints/step_<N> folder that has its .metadata and train_state.json")
+    spec = read_spec(path.parent.parent)
+    state = json.loads((path / "train_state.json").read_text())
+    if state.get("run_key") and state["run_key"] != spec.key:
+        raise StudyError("checkpoint", f"{path} belongs to run {state['run_key']}, not to {spec.key} whose "
+                         "directory holds it", "name a checkpoint inside its own run's directory")
+    return spec, path
+
+
+def load_trained_model(spec: RunSpec, device: str = "cpu", ckpt: Path | None = None):
+    """The run's model (built from its spec) with the weights of `ckpt`, by default its latest complete checkpoint,
+    in eval mode; returns (model, checkpoint)."""
+    from study.models.transformer import build_model
+
+    if spec.pending is not None:
+        raise StudyError("RUN_KEY", f"run {spec.key}'s spec is still pending ({spec.pending})",
+                         "let its job complete the spec and train it first")
+    ckpt = ckpt or checkpoint.latest(spec.run_dir.path)
+    if ckpt is None:
+        raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint yet", "train it first (study train/launch)")
+    model = build_model(spec.model, device, seed=spec.config.seed)
+    checkpoint.load_model_weights(ckpt, model)
+    return model.eval(), ckpt
+
+
+def open_trained(spec: RunSpec, ckpt: Path | None = None, device: str = "cpu") -> TrainedRun:
+    """The run's model at `ckpt` (default: its latest checkpoint) and its tokenizer, from the run's data config
+    through the shard cache that training filled."""
+    from study.data import prepare_data
+
+    model, ckpt = load_trained_model(spec, device, ckpt)
+    return TrainedRun(spec, ckpt, model, prepare_data(spec.config.data).tokenizer_path)

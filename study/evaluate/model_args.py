@@ -1,0 +1,62 @@
+"""lm-eval's CLI builds the `study` model from strings (`--model_args run=KEY,...`): this turns them into a loaded
+run, resolved by study.evaluate.locate as `study eval` resolves it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from study.errors import StudyError
+
+logger = logging.getLogger(__name__)
+
+MODEL_ARGS = {
+    "run": "a run key", "checkpoint": "a checkpoint folder", "tracking_uri": "the MLflow store tracking the run",
+    "runs": "the runs folder, default ./runs", "max_length": "context length, default the model's",
+    "device": "lm-eval's --device", "batch_size": "lm-eval's --batch_size", "max_batch_size": "ignored",
+}
+"""What `--model_args` of the study model may hold, and what each is."""
+
+
+def parse_run_key(value: Any) -> str:
+    """A run key as lm-eval parsed it: an all-digit key arrives as an int (leading zeros lost: keys have 12
+    characters); one shaped like a float (`1234e5678901`) cannot be recovered unquoted."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise StudyError("model_args", f"run={value!r} is not a run key", "quote the key: --model_args \"run='KEY'\"")
+    return f"{value:012d}" if isinstance(value, int) else value
+
+
+def from_model_args(cls, args: dict[str, Any]):
+    """`cls` (StudyLM) on the run `args` names, with the tokenizer, context length and EOS token it was trained
+    with; lm-eval's --device and --batch_size arrive in `args` too."""
+    from study.data.tokenizer import load_tokenizer
+    from study.evaluate.harness import check_vocab, model_max_length
+    from study.evaluate.locate import find_run, open_trained, run_of_checkpoint
+
+    if unknown := sorted(set(args) - set(MODEL_ARGS)):
+        raise StudyError("model_args", f"the study model takes no argument(s) {unknown}",
+                         f"use {', '.join(f'{k} ({v})' for k, v in MODEL_ARGS.items())}")
+    if ("run" in args) == ("checkpoint" in args):
+        raise StudyError("model_args", "the study model needs exactly one of run=KEY and checkpoint=PATH",
+                         "pass --model_args run=<run key> (with tracking_uri=URI or runs=DIR from another "
+                         "directory) or checkpoint=<run dir>/checkpoints/step_<N>")
+    if "checkpoint" in args:
+        spec, ckpt = run_of_checkpoint(str(args["checkpoint"]))
+    else:
+        uri = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+        spec, ckpt = find_run(parse_run_key(args["run"]), str(args.get("runs", "runs")), uri), None
+    device = str(args.get("device") or "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        # lm-eval's CLI asks for cuda unless told otherwise; its hf model falls back the same way
+        logger.warning("device %s requested but CUDA is not available: scoring on the CPU", device)
+        device = "cpu"
+    run = open_trained(spec, ckpt, device)
+    tokenizer = load_tokenizer(run.tokenizer_path)
+    check_vocab(run.model, tokenizer, run.tokenizer_path)
+    batch = str(args.get("batch_size", ""))
+    return cls(run.model, tokenizer, max_length=int(args.get("max_length") or model_max_length(run.model, None)),
+               batch_size=int(batch) if batch.isdigit() else spec.config.eval.batch_size, device=device,
+               eos_token=spec.config.data.eos_token)

@@ -1,0 +1,104 @@
+"""Every evaluation of a run is its own record: `<run dir>/evals/<evaluation id>/`, mirrored among the MLflow
+run's artifacts, never replaced by an evaluation with other settings.
+
+The id names the settings (tasks, item limit, few-shot examples, checkpoint step) readably and by hash, so the
+same evaluation repeated lands in the same record and any other gets its own. An evaluation with the run's
+configured settings (`eval.limit`, `eval.num_fewshot`; what `study launch` runs after training) is the run's
+evaluation *of record*: its scores are the schema's `eval/<task>/<metric>` metrics, which the report reads. Any
+other (a smaller `limit`, another `num_fewshot`) is logged under `evals/<id>/<task>/<metric>`, so it is visible
+beside the run's scores and never taken for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.schema import EVAL_PREFIX, EVAL_RECORD, EVAL_RESULTS, ITEMS_ARTIFACT, eval_artifact
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What one evaluation scored, and how."""
+
+    tasks: tuple[str, ...]
+    """lm-eval task names, sorted."""
+    limit: int | None
+    """Documents per task; None means every document."""
+    num_fewshot: int
+    """Solved examples put before each prompt."""
+    step: int
+    """Optimizer step of the checkpoint scored."""
+
+    @property
+    def id(self) -> str:
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:8]
+        items = "all" if self.limit is None else f"limit{self.limit}"
+        return f"step{self.step:08d}-{items}-{self.num_fewshot}shot-{digest}"
+
+
+def settings_for(spec: RunSpec, tasks: list[str], step: int, limit: int | None = None,
+               num_fewshot: int | None = None) -> EvalSettings:
+    """The settings of an evaluation: the run's configured `eval.limit` / `eval.num_fewshot` where not given
+    (limit 0 means every document, as in the config)."""
+    cfg = spec.config.eval
+    limit = cfg.limit if limit is None else limit
+    return EvalSettings(tuple(sorted(set(tasks))), limit or None, cfg.num_fewshot if num_fewshot is None
+                        else num_fewshot, step)
+
+
+def is_of_record(spec: RunSpec, settings: EvalSettings) -> bool:
+    """Whether these are the run's configured settings, so that the scores are its `eval/<task>/*` metrics."""
+    cfg = spec.config.eval
+    return (settings.limit, settings.num_fewshot) == (cfg.limit or None, cfg.num_fewshot)
+
+
+def metric_prefix(settings: EvalSettings, of_record: bool) -> str:
+    """`eval/` for the evaluation of record, `evals/<id>/` for any other."""
+    return EVAL_PREFIX if of_record else eval_artifact(settings.id) + "/"
+
+
+def write_record(spec: RunSpec, settings: EvalSettings, result: dict, summary: dict) -> Path:
+    """The evaluation's folder with its record (settings, item counts and chance levels, scores under the names
+    MLflow holds them by), lm-eval's results and the per-item scores; written whole, then moved into place."""
+    of_record = is_of_record(spec, settings)
+    prefix = metric_prefix(settings, of_record)
+    record = {"id": settings.id, "run_key": spec.key, "checkpoint": f"step_{settings.step:08d}", **asdict(settings),
+              "of_record": of_record, "time": time.time(), "tasks_summary": summary,
+              "metrics": {prefix + name[len(EVAL_PREFIX):]: value for name, value in result["metrics"].items()}}
+    folder = spec.run_dir.evals / settings.id
+    tmp = folder.with_name(f".{settings.id}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / EVAL_RECORD).write_text(json.dumps(record, indent=1))
+    (tmp / EVAL_RESULTS).write_text(json.dumps(result["lm_eval"], default=str, indent=1))
+    lines = [json.dumps({"task": task, **row}) for task, rows in result["items"].items() for row in rows]
+    (tmp / ITEMS_ARTIFACT).write_text("".join(line + "\n" for line in lines))
+    # The same settings again: the same (deterministic) evaluation, so its record is rewritten, not a second one.
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def read_records(spec: RunSpec) -> list[dict]:
+    """Every evaluation record of the run, oldest first (unreadable ones, e.g. half-written by a kill, skipped)."""
+    folder = spec.run_dir.evals
+    records = []
+    for path in folder.glob(f"*/{EVAL_RECORD}") if folder.is_dir() else []:
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r.get("time", 0))
+
+
+def evaluated(spec: RunSpec) -> bool:
+    """Whether the run has an evaluation of record covering its configured tasks."""
+    wanted = set(spec.config.eval.tasks)
+    return any(r.get("of_record") and set(r.get("tasks", [])) >= wanted for r in read_records(spec))
