@@ -143,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from study.evaluate.stage import find_run
+    from study.evaluate.locate import find_run
     from study.export.stage import check_options, describe, export_run
 
     settings = _settings(args.overrides, ("paths.runs",), "export")

@@ -14,7 +14,7 @@ import torch
 from conftest import TINY
 from study.cli import main
 from study.config.model import FFNConfig, ModelConfig
-from study.evaluate.stage import load_trained_model
+from study.evaluate.locate import load_trained_model
 from study.export import hf, load
 from study.models.transformer import build_model
 from study.plan.planner import select_run
@@ -227,7 +227,7 @@ def test_a_two_rank_bf16_run_exports_consolidated_bf16_weights(tmp_path, data_ca
     """FSDP2 over 2 gloo ranks with the bf16 policy: the DCP shards become one file, in what the run computed in."""
     from safetensors.torch import load_file
 
-    from study.evaluate.stage import find_run
+    from study.evaluate.locate import find_run
 
     overrides = [*TINY, "experiment=export2", "train.max_steps=2", "train.global_batch=8", "train.precision=bf16",
                  f"paths.runs={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/m.db"]

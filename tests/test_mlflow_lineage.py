@@ -28,10 +28,15 @@ def nested(tmp_path_factory, data_cache):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         private_sweeps(workdir, "nest", seeds=[0, 1])
         mp.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
-        overrides = ["cluster=local", "train.max_steps=4", "tracking.system_metrics_s=0.2"]
+        overrides = ["cluster=local", "train.max_steps=4", "tracking.system_metrics_s=0.2",
+                     "eval.tasks=[arc_easy_local]", "eval.limit=4"]
         assert main(["launch", "nest", *overrides]) == 0
+        plan = plan_experiment("nest", overrides)
+        for run in plan.runs:
+            if run.config.variant == "conventional":  # the evaluation of record, in this process
+                assert main(["eval", run.key]) == 0
         client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-        yield client, client.get_experiment_by_name("nest"), plan_experiment("nest", overrides)
+        yield client, client.get_experiment_by_name("nest"), plan
 
 
 def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spread(nested):
@@ -50,6 +55,13 @@ def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spre
         assert parent.data.metrics["val/loss/sd"] == pytest.approx(abs(losses[0] - losses[1]) / 2 ** 0.5, rel=1e-9)
         assert parent.data.metrics["val/loss/n"] == 2
         assert [m.step for m in client.get_metric_history(parent.info.run_id, "val/loss")][-1] == 2
+    (conv,) = [p for p in parents if p.data.tags["study.variant"] == "conventional"]
+    scores = [r.data.metrics["eval/arc_easy_local/acc"] for r in runs if r.data.tags["study.variant"] == "conventional"]
+    assert conv.data.metrics["eval/arc_easy_local/acc"] == pytest.approx(statistics.fmean(scores), rel=1e-12)
+    assert conv.data.metrics["eval/arc_easy_local/acc/n"] == 2
+    for run in runs:  # an evaluation's score is one value, not a curve
+        if run.data.tags["study.variant"] == "conventional":
+            assert len(client.get_metric_history(run.info.run_id, "eval/arc_easy_local/acc")) == 1
     from analysis.runs import read_runs
 
     assert len(read_runs("nest", client.tracking_uri)) == 4  # parents are not training runs

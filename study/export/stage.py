@@ -68,7 +68,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     import torch
 
     from study.data import prepare_data
-    from study.evaluate.stage import load_trained_model
+    from study.evaluate.locate import load_trained_model
     from study.train.state import TrainState
 
     check_options(fmt, dtype)
