@@ -54,6 +54,8 @@ class RunDir:
     result = property(lambda self: self.path / "result.json")
     """Written when training finished: final step and validation loss."""
     eval = property(lambda self: self.path / "eval.json")
+    tokenizer = property(lambda self: self.path / "tokenizer.json")
+    """A copy of the tokenizer the run was trained with: evaluation and profiling read it, never the data."""
     profile = property(lambda self: self.path / "profile.json")
     """A reference run's geometry profile (and profile.png, widths.png beside it)."""
 

@@ -43,17 +43,30 @@ def load_trained_model(spec: RunSpec, device: str = "cpu"):
     return model.eval(), ckpt
 
 
+def run_tokenizer(spec: RunSpec) -> Path:
+    """The tokenizer the run was trained with: its run directory's copy, else (a run trained before runs kept one)
+    the one beside its shards in the cache; never tokenises anything."""
+    if spec.run_dir.tokenizer.is_file():
+        return spec.run_dir.tokenizer
+    from study.data.shards import find_shards
+
+    entry = find_shards(spec.config.data)
+    if entry is None:
+        raise StudyError("RUN_KEY", f"run {spec.key} has no tokenizer.json in {spec.run_dir.path} and its token "
+                         "shards are not in the data cache", "point data.cache_dir (or $STUDY_CACHE) at the cache "
+                         "it was trained from, or copy its tokenizer.json into the run directory")
+    return entry / "tokenizer.json"
+
+
 def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | None = None) -> dict:
     """Score the run's final checkpoint with lm-eval; metrics go to `eval/<task>/<metric>` of its MLflow run."""
-    from study.data import prepare_data
     from study.evaluate.harness import evaluate_model
     from study.track.tracker import Tracker
 
     cfg = spec.config
     tasks = tasks or cfg.eval.tasks
     model, ckpt = load_trained_model(spec)
-    data = prepare_data(cfg.data)
-    result = evaluate_model(model, data.tokenizer_path, tasks, limit=limit or cfg.eval.limit or None,
+    result = evaluate_model(model, run_tokenizer(spec), tasks, limit=limit or cfg.eval.limit or None,
                             batch_size=cfg.eval.batch_size, eos_token=cfg.data.eos_token)
     step = int(ckpt.name.split("_")[-1])
     record = write_record(spec, tasks, limit or cfg.eval.limit or None, step, result)
