@@ -53,7 +53,8 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
                                           "faults": {"sleep_per_step": 0.4}})
     over = ["cluster=slurm"]
     stages = launch(name, over, echo=lambda m: None)
-    assert [s.name for s in stages] == ["train"] and len(stages[0].runs) == 2
+    # the session's data cache may not hold these shards yet: then a prepare job comes first
+    assert [s.name for s in stages if s.name != "prepare"] == ["train"] and len(stages[-1].runs) == 2
     plan = plan_experiment(name, over)
     victim = next(r for r in plan.runs if r.cfg.variant == "hourglass")
     victim_job = journal(plan.runs[0].config.paths.runs, name)[victim.key]["job_id"]

@@ -77,6 +77,8 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
                          "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
                          "run's data overrides), or `study launch`, which prepares them")
     check_vocab(tok, model_vocab)
+    if not entry.is_dir():
+        parts()  # the splits and the text column exist, before the build directory is made
     build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
     build_resumable(entry, build_fn)
     try:

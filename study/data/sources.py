@@ -133,8 +133,9 @@ class Source:
             names = None if first is None else list(first)
         return names
 
-    def texts(self, split: str, start: int = 0) -> Iterator[list[str]]:
-        """Batches of the split's texts from document `start` on, in source order (a null text is empty)."""
+    def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
+        """Batches of `size` of the split's texts from document `start` on, in source order (a null text is
+        empty)."""
         ds, field = self.splits()[split], self.cfg.text_field
         if self.kind == "jsonl":
             batch: list[str] = []
@@ -142,25 +143,27 @@ class Source:
                 for i, line in enumerate(f):
                     if i >= start:
                         batch.append(json.loads(line).get(field) or "")
-                        if len(batch) == READ_BATCH:
+                        if len(batch) == size:
                             yield batch
                             batch = []
             if batch:
                 yield batch
         elif self.kind == "disk":
             arrow = ds.select_columns([field]).with_format("arrow")
-            for lo in range(start, len(ds), READ_BATCH):
-                yield [t or "" for t in arrow[lo:lo + READ_BATCH].column(field).to_pylist()]
+            for lo in range(start, len(ds), size):
+                yield [t or "" for t in arrow[lo:lo + size].column(field).to_pylist()]
         else:
             stream = ds.select_columns([field])
-            for batch in (stream.skip(start) if start else stream).iter(batch_size=READ_BATCH):
+            for batch in (stream.skip(start) if start else stream).iter(batch_size=size):
                 yield [t or "" for t in batch[field]]
 
 
 def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Iterator[list[str]]:
     """The pass's texts from document `start` (with `start_bytes` of text before it) up to its caps."""
     index, total = start, start_bytes
-    for batch in source.texts(p.split, start):
+    # a batch never reaches past the document cap, so a stream is read (or downloaded) no further than needed
+    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs - start))
+    for batch in source.texts(p.split, start, size):
         keep = []
         for text in batch:
             if (p.max_docs is not None and index >= p.max_docs) or (p.max_bytes is not None and total >= p.max_bytes):
@@ -170,7 +173,7 @@ def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Ite
             index += 1
         if keep:
             yield keep
-        if len(keep) < len(batch):
+        if len(keep) < len(batch) or index == p.max_docs:
             return
 
 

@@ -369,7 +369,8 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failures:
-        raise LaunchFailed(f"{len(failures)} of {sum(len(s.runs) for s in stages)} runs failed: "
+        runs = sum(len(s.runs) for s in stages if s.name != "prepare")
+        raise LaunchFailed(f"{len(failures)} of {runs} runs failed: "
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages
