@@ -190,3 +190,23 @@ def test_launch_plans_a_prepare_stage_only_while_the_shards_are_missing(corpus, 
     assert main(["launch", "prep", "cluster=slurm", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("stage train: array of 2 runs\n") and "stage prepare" not in out and "dependency" not in out
+
+
+def test_a_transformers_tokenizer_directory_is_converted_once_and_encodes_like_its_source(corpus, tmp_path):
+    """The one use of `transformers` at run time (a runtime dependency for it): vocab.json + merges.txt, as GPT-2's
+    directory holds them, become the tokenizer.json every stage reads."""
+    from tokenizers import Tokenizer
+
+    source = Tokenizer.from_file(str(corpus[1]))
+    hf = tmp_path / "gpt2-like"
+    hf.mkdir()
+    source.model.save(str(hf))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
+                                                          "eos_token": "<|endoftext|>"}))
+    data = prepare_data(config(corpus, tmp_path / "cache", tokenizer=str(hf), max_docs=100))
+    converted = load_tokenizer(data.tokenizer_path)
+    assert converted.get_vocab_size() == source.get_vocab_size() and data.eos_id == source.token_to_id("<|endoftext|>")
+    train, val = expected_tokens(corpus[1], texts()[:100], 0.05)
+    assert np.array_equal(data.train, train) and np.array_equal(data.val, val)
+    [entry] = [p for p in (tmp_path / "cache" / "tokenizers").glob("hf-*") if p.is_dir()]
+    assert [p.name for p in entry.iterdir()] == ["tokenizer.json"]

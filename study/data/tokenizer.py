@@ -52,6 +52,10 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
     elif (given / "tokenizer.json").is_file():
         path, declared = given / "tokenizer.json", _declared_eos(given)
     elif not given.is_dir():
+        if build:
+            raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
+                             f"use `{TRAIN_BPE}` to train one on the corpus, or give a tokenizer.json or a "
+                             "transformers tokenizer directory")
         return None
     else:
         entry = _converted_entry(given, cache)
