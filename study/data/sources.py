@@ -148,14 +148,31 @@ class Source:
                             batch = []
             if batch:
                 yield batch
-        elif self.kind == "disk":
+        else:
+            for table in self._tables(split, start, size):
+                yield [t or "" for t in table.column(field).to_pylist()]
+
+    def byte_lengths(self, split: str, size: int = READ_BATCH) -> Iterator[np.ndarray]:
+        """The UTF-8 length of each text, batch by batch, computed in Arrow (no text becomes a Python string)."""
+        if self.kind == "jsonl":
+            for batch in self.texts(split, 0, size):
+                yield np.array([len(t.encode()) for t in batch], dtype=np.int64)
+            return
+        import pyarrow.compute as pc
+
+        for table in self._tables(split, 0, size):
+            yield pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
+
+    def _tables(self, split: str, start: int, size: int):
+        """Arrow tables of `size` rows of the text column from row `start` on."""
+        ds, field = self.splits()[split], self.cfg.text_field
+        if self.kind == "disk":
             arrow = ds.select_columns([field]).with_format("arrow")
             for lo in range(start, len(ds), size):
-                yield [t or "" for t in arrow[lo:lo + size].column(field).to_pylist()]
+                yield arrow[lo:lo + size]
         else:
             stream = ds.select_columns([field])
-            for batch in (stream.skip(start) if start else stream).iter(batch_size=size):
-                yield [t or "" for t in batch[field]]
+            yield from (stream.skip(start) if start else stream).with_format("arrow").iter(batch_size=size)
 
 
 def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Iterator[list[str]]:
@@ -177,6 +194,25 @@ def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Ite
             return
 
 
+def count(source: Source, p: Pass) -> int:
+    """How many documents the pass keeps: the caps of :func:`capped`, applied to text lengths alone."""
+    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs))
+    n, total = 0, 0
+    for lengths in source.byte_lengths(p.split, size):
+        if p.max_docs is not None:
+            lengths = lengths[:p.max_docs - n]
+        if p.max_bytes is not None:
+            before = total + np.cumsum(lengths) - lengths  # text bytes ahead of each document
+            kept = int(np.searchsorted(before, p.max_bytes, side="left"))  # those that start under the cap
+            if kept < len(lengths):
+                return n + kept
+        n += len(lengths)
+        total += int(lengths.sum())
+        if n == p.max_docs:
+            break
+    return n
+
+
 def layout(cfg: DataConfig, source: Source) -> Layout:
     """The passes that give train and validation documents. A fraction split must know how many documents the
     capped training split has, so it counts them first (reading text lengths only, stopping at the caps)."""
@@ -189,7 +225,7 @@ def layout(cfg: DataConfig, source: Source) -> Layout:
     probe = Pass(cfg.train_split, cfg.max_docs, cfg.max_bytes, "train")
     n = _known_length(source, probe)
     if n is None:
-        n = sum(len(b) for b in capped(source, probe))
+        n = count(source, probe)
     if n < 2:
         raise StudyError("data.max_docs", f"{n} training document(s) cannot be split into train and validation",
                          "keep at least two documents")

@@ -342,7 +342,8 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for stage in stages:
-            echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
+            what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
+            echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
             for i in range(0, len(stage.runs), parallel):
                 chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
                 live[:] = submit_stage(plan, chunk)
