@@ -160,10 +160,12 @@ def test_leftover_build_without_a_progress_record_is_rebuilt(small_cfg: DataConf
     cfg = replace(small_cfg, cache_dir=str(tmp_path))
     entry = tmp_path / "shards" / small.shard_dir.name
     leftover = entry.with_name(entry.name + ".partial")  # killed before its first chunk was recorded
-    leftover.mkdir(parents=True)
-    (leftover / "train.bin").write_bytes(b"\x01\x00" * 3)
+    older = entry.with_name(entry.name + ".tmp-4242-deadbeef")  # a build killed before builds were resumable
+    for dead in (leftover, older):
+        dead.mkdir(parents=True)
+        (dead / "train.bin").write_bytes(b"\x01\x00" * 3)
     fresh = prepare_data(cfg)
-    assert fresh.shard_dir == entry and not leftover.exists()
+    assert fresh.shard_dir == entry and not leftover.exists() and not older.exists()
     assert np.array_equal(fresh.train, small.train) and np.array_equal(fresh.val, small.val)
 
 

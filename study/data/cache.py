@@ -87,6 +87,8 @@ def build_resumable(entry: Path, build: Callable[[Path], None]) -> Path:
     with file_lock(entry.with_name(entry.name + ".lock")):
         if entry.is_dir():
             return entry
+        for stale in entry.parent.glob(f"{entry.name}{TMP_MARK}*"):  # a dead build_once's (before resumable builds)
+            shutil.rmtree(stale, ignore_errors=True)
         work = entry.with_name(entry.name + PARTIAL)
         work.mkdir(parents=True, exist_ok=True)
         build(work)
