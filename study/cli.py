@@ -74,6 +74,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_PREEMPTED if outcome.status == "PREEMPTED" else 1
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from study.data.stage import data_groups, prepare_group
+
+    if "=" in args.target:  # `study prepare data=... [overrides]`: the data of the run `study train` would train
+        from study.plan.planner import select_run
+
+        runs = [select_run([args.target, *args.overrides])]
+    else:
+        from study.plan.planner import plan_experiment
+
+        runs = _filtered(args, plan_experiment(args.target, args.overrides)).runs
+    groups = data_groups(runs)
+    from study.config.data import validate_data
+
+    for group in groups:
+        validate_data(group.data)  # every group's input is checked before the first one is tokenised
+    for group in groups:
+        prepare_group(group, progress=True)
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from study.launch.submit import LaunchFailed, launch
 
@@ -317,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg", choices=["job"], help="print the resolved run spec and exit (Hydra's --cfg job)")
     p.add_argument("--spec", help="train the run spec in this run.json (what launched jobs and ranks do)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenise the data of an experiment (or of data=... overrides) into the "
+                       "shard cache, once; resumes after a kill")
+    p.add_argument("target", metavar="EXPERIMENT|data=...", help="an experiment, or the first key=value override")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (data.*, model.vocab_size, ...)")
+    _selection(p)
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("launch", help="submit the runs of an experiment that are not finished yet")
     p.add_argument("experiment")

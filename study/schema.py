@@ -69,6 +69,8 @@ class RunDir:
     """One folder per evaluation, `<evaluation id>/` with EVAL_RECORD, EVAL_RESULTS and ITEMS_ARTIFACT."""
     result = property(lambda self: self.path / "result.json")
     """Written when training finished: final step and validation loss."""
+    tokenizer = property(lambda self: self.path / "tokenizer.json")
+    """A copy of the tokenizer the run was trained with: evaluation and profiling read it, never the data."""
     profile = property(lambda self: self.path / "profile.json")
     """A reference run's geometry profile (and profile.png, widths.png beside it)."""
     export = property(lambda self: self.path / "export")

@@ -147,6 +147,13 @@ CASES = [
     (["plan", "demo", "geometry.measure_sensitivity=false"], "weight_by_sensitivity"),
     (["launch", "demo", "data.name=/no/such/dataset"], "data.name"),
     (["launch", "demo", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
+    (["prepare", "nosuch"], "EXPERIMENT"),
+    (["prepare", "demo", "data.name=/no/such/dataset"], "data.name"),
+    (["prepare", "demo", "data.chunk_docs=0"], "data.chunk_docs"),
+    (["prepare", "demo", "model.vocab_size=1024"], "model.vocab_size"),
+    (["prepare", "data.name=/no/such/dataset", "scale=tiny"], "data.name"),
+    (["prepare", "data.vocab_size=100", "scale=tiny"], "data.vocab_size"),
+    (["prepare", "scale=tiny", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
     (["train", "scale=tiny", "+train.foo=1"], "train.foo"),
     (["train", "scale=tiny", "train.lr=nan"], "train.lr"),
     (["train", "scale=tiny", "--nproc", "0"], "--nproc"),
@@ -215,7 +222,7 @@ def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
 def test_bad_input_count_covers_every_command():
     assert len(CASES) >= 80
     assert {c[0][0] for c in CASES} >= {"plan", "launch", "train", "eval", "export", "profile", "allocate", "report",
-                                          "status"}
+                                          "status", "prepare"}
 
 
 def test_the_real_command_exits_2_without_a_traceback(tmp_path):

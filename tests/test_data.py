@@ -28,7 +28,7 @@ from study.data import (
 from study.data.cache import build_once
 from study.data.corpus import is_english_prose
 from study.data.shards import token_dtype
-from study.data.sources import load_splits
+from study.data.sources import VAL_SPLIT_SEED
 from study.errors import StudyError
 
 SMALL = dict(max_docs=2000, vocab_size=512, seq_len=32, num_proc=2)
@@ -85,9 +85,12 @@ def test_second_prepare_reuses_shards_and_tokenizer(small_cfg: DataConfig, small
 
 
 def test_validation_documents_are_held_out_from_training(small_cfg: DataConfig, small) -> None:
-    splits = load_splits(small_cfg)
-    train, val = set(splits.train["text"]), set(splits.val["text"])
-    assert len(val) == 20 and len(train) + len(val) == small_cfg.max_docs and not train & val
+    corpus = build_docstring_corpus(Path(small_cfg.cache_dir), small_cfg.max_docs)
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    held = np.random.Generator(np.random.PCG64(VAL_SPLIT_SEED)).permutation(len(docs))[:20]
+    val = {docs[i] for i in held}
+    train = set(docs) - val
+    assert len(val) == 20 and len(train) + len(val) == small_cfg.max_docs
     assert small.meta["splits"]["val"]["documents"] == 20
     tok = load_tokenizer(small.tokenizer_path)
     assert {tok.decode(d) for d in split_documents(np.asarray(small.val), small.eos_id)} == val
@@ -153,14 +156,16 @@ def test_validation_batches_are_fixed_and_split_across_ranks(small) -> None:
         next(val_batches(small.val, 32, batch_size=10_000))
 
 
-def test_leftover_temp_dir_is_ignored_and_rebuilt(small_cfg: DataConfig, small, tmp_path: Path) -> None:
+def test_leftover_build_without_a_progress_record_is_rebuilt(small_cfg: DataConfig, small, tmp_path: Path) -> None:
     cfg = replace(small_cfg, cache_dir=str(tmp_path))
     entry = tmp_path / "shards" / small.shard_dir.name
-    leftover = entry.with_name(entry.name + ".tmp-4242-deadbeef")
-    leftover.mkdir(parents=True)
-    (leftover / "train.bin").write_bytes(b"\x01\x00" * 3)
+    leftover = entry.with_name(entry.name + ".partial")  # killed before its first chunk was recorded
+    older = entry.with_name(entry.name + ".tmp-4242-deadbeef")  # a build killed before builds were resumable
+    for dead in (leftover, older):
+        dead.mkdir(parents=True)
+        (dead / "train.bin").write_bytes(b"\x01\x00" * 3)
     fresh = prepare_data(cfg)
-    assert fresh.shard_dir == entry and not leftover.exists()
+    assert fresh.shard_dir == entry and not leftover.exists() and not older.exists()
     assert np.array_equal(fresh.train, small.train) and np.array_equal(fresh.val, small.val)
 
 

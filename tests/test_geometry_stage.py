@@ -35,7 +35,8 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
     assert pending and all(r.pending and r.params is None for r in pending)
 
     stages = launch("geo", ["cluster=local"], echo=lambda m: None)
-    assert [s.name for s in stages] == ["train", "profile", "scheduled"]
+    # the session's data cache may not hold these shards yet: then a prepare stage comes first
+    assert [s.name for s in stages if s.name != "prepare"] == ["train", "profile", "scheduled"]
 
     after = plan_experiment("geo")
     ref = next(r for r in after.runs if r.cfg.stage == "reference")

@@ -1,4 +1,9 @@
-"""`study launch --dry-run`: the arrays, dependencies and sbatch scripts, pinned by golden files; nothing written."""
+"""`study launch --dry-run`: the arrays, dependencies and sbatch scripts, pinned by golden files; nothing written.
+
+A deliberate change of the output is taken into the golden files by running, in an empty directory,
+`SLURM_CONF=/absent STUDY_CACHE=/absent env -u MLFLOW_TRACKING_URI -u STUDY_TOKENIZER
+study launch EXPERIMENT cluster=h100 paths.runs=/shared/runs --dry-run > tests/golden/launch_EXPERIMENT_h100.txt`.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ def test_dry_run_prints_the_golden_arrays_and_sbatch_scripts(experiment, tmp_pat
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))  # a dry run never asks the scheduler
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))  # no shards yet: the prepare stage is shown
     assert main(["launch", experiment, "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out == (GOLDEN / f"launch_{experiment}_h100.txt").read_text()
@@ -27,6 +33,15 @@ def test_geometry_profiles_wait_for_reference_runs_and_use_one_gpu():
     assert "#SBATCH --gpus-per-node=1" in profile and "#SBATCH --ntasks-per-node=1" in profile
     assert "afterok:<its reference runs in the train array>" in profile
     assert "#SBATCH --signal=USR2@300" in text and "#SBATCH --requeue" in text
+
+
+def test_missing_shards_are_prepared_by_one_cpu_job_that_training_waits_for():
+    text = (GOLDEN / "launch_hourglass_h100.txt").read_text()
+    prepare, train = text.split("stage train:")
+    assert prepare.startswith("stage prepare: array of 1 shard entries") and "Skylion007/openwebtext for 125 runs" in prepare
+    assert "#SBATCH --gpus-per-node" not in prepare and "#SBATCH --ntasks-per-node=1" in prepare
+    assert "#SBATCH --cpus-per-task=12" in prepare and "#SBATCH --job-name=hourglass-prepare" in prepare
+    assert "afterok:<its data in the prepare array>" in train and "#SBATCH --gpus-per-node=8" in train
 
 
 @pytest.mark.parametrize("override,field", [
@@ -47,7 +62,8 @@ def test_strings_that_would_reach_sbatch_as_shell_lines_are_refused(override, fi
 def test_experiment_and_variant_names_reach_sbatch_only_as_sanitised_job_names(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))
     assert main(["launch", "hourglass", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
     out = capsys.readouterr().out
     names = [line.split("=", 1)[1] for line in out.splitlines() if line.startswith("#SBATCH --job-name=")]
-    assert names == ["hourglass-train"]
+    assert names == ["hourglass-prepare", "hourglass-train"]

@@ -54,7 +54,8 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
                                           "faults": {"sleep_per_step": 0.4}})
     over = ["cluster=slurm"]
     stages = launch(name, over, echo=lambda m: None)
-    assert [s.name for s in stages] == ["train"] and len(stages[0].runs) == 2
+    # the session's data cache may not hold these shards yet: then a prepare job comes first
+    assert [s.name for s in stages if s.name != "prepare"] == ["train"] and len(stages[-1].runs) == 2
     plan = plan_experiment(name, over)
     victim = next(r for r in plan.runs if r.cfg.variant == "hourglass")
     victim_job = journal(plan.runs[0].config.paths.runs, name)[victim.key]["job_id"]
@@ -197,3 +198,29 @@ def test_until_decided_on_slurm_runs_its_loop_in_a_controller_job(workdir, clust
     log = next((workdir / "runs" / name / "_submitit").glob(f"{controller}/{controller}_0_log.out")).read_text()
     assert "stopped after 1 looks: max seeds reached (2)" in log
     assert {r.data.tags.get("study.seed") for r in mlflow_runs(name)} == {"0", "1", None}  # None: the looks run
+
+
+def test_missing_shards_are_tokenised_by_a_cpu_job_that_training_waits_for(workdir, cluster_env):
+    from study.launch.submit import launch
+
+    name = "prep" + cluster_env
+    common = {**SMALL["common"], "data": {**SMALL["common"]["data"], "cache_dir": str(workdir / "cache")}}
+    private_sweeps(workdir, name, common=common, variants={"conventional": {"model": "conventional"}})
+    over = ["cluster=slurm", "cluster.prepare_cpus=2"]
+    stages = launch(name, over, echo=lambda m: None)
+    assert [s.name for s in stages] == ["prepare", "train"]
+    (prepare_job,), (train_job,) = stages[0].job_ids, stages[1].job_ids
+    assert stages[1].after == [prepare_job]
+    wait_jobs([prepare_job, train_job])
+    acct = subprocess.run(["sacct", "-n", "-P", "-X", "--format=JobID,State,Start,End,AllocCPUS,AllocTRES", "-j",
+                           f"{prepare_job},{train_job}"], capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[0]: line.split("|") for line in acct.splitlines()}
+    prep, trained = rows[prepare_job], rows[train_job]
+    assert prep[1] == trained[1] == "COMPLETED", acct
+    assert prep[3] <= trained[2], acct  # training started only once the shards were written
+    assert prep[4] == "2" and "gpu" not in prep[5], acct
+    [entry] = [p for p in (workdir / "cache" / "shards").iterdir() if p.is_dir()]
+    assert (workdir / "runs" / name / stages[1].runs[0].key / "tokenizer.json").read_bytes() == \
+        (entry / "tokenizer.json").read_bytes()
+    assert [r.info.status for r in mlflow_runs(name)] == ["FINISHED"]
+    assert launch(name, over, echo=lambda m: None) == []  # shards present, run finished: nothing to submit

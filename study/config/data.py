@@ -44,7 +44,10 @@ class DataConfig:
     cache_dir: str | None = None
     """Where corpora, tokenizers and token shards are cached; None means $STUDY_CACHE, else ~/.cache/study."""
     num_proc: int | None = None
-    """Processes used to tokenise (`datasets.map(num_proc=...)`); None uses every core this process may run on."""
+    """Threads the tokenizer encodes a chunk with; None uses every core this process may run on."""
+    chunk_docs: int = 10_000
+    """Documents tokenised between two progress records: a killed `study prepare` resumes after the last finished
+    chunk (the shards are the same whatever the chunk size)."""
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -73,7 +76,7 @@ def validate_data(cfg: DataConfig, files: bool = True) -> None:
     if not 0.0 < cfg.val_fraction < 1.0:
         raise StudyError("data.val_fraction", f"must lie strictly between 0 and 1, got {cfg.val_fraction}",
                          "use e.g. 0.01")
-    for name in ("max_docs", "max_bytes", "num_proc"):
+    for name in ("max_docs", "max_bytes", "num_proc", "chunk_docs"):
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise StudyError(f"data.{name}", f"must be positive, got {value}", "use a value > 0, or null for no limit")

@@ -53,6 +53,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "data.max_bytes": (KEY, "the training documents kept"),
     "data.cache_dir": (OUT, "a path"),
     "data.num_proc": (OUT, "tokenising parallelism; the shards are the same"),
+    "data.chunk_docs": (OUT, "progress-record cadence of tokenising; the shards are the same"),
     "train.micro_batch": (KEY, "the batch (and the accumulation order of a fixed global batch)"),
     "train.grad_accum": (KEY, "the batch"),
     "train.global_batch": (KEY, "the batch"),

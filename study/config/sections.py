@@ -114,6 +114,11 @@ class ClusterConfig:
     """Array tasks running at once."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before each job (module loads, environment activation)."""
+    prepare_partition: str = ""
+    """Partition of the CPU-only data-preparation job that tokenises missing shards before training; empty means
+    `partition`."""
+    prepare_cpus: int = 0
+    """CPUs of the data-preparation job (the tokenizer uses them all); 0 means `cpus_per_task`."""
 
 
 @dataclass
@@ -132,6 +137,8 @@ class FaultsConfig:
     """Fault injection for tests: behave as if SIGUSR2 arrived at this step (-1 never)."""
     sleep_per_step: float = 0.0
     """Fault injection for tests: sleep this long after every step, so signals land mid-run."""
+    kill_prepare_after_chunks: int = -1
+    """Fault injection for tests: SIGKILL the data preparation after this many tokenised chunks (-1 never)."""
 
 
 @dataclass

@@ -26,7 +26,7 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "tra
             "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s")
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
-                "cluster.signal_delay_s", "cluster.mem_gb", "eval.limit", "eval.num_fewshot")
+                "cluster.signal_delay_s", "cluster.mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
 """Upper bounds: MLflow takes at most 1,000 metrics per batch; an MFU is a fraction."""
 URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
@@ -55,7 +55,7 @@ def _check_values(cfg: RunConfig) -> None:
 
 def _check_cluster(cfg: RunConfig) -> None:
     c = cfg.cluster
-    for name in ("name", "partition", "account", "qos", "constraint"):
+    for name in ("name", "partition", "account", "qos", "constraint", "prepare_partition"):
         if not SLURM_WORD.match(getattr(c, name)):
             raise StudyError(f"cluster.{name}", f"{getattr(c, name)!r} is not one SLURM word",
                              "use letters, digits and , . _ - (spaces, quotes and shell characters are refused)")

@@ -74,3 +74,23 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return entry
+
+
+PARTIAL = ".partial"
+
+
+def build_resumable(entry: Path, build: Callable[[Path], None]) -> Path:
+    """Like :func:`build_once`, but the build directory `<entry>.partial` survives a crash: the next builder (under
+    the same lock) calls `build` on it again, and `build` continues from whatever progress record it left there."""
+    if entry.is_dir():
+        return entry
+    with file_lock(entry.with_name(entry.name + ".lock")):
+        if entry.is_dir():
+            return entry
+        for stale in entry.parent.glob(f"{entry.name}{TMP_MARK}*"):  # a dead build_once's (before resumable builds)
+            shutil.rmtree(stale, ignore_errors=True)
+        work = entry.with_name(entry.name + PARTIAL)
+        work.mkdir(parents=True, exist_ok=True)
+        build(work)
+        os.rename(work, entry)
+    return entry

@@ -15,27 +15,21 @@ import json
 import os
 import re
 import shutil
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from study.data.cache import build_once, cache_key, file_lock
-from study.config.data import DataConfig, cache_root, tokenize_procs, validate_data
-from study.data.sources import Splits, load_splits, source_key
-from study.data.tokenizer import TokenizerFile, load_tokenizer, resolve_tokenizer
+from study.config.data import TRAIN_BPE, DataConfig, cache_root, validate_data
+from study.data.cache import build_resumable, cache_key, file_lock
+from study.data.sources import Layout, Source, capped, layout, source_key
+from study.data.tokenizer import TokenizerFile, resolve_tokenizer
 from study.errors import StudyError
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    from datasets import Dataset
 
 SHARD_FORMAT = 2
 CHECKED = ("train.bin", "val.bin", "tokenizer.json")
-MAP_BATCH = 1000
 SPLITS = ("train", "val")
 
 
@@ -59,16 +53,34 @@ class PreparedData:
     """What was tokenised: source, per-split documents/bytes/tokens, tokenisation throughput."""
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """Token shards for `cfg`, tokenised on first use and opened from the cache afterwards."""
+def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = True, progress: bool = False,
+                 after_chunk: Callable[[int], None] | None = None) -> PreparedData:
+    """Token shards for `cfg`, tokenised on first use (streaming, resumable: :mod:`study.data.prepare`) and opened
+    from the cache afterwards. `model_vocab`, when given, must cover the tokenizer, checked before any token is
+    written; with `build=False` missing shards are an error naming `study prepare` (commands that only read them);
+    `progress` shows a progress line; `after_chunk(n)` runs after each of the n finished chunks (fault injection)."""
+    from study.data.prepare import write_shards
+
     validate_data(cfg)
     cache = cache_root(cfg)
     documents = source_key(cfg)
-    splits = functools.cache(lambda: load_splits(cfg))
-    tok = resolve_tokenizer(cfg, cache, documents, lambda: splits().train)
-    entry = cache / "shards" / f"{_slug(cfg.name)}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
-    build = lambda tmp: write_shards(tmp, splits(), tok, cfg)  # noqa: E731
-    build_once(entry, build)
+    if cfg.tokenizer == TRAIN_BPE and model_vocab is not None and cfg.vocab_size > model_vocab:
+        # refused before the BPE is trained; the trained vocabulary is checked exactly below
+        raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the {cfg.vocab_size} ids of the BPE "
+                         "(data.vocab_size)", f"set model.vocab_size >= {cfg.vocab_size} or lower data.vocab_size")
+    source = functools.cache(lambda: Source(cfg))
+    parts = functools.cache(lambda: layout(cfg, source()))
+    tok = resolve_tokenizer(cfg, cache, documents, lambda: _train_texts(source(), parts()), build=build)
+    entry = None if tok is None else shard_entry(cfg, documents, tok)
+    if not build and (entry is None or not entry.is_dir()):
+        raise StudyError("data", f"the token shards of {cfg.name} are not in the cache {cache}",
+                         "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
+                         "run's data overrides), or `study launch`, which prepares them")
+    check_vocab(tok, model_vocab)
+    if not entry.is_dir():
+        parts()  # the splits and the text column exist, before the build directory is made
+    build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
+    build_resumable(entry, build_fn)
     try:
         return open_shards(entry, cfg.seq_len)
     except BrokenEntry as broken:
@@ -76,32 +88,46 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
 
         print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
         discard(entry)
-        build_once(entry, build)
+        build_resumable(entry, build_fn)
         return open_shards(entry, cfg.seq_len)
+
+
+def shard_entry(cfg: DataConfig, documents: str, tok: TokenizerFile) -> Path:
+    """The cache directory of the shards of (documents, tokenizer); its name is the cache key since format 2."""
+    return cache_root(cfg) / "shards" / f"{_slug(cfg.name)}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
+
+
+def find_shards(cfg: DataConfig) -> Path | None:
+    """The finished shard entry of `cfg` if it is in the cache (nothing is read, trained or tokenised)."""
+    documents = source_key(cfg)
+    tok = resolve_tokenizer(cfg, cache_root(cfg), documents, lambda: iter(()), build=False)
+    entry = None if tok is None else shard_entry(cfg, documents, tok)
+    return entry if entry is not None and (entry / "meta.json").is_file() else None
+
+
+def check_vocab(tok: TokenizerFile, model_vocab: int | None) -> None:
+    """Before any token is written: the ids fit the shard dtype, and the model embeds every id."""
+    if tok.vocab_size > 2**32:
+        raise StudyError("data.tokenizer", f"{tok.path} has {tok.vocab_size} ids, more than a uint32 shard holds",
+                         "use a tokenizer with at most 2**32 ids")
+    if model_vocab is not None and tok.vocab_size > model_vocab:
+        raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the tokenizer's {tok.vocab_size} "
+                         "ids", f"set model.vocab_size >= {tok.vocab_size}")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def write_shards(out: Path, splits: Splits, tok: TokenizerFile, cfg: DataConfig) -> None:
-    """Tokenise both splits into `out` (a temporary directory the cache renames once this returns)."""
-    dtype = token_dtype(tok.vocab_size)
-    start = time.perf_counter()
-    stats = {name: _tokenize_split(docs, out, name, tok, cfg, dtype)
-             for name, docs in zip(SPLITS, (splits.train, splits.val))}
-    seconds = time.perf_counter() - start
-    tokens = sum(s["tokens"] for s in stats.values())
-    shutil.copyfile(tok.path, out / "tokenizer.json")
-    meta = {
-        "format": SHARD_FORMAT, "dtype": dtype.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-        "source": {"name": cfg.name, "config_name": cfg.config_name, "text_field": cfg.text_field,
-                   "val_from": splits.val_from, "max_docs": cfg.max_docs, "max_bytes": cfg.max_bytes},
-        "tokenizer": str(tok.path), "splits": stats,
-        "tokenize_seconds": round(seconds, 3), "tokenize_tokens_per_s": round(tokens / max(seconds, 1e-9)),
-    }
-    meta["sha256"] = {name: sha256_file(out / name) for name in CHECKED}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+def _train_texts(source: Source, parts: Layout) -> Iterator[list[str]]:
+    """The training documents' texts, in batches, as the BPE trainer reads them."""
+    for p in parts.passes:
+        index = 0
+        for batch in capped(source, p):
+            keep = [t for i, t in enumerate(batch, index) if p.target(i) == "train"]
+            index += len(batch)
+            if keep:
+                yield keep
 
 
 class BrokenEntry(Exception):
@@ -164,56 +190,6 @@ def open_shards(entry: Path, seq_len: int) -> PreparedData:
                              "(data.max_docs, data.max_bytes, data.val_fraction)")
     return PreparedData(arrays["train"], arrays["val"], entry / "tokenizer.json", meta["vocab_size"],
                         meta["eos_id"], seq_len, entry, meta)
-
-
-class _Encoder:
-    """Batched `datasets.map` function; pickles as a path so each worker process loads its own tokenizer."""
-
-    def __init__(self, path: Path, text_field: str, eos_id: int):
-        self.path, self.text_field, self.eos_id = path, text_field, eos_id
-        self._tok = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tok": None}
-
-    def __call__(self, batch: dict[str, list]) -> dict[str, list[list[int]]]:
-        if self._tok is None:
-            self._tok = load_tokenizer(self.path)
-        texts = [text or "" for text in batch[self.text_field]]
-        encoded = self._tok.encode_batch(texts, add_special_tokens=False)
-        return {"ids": [e.ids + [self.eos_id] for e in encoded]}
-
-
-def _tokenize_split(docs: Dataset, out: Path, name: str, tok: TokenizerFile, cfg: DataConfig,
-                    dtype: np.dtype) -> dict[str, int]:
-    import pyarrow.compute as pc
-    from datasets import Features, Sequence, Value
-
-    work = out / "arrow"
-    work.mkdir(exist_ok=True)
-    procs = min(tokenize_procs(cfg), -(-len(docs) // MAP_BATCH))
-    ids = docs.map(_Encoder(tok.path, cfg.text_field, tok.eos_id), batched=True, batch_size=MAP_BATCH,
-                   num_proc=procs if procs > 1 else None, remove_columns=docs.column_names,
-                   features=Features({"ids": Sequence(Value("uint32"))}),
-                   cache_file_name=str(work / f"{name}.arrow"), new_fingerprint=cache_key(out.name, name),
-                   desc=f"tokenising {name}")
-    total = sum(int(pc.sum(pc.list_value_length(b.column("ids"))).as_py()) for b in _arrow_batches(ids))
-    shard = np.memmap(out / f"{name}.bin", dtype=dtype, mode="w+", shape=(total,))
-    pos = 0
-    for batch in _arrow_batches(ids):
-        flat = pc.list_flatten(batch.column("ids")).to_numpy()
-        shard[pos:pos + len(flat)] = flat
-        pos += len(flat)
-    shard.flush()
-    del shard, ids
-    shutil.rmtree(work)
-    text_bytes = sum(int(pc.sum(pc.binary_length(b.column(cfg.text_field))).as_py() or 0)
-                     for b in _arrow_batches(docs))
-    return {"documents": len(docs), "bytes": text_bytes, "tokens": total}
-
-
-def _arrow_batches(ds: Dataset) -> Iterator[pa.Table]:
-    return ds.with_format("arrow").iter(batch_size=100 * MAP_BATCH)
 
 
 def _slug(name: str) -> str:

@@ -1,38 +1,63 @@
-"""Where documents come from: a Hugging Face dataset (hub, `save_to_disk` directory, data files) or the embedded corpus.
+"""Where documents come from, read as a stream: the embedded corpus, a `save_to_disk` directory, local data files
+(json/parquet/...) or a Hugging Face hub dataset.
 
-All sources end as the same two `datasets.Dataset` objects (train, val), so everything after loading
-runs one code path. `datasets` is imported lazily: planning commands import this package.
+Nothing is loaded whole. A local or hub dataset is read with `datasets.load_dataset(..., streaming=True)`, so the
+same builder yields the same documents in the same order as a full load would, without converting the corpus into
+an Arrow copy first, and a hub dataset is fetched only as far as the caps reach. What goes where is a list of
+passes (:class:`Pass`) over source splits; each document index of a pass goes to `train` or `val`. Both the split
+rule and the caps are those of the former whole-corpus loader, so existing shard caches keep their keys and bytes.
+`datasets` is imported lazily: planning commands import this package.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
+from study.config.data import EMBEDDED, DataConfig, cache_root
 from study.data.cache import cache_key, fingerprint_path
-from study.config.data import EMBEDDED, DataConfig, cache_root, tokenize_procs
 from study.data.corpus import build_docstring_corpus
 from study.errors import StudyError
-
-if TYPE_CHECKING:
-    from datasets import Dataset
 
 # The held-out documents are drawn with a fixed seed, independent of any run's data seed, so every
 # run of a study validates on the same text.
 VAL_SPLIT_SEED = 20240601
-CAP_SCAN_ROWS = 10_000
+READ_BATCH = 1000
 
 
 @dataclass(frozen=True)
-class Splits:
-    train: Dataset
-    val: Dataset
+class Pass:
+    """One read of a source split, from its first document, up to the caps."""
+
+    split: str
+    """The source split read."""
+    max_docs: int | None
+    """Stop after this many documents (None: no limit)."""
+    max_bytes: int | None
+    """Stop after the document whose UTF-8 text reaches this many bytes in total (None: no limit)."""
+    to: str
+    """`train` or `val`: where every document of the pass goes, unless `held_out` says otherwise."""
+    held_out: np.ndarray | None = None
+    """For a fraction split: True at the document indices held out for validation (the rest is `train`)."""
+
+    def target(self, index: int) -> str:
+        if self.held_out is None:
+            return self.to
+        return "val" if self.held_out[index] else "train"
+
+
+@dataclass(frozen=True)
+class Layout:
+    passes: list[Pass]
+    """The passes that together yield both splits, in order."""
     val_from: str
-    """Where the validation documents came from: the dataset's named split or `fraction`."""
+    """Where the validation documents come from: the dataset's named split or `fraction`."""
 
 
 def source_key(cfg: DataConfig) -> str:
@@ -43,71 +68,183 @@ def source_key(cfg: DataConfig) -> str:
                      cfg.val_fraction, cfg.max_docs, cfg.max_bytes, stats)
 
 
-def load_splits(cfg: DataConfig) -> Splits:
-    """Train and validation documents, capped, with only the text column."""
-    raw = _load(cfg)
-    if cfg.train_split not in raw:
-        raise StudyError("data.train_split", f"{cfg.name} has no split {cfg.train_split!r} (it has {sorted(raw)})",
-                         f"use one of {sorted(raw)}")
-    train = _text_only(raw[cfg.train_split], cfg)
-    if cfg.val_split in raw and cfg.val_split != cfg.train_split:
-        val = _cap(_text_only(raw[cfg.val_split], cfg), cfg, _share(cfg.max_docs, cfg.val_fraction),
-                   _share(cfg.max_bytes, cfg.val_fraction))
-        return Splits(_cap(train, cfg, cfg.max_docs, cfg.max_bytes), val, cfg.val_split)
-    train = _cap(train, cfg, cfg.max_docs, cfg.max_bytes)
-    if len(train) < 2:
-        raise StudyError("data.max_docs", f"{len(train)} training document(s) cannot be split into train and "
-                         "validation", "keep at least two documents")
-    n_val = min(len(train) - 1, max(1, round(len(train) * cfg.val_fraction)))
-    order = np.random.Generator(np.random.PCG64(VAL_SPLIT_SEED)).permutation(len(train))
-    # Sorted indices keep the source's document order inside each split.
-    return Splits(train.select(np.sort(order[n_val:])), train.select(np.sort(order[:n_val])), "fraction")
+class Source:
+    """The documents of one data config: which splits exist, and a stream of texts per split."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        self._splits: dict[str, Any] | None = None
+        local = Path(cfg.name).expanduser()
+        if cfg.name == EMBEDDED:
+            self.kind = "jsonl"
+            self.path = build_docstring_corpus(cache_root(cfg), cfg.max_docs, cfg.max_bytes)
+        elif local.is_dir() and any((local / f).exists() for f in ("dataset_dict.json", "state.json")):
+            self.kind, self.path = "disk", local
+        else:
+            self.kind, self.path = "stream", local
+
+    def splits(self) -> dict[str, Any]:
+        """Split name -> a `datasets` object (or, for the embedded corpus, its JSONL path)."""
+        if self._splits is None:
+            self._splits = self._open()
+        return self._splits
+
+    def _open(self) -> dict[str, Any]:
+        import datasets
+
+        cfg = self.cfg
+        if self.kind == "jsonl":
+            return {cfg.train_split: self.path}
+        if self.kind == "disk":
+            loaded = datasets.load_from_disk(str(self.path))
+        else:
+            name = str(self.path) if self.path.exists() else cfg.name
+            try:
+                loaded = datasets.load_dataset(name, cfg.config_name, streaming=True,
+                                               cache_dir=str(cache_root(cfg) / "hf"))
+            except (FileNotFoundError, ValueError, ConnectionError) as err:
+                raise StudyError("data.name", f"cannot read the dataset {cfg.name!r} ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''})",
+                                 f"give a local data directory, a `save_to_disk` directory, a hub dataset "
+                                 f"reachable from here, or `{EMBEDDED}`") from None
+        if isinstance(loaded, (datasets.Dataset, datasets.IterableDataset)):
+            return {cfg.train_split: loaded}
+        return dict(loaded)
+
+    def check(self) -> None:
+        """The training split and the text column exist (read from the first document at most)."""
+        cfg, splits = self.cfg, self.splits()
+        if cfg.train_split not in splits:
+            raise StudyError("data.train_split", f"{cfg.name} has no split {cfg.train_split!r} (it has "
+                             f"{sorted(splits)})", f"use one of {sorted(splits)}")
+        for split in {cfg.train_split, cfg.val_split} & set(splits):
+            columns = self._columns(split)
+            if columns is not None and cfg.text_field not in columns:
+                raise StudyError("data.text_field", f"{cfg.name} has no column {cfg.text_field!r} (it has "
+                                 f"{columns})", f"use one of {columns}")
+
+    def _columns(self, split: str) -> list[str] | None:
+        ds = self.splits()[split]
+        if self.kind == "jsonl":
+            return None
+        names = ds.column_names
+        if names is None:  # a stream whose features are unknown until read: its first document says
+            first = next(iter(ds.take(1)), None)
+            names = None if first is None else list(first)
+        return names
+
+    def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
+        """Batches of `size` of the split's texts from document `start` on, in source order (a null text is
+        empty)."""
+        ds, field = self.splits()[split], self.cfg.text_field
+        if self.kind == "jsonl":
+            batch: list[str] = []
+            with open(ds, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if i >= start:
+                        batch.append(json.loads(line).get(field) or "")
+                        if len(batch) == size:
+                            yield batch
+                            batch = []
+            if batch:
+                yield batch
+        else:
+            for table in self._tables(split, start, size):
+                yield [t or "" for t in table.column(field).to_pylist()]
+
+    def byte_lengths(self, split: str, size: int = READ_BATCH) -> Iterator[np.ndarray]:
+        """The UTF-8 length of each text, batch by batch, computed in Arrow (no text becomes a Python string)."""
+        if self.kind == "jsonl":
+            for batch in self.texts(split, 0, size):
+                yield np.array([len(t.encode()) for t in batch], dtype=np.int64)
+            return
+        import pyarrow.compute as pc
+
+        for table in self._tables(split, 0, size):
+            yield pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
+
+    def _tables(self, split: str, start: int, size: int):
+        """Arrow tables of `size` rows of the text column from row `start` on."""
+        ds, field = self.splits()[split], self.cfg.text_field
+        if self.kind == "disk":
+            arrow = ds.select_columns([field]).with_format("arrow")
+            for lo in range(start, len(ds), size):
+                yield arrow[lo:lo + size]
+        else:
+            stream = ds.select_columns([field])
+            yield from (stream.skip(start) if start else stream).with_format("arrow").iter(batch_size=size)
 
 
-def _load(cfg: DataConfig) -> dict[str, Dataset]:
-    import datasets
+def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Iterator[list[str]]:
+    """The pass's texts from document `start` (with `start_bytes` of text before it) up to its caps."""
+    index, total = start, start_bytes
+    # a batch never reaches past the document cap, so a stream is read (or downloaded) no further than needed
+    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs - start))
+    for batch in source.texts(p.split, start, size):
+        keep = []
+        for text in batch:
+            if (p.max_docs is not None and index >= p.max_docs) or (p.max_bytes is not None and total >= p.max_bytes):
+                break
+            keep.append(text)
+            total += len(text.encode())
+            index += 1
+        if keep:
+            yield keep
+        if len(keep) < len(batch) or index == p.max_docs:
+            return
 
-    local = Path(cfg.name).expanduser()
-    if cfg.name == EMBEDDED:
-        corpus = build_docstring_corpus(cache_root(cfg), cfg.max_docs, cfg.max_bytes)
-        loaded = datasets.load_dataset("json", data_files={"train": str(corpus)},
-                                       cache_dir=str(cache_root(cfg) / "hf"))
-    elif local.is_dir() and any((local / f).exists() for f in ("dataset_dict.json", "state.json")):
-        loaded = datasets.load_from_disk(str(local))
-    elif local.exists():
-        loaded = datasets.load_dataset(str(local), cfg.config_name, cache_dir=str(cache_root(cfg) / "hf"))
-    else:
-        loaded = datasets.load_dataset(cfg.name, cfg.config_name, num_proc=tokenize_procs(cfg))
-    if isinstance(loaded, datasets.Dataset):
-        return {cfg.train_split: loaded}
-    return dict(loaded)
+
+def count(source: Source, p: Pass) -> int:
+    """How many documents the pass keeps: the caps of :func:`capped`, applied to text lengths alone."""
+    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs))
+    n, total = 0, 0
+    for lengths in source.byte_lengths(p.split, size):
+        if p.max_docs is not None:
+            lengths = lengths[:p.max_docs - n]
+        if p.max_bytes is not None:
+            before = total + np.cumsum(lengths) - lengths  # text bytes ahead of each document
+            kept = int(np.searchsorted(before, p.max_bytes, side="left"))  # those that start under the cap
+            if kept < len(lengths):
+                return n + kept
+        n += len(lengths)
+        total += int(lengths.sum())
+        if n == p.max_docs:
+            break
+    return n
+
+
+def layout(cfg: DataConfig, source: Source) -> Layout:
+    """The passes that give train and validation documents. A fraction split must know how many documents the
+    capped training split has, so it counts them first (reading text lengths only, stopping at the caps)."""
+    source.check()
+    splits = source.splits()
+    if cfg.val_split in splits and cfg.val_split != cfg.train_split:
+        return Layout([Pass(cfg.train_split, cfg.max_docs, cfg.max_bytes, "train"),
+                       Pass(cfg.val_split, _share(cfg.max_docs, cfg.val_fraction),
+                            _share(cfg.max_bytes, cfg.val_fraction), "val")], cfg.val_split)
+    probe = Pass(cfg.train_split, cfg.max_docs, cfg.max_bytes, "train")
+    n = _known_length(source, probe)
+    if n is None:
+        n = count(source, probe)
+    if n < 2:
+        raise StudyError("data.max_docs", f"{n} training document(s) cannot be split into train and validation",
+                         "keep at least two documents")
+    n_val = min(n - 1, max(1, round(n * cfg.val_fraction)))
+    order = np.random.Generator(np.random.PCG64(VAL_SPLIT_SEED)).permutation(n)
+    held_out = np.zeros(n, dtype=bool)
+    held_out[order[:n_val]] = True
+    return Layout([Pass(cfg.train_split, n, None, "train", held_out)], "fraction")
+
+
+def _known_length(source: Source, p: Pass) -> int | None:
+    """The capped split's length when known without reading texts (a byte cap needs the texts)."""
+    if p.max_bytes is not None:
+        return None
+    ds = source.splits()[p.split]
+    if source.kind == "disk":
+        return len(ds) if p.max_docs is None else min(len(ds), p.max_docs)
+    return None
 
 
 def _share(cap: int | None, fraction: float) -> int | None:
     return None if cap is None else max(1, math.ceil(cap * fraction))
-
-
-def _text_only(ds: Dataset, cfg: DataConfig) -> Dataset:
-    if cfg.text_field not in ds.column_names:
-        raise StudyError("data.text_field", f"{cfg.name} has no column {cfg.text_field!r} (it has {ds.column_names})",
-                         f"use one of {ds.column_names}")
-    return ds.select_columns([cfg.text_field])
-
-
-def _cap(ds: Dataset, cfg: DataConfig, max_docs: int | None, max_bytes: int | None) -> Dataset:
-    """The first documents of `ds` within the caps (reading only text lengths, in Arrow)."""
-    n = len(ds) if max_docs is None else min(len(ds), max_docs)
-    if max_bytes is not None:
-        import pyarrow.compute as pc
-
-        arrow = ds.with_format("arrow")
-        total = 0
-        for start in range(0, n, CAP_SCAN_ROWS):
-            texts = arrow[start:min(n, start + CAP_SCAN_ROWS)].column(cfg.text_field)
-            ends = total + np.cumsum(pc.fill_null(pc.binary_length(texts), 0).to_numpy())
-            reached = int(np.searchsorted(ends, max_bytes))
-            if reached < len(ends):
-                n = start + reached + 1
-                break
-            total = int(ends[-1])
-    return ds if n == len(ds) else ds.select(range(n))

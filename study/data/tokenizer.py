@@ -17,11 +17,9 @@ from study.config.data import EOS_CANDIDATES, TRAIN_BPE, DataConfig
 from study.errors import StudyError
 
 if TYPE_CHECKING:
-    from datasets import Dataset
     from tokenizers import Tokenizer
 
 EOS = "<|endoftext|>"
-TRAIN_BATCH = 1000
 
 
 @dataclass(frozen=True)
@@ -37,28 +35,42 @@ class TokenizerFile:
 
 
 def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
-                      train_docs: Callable[[], Dataset]) -> TokenizerFile:
-    """The tokenizer.json for `cfg`, training the BPE once per (corpus, vocab size) when tokenizer=bpe."""
+                      train_docs: Callable[[], Iterator[list[str]]], build: bool = True) -> TokenizerFile | None:
+    """The tokenizer.json for `cfg`, training the BPE once per (corpus, vocab size) when tokenizer=bpe from the
+    batches of training texts `train_docs()` streams. With `build=False` nothing is trained or converted: None when
+    the tokenizer does not exist yet."""
     given = Path(cfg.tokenizer).expanduser()
     if cfg.tokenizer == TRAIN_BPE:
         entry = cache / "tokenizers" / f"bpe{cfg.vocab_size}-{source_key}"
-        path = build_once(entry, lambda tmp: train_bpe(train_docs(), cfg.text_field, cfg.vocab_size)
+        if not build and not entry.is_dir():
+            return None
+        path = build_once(entry, lambda tmp: train_bpe(train_docs(), cfg.vocab_size)
                           .save(str(tmp / "tokenizer.json"))) / "tokenizer.json"
         declared = EOS
     elif given.is_file():
         path, declared = given, _declared_eos(given.parent)
     elif (given / "tokenizer.json").is_file():
         path, declared = given / "tokenizer.json", _declared_eos(given)
+    elif not given.is_dir():
+        if build:
+            raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
+                             f"use `{TRAIN_BPE}` to train one on the corpus, or give a tokenizer.json or a "
+                             "transformers tokenizer directory")
+        return None
     else:
-        path, declared = _convert_transformers(given, cache), _declared_eos(given)
+        entry = _converted_entry(given, cache)
+        if not build and not entry.is_dir():
+            return None
+        path, declared = _convert_transformers(given, entry), _declared_eos(given)
     tok = load_tokenizer(path)
     eos_id = _eos_id(tok, cfg.eos_token or declared)
     return TokenizerFile(path, eos_id, tok.get_vocab_size(with_added_tokens=True),
                          f"{file_digest([path])}-{eos_id}")
 
 
-def train_bpe(docs: Dataset, text_field: str, vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown token) with `<|endoftext|>` as id 0."""
+def train_bpe(batches: Iterator[list[str]], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown token) with `<|endoftext|>` as id 0, trained on batches
+    of texts read as a stream."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -66,12 +78,7 @@ def train_bpe(docs: Dataset, text_field: str, vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-
-    def batches() -> Iterator[list[str]]:
-        for start in range(0, len(docs), TRAIN_BATCH):
-            yield docs[start:start + TRAIN_BATCH][text_field]
-
-    tok.train_from_iterator(batches(), trainer, length=len(docs))
+    tok.train_from_iterator(batches, trainer)
     return tok
 
 
@@ -103,10 +110,12 @@ def _declared_eos(directory: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def _convert_transformers(directory: Path, cache: Path) -> Path:
+def _converted_entry(directory: Path, cache: Path) -> Path:
+    return cache / "tokenizers" / f"hf-{file_digest(sorted(p for p in directory.iterdir() if p.is_file()))}"
+
+
+def _convert_transformers(directory: Path, entry: Path) -> Path:
     """A fast transformers tokenizer saved from files such as vocab.json + merges.txt, as one tokenizer.json."""
-    files = sorted(p for p in directory.iterdir() if p.is_file())
-    entry = cache / "tokenizers" / f"hf-{file_digest(files)}"
 
     def convert(tmp: Path) -> None:
         from transformers import AutoTokenizer

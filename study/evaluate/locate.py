@@ -108,9 +108,21 @@ def load_trained_model(spec: RunSpec, device: str = "cpu", ckpt: Path | None = N
 
 
 def open_trained(spec: RunSpec, ckpt: Path | None = None, device: str = "cpu") -> TrainedRun:
-    """The run's model at `ckpt` (default: its latest checkpoint) and its tokenizer, from the run's data config
-    through the shard cache that training filled."""
-    from study.data import prepare_data
-
+    """The run's model at `ckpt` (default: its latest checkpoint) and the tokenizer it was trained with."""
     model, ckpt = load_trained_model(spec, device, ckpt)
-    return TrainedRun(spec, ckpt, model, prepare_data(spec.config.data).tokenizer_path)
+    return TrainedRun(spec, ckpt, model, run_tokenizer(spec))
+
+
+def run_tokenizer(spec: RunSpec) -> Path:
+    """The tokenizer the run was trained with: its run directory's copy, else (a run trained before runs kept one)
+    the one beside its shards in the cache; never tokenises anything."""
+    if spec.run_dir.tokenizer.is_file():
+        return spec.run_dir.tokenizer
+    from study.data.shards import find_shards
+
+    entry = find_shards(spec.config.data)
+    if entry is None:
+        raise StudyError("RUN_KEY", f"run {spec.key} has no tokenizer.json in {spec.run_dir.path} and its token "
+                         "shards are not in the data cache", "point data.cache_dir (or $STUDY_CACHE) at the cache "
+                         "it was trained from, or copy its tokenizer.json into the run directory")
+    return entry / "tokenizer.json"

@@ -35,7 +35,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
     cfg, key = spec.config, spec.key
     g = geometry or cfg.geometry
     model, ckpt = load_trained_model(spec, device)
-    data = prepare_data(cfg.data)
+    data = prepare_data(cfg.data, build=False)  # reads the run's validation tokens, never tokenises
     batches = profiling_batches(data, g.n_sequences, g.n_tokens)
     sensitivity = perturbation_sensitivity(model, batches, g.sensitivity_eps) if g.measure_sensitivity else None
     clouds = collect_clouds(model, batches, g.n_tokens, g.seed, g.min_position)

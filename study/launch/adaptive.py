@@ -106,7 +106,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
                   new_runs: bool = False, echo=print) -> int:
     """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
     from study.launch.scheduler import check_slurm, outside_allocation
-    from study.launch.submit import _executor, _safe_name
+    from study.launch.executor import _executor, _safe_name
     from study.plan.planner import plan_experiment
     from study.schema import submitit_dir
 

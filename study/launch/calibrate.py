@@ -56,7 +56,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
               echo: Callable[[str], None] = print) -> dict[str, float]:
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
     from study.launch.scheduler import check_slurm, outside_allocation
-    from study.launch.submit import _executor
+    from study.launch.executor import _executor
 
     specs = calibration_specs(experiment, overrides, steps)
     cluster = specs[0].config.cluster

@@ -1,4 +1,5 @@
-"""What a launched job runs: training (then evaluation) of one run, or the geometry profile of a reference run.
+"""What a launched job runs: the data preparation of a shard entry, training (then evaluation) of one run, or the
+geometry profile of a reference run.
 
 The callables are pickled by submitit and executed on the cluster node (or as a local process). Each holds only its
 run directory and reads the run spec there when it starts; a scheduled run's spec is completed from its
@@ -74,6 +75,25 @@ class TrainJob(submitit.helpers.Checkpointable):
 
             evaluate_run(spec)
         return {"run_key": spec.key, "val_loss": outcome.val_loss, "step": outcome.step}
+
+
+@dataclass
+class PrepareJob(submitit.helpers.Checkpointable):
+    """Tokenise the shards a group of runs reads (CPU only). Checkpointable: a requeued or preempted job resumes
+    the tokenisation after its last finished chunk."""
+
+    run_dir: str
+    """A run of the group: its spec names the data config."""
+    model_vocab: int
+    """The smallest model.vocab_size of the group, checked against the tokenizer before tokenising."""
+
+    def __call__(self) -> str:
+        from study.data.stage import DataGroup, prepare_group, shards_id
+
+        spec = read_spec(self.run_dir)
+        data = spec.config.data
+        prepare_group(DataGroup(data, self.model_vocab, [spec], shards_id(data)), progress=True)
+        return shards_id(data)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`study launch`: submit what an experiment still needs, as SLURM job arrays (or local processes), idempotently.
 
-Stages: training runs (the reference runs among them) -> geometry profiles of finished references -> runs
-scheduled from those profiles, chained with `afterok`. Before anything is submitted every run's spec is written to
+Stages: data preparation (a CPU-only job per shard entry not yet in the cache, so no GPU waits on tokenisation) ->
+training runs (the reference runs among them) -> geometry profiles of finished references -> runs scheduled from
+those profiles, chained with `afterok`. Before anything is submitted every run's spec is written to
 its run directory (`run.json`) and the launch manifest is recorded; each job reads its spec and nothing else. A run
 whose key is FINISHED in MLflow is skipped, and so is one whose job is still pending or running; a failed or vanished
 run is submitted again and resumes from its checkpoint. A relaunch whose overrides change run identities names the
@@ -11,15 +12,15 @@ new runs and asks for `--new-runs` instead of training them silently.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from study.config.sections import ClusterConfig
 from study.config.spec import RunSpec, read_spec, write_spec
+from study.data.stage import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
 from study.launch.board import DONE, FAILED, RUNNING, RunBoard
+from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.scheduler import ACTIVE, check_slurm, journal, outside_allocation, record, slurm_jobs, slurm_states
 from study.plan.planner import Plan, plan_experiment
@@ -31,21 +32,30 @@ from study.track.query import status_by_key
 @dataclass
 class Stage:
     name: str
-    """`train`, `profile` or `scheduled`."""
+    """`prepare`, `train`, `profile` or `scheduled`."""
     runs: list[RunSpec]
-    """Runs (or, for `profile`, the reference runs to profile)."""
+    """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
     after: list[str] = field(default_factory=list)
     """Job ids this stage waits for (afterok)."""
     job_ids: list[str] = field(default_factory=list)
     """Filled on submission."""
+    groups: list[DataGroup] = field(default_factory=list)
+    """For `prepare`: the shard entries to tokenise, one job each (aligned with `runs`)."""
+
+    def keys(self) -> list[str]:
+        """The job journal's name of each job of the stage."""
+        if self.name == "prepare":
+            return [g.key for g in self.groups]
+        return [("profile:" if self.name == "profile" else "") + r.key for r in self.runs]
 
 
 def _root(plan: Plan) -> str:
     return plan.runs[0].config.paths.runs
 
 
-def to_submit(plan: Plan) -> tuple[list[RunSpec], list[RunSpec], list[RunSpec], dict[str, str]]:
-    """(train runs, references to profile, scheduled runs) that still need a job; plus MLflow status per key."""
+def to_submit(plan: Plan) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec], dict[str, str]]:
+    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job; plus
+    MLflow status per key."""
     cfg0 = plan.runs[0].config
     status = status_by_key(plan.experiment.name, cfg0.tracking.uri)
     jobs = journal(_root(plan), plan.experiment.name)
@@ -71,75 +81,44 @@ def to_submit(plan: Plan) -> tuple[list[RunSpec], list[RunSpec], list[RunSpec], 
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not busy(f"profile:{r.key}")]
     scheduled = [r for r in plan.runs if r.stage == "scheduled" and not done(r) and not busy(r.key)]
-    return train, profile, scheduled, status
+    prepare = [g for g in missing_groups(train + scheduled) if not busy(g.key)]
+    return prepare, train, profile, scheduled, status
 
 
-def _executor(cluster: ClusterConfig, folder: Path, name: str, single: bool = False):
-    """submitit executor for a stage; `single` gives one rank (and at most one GPU) for profiling jobs."""
-    import submitit
-
-    if single:
-        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
-
-    if cluster.name == "local":
-        ex = submitit.LocalExecutor(folder=str(folder))
-        ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
-        return ex
-    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=cluster.max_requeues)
-    tasks = cluster.gpus_per_node or cluster.tasks_per_node
-    params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
-                  cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
-                  array_parallelism=cluster.array_parallelism, setup=list(cluster.setup),
-                  additional_parameters={"requeue": True})
-    if cluster.gpus_per_node:
-        params["gpus_per_node"] = cluster.gpus_per_node
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(cluster, key):
-            params[key] = getattr(cluster, key)
-    if cluster.mem_gb:
-        params["mem"] = f"{cluster.mem_gb}GB"
-    ex.update_parameters(**params)
-    return ex
-
-
-def _safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
-
-
-def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
-    """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
-    cfg = plan.runs[0].config
-    folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), single=stage == "profile")
-    if after:
-        ex.update_parameters(dependency="afterok:" + ":".join(after))
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    # submitit's own writer, as submission uses it; `map_count` is how it writes the --array line
-    params = {**ex.parameters, **({"map_count": count} if count > 1 else {})}
-    return _make_sbatch_string(command="python -u -m submitit.core._submit '%j'", folder=ex.folder, **params)
+def _live(plan: Plan) -> dict[str, str]:
+    """SLURM job id per journal key, without prepare jobs that are no longer queued or running: a finished one
+    left its shards (nothing waits on it), and a job id SLURM has forgotten would make sbatch refuse the
+    dependency."""
+    submitted = slurm_jobs(_root(plan), plan.experiment.name)
+    prepares = [j for k, j in submitted.items() if k.startswith(PREPARE)]
+    states = slurm_states(prepares)
+    return {k: j for k, j in submitted.items() if not k.startswith(PREPARE) or states.get(j) in ACTIVE}
 
 
 def submit_stage(plan: Plan, stage: Stage) -> list:
-    from study.launch.jobs import ProfileJob, TrainJob
+    from study.launch.jobs import PrepareJob, ProfileJob, TrainJob
 
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), single=stage.name == "profile")
+    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), stage.name)
     if stage.after and cfg.cluster.name != "local":
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
-    make = ProfileJob if stage.name == "profile" else TrainJob
+    if stage.name == "prepare":
+        callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
+    else:
+        make = ProfileJob if stage.name == "profile" else TrainJob
+        callables = [make(r.dir) for r in stage.runs]
     try:
         with outside_allocation():
-            jobs = _submit_array(ex, [make(r.dir) for r in stage.runs])
+            jobs = _submit_array(ex, callables)
     except Exception as err:  # sbatch's own message is the useful part
         raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
                          "check the cluster profile (partition, account, qos, time limit) against `sinfo`") from None
     ids = [j.job_id for j in jobs]
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
-    prefix = "profile:" if stage.name == "profile" else ""
-    record(_root(plan), plan.experiment.name, [{"key": prefix + r.key, "job_id": j, "stage": stage.name, "scheduler": scheduler,
-                   "name": r.name, "time": time.time()} for r, j in zip(stage.runs, ids)])
+    names = [g.data.name for g in stage.groups] if stage.name == "prepare" else [r.name for r in stage.runs]
+    record(_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
+                   "name": n, "time": time.time()} for k, n, j in zip(stage.keys(), names, ids)])
     stage.job_ids = ids
     return jobs
 
@@ -152,9 +131,11 @@ def _submit_array(ex, callables: list) -> list:
 
 def plan_stages(plan: Plan) -> list[Stage]:
     """The stages still to submit, with their dependencies on jobs submitted now or still active."""
-    train, profile, scheduled, _ = to_submit(plan)
-    submitted = slurm_jobs(_root(plan), plan.experiment.name)
+    prepare, train, profile, scheduled, _ = to_submit(plan)
+    submitted = _live(plan)
     stages = []
+    if prepare:
+        stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
     if train:
         stages.append(Stage("train", train))
     if profile:
@@ -172,10 +153,13 @@ def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:
 
 
 def _upstream(stage: str, run: RunSpec) -> list[str]:
+    data = PREPARE + shards_id(run.config.data)
     if stage == "profile":
         return [run.key]
     if stage == "scheduled":
-        return [f"profile:{k}" for k in run.depends_on]
+        return [f"profile:{k}" for k in run.depends_on] + [data]
+    if stage == "train":
+        return [data]
     return []
 
 
@@ -232,19 +216,25 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         return []
     if cluster.name == "local":
         return _launch_local(plan, stages, echo)
-    submitted = slurm_jobs(_root(plan), experiment)
+    submitted = _live(plan)
     for stage in stages:
         stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
         jobs = submit_stage(plan, stage)
-        prefix = "profile:" if stage.name == "profile" else ""
-        submitted.update({prefix + r.key: j.job_id for r, j in zip(stage.runs, jobs)})
-        echo(f"stage {stage.name}: submitted {len(jobs)} runs as array {jobs[0].job_id.split('_')[0]}"
+        submitted.update({k: j.job_id for k, j in zip(stage.keys(), jobs)})
+        what = "shard entries (CPU)" if stage.name == "prepare" else "runs"
+        echo(f"stage {stage.name}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
-        for run, job in zip(stage.runs, jobs):
-            echo(f"  {job.job_id}  {run.key}  {run.name}")
+        for line, job in zip(_lines(stage), jobs):
+            echo(f"  {job.job_id}  {line}")
     if wait:
         follow(plan, echo)
     return stages
+
+
+def _lines(stage: Stage) -> list[str]:
+    if stage.name == "prepare":
+        return [f"{g.data.name} for {len(g.runs)} run{'s' * (len(g.runs) != 1)}" for g in stage.groups]
+    return [f"{r.key}  {r.name}" for r in stage.runs]
 
 
 def _check_tasks(plan: Plan) -> None:
@@ -267,12 +257,13 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
     previous: list[str] = []
     for stage in stages:
-        upstream = {"profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
+        upstream = {"train": "data", "profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
         after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
-        echo(f"stage {stage.name}: array of {len(stage.runs)} runs"
+        what = "shard entries to tokenise (CPU only)" if stage.name == "prepare" else "runs"
+        echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else ""))
-        for run in stage.runs:
-            echo(f"  {run.key}  {run.name}")
+        for line in _lines(stage):
+            echo(f"  {line}")
         echo(sbatch_preview(plan, stage.name, len(stage.runs), after) if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
@@ -301,26 +292,33 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        with RunBoard([r for stage in stages for r in stage.runs]) as board:
+        with RunBoard([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
             for stage in stages:
-                echo(f"stage {stage.name}: {len(stage.runs)} runs, {parallel} at a time (local)")
+                what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
+                echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
+                shown = stage.name != "prepare"  # the board follows training runs
                 for i in range(0, len(stage.runs), parallel):
-                    chunk = Stage(stage.name, stage.runs[i:i + parallel])
+                    chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
                     live[:] = submit_stage(plan, chunk)
-                    for run in chunk.runs:
+                    for run in chunk.runs if shown else []:
                         board.mark(run.key, RUNNING)
-                    for run, job in zip(chunk.runs, live):
+                    for run, line, job in zip(chunk.runs, _lines(chunk), live):
                         try:
                             job.result()
-                            board.mark(run.key, DONE)
-                            echo(f"  done    {run.key}  {run.name}")
+                            if shown:
+                                board.mark(run.key, DONE)
+                            echo(f"  done    {line}")
                         except Exception as err:  # a failed run must not stop its siblings
                             reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                             failures.append((run, reason))
-                            board.mark(run.key, FAILED)
-                            echo(f"  FAILED  {run.key}  {run.name}: {reason}")
+                            if shown:
+                                board.mark(run.key, FAILED)
+                            echo(f"  FAILED  {line}: {reason}")
                     stage.job_ids += [j.job_id for j in live]
                     live.clear()
+                if stage.name == "prepare" and failures:  # the runs read these shards: none can train without them
+                    raise LaunchFailed("data preparation failed, so no run was trained: "
+                                       + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_jobs(live)
         signum = getattr(stopped, "signum", signal.SIGINT)
@@ -331,7 +329,8 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failures:
-        raise LaunchFailed(f"{len(failures)} of {sum(len(s.runs) for s in stages)} runs failed: "
+        runs = sum(len(s.runs) for s in stages if s.name != "prepare")
+        raise LaunchFailed(f"{len(failures)} of {runs} runs failed: "
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages

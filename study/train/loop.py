@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -153,6 +155,15 @@ def _claim(spec: RunSpec) -> None:
     write_spec(spec)  # the run directory always holds the spec that trained it
 
 
+def _keep_tokenizer(source: Path, copy: Path) -> None:
+    """The run directory keeps the tokenizer it was trained with, so evaluation never needs the data again."""
+    if copy.is_file() and copy.read_bytes() == source.read_bytes():
+        return
+    tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, copy)
+
+
 def _train(spec: RunSpec, d: Dist) -> Outcome:
     import torch
 
@@ -168,10 +179,9 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     from study.data import prepare_data
 
     validate_data(cfg.data)
-    data = prepare_data(cfg.data)
-    if data.vocab_size > model_cfg.vocab_size:
-        raise StudyError("model.vocab_size", f"{model_cfg.vocab_size} rows cannot embed the tokenizer's "
-                         f"{data.vocab_size} ids", f"set model.vocab_size >= {data.vocab_size}")
+    data = prepare_data(cfg.data, model_vocab=model_cfg.vocab_size)
+    if d.rank == 0:
+        _keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer)
 
     from study.models.transformer import build_model
     from study.train.optim import build_optimizer, build_scheduler

@@ -1,0 +1,144 @@
+"""Tokenising a corpus into its shard entry as a stream, in chunks, resumable after a kill.
+
+Documents are read pass by pass (:mod:`study.data.sources`), `data.chunk_docs` at a time, encoded in one batched
+call (the tokenizer spreads a batch over its own threads) and appended to `train.bin` / `val.bin` of the entry's
+build directory. After each chunk both files are flushed to disk and then `progress.json` records, atomically, where
+the stream stands (pass, documents and text bytes read) and how many tokens each file holds. A build that starts
+on a directory with a progress record cuts the files back to the recorded lengths (a chunk written after the last
+record is dropped) and goes on from the recorded document, so a resumed build writes the same bytes as one that
+was never interrupted. Nothing but the token files and the record is written while tokenising.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from study.config.data import DataConfig
+from study.data.sources import Layout, Source, capped
+
+if TYPE_CHECKING:
+    from study.data.tokenizer import TokenizerFile
+
+PROGRESS = "progress.json"
+SPLITS = ("train", "val")
+
+
+def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, cfg: DataConfig,
+                 progress: bool = False, after_chunk: Callable[[int], None] | None = None) -> None:
+    """Tokenise both splits into the build directory `out` (renamed into the cache once this returns)."""
+    from study.data.shards import CHECKED, SHARD_FORMAT, sha256_file, token_dtype
+    from study.data.tokenizer import load_tokenizer
+
+    if cfg.num_proc:
+        # the tokenizer's thread pool reads this when it starts (a BPE trained in this process has started it)
+        os.environ["RAYON_NUM_THREADS"] = str(cfg.num_proc)
+    dtype = token_dtype(tok.vocab_size)
+    state = _resume(out, dtype)
+    encoder = load_tokenizer(tok.path)
+    files = {name: open(out / f"{name}.bin", "ab") for name in SPLITS}
+    bar = _bar(cfg, parts, state, progress)
+    try:
+        for index in range(state["pass"], len(parts.passes)):
+            p = parts.passes[index]
+            if index != state["pass"]:
+                state.update({"pass": index, "docs": 0, "bytes": 0})
+            chunk: list[str] = []
+            for batch in capped(source, p, state["docs"], state["bytes"]):
+                chunk += batch
+                while len(chunk) >= cfg.chunk_docs:
+                    _write_chunk(chunk[:cfg.chunk_docs], p, state, encoder, tok.eos_id, dtype, files, out, bar)
+                    chunk = chunk[cfg.chunk_docs:]
+                    if after_chunk:
+                        after_chunk(state["chunks"])
+            if chunk:
+                _write_chunk(chunk, p, state, encoder, tok.eos_id, dtype, files, out, bar)
+                if after_chunk:
+                    after_chunk(state["chunks"])
+    finally:
+        for f in files.values():
+            f.close()
+        bar.close()
+    shutil.copyfile(tok.path, out / "tokenizer.json")
+    tokens = sum(s["tokens"] for s in state["splits"].values())
+    meta = {
+        "format": SHARD_FORMAT, "dtype": dtype.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "source": {"name": cfg.name, "config_name": cfg.config_name, "text_field": cfg.text_field,
+                   "val_from": parts.val_from, "max_docs": cfg.max_docs, "max_bytes": cfg.max_bytes},
+        "tokenizer": str(tok.path), "splits": state["splits"],
+        "tokenize_seconds": round(state["seconds"], 3),
+        "tokenize_tokens_per_s": round(tokens / max(state["seconds"], 1e-9)),
+    }
+    meta["sha256"] = {name: sha256_file(out / name) for name in CHECKED}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    (out / PROGRESS).unlink(missing_ok=True)
+
+
+def _resume(out: Path, dtype: np.dtype) -> dict[str, Any]:
+    """The progress record of an interrupted build (its token files cut back to it), or a fresh one."""
+    record = out / PROGRESS
+    if not record.is_file():
+        for name in SPLITS:
+            (out / f"{name}.bin").unlink(missing_ok=True)
+        return {"pass": 0, "docs": 0, "bytes": 0, "chunks": 0, "seconds": 0.0,
+                "splits": {name: {"documents": 0, "bytes": 0, "tokens": 0} for name in SPLITS}}
+    state = json.loads(record.read_text())
+    for name in SPLITS:
+        with open(out / f"{name}.bin", "ab") as f:
+            f.truncate(state["splits"][name]["tokens"] * dtype.itemsize)
+    print(f"resuming the tokenisation in {out} at document {state['docs']} of pass {state['pass'] + 1} "
+          f"({sum(s['tokens'] for s in state['splits'].values())} tokens written)", file=sys.stderr, flush=True)
+    return state
+
+
+def _write_chunk(texts: list[str], p, state: dict[str, Any], encoder, eos_id: int, dtype: np.dtype,
+                 files: dict, out: Path, bar) -> None:
+    start = time.perf_counter()
+    first = state["docs"]
+    by_split: dict[str, list[str]] = {name: [] for name in SPLITS}
+    for i, text in enumerate(texts, first):
+        by_split[p.target(i)].append(text)
+    for name, docs in by_split.items():
+        if not docs:
+            continue
+        encoded = encoder.encode_batch_fast(docs, add_special_tokens=False)
+        eos = np.array([eos_id], dtype=dtype)
+        pieces = [piece for e in encoded for piece in (np.asarray(e.ids, dtype=dtype), eos)]
+        flat = np.concatenate(pieces)
+        files[name].write(flat.tobytes())
+        stats = state["splits"][name]
+        stats["documents"] += len(docs)
+        stats["bytes"] += sum(len(t.encode()) for t in docs)
+        stats["tokens"] += len(flat)
+    for f in files.values():
+        f.flush()
+        os.fsync(f.fileno())
+    state["docs"] += len(texts)
+    state["bytes"] += sum(len(t.encode()) for t in texts)
+    state["chunks"] += 1
+    state["seconds"] += time.perf_counter() - start
+    tmp = out / f"{PROGRESS}.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, out / PROGRESS)  # the record only ever names bytes that are on disk
+    tokens = sum(s["tokens"] for s in state["splits"].values())
+    bar.update(len(texts))
+    bar.set_postfix_str(f"{tokens:,} tokens, {tokens / max(state['seconds'], 1e-9) / 1e6:.2f} M tokens/s",
+                        refresh=False)
+
+
+def _bar(cfg: DataConfig, parts: Layout, state: dict[str, Any], show: bool):
+    from tqdm import tqdm
+
+    caps = [p.max_docs for p in parts.passes]
+    total = sum(caps) if all(c is not None for c in caps) else None
+    done = sum(parts.passes[i].max_docs or 0 for i in range(state["pass"])) + state["docs"]
+    return tqdm(total=total, initial=done, unit=" docs", desc=f"tokenising {cfg.name}", file=sys.stderr,
+                disable=not show, mininterval=1.0, dynamic_ncols=True)

@@ -1,0 +1,65 @@
+"""submitit executors per stage: the resources of a stage's jobs, and the sbatch script a dry run shows."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from study.config.sections import ClusterConfig
+from study.schema import submitit_dir
+
+if TYPE_CHECKING:
+    from study.plan.planner import Plan
+
+
+def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train"):
+    """submitit executor for a stage: profiling jobs get one rank (and at most one GPU), data preparation one
+    CPU-only task on the preparation partition and CPUs."""
+    import submitit
+
+    if stage == "profile":
+        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
+    elif stage == "prepare":
+        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0,
+                          cpus_per_task=cluster.prepare_cpus or cluster.cpus_per_task,
+                          partition=cluster.prepare_partition or cluster.partition)
+
+    if cluster.name == "local":
+        ex = submitit.LocalExecutor(folder=str(folder))
+        ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
+        return ex
+    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=cluster.max_requeues)
+    tasks = cluster.gpus_per_node or cluster.tasks_per_node
+    params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
+                  cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
+                  array_parallelism=cluster.array_parallelism, setup=list(cluster.setup),
+                  additional_parameters={"requeue": True})
+    if cluster.gpus_per_node:
+        params["gpus_per_node"] = cluster.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(cluster, key):
+            params[key] = getattr(cluster, key)
+    if cluster.mem_gb:
+        params["mem"] = f"{cluster.mem_gb}GB"
+    ex.update_parameters(**params)
+    return ex
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
+    """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
+    cfg = plan.runs[0].config
+    folder = submitit_dir(cfg.paths.runs, cfg.experiment)
+    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), stage)
+    if after:
+        ex.update_parameters(dependency="afterok:" + ":".join(after))
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    # submitit's own writer, as submission uses it; `map_count` is how it writes the --array line
+    params = {**ex.parameters, **({"map_count": count} if count > 1 else {})}
+    return _make_sbatch_string(command="python -u -m submitit.core._submit '%j'", folder=ex.folder, **params)
