@@ -7,6 +7,7 @@ import json
 import sys
 
 from study.errors import StudyError
+from study.options import command_options, whole_option
 
 
 def _filtered(args: argparse.Namespace, plan):
@@ -131,27 +132,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(overrides: list[str], allowed: tuple[str, ...], command: str) -> dict[str, str]:
-    """A command's own `key=value` options (`tasks=a,b limit=8`): not run-config overrides, so no sweep grammar."""
-    values = {}
-    for item in overrides:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise StudyError(item, f"is not an option of `study {command}`", f"write key=value with key one of "
-                             f"{', '.join(allowed)}")
-        if key not in allowed and not any(key.startswith(a + ".") for a in allowed):
-            raise StudyError(key, f"is not an option of `study {command}`", f"use {', '.join(allowed)}")
-        values[key] = value
-    return values
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from study.evaluate.locate import find_run
     from study.evaluate.stage import evaluate_run
 
-    settings = _settings(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
+    settings = command_options(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
-    limit, num_fewshot = (_whole(settings, name) for name in ("limit", "num_fewshot"))
+    limit, num_fewshot = (whole_option(settings, name) for name in ("limit", "num_fewshot"))
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     record = evaluate_run(spec, tasks, limit, num_fewshot)
     where = ("the run's eval/<task>/* scores" if record["of_record"] else
@@ -167,26 +154,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from study.evaluate.locate import find_run
     from study.export.stage import check_options, describe, export_run
 
-    settings = _settings(args.overrides, ("paths.runs",), "export")
+    settings = command_options(args.overrides, ("paths.runs",), "export")
     check_options(args.format, args.dtype)
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
     print(describe(export_run(spec, args.format, args.out, args.force, args.dtype)))
     return 0
 
 
-def _whole(settings: dict[str, str], name: str) -> int | None:
-    """A `study eval` option that is a whole number >= 0, or None when not given."""
-    if name not in settings:
-        return None
-    if not settings[name].isdigit():
-        raise StudyError(name, f"{settings[name]!r} is not a whole number >= 0",
-                         f"use {name}=N with N >= 0" + (" (0: every document)" if name == "limit" else ""))
-    return int(settings[name])
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from analysis.headline import print_headline
     from analysis.report import build_report
 
     result = build_report(args.experiment, baseline=args.baseline, metrics=args.metric or None,
@@ -194,7 +172,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, default=str))
     else:
-        _print_headline(result)
+        print_headline(result)
         print(f"report: {Path(args.out).resolve() / args.experiment / 'report.md'} (and report.html, report.json, "
               f"decisions.csv, pairs.csv, figures)")
     return 0
@@ -211,44 +189,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from analysis.headline import print_headline
     from analysis.report import build_report
-    from study.launch.submit import launch
+    from study.launch.submit import LaunchFailed, launch
+    from study.track.store import resolve_tracking_uri
 
     overrides = ["cluster=local", *args.overrides]
     print("study demo: planning and training the `demo` experiment on this machine (local processes)", file=sys.stderr)
     cmd_plan(argparse.Namespace(experiment="demo", overrides=overrides, json=False))
-    from study.launch.submit import LaunchFailed
-
     try:
         launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
     except LaunchFailed as failed:
         print(f"study demo: {failed}", file=sys.stderr)
         return 1
     result = build_report("demo", out_dir=Path("reports"))
-    _print_headline(result)
-    from study.track.store import resolve_tracking_uri
-
+    print_headline(result)
     print(f"report: {Path('reports/demo/report.md').resolve()} (and report.html); MLflow store: "
           f"{resolve_tracking_uri('')}")
     return 0
-
-
-def _print_headline(result: dict) -> None:
-    from study.term import console
-    from rich.table import Table
-
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    table = Table(title=f"{result['experiment']}: decisions vs {result['baseline']}"
-                  + (f" ({result['sequential']})" if result.get("sequential") else ""))
-    for col in ("scale", "variant", "metric", "n", "mean delta", "t CI", "adjusted p", "verdict", "seeds to decide"):
-        table.add_column(col)
-    for d in result["decisions"]:
-        table.add_row(d["scale"], d["variant"], d["metric"], str(d["n"]), num(d["mean_delta"], "+.4f"),
-                      f"[{num(d['ci_low'], '+.4f')}, {num(d['ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
-                      d["verdict"], str(d["seeds_to_decide"] or "-"))
-    console().print(table)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -258,7 +216,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from study.evaluate.locate import find_run
     from study.geometry.run_profile import profile_run
 
-    settings = _settings(args.overrides, ("geometry", "paths.runs"), "profile")
+    settings = command_options(args.overrides, ("geometry", "paths.runs"), "profile")
     spec = find_run(args.run_key, settings.pop("paths.runs", "runs"))
     geometry = None
     if settings:
@@ -316,13 +274,10 @@ def _selection(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
+    from study import installed_version
 
     parser = argparse.ArgumentParser(prog="study", description=__doc__)
-    try:
-        parser.add_argument("--version", action="version", version=f"study {version('study')}")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        parser.add_argument("--version", action="version", version="study (not installed)")
+    parser.add_argument("--version", action="version", version=f"study {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="expand an experiment into parameter-matched runs (nothing is submitted)")

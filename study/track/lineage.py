@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from study import installed_version
 from study.config.spec import RunSpec
 
 # MLflow's own tag names (mlflow.utils.mlflow_tags); the UI renders them on the run page
@@ -49,7 +50,7 @@ def _checkout() -> tuple[str | None, bool, str | None]:
 def source_tags(entry: str = "study train") -> dict[str, str]:
     """MLflow's source tags for a run started by `entry`, with the git commit of the code when it is a checkout
     (`study.git_dirty` says whether tracked files differed from it) and the package version."""
-    tags = {SOURCE_NAME: entry, SOURCE_TYPE: "JOB", "study.version": _version()}
+    tags = {SOURCE_NAME: entry, SOURCE_TYPE: "JOB", "study.version": installed_version()}
     commit, dirty, remote = _checkout()
     if commit is not None:
         tags[GIT_COMMIT] = commit
@@ -57,15 +58,6 @@ def source_tags(entry: str = "study train") -> dict[str, str]:
     if remote:
         tags[GIT_REPO] = remote
     return tags
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("study")
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def description(spec: RunSpec) -> str:

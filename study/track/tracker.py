@@ -102,6 +102,8 @@ class Tracker:
         log is sent again now.
         """
         if rank != 0:
+            from study.track.null import NullTracker
+
             return NullTracker()
         cfg = cfg or TrackingConfig()
 
@@ -130,6 +132,8 @@ class Tracker:
         """The existing run for `run_key`, to add results (`study eval`): its status, tags and params stay as they
         are, and `close` only flushes. Raises StudyError when no such run exists."""
         if rank != 0:
+            from study.track.null import NullTracker
+
             return NullTracker()
         cfg = cfg or TrackingConfig()
 
@@ -186,15 +190,9 @@ class Tracker:
             return None
 
     def _start_system_metrics(self) -> None:
-        try:
-            import psutil  # noqa: F401  (MLflow's monitor needs it)
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-        except ImportError:
-            logger.info("system metrics are off: install psutil (and pynvml for GPUs) to record them")
-            return
-        self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self._cfg.system_metrics_s,
-                                             resume_logging=True, tracking_uri=self._client.tracking_uri)
-        self._monitor.start()
+        from study.track.system import system_metrics_monitor
+
+        self._monitor = system_metrics_monitor(self.run_id, self._cfg.system_metrics_s, self._client.tracking_uri)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
@@ -397,34 +395,3 @@ class Tracker:
         except Exception as exc:
             logger.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
         shutil.rmtree(self._staging, ignore_errors=True)
-
-
-class NullTracker(Tracker):
-    """What ranks other than 0 get: the same calls, doing nothing."""
-
-    def __init__(self) -> None:
-        self.run_id = None
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def log_artifact(self, source: Path | str, name: str) -> None:
-        pass
-
-    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
-        return None
-
-    def sync(self) -> None:
-        pass
-
-    def pending(self) -> int:
-        return 0
-
-    def dropped(self) -> int:
-        return 0
-
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        return True
-
-    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
-        return 0

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +29,10 @@ from study.train import checkpoint
 from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, setup
 from study.train.faults import FaultHooks
 from study.train.lease import acquire
+from study.train.progress import Progress
 from study.train.signals import StopRequest
 from study.train.state import TrainState
+from study.train.tracking import log_job_output, open_tracker
 from study.train.step import cross_entropy, train_step
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved its state and wants to be started again
@@ -204,10 +205,10 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     start = state.step
     scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
 
-    tracker = _open_tracker(spec, d, max_steps, lr, data)
+    tracker = open_tracker(spec, d, max_steps, lr, data)
     stop = StopRequest.install()
     stream = batch_stream(cfg, data, d, start)
-    progress = _progress(d, start, max_steps, spec.name, spec.run_dir.progress)
+    progress = Progress(d, start, max_steps, spec.name, spec.run_dir.progress)
     losses: dict[int, float] = {}
     faults = FaultHooks(cfg.faults)
     autocast_bf16 = use_bf16(cfg, d) and d.world_size == 1  # FSDP's policy casts sharded runs
@@ -257,7 +258,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     except Diverged as err:
         outcome = Outcome("FAILED", step, None, losses, str(err))
     except BaseException as err:
-        _log_job_output(tracker, spec)
+        log_job_output(tracker, spec)
         tracker.close("FAILED", f"{type(err).__name__}: {err}")
         raise
     finally:
@@ -276,42 +277,12 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
     if outcome.status == "FINISHED" and d.is_main:
         spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
                                                    "run_key": spec.key}))
-    _log_job_output(tracker, spec)
+    log_job_output(tracker, spec)
     tracker.close(outcome.status, outcome.reason)
     if outcome.status == "FINISHED":
         from study.track.groups import refresh_quietly
 
         tracker.record("parent summary", refresh_quietly)
-
-
-def _log_job_output(tracker, spec: RunSpec) -> None:
-    """The job's own stdout and stderr, when they go to files (a SLURM or local-launch log), as artifacts
-    `logs/<name>`: the run page then holds what the job printed, progress and warnings included."""
-    import os
-
-    if tracker.run_id is None:
-        return
-    seen = set()
-    for fd in (1, 2):
-        try:
-            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            return  # no /proc: not Linux
-        if path in seen or not path.is_file():
-            continue
-        seen.add(path)
-        if path.stat().st_size > MAX_LOG_ARTIFACT:
-            print(f"the job log {path} is over {MAX_LOG_ARTIFACT >> 20} MiB: not copied to MLflow", flush=True)
-            continue
-        sys.stdout.flush(), sys.stderr.flush()
-        try:
-            tracker.log_artifact(path, f"logs/{path.name}")
-        except OSError as exc:
-            print(f"the job log {path} could not be copied to MLflow: {exc}", file=sys.stderr, flush=True)
-
-
-MAX_LOG_ARTIFACT = 64 << 20
-"""Largest job log copied to MLflow at the end of a run."""
 
 
 def model_hash(model_cfg) -> str:
@@ -366,80 +337,3 @@ def _checkpoint_blocks(model) -> None:
     from study.models.transformer import Block
 
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-
-
-def _open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
-    from study.track import lineage
-    from study.track.groups import parent_for
-    from study.track.params import redact
-    from study.track.tags import run_tags
-    from study.track.tracker import Tracker
-
-    cfg, m = spec.config, spec.model
-    params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
-    params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-                          **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
-                          "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
-    params["params"] = spec.params
-    tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
-    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
-                           cfg=cfg.tracking, log_path=spec.run_dir.metrics,
-                           system_metrics=cfg.tracking.system_metrics_s > 0)
-    if d.is_main:
-        import yaml
-
-        def lineage_records(client, run_id):
-            run = client.get_run(run_id)
-            if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
-                client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
-            dataset = lineage.dataset_input(data, cfg.data)
-            if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
-                client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
-
-        tracker.record("lineage", lineage_records)
-        tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
-
-        tracker.log_dict(redact(asdict(cfg)), "config.yaml")
-        tracker.log_dict(redact(spec.as_dict()), "run.json")
-        tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
-                          "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
-        spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
-    return tracker
-
-
-class _progress:
-    """One progress line on rank 0 (step, loss, tokens/s, ETA), and the same figures in the run directory's
-    progress.json for whoever watches several runs at once (`study launch` on this machine, `study demo`)."""
-
-    def __init__(self, d: Dist, start: int, total: int, name: str, path: Path | None = None):
-        self.bar, self.path = None, path if d.is_main else None
-        self.start, self.total, self.t0 = start, total, time.monotonic()
-        if d.is_main:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True,
-                            mininterval=0.5 if sys.stderr.isatty() else 10.0)
-        self.last = start
-
-    def update(self, step: int, loss: float, tps: float) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.last)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-        self.last = step
-        if self.path is not None:
-            rate = (step - self.start) / max(time.monotonic() - self.t0, 1e-9)
-            write_progress(self.path, {"step": step, "max_steps": self.total, "loss": loss, "tokens_per_s": tps,
-                                       "eta_s": (self.total - step) / rate if rate > 0 else None})
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def write_progress(path: Path, figures: dict) -> None:
-    """Replaces progress.json whole (write, then rename), so a reader never sees half of it."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({**figures, "time": time.time()}))
-    os.replace(tmp, path)

@@ -1,0 +1,40 @@
+"""The tracker of ranks other than 0: every call of `Tracker`, doing nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from study.track.tracker import Tracker
+
+
+class NullTracker(Tracker):
+    """What ranks other than 0 get: the same calls, doing nothing."""
+
+    def __init__(self) -> None:
+        self.run_id = None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, source: Path | str, name: str) -> None:
+        pass
+
+    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
+        return None
+
+    def sync(self) -> None:
+        pass
+
+    def pending(self) -> int:
+        return 0
+
+    def dropped(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
+        return 0

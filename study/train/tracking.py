@@ -1,0 +1,81 @@
+"""What a training run tells MLflow beyond its metrics: params, tags and lineage when it opens, the job's own log
+when it ends."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.train.distributed import Dist
+
+MAX_LOG_ARTIFACT = 64 << 20
+"""Largest job log copied to MLflow at the end of a run."""
+
+
+def open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
+    """The run's MLflow run, opened or resumed, with its params, tags, lineage (parent run, dataset input) and the
+    artifacts a reader of the run page wants (config, spec, parameter table, tokenizer)."""
+    from study.track import lineage
+    from study.track.groups import parent_for
+    from study.track.params import redact
+    from study.track.tags import run_tags
+    from study.track.tracker import Tracker
+
+    cfg, m = spec.config, spec.model
+    params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
+    params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                          **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
+                          "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
+    params["params"] = spec.params
+    tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
+                           cfg=cfg.tracking, log_path=spec.run_dir.metrics,
+                           system_metrics=cfg.tracking.system_metrics_s > 0)
+    if d.is_main:
+        import yaml
+
+        def lineage_records(client, run_id):
+            run = client.get_run(run_id)
+            if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
+                client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
+            dataset = lineage.dataset_input(data, cfg.data)
+            if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
+                client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
+
+        tracker.record("lineage", lineage_records)
+        tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
+
+        tracker.log_dict(redact(asdict(cfg)), "config.yaml")
+        tracker.log_dict(redact(spec.as_dict()), "run.json")
+        tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
+                          "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
+        spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
+    return tracker
+
+
+def log_job_output(tracker, spec: RunSpec) -> None:
+    """The job's own stdout and stderr, when they go to files (a SLURM or local-launch log), as artifacts
+    `logs/<name>`: the run page then holds what the job printed, progress and warnings included."""
+    import os
+
+    if tracker.run_id is None:
+        return
+    seen = set()
+    for fd in (1, 2):
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            return  # no /proc: not Linux
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        if path.stat().st_size > MAX_LOG_ARTIFACT:
+            print(f"the job log {path} is over {MAX_LOG_ARTIFACT >> 20} MiB: not copied to MLflow", flush=True)
+            continue
+        sys.stdout.flush(), sys.stderr.flush()
+        try:
+            tracker.log_artifact(path, f"logs/{path.name}")
+        except OSError as exc:
+            print(f"the job log {path} could not be copied to MLflow: {exc}", file=sys.stderr, flush=True)
