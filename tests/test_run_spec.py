@@ -37,7 +37,8 @@ def leaves(cls, prefix=""):
 # fields whose typed config checks its own choices get another valid value
 ALTERNATIVES = {"geometry.statistic": "gw", "geometry.geometry": "raw", "geometry.smoothing": "none",
                 "geometry.exponent": "constant", "geometry.hyperbolic_radius": 0.5, "geometry.w_min_fraction": 0.5,
-                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser"}
+                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser",
+                "geometry.gw_starts": "both"}
 
 
 def changed(value, dotted=""):

@@ -77,6 +77,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.gpu_peak_tflops": (OUT, "an estimate for MFU and GPU-hours"),
     "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
     "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),
+    "geometry.gw_starts": (SCHEDULED, "the product start can find a lower GW, which changes the profile"),
     "geometry.vr_backend": (OUT, "ripser and giotto-ph give the same diagrams bit for bit (tests/test_geometry_work.py)"),
     "eval": (OUT, "downstream evaluation happens after training"),
     "tracking": (OUT, "where metrics go"),
@@ -84,6 +85,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "paths": (OUT, "paths"),
     "faults": (OUT, "test-only fault injection: a faulted run resumes as the same run"),
 }
+
+HASHED_UNLESS: dict[str, Any] = {"geometry.gw_starts": "identity"}
+"""Fields added after the key schema was last raised, hashed only when they differ from the value given here (their
+default): a run that leaves them at the default keeps the key it had before the field existed."""
 
 
 def placement(dotted: str) -> tuple[str, str]:
@@ -103,7 +108,7 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
     for dotted, value in leaves(asdict(cfg)).items():
-        if placement(dotted)[0] in sides:
+        if placement(dotted)[0] in sides and not (dotted in HASHED_UNLESS and HASHED_UNLESS[dotted] == value):
             payload[dotted] = value
     if scheduled:
         payload["upstream"] = sorted(upstream or [])
