@@ -113,10 +113,71 @@ def test_ripser_and_giotto_ph_give_the_same_diagrams_bit_for_bit(geometry):
     from study.geometry.work import vr_backend
 
     d = pairwise_distances(cloud(120, seed=11), geometry, 0.9)
-    order = lambda dgm: dgm[np.lexsort((dgm[:, 1], dgm[:, 0]))]  # noqa: E731
-    ours, theirs = order(h1_diagram(d, backend="ripser")), order(h1_diagram(d, threads=2, backend="gph"))
+    ours, theirs = h1_diagram(d, backend="ripser"), h1_diagram(d, threads=2, backend="gph")
     assert len(ours) > 10 and np.array_equal(ours, theirs)
     assert vr_backend("auto") == "gph" and vr_backend("ripser") == "ripser"
+
+
+def full_filtration_h1(d: np.ndarray) -> np.ndarray:
+    """Ripser on the whole filtration, no cut: the reference the certified cut must reproduce."""
+    from ripser import ripser
+
+    dgm = ripser(d, distance_matrix=True, maxdim=1)["dgms"][1].astype(np.float64)
+    return dgm[np.lexsort((dgm[:, 1], dgm[:, 0]))]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_the_cut_filtration_gives_the_full_filtrations_diagram_bit_for_bit(geometry):
+    from study.geometry.work import h1_birth_bound
+
+    d = pairwise_distances(cloud(150, 12, seed=12), geometry, 0.9)
+    assert h1_birth_bound(d.astype(np.float32)) < 0.8 * d.max()  # the cut leaves edges out
+    ours = h1_diagram(d, backend="ripser")
+    assert len(ours) > 10 and np.array_equal(ours, full_filtration_h1(d))
+
+
+def test_a_bar_dying_beyond_the_first_cut_is_found_by_raising_it():
+    rng = np.random.default_rng(4)
+    t = rng.uniform(0, 2 * np.pi, 80)
+    circle = np.stack([np.cos(t), np.sin(t)], axis=1) + 0.02 * rng.normal(size=(80, 2))
+    d = pairwise_distances(circle, "raw")
+    reference = full_filtration_h1(d)
+    lengths = np.sort(d[np.triu_indices(80, 1)].astype(np.float32))
+    # the circle's bar dies (at about sqrt(3)) far beyond the first cut, a quarter above the birth bound's edges
+    from study.geometry.work import h1_birth_bound
+
+    first_cut = lengths[int(np.searchsorted(lengths, h1_birth_bound(d.astype(np.float32)), side="right") * 1.25)]
+    assert reference[:, 1].max() > first_cut
+    assert np.array_equal(h1_diagram(d, backend="ripser"), reference)
+
+
+def test_the_birth_bound_is_the_longest_edge_without_a_witness():
+    from study.geometry.work import h1_birth_bound
+
+    d = pairwise_distances(cloud(60, 6, seed=13), "spherical").astype(np.float32)
+    # brute force: edge uv has a witness w when both d(u, w) and d(v, w) are below d(u, v)
+    closest = np.maximum(d[:, None, :], d[None, :, :]).min(axis=2)
+    u, v = np.triu_indices(60, 1)
+    unwitnessed = d[u, v][closest[u, v] >= d[u, v]]
+    assert h1_birth_bound(d) == unwitnessed.max()
+    assert full_filtration_h1(d)[:, 0].max() <= unwitnessed.max()
+
+
+def test_gw_from_the_identity_is_the_solvers_value_from_the_identity():
+    import ot
+
+    for shuffled in (False, True):  # a stationary identity (closed form) and one the solver moves away from
+        x = cloud(40, seed=3)
+        y = (np.roll(x, 5, axis=0) if shuffled else x + 0.3 * np.tanh(x)) + 0.05 * cloud(40, seed=4)
+        dx, dy = pairwise_distances(x, "raw"), pairwise_distances(y, "raw")
+        scale = max(dx.mean(), dy.mean())
+        w = np.full(40, 1 / 40)
+        _, log = ot.gromov.gromov_wasserstein(dx / scale, dy / scale, w, w, "square_loss", G0=np.eye(40) / 40,
+                                              log=True)
+        closed_form = float(((dx / scale - dy / scale) ** 2).mean())
+        want = 0.5 * scale * np.sqrt(min(log["gw_dist"], closed_form))
+        assert gromov_wasserstein(dx, dy) == pytest.approx(want, rel=1e-9), shuffled
+        assert (want < 0.5 * scale * np.sqrt(closed_form) * (1 - 1e-3)) == shuffled
 
 
 def test_a_plain_install_pulls_no_agpl_package():
@@ -351,7 +412,7 @@ def test_the_intrinsic_dimension_cloud_is_what_the_ffn_receives(block):
     assert {s for g in profile["gw_start"].values() for s in g} <= {"identity", "product"}
 
 
-def test_gw_keeps_the_lower_of_the_identity_and_the_default_start():
+def test_gw_keeps_the_lower_of_the_identity_and_the_default_start_when_both_are_asked_for():
     import ot
 
     from study.geometry.work import gromov_wasserstein_starts
@@ -359,7 +420,7 @@ def test_gw_keeps_the_lower_of_the_identity_and_the_default_start():
     x = cloud(40, seed=3)
     y = np.roll(x, 5, axis=0) + 0.05 * cloud(40, seed=4)  # tokens shuffled: the identity is a poor correspondence
     dx, dy = pairwise_distances(x, "raw"), pairwise_distances(y, "raw")
-    value, start = gromov_wasserstein_starts(dx, dy)
+    value, start = gromov_wasserstein_starts(dx, dy, "both")
     scale = max(dx.mean(), dy.mean())
     w = np.full(40, 1 / 40)
     solves = {s: ot.gromov.gromov_wasserstein(dx / scale, dy / scale, w, w, "square_loss", G0=g0, log=True)[1]["gw_dist"]

@@ -38,7 +38,8 @@ def leaves(cls, prefix=""):
 # fields whose typed config checks its own choices get another valid value
 ALTERNATIVES = {"geometry.statistic": "gw", "geometry.geometry": "raw", "geometry.smoothing": "none",
                 "geometry.exponent": "constant", "geometry.hyperbolic_radius": 0.5, "geometry.w_min_fraction": 0.5,
-                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser", "model.ffn.schedule.family": "linear"}
+                "geometry.diagram_workers": 2, "geometry.vr_backend": "ripser", "model.ffn.schedule.family": "linear",
+                "geometry.gw_starts": "both"}
 
 
 # a width-schedule family that reads each schedule parameter (study.config.model.FAMILIES)

@@ -11,6 +11,7 @@ GEOMETRIES = ("raw", "spherical", "hyperbolic")
 SMOOTHING = ("gaussian", "moving", "none")
 EXPONENTS = ("intrinsic", "constant")
 VR_BACKENDS = ("auto", "ripser", "gph")
+GW_STARTS = ("identity", "both")
 
 
 def one_of(field: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -66,9 +67,14 @@ class AllocationConfig:
     """Vietoris-Rips persistence: ripser (MIT, installed with study), gph (giotto-ph, AGPL: `pip install
     study[gph]`, multithreaded) or auto (gph when installed, else ripser). Both run Ripser's algorithm in float32 and
     give the same diagrams bit for bit."""
+    gw_starts: str = "identity"
+    """Starts of the Gromov-Wasserstein solver: identity (the coupling of corresponding tokens) or both (also POT's
+    default product start, the lower value kept; about doubles the profile's time and never gave the lower value on
+    the benchmark's clouds)."""
     diagram_workers: int = -1
-    """Processes computing the persistence-diagram distances: -1 one per available core, 1 inline (no processes).
-    Workers are spawned, so a script that profiles needs the usual `if __name__ == "__main__":` guard."""
+    """Processes profiling layers in parallel: -1 one per core the process may use, 1 inline (no processes). The
+    values do not depend on it. Workers are spawned, so a script that profiles needs the usual
+    `if __name__ == "__main__":` guard."""
 
     def __post_init__(self) -> None:
         one_of("statistic", self.statistic, STATISTICS)
@@ -76,6 +82,7 @@ class AllocationConfig:
         one_of("smoothing", self.smoothing, SMOOTHING)
         one_of("exponent", self.exponent, EXPONENTS)
         one_of("vr_backend", self.vr_backend, VR_BACKENDS)
+        one_of("gw_starts", self.gw_starts, GW_STARTS)
         check_radius(self.hyperbolic_radius)
         if self.smoothing == "moving" and (self.smoothing_width < 1 or self.smoothing_width % 2 != 1):
             raise StudyError("smoothing_width", f"{self.smoothing_width} is not an odd window", "use 1, 3, 5, ...")

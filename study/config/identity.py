@@ -82,6 +82,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.gpu_peak_tflops": (OUT, "an estimate for MFU and GPU-hours"),
     "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
     "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),
+    "geometry.gw_starts": (SCHEDULED, "the product start can find a lower GW, which changes the profile"),
     "geometry.vr_backend": (OUT, "ripser and giotto-ph give the same diagrams bit for bit (tests/test_geometry_work.py)"),
     "eval": (OUT, "downstream evaluation happens after training"),
     "tracking": (OUT, "where metrics go"),
@@ -105,8 +106,8 @@ SCHEDULE = "model.ffn.schedule."
 FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
-ADDED = frozenset({"model.layer_heads", *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends",
-                                                                  "reverse"))})
+ADDED = frozenset({"model.layer_heads", "geometry.gw_starts",
+                   *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends", "reverse"))})
 """Fields added since key schema 3."""
 
 

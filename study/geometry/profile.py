@@ -4,9 +4,10 @@ Per layer, the six distance matrices (before/after x raw/spherical/hyperbolic) a
 statistics that need them. Persistence diagrams cost one Vietoris-Rips run per cloud for raw and one for spherical:
 the hyperbolic distance is an increasing function of the angle (`angle_to_poincare`), the filtration order is
 therefore the same, and the hyperbolic diagram is the spherical one with its birth and death values mapped.
-Diagram distances are single-threaded, so they run last, spread over worker processes, once the main process
-(whose Vietoris-Rips and BLAS calls are multi-threaded) is done: running both at once oversubscribes the cores, and
-GW's BLAS calls ran up to 50x slower that way on 2 cores.
+Layers are independent, so they are profiled in worker processes, one per core, each single-threaded: Ripser,
+the network simplex and POT's loops are serial code, and one process per core keeps every core busy where
+multi-threaded BLAS and Vietoris-Rips calls inside one process left them idle most of the time (and running both
+at once oversubscribed the cores: GW's BLAS calls ran up to 50x slower that way on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import numpy as np
 from study.config.geometry import STATISTICS, AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances
-from study.geometry.work import (gromov_wasserstein_starts, h1_diagram, shift, timed_diagram_w2, twonn_dimension,
-                                 vr_backend)
+from study.geometry.work import diagram_w2, gromov_wasserstein_starts, h1_diagram, shift, twonn_dimension, vr_backend
 
 METHODS = {
     "shift": "mean distance between corresponding tokens",
-    "gw": "GW_2 = 0.5 sqrt(min GW loss), POT conditional gradient from the identity coupling and from POT's default "
-    "(product) start, the lower kept (gw_start says which), uniform weights, both matrices divided by the larger "
-    "mean distance and the result scaled back",
+    "gw": "GW_2 = 0.5 sqrt(min GW loss), POT conditional gradient from the identity coupling (closed form where "
+    "the identity is the solver's fixed point), and from POT's default (product) start with gw_starts=both, the lower "
+    "kept (gw_start says which), uniform weights, both matrices divided by the larger mean distance and the result "
+    "scaled back",
     "topo": "exact W_2 (L2 ground metric, POT network simplex) between H1 Vietoris-Rips diagrams (Ripser's "
     "algorithm, full filtration; vr_backend names the implementation)",
     "intrinsic_dim": "TwoNN (Facco et al. 2017, 10% discarded) on angular distances of the cloud the FFN receives "
@@ -51,20 +52,34 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-# Below this many tokens a diagram distance takes milliseconds and starting worker processes costs seconds.
+# Below this many tokens a layer takes well under a second and starting worker processes costs seconds.
 POOL_MIN_TOKENS = 512
 
 
-def _executor(workers: int, n_tokens: int) -> Executor:
+def _executor(workers: int, n_tokens: int, layers: int) -> tuple[Executor, int]:
+    """The pool layers run in, and the threads each layer's Vietoris-Rips may use."""
     if workers == -1:
         workers = _cores()
+    workers = min(workers, layers)
     if workers <= 1 or n_tokens < POOL_MIN_TOKENS:
-        return _Inline()
+        return _Inline(), _cores()
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn, not fork: the caller has usually loaded torch and its thread pools, which fork does not copy safely.
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_single_threaded)
+    return pool, 1
+
+
+def _single_threaded() -> None:
+    """Worker set-up: one BLAS thread (the workers already fill the cores), and POT without its torch backend,
+    whose import costs a worker seconds and is never used on numpy arrays."""
+    os.environ.setdefault("POT_BACKEND_DISABLE_PYTORCH", "1")
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
+    import ot  # noqa: F401  (imported once per worker, before the first layer's clock starts)
 
 
 class _Timer:
@@ -81,49 +96,58 @@ class _Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
+def profile_layer(before: np.ndarray, after: np.ndarray, received: np.ndarray | None, radius: float,
+                  gw_starts: str, backend: str, threads: int) -> dict:
+    """One layer's statistics {statistic: {geometry: work}}, "gw_start", "intrinsic_dim" and "timings"."""
+    timer = _Timer()
+    stats: dict[str, dict[str, float]] = {s: {} for s in STATISTICS}
+    gw_start = {}
+    with timer("distances"):
+        dist = {g: [pairwise_distances(x, g, radius) for x in (before, after)] for g in GEOMETRIES}
+    for g in GEOMETRIES:
+        with timer("shift"):
+            stats["shift"][g] = shift(before, after, g, radius)
+        with timer("gw"):
+            stats["gw"][g], gw_start[g] = gromov_wasserstein_starts(*dist[g], gw_starts)
+    with timer("topo"):
+        diagrams = {g: [h1_diagram(d, threads, backend) for d in dist[g]] for g in ("raw", "spherical")}
+        diagrams["hyperbolic"] = [angle_to_poincare(dgm, radius) for dgm in diagrams["spherical"]]
+    with timer("topo_w2"):
+        for g in GEOMETRIES:
+            stats["topo"][g] = diagram_w2(*diagrams[g])
+    timer.add("topo", timer.seconds["topo_w2"])
+    with timer("intrinsic_dim"):
+        # on what the FFN itself receives (after a pre-norm's gains, for llama blocks), not the bare stream
+        angles = dist["spherical"][0] if received is None else pairwise_distances(received, "spherical", radius)
+        dim = twonn_dimension(angles)
+    return {"stats": stats, "gw_start": gw_start, "intrinsic_dim": dim if np.isfinite(dim) else None,
+            "timings": timer.seconds}
+
+
 def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list[float] | None = None) -> dict:
     """JSON-able profile: {"layers", "n_tokens", "d_model", "hyperbolic_radius", "stats": {statistic: {geometry:
     [per-layer work]}}, "intrinsic_dim", "sensitivity", "sensitivity_eps", "timings": {stage: seconds}, "methods"}.
 
-    Timings: seconds spent per stage summed over layers; "topo" includes the diagram distances' seconds in worker
-    processes ("topo_w2", a part of "topo"), so with several workers the stages can sum to more than "wall".
+    Timings: seconds spent per stage summed over layers, in whichever process ran the layer; "topo" includes the
+    diagram distances' seconds ("topo_w2", a part of "topo"), so with several workers the stages can sum to more
+    than "wall".
     """
     radius = cfg.hyperbolic_radius
     layers = clouds.layers
-    stats = {s: {g: [0.0] * layers for g in GEOMETRIES} for s in STATISTICS}
-    gw_start = {g: [""] * layers for g in GEOMETRIES}
-    intrinsic_dim = []
-    timer = _Timer()
-    wall = time.perf_counter()
-    diagrams: dict[tuple[int, str], list[np.ndarray]] = {}
-    threads = _cores()
     backend = vr_backend(cfg.vr_backend)
-    for layer in range(layers):
-        clouds_ = (clouds.before[layer], clouds.after[layer])
-        with timer("distances"):
-            dist = {g: [pairwise_distances(x, g, radius) for x in clouds_] for g in GEOMETRIES}
-        for g in GEOMETRIES:
-            with timer("shift"):
-                stats["shift"][g][layer] = shift(*clouds_, g, radius)
-            with timer("gw"):
-                stats["gw"][g][layer], gw_start[g][layer] = gromov_wasserstein_starts(*dist[g])
-        with timer("topo"):
-            for g in ("raw", "spherical"):
-                diagrams[layer, g] = [h1_diagram(d, threads, backend) for d in dist[g]]
-            diagrams[layer, "hyperbolic"] = [angle_to_poincare(dgm, radius) for dgm in diagrams[layer, "spherical"]]
-        with timer("intrinsic_dim"):
-            # on what the FFN itself receives (after a pre-norm's gains, for llama blocks), not the bare stream
-            received = dist["spherical"][0] if clouds.received is None else pairwise_distances(
-                clouds.received[layer], "spherical", radius)
-            dim = twonn_dimension(received)
-            intrinsic_dim.append(dim if np.isfinite(dim) else None)
-    with _executor(cfg.diagram_workers, clouds.n_tokens) as pool:
-        futures = {key: pool.submit(timed_diagram_w2, *pair) for key, pair in diagrams.items()}
-        for (layer, g), future in futures.items():
-            stats["topo"][g][layer], seconds = future.result()
-            timer.add("topo", seconds)
-            timer.add("topo_w2", seconds)
+    wall = time.perf_counter()
+    pool, threads = _executor(cfg.diagram_workers, clouds.n_tokens, layers)
+    with pool:
+        futures = [pool.submit(profile_layer, clouds.before[layer], clouds.after[layer],
+                               None if clouds.received is None else clouds.received[layer], radius, cfg.gw_starts,
+                               backend, threads) for layer in range(layers)]
+        results = [future.result() for future in futures]
+    timer = _Timer()
+    for result in results:
+        for name, seconds in result["timings"].items():
+            timer.add(name, seconds)
     timer.add("wall", time.perf_counter() - wall)
+    stats = {s: {g: [r["stats"][s][g] for r in results] for g in GEOMETRIES} for s in STATISTICS}
     return {
         "layers": layers,
         "n_tokens": clouds.n_tokens,
@@ -131,9 +155,10 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
         "hyperbolic_radius": radius,
         "n_sequences": clouds.n_sequences,
         "stats": stats,
-        "gw_start": gw_start,
+        "gw_start": {g: [r["gw_start"][g] for r in results] for g in GEOMETRIES},
+        "gw_starts": cfg.gw_starts,
         "vr_backend": backend,
-        "intrinsic_dim": intrinsic_dim,
+        "intrinsic_dim": [r["intrinsic_dim"] for r in results],
         "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
         "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None,
         "timings": timer.seconds,
