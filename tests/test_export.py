@@ -120,15 +120,12 @@ def test_the_exported_tokenizer_encodes_as_the_runs_tokenizer(runs):
 
 def test_lm_eval_hf_model_scores_the_export_as_the_study_evaluator_does(runs, monkeypatch):
     """The same items, the same log-likelihoods: lm-eval's own `hf` model on the export, our StudyLM on the run."""
-    import tempfile
-    from pathlib import Path
-
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from study.data import prepare_data
-    from study.evaluate.harness import LOCAL_TASK_DIR, evaluate_model, item_scores, render_local_tasks
+    from study.evaluate.locate import run_tokenizer
+    from study.evaluate.harness import LOCAL_TASK_DIR, evaluate_model, item_scores
 
     pytest.importorskip("accelerate", reason="lm-eval's hf model imports accelerate (the dev and hf extras have it)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -137,13 +134,10 @@ def test_lm_eval_hf_model_scores_the_export_as_the_study_evaluator_does(runs, mo
     out = root / "lmeval"
     assert export(root, spec, "--out", str(out)) == 0
     ours, _ = load_trained_model(spec)
-    want = evaluate_model(ours, prepare_data(spec.config.data).tokenizer_path, ["arc_easy_local"], limit=6)
-    with tempfile.TemporaryDirectory() as tasks:
-        render_local_tasks(LOCAL_TASK_DIR, Path(tasks))
-        lm = HFLM(pretrained=str(out), dtype="float32", device="cpu", batch_size=4)
-        got = simple_evaluate(model=lm, tasks=["arc_easy_local"],
-                              limit=6, task_manager=TaskManager(include_path=tasks, include_defaults=False),
-                              log_samples=True)
+    want = evaluate_model(ours, run_tokenizer(spec), ["arc_easy_local"], limit=6)
+    lm = HFLM(pretrained=str(out), dtype="float32", device="cpu", batch_size=4)
+    got = simple_evaluate(model=lm, tasks=["arc_easy_local"], limit=6, log_samples=True,
+                          task_manager=TaskManager(include_path=str(LOCAL_TASK_DIR), include_defaults=False))
     got_items = item_scores(got["samples"])["arc_easy_local"]
     want_items = want["items"]["arc_easy_local"]
     assert [r["doc_id"] for r in got_items] == [r["doc_id"] for r in want_items] and len(got_items) == 6
