@@ -124,7 +124,10 @@ class Tracker:
 
         tracker = cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
         if system_metrics:
-            tracker._start_system_metrics()
+            from study.track.system import system_metrics_monitor
+
+            uri = tracker._client.tracking_uri
+            tracker._monitor = system_metrics_monitor(tracker.run_id, cfg.system_metrics_s, uri)
         return tracker
 
     @classmethod
@@ -188,11 +191,6 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001
             logger.warning("MLflow %s for run %s failed: %s", what, self.run_id, short(exc))
             return None
-
-    def _start_system_metrics(self) -> None:
-        from study.track.system import system_metrics_monitor
-
-        self._monitor = system_metrics_monitor(self.run_id, self._cfg.system_metrics_s, self._client.tracking_uri)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
