@@ -19,7 +19,8 @@ from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_di
 from study.geometry.plots import plot_profile, plot_widths
 from study.geometry import profile as profile_module
 from study.geometry.profile import profile_clouds
-from study.geometry.work import diagram_w2, gromov_wasserstein, h1_diagram, twonn_dimension
+from study.geometry.matching import diagram_w2
+from study.geometry.work import gromov_wasserstein, h1_diagram, twonn_dimension
 
 INLINE = AllocationConfig(diagram_workers=1)
 
@@ -239,6 +240,55 @@ def test_diagram_w2_is_the_optimal_partial_matching_with_the_diagonal():
     assert diagram_w2(a, b) == pytest.approx(exact, rel=1e-9)
     assert diagram_w2(a, np.empty((0, 2))) == pytest.approx(np.sqrt(cost[:n, m].sum()), rel=1e-12)
     assert diagram_w2(a, a) == 0.0
+
+
+def _assignment_w2(a: np.ndarray, b: np.ndarray) -> float:
+    """W2 as the dense (n + m) x (n + m) assignment, each point free to go to its own diagonal copy."""
+    n, m = len(a), len(b)
+    cost = np.full((n + m, n + m), np.inf)
+    cost[:n, :m] = cdist(a, b, "sqeuclidean")
+    cost[np.arange(n), m + np.arange(n)] = (a[:, 1] - a[:, 0]) ** 2 / 2
+    cost[n + np.arange(m), np.arange(m)] = (b[:, 1] - b[:, 0]) ** 2 / 2
+    cost[n:, m:] = 0.0
+    rows, cols = linear_sum_assignment(cost)
+    return float(np.sqrt(cost[rows, cols].sum()))
+
+
+def _diagram(rng, k: int, span: float, longest: float) -> np.ndarray:
+    birth = rng.uniform(0, span, k)
+    return np.column_stack([birth, birth + rng.uniform(0, longest, k)])
+
+
+@pytest.mark.parametrize("span, longest", [(100.0, 2.0), (1.0, 1.0)], ids=["sparse", "dense"])
+def test_flow_and_simplex_reach_the_assignment_optimum_with_either_diagram_larger(span, longest):
+    from study.geometry import matching
+
+    rng = np.random.default_rng(11)
+    a, b = _diagram(rng, 150, span, longest), _diagram(rng, 120, span, longest)
+    for x, y in ((a, b), (b, a)):
+        exact = _assignment_w2(x, y)
+        assert matching.diagram_w2(x, y, "flow") == pytest.approx(exact, rel=1e-12)
+        assert matching.diagram_w2(x, y, "simplex") == pytest.approx(exact, rel=1e-12)
+
+
+def test_auto_solves_sparse_pairs_by_flow_and_dense_ones_by_the_simplex(monkeypatch):
+    from study.geometry import matching
+
+    rng = np.random.default_rng(12)
+    sparse = _diagram(rng, 150, 100.0, 2.0), _diagram(rng, 150, 100.0, 2.0)
+    dense = _diagram(rng, 150, 1.0, 1.0), _diagram(rng, 150, 1.0, 1.0)
+    expected = {"sparse": matching.diagram_w2(*sparse, "flow"), "dense": matching.diagram_w2(*dense, "simplex")}
+
+    def refuse(*args):
+        raise AssertionError("the other solver was chosen")
+
+    monkeypatch.setattr(matching, "_simplex", refuse)
+    assert matching.diagram_w2(*sparse) == expected["sparse"]
+    monkeypatch.undo()
+    monkeypatch.setattr(matching, "_flow", refuse)
+    assert matching.diagram_w2(*dense) == expected["dense"]
+    with pytest.raises(ValueError, match="choose one of auto, flow, simplex"):
+        matching.diagram_w2(*dense, "hera")
 
 
 def test_gw_from_the_identity_never_exceeds_the_distortion_of_the_correspondence():

@@ -22,7 +22,8 @@ import numpy as np
 from study.config.geometry import STATISTICS, AllocationConfig
 from study.geometry.clouds import TokenClouds
 from study.geometry.geometries import GEOMETRIES, angle_to_poincare, pairwise_distances
-from study.geometry.work import diagram_w2, gromov_wasserstein_starts, h1_diagram, shift, twonn_dimension, vr_backend
+from study.geometry.matching import diagram_w2
+from study.geometry.work import gromov_wasserstein_starts, h1_diagram, shift, twonn_dimension, vr_backend
 
 METHODS = {
     "shift": "mean distance between corresponding tokens",
@@ -30,7 +31,8 @@ METHODS = {
     "the identity is the solver's fixed point), and from POT's default (product) start with gw_starts=both, the lower "
     "kept (gw_start says which), uniform weights, both matrices divided by the larger mean distance and the result "
     "scaled back",
-    "topo": "exact W_2 (L2 ground metric, POT network simplex) between H1 Vietoris-Rips diagrams (Ripser's "
+    "topo": "exact W_2 (L2 ground metric; OR-tools min-cost flow on the arcs an optimum can use, or POT's network "
+    "simplex where most arcs stay: study.geometry.matching) between H1 Vietoris-Rips diagrams (Ripser's "
     "algorithm, full filtration; vr_backend names the implementation)",
     "intrinsic_dim": "TwoNN (Facco et al. 2017, 10% discarded) on angular distances of the cloud the FFN receives "
     "(after the block's pre-norm, gains included, where it has one)",

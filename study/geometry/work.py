@@ -175,38 +175,6 @@ def h1_birth_bound(d32: np.ndarray, candidates: int = 4, block: int = 64) -> flo
     return bound
 
 
-def diagram_w2(a: np.ndarray, b: np.ndarray) -> float:
-    """Exact 2-Wasserstein distance between persistence diagrams, Euclidean ground metric in the plane.
-
-    The optimal partial matching, where a point may instead go to the diagonal at cost persistence^2 / 2, is a
-    transport problem of size (n + 1) x (m + 1): one extra node per side stands for the diagonal and carries the
-    other diagram's mass (the formulation of gudhi.wasserstein), solved exactly by POT's network simplex.
-    On six pairs of 1800-3100-bar diagrams from synthetic token clouds it took 27 % fewer CPU-seconds in all than
-    gudhi's Hera auction at 1 % tolerance (faster on five pairs, slower on the one whose diagrams differed most)
-    and under half the time of persim's dense Hungarian assignment (benchmarks/geometry_bench.py). The iteration cap grows with the problem: POT's default (and gudhi's 2e6) can stop short of the
-    optimum on diagrams of a few thousand points.
-    """
-    import ot
-    from scipy.spatial.distance import cdist
-
-    n, m = len(a), len(b)
-    if n == 0 and m == 0:
-        return 0.0
-    to_diagonal_a = (a[:, 1] - a[:, 0]) ** 2 / 2
-    to_diagonal_b = (b[:, 1] - b[:, 0]) ** 2 / 2
-    cost = np.zeros((n + 1, m + 1))
-    if n and m:
-        cost[:n, :m] = cdist(a, b, "sqeuclidean")
-    cost[:n, m] = to_diagonal_a
-    cost[n, :m] = to_diagonal_b
-    mass_a = np.concatenate([np.ones(n), [m]])
-    mass_b = np.concatenate([np.ones(m), [n]])
-    value, log = ot.emd2(mass_a, mass_b, cost, numItermax=max(2_000_000, 50 * cost.size), log=True)
-    if log["warning"] is not None:
-        raise RuntimeError(f"diagram transport did not reach the optimum: {log['warning']}")
-    return float(np.sqrt(max(float(value), 0.0)))
-
-
 def twonn_dimension(distances: np.ndarray, discard: float = 0.1) -> float:
     """Intrinsic dimension by TwoNN (Facco, d'Errico, Rodriguez, Laio 2017, Sci. Rep. 7:12140).
 
