@@ -16,6 +16,9 @@ from slurm_helpers import private_sweeps
 from study.cli import main
 from study.plan.planner import plan_experiment
 
+# one worker builds the module's expensive fixtures once (xdist would build them on each worker it splits onto)
+pytestmark = pytest.mark.xdist_group("mlflow_lineage")
+
 
 @pytest.fixture(scope="module")
 def nested(tmp_path_factory, data_cache):

@@ -15,6 +15,9 @@ from analysis.runs import read_runs
 from analysis.synthetic import synthetic_store
 from study.errors import StudyError
 
+# one worker builds the module's expensive fixtures once (xdist would build them on each worker it splits onto)
+pytestmark = pytest.mark.xdist_group("report")
+
 EXPERIMENT = "ffn_shape"
 VARIANTS = ["conventional", "hourglass", "tapered"]
 SCALES = ["20M", "40M", "80M", "160M"]
