@@ -237,3 +237,36 @@ def test_a_two_rank_bf16_run_exports_consolidated_bf16_weights(tmp_path, data_ca
     stored = load_file(out / "model.safetensors")
     mapped = hf.hf_state_dict(ours)
     assert all(torch.equal(stored[k], mapped[k].to(torch.bfloat16)) for k in mapped)
+
+
+def test_evaluation_and_export_end_documents_with_the_eos_the_tokenizer_directory_declared(runs, tmp_path):
+    """A transformers directory may declare an EOS that is not the first of EOS_CANDIDATES in its vocabulary. The
+    data separates documents with the declared one; the run directory records it beside its tokenizer copy, so
+    lm-eval's model and the export, which read only the run directory, end documents with the same token."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from study.data import prepare_data
+    from study.evaluate.harness import StudyLM
+    from study.evaluate.model_args import from_model_args
+
+    root, trained = runs
+    tok = Tokenizer.from_file(str(trained["llama"].run_dir.tokenizer))
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    source = tmp_path / "declares-eos"
+    source.mkdir()
+    tok.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    declared, first_candidate = tok.token_to_id("</s>"), tok.token_to_id("<|endoftext|>")
+    assert declared != first_candidate is not None
+
+    spec = select_run([*TINY, "experiment=export", "train.max_steps=2", "model.max_seq_len=128",
+                       f"data.tokenizer={source}", "model.vocab_size=520", f"paths.runs={root}/runs",
+                       f"tracking.uri=sqlite:///{root}/m.db"])
+    assert train(spec).status == "FINISHED"
+    assert prepare_data(spec.config.data).eos_id == declared
+    assert json.loads((spec.run_dir.path / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}
+    lm = from_model_args(StudyLM, {"run": spec.key, "runs": str(root / "runs")})
+    assert lm.eot_token_id == declared
+    out = tmp_path / "export"
+    assert export(root, spec, "--out", str(out)) == 0
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == declared

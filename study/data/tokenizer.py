@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 EOS = "<|endoftext|>"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
                           .save(str(tmp / "tokenizer.json"))) / "tokenizer.json"
         declared = EOS
     elif given.is_file():
-        path, declared = given, _declared_eos(given.parent)
+        path, declared = given, declared_eos(given.parent)
     elif (given / "tokenizer.json").is_file():
-        path, declared = given / "tokenizer.json", _declared_eos(given)
+        path, declared = given / "tokenizer.json", declared_eos(given)
     elif not given.is_dir():
         if build:
             raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
@@ -61,11 +62,10 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
         entry = _converted_entry(given, cache)
         if not build and not entry.is_dir():
             return None
-        path, declared = _convert_transformers(given, entry), _declared_eos(given)
+        path, declared = _convert_transformers(given, entry), declared_eos(given)
     tok = load_tokenizer(path)
-    eos_id = _eos_id(tok, cfg.eos_token or declared)
-    return TokenizerFile(path, eos_id, tok.get_vocab_size(with_added_tokens=True),
-                         f"{file_digest([path])}-{eos_id}")
+    eos = eos_id(tok, cfg.eos_token or declared)
+    return TokenizerFile(path, eos, tok.get_vocab_size(with_added_tokens=True), f"{file_digest([path])}-{eos}")
 
 
 def train_bpe(batches: Iterator[list[str]], vocab_size: int) -> Tokenizer:
@@ -92,18 +92,22 @@ def load_tokenizer(path: Path) -> Tokenizer:
                          "give a tokenizer.json written by `tokenizers` or a transformers tokenizer directory") from err
 
 
-def _eos_id(tok: Tokenizer, wanted: str | None) -> int:
+def eos_id(tok: Tokenizer, wanted: str | None, field: str = "data.eos_token") -> int:
+    """Id of the token that ends a document: `wanted`, else the first of EOS_CANDIDATES in the vocabulary. The one
+    rule for data, evaluation and export; `field` is the setting a user would change, named in the error."""
     for token in (wanted,) if wanted else EOS_CANDIDATES:
         token_id = tok.token_to_id(token)
         if token_id is not None:
             return token_id
-    raise StudyError("data.eos_token", f"the tokenizer has no {'token ' + repr(wanted) if wanted else 'EOS token'}",
-                     "set data.eos_token to the token that ends a document in this tokenizer's vocabulary")
+    missing = f"no token {wanted!r}" if wanted else f"none of the end-of-sequence tokens {list(EOS_CANDIDATES)}"
+    raise StudyError(field, f"the tokenizer has {missing}",
+                     f"set {field} to the token that ends a document in this tokenizer's vocabulary")
 
 
-def _declared_eos(directory: Path) -> str | None:
-    """The EOS a transformers tokenizer directory declares in tokenizer_config.json, if any."""
-    config = directory / "tokenizer_config.json"
+def declared_eos(directory: Path) -> str | None:
+    """The EOS a tokenizer directory declares in tokenizer_config.json (as transformers writes it), if any: a
+    transformers tokenizer's, or the one a run directory records beside the tokenizer it trained with."""
+    config = directory / TOKENIZER_CONFIG
     if not config.is_file():
         return None
     eos = json.loads(config.read_text()).get("eos_token")

@@ -27,8 +27,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tokenizers import Tokenizer
 
-from study.config.data import EOS_CANDIDATES
-from study.data.tokenizer import load_tokenizer
+from study.data.tokenizer import eos_id, load_tokenizer
 from study.errors import StudyError
 
 LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
@@ -39,20 +38,6 @@ HUB_TASK_EXAMPLES = ("arc_easy", "hellaswag", "piqa")
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenised request: the (context, continuation) strings (None for rolling windows), their tokens."""
-
-
-def find_eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
-    """Id of the end-of-sequence token: `eos_token` if given, else the first of the data's EOS_CANDIDATES."""
-    candidates = (eos_token,) if eos_token is not None else EOS_CANDIDATES
-    for token in candidates:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    raise StudyError(
-        "eos_token",
-        f"the tokenizer has none of the end-of-sequence tokens {list(candidates)}",
-        "train the tokenizer with an end-of-sequence special token or pass eos_token=<its spelling>",
-    )
 
 
 @register_model("study")
@@ -86,7 +71,7 @@ class StudyLM(TemplateLM):
         self.max_length = max_length
         self.batch_size = batch_size
         self._device = torch.device(device)
-        self._eos_id = find_eos_id(tokenizer, eos_token)
+        self._eos_id = eos_id(tokenizer, eos_token, field="eos_token")
 
     @property
     def eot_token_id(self) -> int:

@@ -113,6 +113,15 @@ def open_trained(spec: RunSpec, ckpt: Path | None = None, device: str = "cpu") -
     return TrainedRun(spec, ckpt, model, run_tokenizer(spec))
 
 
+def run_eos_token(spec: RunSpec, tokenizer_path: Path) -> str | None:
+    """The end-of-document token the run trained with: the one its run directory records beside its tokenizer,
+    else its `data.eos_token` (None: the first of EOS_CANDIDATES, as the data side chose for runs that predate
+    the record)."""
+    from study.data.tokenizer import declared_eos
+
+    return declared_eos(tokenizer_path.parent) or spec.config.data.eos_token
+
+
 def run_tokenizer(spec: RunSpec) -> Path:
     """The tokenizer the run was trained with: its run directory's copy, else (a run trained before runs kept one)
     the one beside its shards in the cache; never tokenises anything."""

@@ -34,7 +34,7 @@ def from_model_args(cls, args: dict[str, Any]):
     with; lm-eval's --device and --batch_size arrive in `args` too."""
     from study.data.tokenizer import load_tokenizer
     from study.evaluate.harness import check_vocab, model_max_length
-    from study.evaluate.locate import find_run, open_trained, run_of_checkpoint
+    from study.evaluate.locate import find_run, open_trained, run_eos_token, run_of_checkpoint
 
     if unknown := sorted(set(args) - set(MODEL_ARGS)):
         raise StudyError("model_args", f"the study model takes no argument(s) {unknown}",
@@ -59,4 +59,4 @@ def from_model_args(cls, args: dict[str, Any]):
     batch = str(args.get("batch_size", ""))
     return cls(run.model, tokenizer, max_length=int(args.get("max_length") or model_max_length(run.model, None)),
                batch_size=int(batch) if batch.isdigit() else spec.config.eval.batch_size, device=device,
-               eos_token=spec.config.data.eos_token)
+               eos_token=run_eos_token(spec, run.tokenizer_path))

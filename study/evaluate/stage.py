@@ -22,7 +22,7 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     `limit` (0: every document) and `num_fewshot` default to the run's `eval` config, `tasks` to `eval.tasks`.
     """
     from study.evaluate.harness import evaluate_model, task_summary
-    from study.evaluate.locate import open_trained
+    from study.evaluate.locate import open_trained, run_eos_token
     from study.track.tracker import Tracker
 
     cfg = spec.config
@@ -30,7 +30,7 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     settings = settings_for(spec, list(tasks or cfg.eval.tasks), run.step, limit, num_fewshot)
     result = evaluate_model(run.model, run.tokenizer_path, list(settings.tasks), limit=settings.limit,
                             batch_size=cfg.eval.batch_size, num_fewshot=settings.num_fewshot,
-                            eos_token=cfg.data.eos_token)
+                            eos_token=run_eos_token(spec, run.tokenizer_path))
     folder = write_record(spec, settings, result, task_summary(result["items"]))
     record = json.loads((folder / EVAL_RECORD).read_text())
     tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)

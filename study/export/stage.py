@@ -67,9 +67,8 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     before anything is written, and the directory appears whole or not at all."""
     import torch
 
-    from study.data.tokenizer import load_tokenizer
-    from study.evaluate.harness import find_eos_id
-    from study.evaluate.locate import load_trained_model, run_tokenizer
+    from study.data.tokenizer import eos_id, load_tokenizer
+    from study.evaluate.locate import load_trained_model, run_eos_token, run_tokenizer
     from study.train.state import TrainState
 
     check_options(fmt, dtype)
@@ -91,7 +90,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     weights_dtype, reason = _weights_dtype(dtype, state.compute_dtype, spec.config.train.precision)
     tokenizer_path = run_tokenizer(spec)  # the one the run trained with, as evaluation reads it: never the data
     tok = load_tokenizer(tokenizer_path)
-    vocab_size, eos_id = tok.get_vocab_size(with_added_tokens=True), find_eos_id(tok, spec.config.data.eos_token)
+    vocab_size, end_id = tok.get_vocab_size(with_added_tokens=True), eos_id(tok, run_eos_token(spec, tokenizer_path))
     if vocab_size > spec.model.vocab_size:
         raise StudyError("data.tokenizer", f"the run's tokenizer emits {vocab_size} ids but the model embeds "
                          f"{spec.model.vocab_size}", "export a run whose model.vocab_size covers its tokenizer")
@@ -104,9 +103,9 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        eos = _write_tokenizer(tmp, tokenizer_path, eos_id, spec.model.max_seq_len)
+        eos = _write_tokenizer(tmp, tokenizer_path, end_id, spec.model.max_seq_len)
         if architecture:
-            save_pretrained(model, tmp, eos_id, weights_dtype)
+            save_pretrained(model, tmp, end_id, weights_dtype)
         else:
             save_weights(model, tmp / WEIGHTS, getattr(torch, weights_dtype))
         _write_manifest(tmp, spec, exported, ckpt.name, eos)

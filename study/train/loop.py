@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,13 +155,21 @@ def _claim(spec: RunSpec) -> None:
     write_spec(spec)  # the run directory always holds the spec that trained it
 
 
-def _keep_tokenizer(source: Path, copy: Path) -> None:
-    """The run directory keeps the tokenizer it was trained with, so evaluation never needs the data again."""
-    if copy.is_file() and copy.read_bytes() == source.read_bytes():
-        return
-    tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, copy)
+def _keep_tokenizer(source: Path, copy: Path, eos_id: int) -> None:
+    """The run directory keeps the tokenizer it was trained with, and the token that ended its documents in
+    tokenizer_config.json beside it (as transformers declares one), so evaluation and export never need the data
+    or its source directory again: a transformers directory's declared EOS is not among the tokenizer's own."""
+    import json
+
+    from study.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
+
+    config = json.dumps({"eos_token": load_tokenizer(source).id_to_token(eos_id)}).encode()
+    for path, content in ((copy, source.read_bytes()), (copy.with_name(TOKENIZER_CONFIG), config)):
+        if path.is_file() and path.read_bytes() == content:
+            continue
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(content)
+        os.replace(tmp, path)
 
 
 def _train(spec: RunSpec, d: Dist) -> Outcome:
@@ -182,7 +189,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     validate_data(cfg.data)
     data = prepare_data(cfg.data, model_vocab=model_cfg.vocab_size)
     if d.rank == 0:
-        _keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer)
+        _keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer, data.eos_id)
 
     from study.models.transformer import build_model
     from study.train.optim import build_optimizer, build_scheduler
