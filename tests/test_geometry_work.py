@@ -12,6 +12,7 @@ from scipy.spatial.distance import cdist
 from scipy.stats import ortho_group
 from torch import nn
 
+from benchmarks.geometry_bench import hungarian_w2
 from study.errors import StudyError
 from study.config.geometry import AllocationConfig
 from study.geometry.clouds import TokenClouds, collect_clouds, perturbation_sensitivity, sample_positions
@@ -242,18 +243,6 @@ def test_diagram_w2_is_the_optimal_partial_matching_with_the_diagonal():
     assert diagram_w2(a, a) == 0.0
 
 
-def _assignment_w2(a: np.ndarray, b: np.ndarray) -> float:
-    """W2 as the dense (n + m) x (n + m) assignment, each point free to go to its own diagonal copy."""
-    n, m = len(a), len(b)
-    cost = np.full((n + m, n + m), np.inf)
-    cost[:n, :m] = cdist(a, b, "sqeuclidean")
-    cost[np.arange(n), m + np.arange(n)] = (a[:, 1] - a[:, 0]) ** 2 / 2
-    cost[n + np.arange(m), np.arange(m)] = (b[:, 1] - b[:, 0]) ** 2 / 2
-    cost[n:, m:] = 0.0
-    rows, cols = linear_sum_assignment(cost)
-    return float(np.sqrt(cost[rows, cols].sum()))
-
-
 def _diagram(rng, k: int, span: float, longest: float) -> np.ndarray:
     birth = rng.uniform(0, span, k)
     return np.column_stack([birth, birth + rng.uniform(0, longest, k)])
@@ -266,7 +255,7 @@ def test_flow_and_simplex_reach_the_assignment_optimum_with_either_diagram_large
     rng = np.random.default_rng(11)
     a, b = _diagram(rng, 150, span, longest), _diagram(rng, 120, span, longest)
     for x, y in ((a, b), (b, a)):
-        exact = _assignment_w2(x, y)
+        exact = hungarian_w2(x, y)
         assert matching.diagram_w2(x, y, "flow") == pytest.approx(exact, rel=1e-12)
         assert matching.diagram_w2(x, y, "simplex") == pytest.approx(exact, rel=1e-12)
 
