@@ -1,60 +1,95 @@
-"""The papers' reported figures beside the measured ones: each experiment file may carry `published: {source, metric,
-values: {scale: {variant: value}}}`; a comparison gets the paper's delta (variant - baseline) and whether our paired
-confidence interval contains it."""
+"""The papers' reported figures beside ours, compared as deltas against the baseline in nats.
+
+A paper's absolute losses and perplexities come from another corpus and tokenizer, so they never compare with ours
+as numbers. What does compare is the effect of a design: a published perplexity pair becomes
+log(ppl_variant / ppl_baseline), which is the difference of the two mean losses, and a published loss pair its plain
+difference; our side is the paired mean delta of val/loss over seeds with its t interval. Each value keeps its source
+and whether it was verified there (study.plan.experiment.Published).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from analysis.paired import PairedResult
+if TYPE_CHECKING:
+    from analysis.paired import PairedResult
+    from study.plan.experiment import Published
+
+OURS = "val/loss"
+"""Our side of every comparison: the paired delta of the final validation loss, in nats per token."""
 
 
 @dataclass(frozen=True)
 class PublishedDelta:
     scale: str
     variant: str
+    baseline: str
     metric: str
-    paper_variant: float
-    """The variant's reported value."""
+    """What the paper reported (val/loss or val/ppl)."""
     paper_baseline: float
-    """The baseline's reported value."""
-    paper_delta: float
-    """paper_variant - paper_baseline."""
+    """The baseline's reported value, in `metric`."""
+    paper_variant: float
+    """The variant's reported value, in `metric`."""
+    paper_delta_nats: float
+    """The paper's variant against its baseline in nats: the log of a perplexity ratio, or a loss difference."""
+    baseline_source: str
+    variant_source: str
+    baseline_verified: bool
+    variant_verified: bool
     ours: float
-    """Our mean paired delta."""
+    """Our mean paired val/loss delta (variant - baseline), in nats."""
     ci_low: float
     ci_high: float
-    contains: bool | None
+    """Our t 95% interval (NaN below two seed pairs)."""
+    n: int
+    """Seed pairs behind ours."""
+    consistent: bool | None
     """Whether our t interval contains the paper's delta (None without an interval)."""
-    source: str
+
+    @property
+    def verified(self) -> bool:
+        """Both values of the pair were read in their source."""
+        return self.baseline_verified and self.variant_verified
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "verified": self.verified}
 
 
-def published_figures(experiment: str) -> dict:
-    """The experiment file's `published` block, or {} (no such file in this checkout, or none given)."""
+def published_figures(experiment: str) -> Published | None:
+    """The experiment file's `published:` block; None without one or without such a file in this checkout (a report
+    of runs from elsewhere). A malformed block is the user's error and is raised."""
     from study.errors import StudyError
     from study.plan.experiment import load_experiment
 
     try:
         return load_experiment(experiment).published
-    except StudyError:
-        return {}
+    except StudyError as err:
+        if err.field == "EXPERIMENT":
+            return None
+        raise
 
 
-def published_deltas(published: dict, results: dict[str, list[PairedResult]], baseline: str) -> list[PublishedDelta]:
-    """Every measured comparison whose variant and baseline both have a reported value at its scale."""
-    metric = published.get("metric")
+def delta_nats(metric: str, variant: float, baseline: float) -> float:
+    """A published pair as a loss delta in nats: perplexity is exp(mean loss), so its ratio's log is the loss delta."""
+    return math.log(variant / baseline) if metric.endswith("/ppl") else variant - baseline
+
+
+def published_deltas(published: Published | None, results: dict[str, list[PairedResult]],
+                     baseline: str) -> list[PublishedDelta]:
+    """Every measured val/loss comparison whose variant and baseline both have a published value at its scale."""
+    if published is None:
+        return []
     out = []
-    for r in results.get(metric, []):
-        at = published.get("values", {}).get(r.scale, {})
+    for r in results.get(OURS, []):
+        at = published.values.get(r.scale, {})
         if r.variant not in at or baseline not in at:
             continue
-        paper = float(at[r.variant]) - float(at[baseline])
-        has_ci = r.n >= 2 and r.ci_low == r.ci_low and r.ci_high == r.ci_high
-        out.append(PublishedDelta(r.scale, r.variant, metric, float(at[r.variant]), float(at[baseline]), paper,
-                                  r.mean_delta, r.ci_low, r.ci_high,
-                                  (r.ci_low <= paper <= r.ci_high) if has_ci else None,
-                                  str(published.get("source", ""))))
+        theirs, base = at[r.variant], at[baseline]
+        paper = delta_nats(published.metric, theirs.value, base.value)
+        has_ci = r.n >= 2 and math.isfinite(r.ci_low) and math.isfinite(r.ci_high)
+        out.append(PublishedDelta(r.scale, r.variant, baseline, published.metric, base.value, theirs.value, paper,
+                                  base.source, theirs.source, base.verified, theirs.verified, r.mean_delta,
+                                  r.ci_low, r.ci_high, r.n, (r.ci_low <= paper <= r.ci_high) if has_ci else None))
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,28 @@ class Variant:
     that differs by scale, such as a width/depth ratio the variant keeps."""
 
 
+PUBLISHED_METRICS = ("val/loss", "val/ppl")
+"""What a published value may be: both compare with our val/loss as a delta in nats (a perplexity ratio's log)."""
+
+
+@dataclass(frozen=True)
+class PublishedValue:
+    value: float
+    """The reported number, in the block's metric."""
+    source: str
+    """Where it is printed: the paper (arXiv id, version, table or section) or the authors' release."""
+    verified: bool
+    """Whether it was read in that source; a number taken from a summary or digest of it is not."""
+
+
+@dataclass(frozen=True)
+class Published:
+    metric: str
+    """`val/loss` or `val/ppl` (one of PUBLISHED_METRICS): what every value is."""
+    values: dict[str, dict[str, PublishedValue]]
+    """scale -> variant -> value; every scale listed has a value for the baseline, which the deltas are against."""
+
+
 @dataclass
 class Experiment:
     name: str
@@ -45,12 +68,93 @@ class Experiment:
     """Overrides applied to every run."""
     description: str = ""
     """One line for the plan's title."""
-    published: dict[str, Any] = field(default_factory=dict)
-    """The paper's reported figures: {source, metric, values: {scale: {variant: value}}}; the report shows them
-    beside the measured ones."""
+    published: Published | None = None
+    """The papers' reported figures (the `published:` block); the report compares their deltas with ours."""
     decision: dict[str, Any] = field(default_factory=dict)
     """How the report decides (analysis.decide.DecisionRule): primary metric, equivalence margin, alpha, power,
     prior sd of paired deltas for planning."""
+
+
+_PUBLISHED_KEYS = ("metric", "values", "source")
+_VALUE_KEYS = ("value", "source", "verified")
+_VALUE_FORM = "write e.g. `{value: 3.43, source: \"arXiv <id> v<n>, Table <k>\", verified: false}`"
+
+
+def _published(name: str, raw: dict, baseline: str, scales: list[str], names: list[str]) -> Published:
+    """The `published:` block, validated. A value is `{value, source, verified}`; a bare number (the older form)
+    takes the block's `source` and counts as unverified, since nothing says it was checked."""
+    where = f"{name}.yaml: published"
+    unknown = sorted(set(raw) - set(_PUBLISHED_KEYS))
+    if unknown:
+        raise StudyError(f"{where}.{unknown[0]}", "is not a published key",
+                         f"use only {', '.join(_PUBLISHED_KEYS)} (a block-level source serves values that name none)")
+    metric = raw.get("metric")
+    if metric not in PUBLISHED_METRICS:
+        raise StudyError(f"{where}.metric", "is missing" if metric is None else
+                         f"{metric!r} is not a metric the report can compare in nats",
+                         "use val/loss for reported losses or val/ppl for reported perplexities")
+    default_source = raw.get("source")
+    if default_source is not None and (not isinstance(default_source, str) or not default_source.strip()):
+        raise StudyError(f"{where}.source", "must be a non-empty string",
+                         "name the paper (arXiv id, version, table or section) or the authors' release")
+    values = raw.get("values")
+    if not isinstance(values, dict) or not values:
+        raise StudyError(f"{where}.values", "must map scales to {variant: value}",
+                         f"write e.g. `values: {{{scales[0]}: {{{baseline}: {{value: ..., source: ..., "
+                         "verified: false}}}}`")
+    out: dict[str, dict[str, PublishedValue]] = {}
+    for scale, at in values.items():
+        scale = str(scale)
+        if scale not in scales:
+            raise StudyError(f"{where}.values.{scale}", "is not a scale of the experiment",
+                             f"use one of {', '.join(scales)}")
+        if not isinstance(at, dict):
+            raise StudyError(f"{where}.values.{scale}", f"must map variants to values, got {type(at).__name__}",
+                             f"{_VALUE_FORM} per variant")
+        out[scale] = {}
+        for variant, entry in at.items():
+            if variant not in names:
+                raise StudyError(f"{where}.values.{scale}.{variant}", "is not a variant of the experiment",
+                                 f"use one of {', '.join(names)}, or leave out a design this study does not run")
+            out[scale][variant] = _published_value(f"{where}.values.{scale}.{variant}", entry, default_source)
+        if baseline not in out[scale]:
+            raise StudyError(f"{where}.values.{scale}", f"has no value for the baseline {baseline!r}",
+                             "add the paper's baseline value at that scale: every comparison is a delta against it")
+    return Published(metric, out)
+
+
+def _published_value(where: str, entry: Any, default_source: str | None) -> PublishedValue:
+    if _is_number(entry):
+        if default_source is None:
+            raise StudyError(where, "names no source", f"{_VALUE_FORM}, or give the block a `source:`")
+        return PublishedValue(_positive(where, entry), default_source.strip(), False)
+    if not isinstance(entry, dict):
+        raise StudyError(where, f"must be a number or a mapping, got {type(entry).__name__}", _VALUE_FORM)
+    unknown = sorted(set(entry) - set(_VALUE_KEYS))
+    if unknown:
+        raise StudyError(f"{where}.{unknown[0]}", "is not a key of a published value", _VALUE_FORM)
+    if not _is_number(entry.get("value")):
+        raise StudyError(f"{where}.value", f"must be a number, got {entry.get('value')!r}", _VALUE_FORM)
+    source = entry.get("source", default_source)
+    if not isinstance(source, str) or not source.strip():
+        raise StudyError(f"{where}.source", "must name where the value is printed",
+                         "give the paper (arXiv id, version, table or section) or the authors' release")
+    verified = entry.get("verified")
+    if not isinstance(verified, bool):
+        raise StudyError(f"{where}.verified", f"must be true or false, got {verified!r}",
+                         "write `verified: false` unless the value was read in the source itself")
+    return PublishedValue(_positive(f"{where}.value", entry["value"]), source.strip(), verified)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _positive(where: str, x: float) -> float:
+    # a perplexity's log and a loss are only defined for positive finite numbers
+    if not math.isfinite(x) or x <= 0:
+        raise StudyError(where, f"{x!r} is not a positive finite number", "copy the value the source reports")
+    return float(x)
 
 
 def _grid_variants(grid: Any) -> list[Variant]:
@@ -166,10 +270,8 @@ def load_experiment(name: str) -> Experiment:
                              f"use one of {', '.join(names)}")
         reference = (ref["variant"], int(ref.get("seed", 0)))
     common = OmegaConf.to_container(raw.common) if raw.get("common") else {}
-    published = OmegaConf.to_container(raw.published) if raw.get("published") else {}
-    if published and (not isinstance(published.get("metric"), str) or not isinstance(published.get("values"), dict)):
-        raise StudyError(f"{name}.yaml: published", "needs `metric` and `values: {scale: {variant: number}}`",
-                         "see sweeps/experiment/geometry.yaml")
+    published = (_published(name, OmegaConf.to_container(raw.published), raw.baseline, scales, names)
+                 if raw.get("published") else None)
     decision = OmegaConf.to_container(raw.decision) if raw.get("decision") else {}
     from study.config.decision import DecisionRule
 
