@@ -6,6 +6,7 @@ scores are known in advance and a byte-level BPE trained here on the tasks' own 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from study.errors import StudyError
 from study.evaluate.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, task_summary
 
-LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local"]
+LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local", "sciq_local"]
 EOS = "<|endoftext|>"
 
 
@@ -121,18 +122,26 @@ class Bigram(torch.nn.Module):
         return self.table[idx]
 
 
+def sciq_choices(doc: dict) -> list[str]:
+    """SciQ's answer order (lm-eval's sciq): the three distractors, then the correct answer."""
+    return [doc["distractor1"], doc["distractor2"], doc["distractor3"], doc["correct_answer"]]
+
+
 def test_shipped_tasks_are_multiple_choice_documents_with_one_valid_gold_answer():
     assert local_task_names(LOCAL_TASK_DIR) == LOCAL_TASKS
+    # per task: choices, gold index, number of choices, the gold positions its format uses
     shapes = {
-        "arc_easy_local": (lambda d: d["choices"]["text"], lambda d: d["choices"]["label"].index(d["answerKey"]), 4),
-        "hellaswag_local": (lambda d: d["endings"], lambda d: d["label"], 4),
-        "piqa_local": (lambda d: [d["sol1"], d["sol2"]], lambda d: d["label"], 2),
+        "arc_easy_local": (lambda d: d["choices"]["text"], lambda d: d["choices"]["label"].index(d["answerKey"]), 4,
+                           {0, 1, 2, 3}),
+        "hellaswag_local": (lambda d: d["endings"], lambda d: d["label"], 4, {0, 1, 2, 3}),
+        "piqa_local": (lambda d: [d["sol1"], d["sol2"]], lambda d: d["label"], 2, {0, 1}),
+        "sciq_local": (sciq_choices, lambda d: 3, 4, {3}),  # SciQ puts the correct answer last, always
     }
-    for name, (choices_of, gold_of, n_choices) in shapes.items():
+    for name, (choices_of, gold_of, n_choices, positions) in shapes.items():
         docs = [json.loads(line) for line in (LOCAL_TASK_DIR / f"{name}.jsonl").read_text().splitlines()]
         assert 40 <= len(docs) <= 60
         golds = [gold_of(doc) for doc in docs]
-        assert set(golds) == set(range(n_choices)), "every answer position is used"
+        assert set(golds) == positions, "every answer position of the format is used"
         for doc in docs:
             choices = choices_of(doc)
             assert len(choices) == n_choices
@@ -189,15 +198,25 @@ def test_uniform_model_scores_the_exact_chance_level_of_the_data(tokenizer, toke
         assert [r["ll_correct"] for r in rows] == pytest.approx(ll, rel=1e-6)
         assert [r["n_choices"] for r in rows] == [len(continuations) for _, continuations, _ in questions[task]]
     assert 0.0 < expected["eval/arc_easy_local/acc"] < 0.5
-    # item counts and chance levels, from the raw documents: ARC-Easy and HellaSwag have 4 choices, PIQA 2
+    # item counts and chance levels, from the raw documents: ARC-Easy, HellaSwag and SciQ have 4 choices, PIQA 2
     raw = {task: [json.loads(line) for line in (LOCAL_TASK_DIR / f"{task}.jsonl").read_text().splitlines()]
            for task in LOCAL_TASKS}
     n_choices = {"arc_easy_local": lambda d: len(d["choices"]["text"]), "hellaswag_local": lambda d: len(d["endings"]),
-                 "piqa_local": lambda d: 2}
+                 "piqa_local": lambda d: 2, "sciq_local": lambda d: len(sciq_choices(d))}
     assert task_summary(out["items"]) == {
         task: {"items": len(docs), "chance": pytest.approx(np.mean([1 / n_choices[task](d) for d in docs]))}
         for task, docs in raw.items()}
     assert task_summary(out["items"])["piqa_local"]["chance"] == 0.5
+
+
+@torch.no_grad()
+def continuation_logprob(model: torch.nn.Module, context: list[int], continuation: list[int],
+                         max_length: int = 256) -> float:
+    """log p(continuation | context) from the model's log-softmax, the input cut from the left to max_length."""
+    tokens = (context + continuation)[-(max_length + 1) :]
+    logprobs = F.log_softmax(model(torch.tensor([tokens[:-1]])), dim=-1)[0]
+    n = len(continuation)
+    return sum(float(logprobs[len(tokens) - 1 - n + k, token]) for k, token in enumerate(continuation))
 
 
 def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
@@ -205,12 +224,7 @@ def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
     eos = tokenizer.token_to_id(EOS)
     long_context = "A boy pulls a rake across the lawn and gathers the fallen leaves into a large pile. He"
 
-    @torch.no_grad()
-    def direct(context: list[int], continuation: list[int], max_length: int = 256) -> float:
-        tokens = (context + continuation)[-(max_length + 1) :]
-        logprobs = F.log_softmax(model(torch.tensor([tokens[:-1]])), dim=-1)[0]
-        n = len(continuation)
-        return sum(float(logprobs[len(tokens) - 1 - n + k, token]) for k, token in enumerate(continuation))
+    direct = functools.partial(continuation_logprob, model)
 
     prompt = "Question: What do bees collect from flowers to make honey?\nAnswer:"
     prompt_ids, long_ids = ids(tokenizer, prompt), ids(tokenizer, long_context)
@@ -235,6 +249,32 @@ def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
     assert len(ending) <= 8 < len(long_ids), "the request is cut from the left, inside its context"
     assert truncated == pytest.approx(direct(long_ids, ending, max_length=8), rel=1e-5)
     assert truncated != pytest.approx(expected[3], rel=1e-3)
+
+
+def test_sciq_local_scores_like_lm_evals_sciq_on_the_support_passage_and_question(tokenizer, tokenizer_path):
+    """acc and acc_norm of sciq_local equal the argmax comparisons of log-likelihoods computed here from the raw
+    documents with lm-eval sciq's prompt (support passage, question, "Answer:") and answer order (gold last)."""
+    model = PrefixSum(tokenizer.get_vocab_size())
+    docs = [json.loads(line) for line in (LOCAL_TASK_DIR / "sciq_local.jsonl").read_text().splitlines()]
+    acc, acc_norm, ll_correct = [], [], []
+    for doc in docs:
+        prompt = f"{doc['support'].lstrip()}\nQuestion: {doc['question']}\nAnswer:"
+        context = ids(tokenizer, prompt)
+        choices = sciq_choices(doc)
+        # lm-eval splits prompt + " " + choice after the prompt's own tokens
+        ll = np.array([continuation_logprob(model, context, ids(tokenizer, f"{prompt} {c}")[len(context):])
+                       for c in choices])
+        acc.append(float(np.argmax(ll) == 3))
+        acc_norm.append(float(np.argmax(ll / np.array([len(c) for c in choices])) == 3))
+        ll_correct.append(ll[3])
+    out = evaluate_model(model, tokenizer_path, ["sciq_local"], max_length=256, batch_size=8)
+    rows = out["items"]["sciq_local"]
+    assert [r["acc"] for r in rows] == acc and [r["acc_norm"] for r in rows] == acc_norm
+    assert [r["ll_correct"] for r in rows] == pytest.approx(ll_correct, rel=1e-5)
+    assert out["metrics"]["eval/sciq_local/acc"] == pytest.approx(np.mean(acc), abs=1e-12)
+    assert out["metrics"]["eval/sciq_local/acc_norm"] == pytest.approx(np.mean(acc_norm), abs=1e-12)
+    assert task_summary(out["items"])["sciq_local"] == {"items": 40, "chance": 0.25}
+    assert 0 < np.mean(acc) < 1, "the comparison tells right from wrong answers"
 
 
 def test_greedy_flag_is_true_only_when_argmax_yields_the_continuation(tokenizer):

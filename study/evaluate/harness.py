@@ -3,8 +3,8 @@
 `StudyLM` wraps any causal module `model(idx) -> logits` (idx: LongTensor (B, T), logits: (B, T, V)) and a
 `tokenizers.Tokenizer` as an lm-eval model, scoring continuations the way lm-eval's HFLM does. `evaluate_model`
 runs lm-eval on the real hub tasks (`arc_easy`, `hellaswag`, `piqa`; they download their data) or on the small
-tasks shipped in `study/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`; offline, same prompts and
-metrics), and flattens the scores to the MLflow names `eval/<task>/<metric>`.
+tasks shipped in `study/evaluate/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`, `sciq_local`; offline,
+same prompts and metrics), and flattens the scores to the MLflow names `eval/<task>/<metric>`.
 
 CPU recipe:
     evaluate_model(model, "runs/tok/tokenizer.json", ["arc_easy_local", "piqa_local"], limit=20)
