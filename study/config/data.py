@@ -11,13 +11,20 @@ from study.errors import StudyError
 EMBEDDED = "docstrings"
 TRAIN_BPE = "bpe"
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+TOKEN_DTYPES = ("uint16", "uint32")
+# The held-out documents (or token blocks) are drawn with a fixed seed, independent of any run's data seed, so
+# every run of a study validates on the same text.
+VAL_SPLIT_SEED = 20240601
+VAL_BLOCK = 2**16
+"""Tokens per block of a flat token stream that is held out (or kept) whole."""
 
 
 @dataclass
 class DataConfig:
     name: str = EMBEDDED
     """`docstrings` (English docstrings of the Python standard library, built offline) or a Hugging Face dataset:
-    a hub path such as `Skylion007/openwebtext`, a `save_to_disk` directory, or a directory of json/parquet files."""
+    a hub path such as `Skylion007/openwebtext`, a `save_to_disk` directory, or a directory of json/parquet files;
+    with `tokens`, the token corpus's label (e.g. `olmo2-mix`), which names its cache entry and MLflow dataset."""
     config_name: str | None = None
     """Dataset configuration, e.g. `sample-10BT` for `HuggingFaceFW/fineweb-edu`; None for datasets that have one."""
     text_field: str = "text"
@@ -27,9 +34,11 @@ class DataConfig:
     val_split: str = "validation"
     """Split validated on when the dataset has it; otherwise val_fraction of the training documents is held out."""
     val_fraction: float = 0.01
-    """Fraction of documents held out for validation when the dataset has no `val_split` (0 < f < 1)."""
+    """Fraction held out for validation (0 < f < 1): of the documents when the dataset has no `val_split`; of the
+    token stream, in blocks of VAL_BLOCK tokens, when `tokens` is given without `val_tokens`."""
     tokenizer: str = TRAIN_BPE
-    """`bpe` trains a byte-level BPE on the training documents; else a tokenizer.json or transformers tokenizer dir."""
+    """`bpe` trains a byte-level BPE on the training documents; else a tokenizer.json or transformers tokenizer dir
+    (with `tokens`, the one the files were made with: evaluation and export read it, nothing is re-tokenised)."""
     vocab_size: int = 4096
     """Vocabulary size of the trained BPE, `<|endoftext|>` included (only for tokenizer=bpe)."""
     eos_token: str | None = None
@@ -44,7 +53,16 @@ class DataConfig:
     cache_dir: str | None = None
     """Where corpora, tokenizers and token shards are cached; None means $STUDY_CACHE, else ~/.cache/study."""
     num_proc: int | None = None
-    """Threads the tokenizer encodes a chunk with; None uses every core this process may run on."""
+    """Threads the tokenizer encodes a chunk with (or flat token files are scanned with); None uses every core this
+    process may run on."""
+    tokens: list[str] | None = None
+    """Pre-tokenised flat token files instead of documents: `.npy`/`.bin` files or directories of them (searched
+    recursively), in the order given, a directory's files in natural order (`part-2` before `part-10`)."""
+    val_tokens: list[str] | None = None
+    """Flat token files validated on (a release's own validation set), read like `tokens`; None holds out
+    `val_fraction` of the `tokens` stream instead."""
+    token_dtype: str = "uint32"
+    """Id type of the flat token files: `uint32` (OLMo's dolma2 files) or `uint16`; a `.npy` header must agree."""
     chunk_docs: int = 10_000
     """Documents tokenised between two progress records: a killed `study prepare` resumes after the last finished
     chunk (the shards are the same whatever the chunk size)."""
@@ -62,13 +80,19 @@ def tokenize_procs(cfg: DataConfig) -> int:
 
 
 def validate_data(cfg: DataConfig, files: bool = True) -> None:
-    """Reject a bad data config before anything is tokenised or submitted; `files` also checks that local datasets
-    and tokenizers exist (where the data is read, not where a cluster run is planned)."""
-    if not cfg.name:
-        raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
-    if files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
-        raise StudyError("data.name", f"no dataset at {cfg.name}",
-                         f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
+    """Reject a bad data config before anything is tokenised or submitted; `files` also checks that local datasets,
+    token files and tokenizers exist (where the data is read, not where a cluster run is planned)."""
+    if cfg.tokens is not None:
+        _validate_flat(cfg, files)
+    else:
+        if cfg.val_tokens is not None:
+            raise StudyError("data.val_tokens", "validation token files are given without training ones (data.tokens)",
+                             "give the training token files in data.tokens, or drop data.val_tokens")
+        if not cfg.name:
+            raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
+        if files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
+            raise StudyError("data.name", f"no dataset at {cfg.name}",
+                             f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
     if not cfg.text_field:
         raise StudyError("data.text_field", "no text column given", "name the column holding the text, e.g. `text`")
     if cfg.seq_len <= 0:
@@ -80,6 +104,9 @@ def validate_data(cfg: DataConfig, files: bool = True) -> None:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise StudyError(f"data.{name}", f"must be positive, got {value}", "use a value > 0, or null for no limit")
+    if cfg.token_dtype not in TOKEN_DTYPES:
+        raise StudyError("data.token_dtype", f"unknown token id type {cfg.token_dtype!r}",
+                         f"use one of {', '.join(TOKEN_DTYPES)} (OLMo's dolma2 files are uint32)")
     if cfg.tokenizer == TRAIN_BPE:
         if not 257 <= cfg.vocab_size < 2**32:
             raise StudyError("data.vocab_size", "a byte-level BPE needs 256 byte tokens plus EOS, "
@@ -88,6 +115,32 @@ def validate_data(cfg: DataConfig, files: bool = True) -> None:
         raise StudyError("data.tokenizer", f"no tokenizer file or directory at {cfg.tokenizer}",
                          f"use `{TRAIN_BPE}` to train one on the corpus, or give a tokenizer.json or a transformers "
                          "tokenizer directory")
+
+
+def _validate_flat(cfg: DataConfig, files: bool) -> None:
+    """The settings that read pre-tokenised files: a label, the tokenizer that made them, no document caps."""
+    if cfg.name == EMBEDDED or not cfg.name:
+        raise StudyError("data.name", f"{cfg.name or 'nothing'!r} would label the token files of data.tokens",
+                         "name the token corpus, e.g. data.name=olmo2-mix (it names the cache entry and the MLflow "
+                         "dataset)")
+    if cfg.tokenizer == TRAIN_BPE:
+        raise StudyError("data.tokenizer", "a BPE cannot be trained on token files, and evaluation and export need "
+                         "the tokenizer that made them", "give that tokenizer's tokenizer.json or transformers "
+                         "directory, e.g. OLMo-2's dolma2 tokenizer")
+    for name in ("max_docs", "max_bytes"):
+        if getattr(cfg, name) is not None:
+            raise StudyError(f"data.{name}", "token files are not read as documents, so documents cannot be capped",
+                             f"drop data.{name} (training reads only the windows its steps need)")
+    for name in ("tokens", "val_tokens"):
+        entries = getattr(cfg, name)
+        if entries is None:
+            continue
+        if not entries:
+            raise StudyError(f"data.{name}", "is an empty list", "list token files or directories, or set it to null")
+        missing = [e for e in entries if files and not Path(e).expanduser().exists()]
+        if missing:
+            raise StudyError(f"data.{name}", f"no token file or directory at {missing[0]}",
+                             "give existing .npy/.bin files or directories holding them (nothing is downloaded)")
 
 
 def _looks_local(name: str) -> bool:

@@ -51,6 +51,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     "data.seq_len": (KEY, "the training windows"),
     "data.max_docs": (KEY, "the training documents kept"),
     "data.max_bytes": (KEY, "the training documents kept"),
+    "data.tokens": (KEY, "the pre-tokenised files trained on"),
+    "data.val_tokens": (KEY, "the held-out token files: without them a fraction of `tokens` is held out"),
+    "data.token_dtype": (KEY, "how the token files' bytes read as ids"),
     "data.cache_dir": (OUT, "a path"),
     "data.num_proc": (OUT, "tokenising parallelism; the shards are the same"),
     "data.chunk_docs": (OUT, "progress-record cadence of tokenising; the shards are the same"),
@@ -107,6 +110,7 @@ FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
 ADDED = frozenset({"model.layer_heads", "geometry.gw_starts",
+                   "data.tokens", "data.val_tokens", "data.token_dtype",
                    *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends", "reverse"))})
 """Fields added since key schema 3."""
 

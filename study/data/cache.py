@@ -34,6 +34,15 @@ def fingerprint_path(path: Path) -> str:
     return cache_key(stats)
 
 
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a whole file, read 4 MiB at a time."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def file_digest(paths: list[Path]) -> str:
     """Content hash of small files (tokenizer definitions), independent of where they live."""
     h = hashlib.sha256()

@@ -5,12 +5,14 @@ the vocabulary fits, else uint32), the `tokenizer.json` that produced them and `
 SHA-256. Every run of a sweep opens the same files read-only; nothing is tokenised twice. A file is checked
 against its checksum when it is first opened and again whenever its size or modification time changes
 (`.verified` records what was checked); an entry that fails is moved away and built again, saying so.
+
+Pre-tokenised flat token files (`data.tokens`, :mod:`study.data.flat`) are not copied: their entry holds the
+tokenizer and a meta.json of the scanned files, and the splits are read from the files in place.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from study.config.data import TRAIN_BPE, DataConfig, cache_root, validate_data
-from study.data.cache import build_resumable, cache_key, file_lock
+from study.data.cache import build_resumable, cache_key, file_lock, sha256_file
+from study.data.flat import TokenStream, flat_streams, write_flat
 from study.data.sources import Layout, Source, capped, layout, source_key
 from study.data.tokenizer import TokenizerFile, resolve_tokenizer
 from study.errors import StudyError
@@ -35,9 +38,9 @@ SPLITS = ("train", "val")
 
 @dataclass(frozen=True)
 class PreparedData:
-    train: np.memmap
-    """Training token ids, documents joined by EOS."""
-    val: np.memmap
+    train: np.memmap | TokenStream
+    """Training token ids, documents joined by EOS (flat token files: their stream, read in place)."""
+    val: np.memmap | TokenStream
     """Held-out token ids, never seen in training."""
     tokenizer_path: Path
     """The tokenizer.json that produced the shards (a copy kept beside them)."""
@@ -50,15 +53,18 @@ class PreparedData:
     shard_dir: Path
     """Cache directory holding the shards and meta.json."""
     meta: dict[str, Any]
-    """What was tokenised: source, per-split documents/bytes/tokens, tokenisation throughput."""
+    """What was tokenised: source, per-split documents/bytes/tokens, tokenisation throughput (flat token files: the
+    scanned files, per-split tokens, the largest id)."""
 
 
 def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = True, progress: bool = False,
                  after_chunk: Callable[[int], None] | None = None) -> PreparedData:
     """Token shards for `cfg`, tokenised on first use (streaming, resumable: :mod:`study.data.prepare`) and opened
-    from the cache afterwards. `model_vocab`, when given, must cover the tokenizer, checked before any token is
-    written; with `build=False` missing shards are an error naming `study prepare` (commands that only read them);
-    `progress` shows a progress line; `after_chunk(n)` runs after each of the n finished chunks (fault injection)."""
+    from the cache afterwards; flat token files are scanned once instead (:func:`study.data.flat.write_flat`) and
+    read in place. `model_vocab`, when given, must cover the tokenizer, checked before any token is written or
+    scanned; with `build=False` missing shards are an error naming `study prepare` (commands that only read them);
+    `progress` shows a progress line; `after_chunk(n)` runs after each of the n finished chunks, or scanned flat
+    files (fault injection)."""
     from study.data.prepare import write_shards
 
     validate_data(cfg)
@@ -77,19 +83,24 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
                          "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
                          "run's data overrides), or `study launch`, which prepares them")
     check_vocab(tok, model_vocab)
-    if not entry.is_dir():
-        parts()  # the splits and the text column exist, before the build directory is made
-    build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
+    if cfg.tokens is not None:
+        build_fn = lambda tmp: write_flat(tmp, cfg, tok, progress, after_chunk)  # noqa: E731
+        open_fn = lambda: open_flat(entry, cfg)  # noqa: E731
+    else:
+        if not entry.is_dir():
+            parts()  # the splits and the text column exist, before the build directory is made
+        build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
+        open_fn = lambda: open_shards(entry, cfg.seq_len)  # noqa: E731
     build_resumable(entry, build_fn)
     try:
-        return open_shards(entry, cfg.seq_len)
+        return open_fn()
     except BrokenEntry as broken:
         import sys
 
         print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
         discard(entry)
         build_resumable(entry, build_fn)
-        return open_shards(entry, cfg.seq_len)
+        return open_fn()
 
 
 def shard_entry(cfg: DataConfig, documents: str, tok: TokenizerFile) -> Path:
@@ -134,24 +145,16 @@ class BrokenEntry(Exception):
     """A cache entry whose files are missing, unreadable or not what its checksums say."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify(entry: Path) -> dict[str, Any]:
-    """The entry's meta.json, after checking every file whose size or modification time changed since it was last
-    verified against its SHA-256."""
+def verify(entry: Path, names: tuple[str, ...] = CHECKED) -> dict[str, Any]:
+    """The entry's meta.json, after checking every file of `names` whose size or modification time changed since it
+    was last verified against its SHA-256."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
         sums = meta["sha256"]
         stamp_path = entry / ".verified"
         stamp = json.loads(stamp_path.read_text()) if stamp_path.is_file() else {}
         seen = {}
-        for name in CHECKED:
+        for name in names:
             st = (entry / name).stat()
             seen[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
             if stamp.get(name) != seen[name] and sha256_file(entry / name) != sums[name]:
@@ -184,12 +187,28 @@ def open_shards(entry: Path, seq_len: int) -> PreparedData:
     arrays = {name: np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r",
                               shape=(meta["splits"][name]["tokens"],)) for name in SPLITS}
     for name, tokens in arrays.items():
-        if len(tokens) < seq_len + 1:
-            raise StudyError("data.seq_len", f"the {name} split has {len(tokens)} tokens, fewer than one window of "
-                             f"seq_len + 1 = {seq_len + 1}", "lower data.seq_len, or keep more documents "
-                             "(data.max_docs, data.max_bytes, data.val_fraction)")
+        check_windows(name, tokens, seq_len, "data.seq_len",
+                      "lower data.seq_len, or keep more documents (data.max_docs, data.max_bytes, data.val_fraction)")
     return PreparedData(arrays["train"], arrays["val"], entry / "tokenizer.json", meta["vocab_size"],
                         meta["eos_id"], seq_len, entry, meta)
+
+
+def open_flat(entry: Path, cfg: DataConfig) -> PreparedData:
+    """The streams of a flat-token entry, read from the user's files in place."""
+    meta = verify(entry, ("tokenizer.json",))
+    train, val = flat_streams(meta)
+    check_windows("train", train, cfg.seq_len, "data.tokens", "give more tokens, or lower data.seq_len")
+    held_out = "data.val_tokens" if cfg.val_tokens else "data.val_fraction"
+    check_windows("val", val, cfg.seq_len, held_out, f"hold out more tokens ({held_out}), or lower data.seq_len")
+    return PreparedData(train, val, entry / "tokenizer.json", meta["vocab_size"], meta["eos_id"], cfg.seq_len, entry,
+                        meta)
+
+
+def check_windows(split: str, tokens: np.ndarray | TokenStream, seq_len: int, field: str, fix: str) -> None:
+    """A split holds at least one window of seq_len + 1 tokens."""
+    if len(tokens) < seq_len + 1:
+        raise StudyError(field, f"the {split} split has {len(tokens)} tokens, fewer than one window of "
+                         f"seq_len + 1 = {seq_len + 1}", fix)
 
 
 def _slug(name: str) -> str:

@@ -20,14 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from study.config.data import EMBEDDED, DataConfig, cache_root
+from study.config.data import EMBEDDED, VAL_SPLIT_SEED, DataConfig, cache_root
 from study.data.cache import cache_key, fingerprint_path
 from study.data.corpus import build_docstring_corpus
+from study.data.flat import flat_key
 from study.errors import StudyError
 
-# The held-out documents are drawn with a fixed seed, independent of any run's data seed, so every
-# run of a study validates on the same text.
-VAL_SPLIT_SEED = 20240601
 READ_BATCH = 1000
 
 
@@ -61,7 +59,10 @@ class Layout:
 
 
 def source_key(cfg: DataConfig) -> str:
-    """Identity of the documents, known without loading them: name, config, split rule, caps, local file stats."""
+    """Identity of the documents, known without loading them: name, config, split rule, caps, local file stats (flat
+    token files: :func:`study.data.flat.flat_key`)."""
+    if cfg.tokens is not None:
+        return flat_key(cfg)
     local = Path(cfg.name).expanduser()
     stats = fingerprint_path(local) if cfg.name != EMBEDDED and local.exists() else None
     return cache_key(cfg.name, cfg.config_name, cfg.text_field, cfg.train_split, cfg.val_split,
