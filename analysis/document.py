@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
-             published: Sequence[PublishedDelta] = ()) -> list[Block]:
-    """Every block of the report, in reading order."""
+             published: Sequence[PublishedDelta] = (), profile: Sequence[Block] = ()) -> list[Block]:
+    """Every block of the report, in reading order; `profile` is the reference work profile section
+    (analysis.profile_section), empty without a profiled reference."""
     statuses = Counter(a.runs["status"])
     rule = a.rule
     primary = [d for d in a.decisions if d.family == "primary"]
@@ -89,7 +90,7 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
         blocks += _published_blocks(published, a.baseline)
     if a.scaling is not None:
         blocks += [Heading(f"Scaling fits of final {a.scaling.metric}"), *_scaling_blocks(a.scaling)]
-    blocks += _missing(a.runs, unpaired, a.metrics)
+    blocks += [*profile, *_missing(a.runs, unpaired, a.metrics)]
     blocks += [Heading("Figures"), *plots, Heading("Method"),
                Paragraph(_METHOD.format(n_resamples=a.n_resamples, min_n=BOOTSTRAP_MIN_N))]
     return blocks

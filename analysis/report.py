@@ -18,6 +18,7 @@ import pandas as pd
 from analysis import runs as store
 from analysis.decide import Decision, decide
 from analysis.document import document
+from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
 from analysis.published import published_deltas, published_figures
 from analysis.paired import JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
 from analysis.render import Plot, to_html, to_markdown
@@ -33,7 +34,7 @@ HEADLINE = "val/loss"
 REPORT_RUN_NAME = "report"
 """Name of the experiment-level MLflow run that holds the report artifacts."""
 
-_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png")
+_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", PROFILE_FIGURE)
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,16 @@ def build_report(
         for stale in out.glob(pattern):
             stale.unlink()
     plots = _plots(a, out)
+    profile = reference_profile_section(a.runs, a.uri, out)
     unpaired = _unpaired(a.flat)
     published = published_deltas(published_figures(experiment), a.results, a.baseline)
     pd.DataFrame([_csv_row(r) for r in a.flat]).to_csv(out / "pairs.csv", index=False)
     pd.DataFrame([d.to_dict() for d in a.decisions]).to_csv(out / "decisions.csv", index=False)
-    blocks = document(a, unpaired, plots, published)
+    blocks = document(a, unpaired, plots, published, profile.blocks)
     (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(to_html(blocks, f"Report: {experiment}"), encoding="utf-8")
     files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv",
-             out / "decisions.csv"] + [p.path for p in plots]
+             out / "decisions.csv"] + [p.path for p in plots] + profile.files
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
@@ -114,6 +116,7 @@ def build_report(
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
         "published": [p.to_dict() for p in published],
+        "reference_profile": profile.summary,
         "files": [str(f) for f in files], "report_run_id": None,
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")

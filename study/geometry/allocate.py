@@ -17,10 +17,18 @@ network approximates a C^2 function on a d-dimensional manifold with error O(w^(
 rates), so the error exponent is smoothness over dimension with smoothness 2. `exponent="constant"` uses one a for
 all layers instead, which makes w_l proportional to (lambda_l c_l)^(1 / (1 + a)) away from the bound.
 
-The anti control reflects the smoothed work about its midrange, c_l -> max(c) + min(c) - c_l: the busiest layer
-gets the least work and the reverse, while the profile keeps its range, its spacing and so its dynamic range
-(1 / c_l would also reverse the order but blow up near-idle layers and compress busy ones). Exponents and
-sensitivities are kept as measured, so only the direction of the work is reversed.
+The anti control (the geometry schedule's `reverse`) runs against the direction of the allocation it controls: the
+widths are allocated as above, from the same statistic and geometry, and then reflected. With x_l = w_l / u the
+fractions of the uniform width and f the lower bound, the width each layer holds above the bound, e_l = x_l - f,
+is reflected about its midrange and scaled to the same total:
+
+    anti_l = f + s (max e + min e - e_l),   s = sum_l e_l / sum_l (max e + min e - e_l).
+
+The layer that got the most width gets the least and the reverse, in exactly the opposite order; every layer stays
+at or above the bound and the total is the budget. The reflection acts on the widths, not on the work: the widths
+also follow the exponents a_l and the sensitivities lambda_l, which a reflected work profile keeps as measured, so
+reflecting the work alone can leave the schedule's direction unchanged (a front-loaded sensitivity keeps the first
+layers wide) or flatten it to near-uniform (a profile that decays fast reflects into one with little contrast).
 """
 
 from __future__ import annotations
@@ -47,10 +55,21 @@ def smooth_profile(work, method: str = "gaussian", width: float = 1.0) -> np.nda
     return work.copy()
 
 
-def anti_profile(work) -> np.ndarray:
-    """The work reflected about its midrange: same range and spacing, opposite order."""
-    work = np.asarray(work, dtype=np.float64)
-    return work.max() + work.min() - work
+def anti_profile(values) -> np.ndarray:
+    """Values reflected about their midrange, v -> max v + min v - v: same range and spacing, opposite order (the
+    `reverse` operator of study.plan.widths.reflect, on arrays)."""
+    values = np.asarray(values, dtype=np.float64)
+    return values.max() + values.min() - values
+
+
+def reflect_allocation(fractions, w_min: float) -> np.ndarray:
+    """The anti control's widths: each layer's width above the bound `w_min` reflected about its midrange and scaled
+    to the same total, so the order is exactly reversed, the bound holds and the budget is unchanged."""
+    excess = np.asarray(fractions, dtype=np.float64) - w_min
+    mirrored = anti_profile(excess)
+    if not mirrored.sum() > 0:  # every layer sits on its bound: there is no direction to reverse
+        return excess + w_min
+    return w_min + mirrored * (excess.sum() / mirrored.sum())
 
 
 def intrinsic_exponents(intrinsic_dim) -> np.ndarray:
@@ -101,19 +120,19 @@ def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) 
     return widths(log_mu)
 
 
-def profile_cost(profile: dict, cfg: AllocationConfig, anti: bool = False) -> np.ndarray:
-    """c_l for the configured statistic and geometry: smoothed, reflected for the anti control (the geometry
-    schedule's `reverse`)."""
+def profile_cost(profile: dict, cfg: AllocationConfig) -> np.ndarray:
+    """c_l for the configured statistic and geometry, smoothed."""
     work = np.asarray(profile["stats"][cfg.statistic][cfg.geometry], dtype=np.float64)
-    cost = smooth_profile(work, cfg.smoothing, cfg.smoothing_width)
-    return anti_profile(cost) if anti else cost
+    return smooth_profile(work, cfg.smoothing, cfg.smoothing_width)
 
 
 def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig,
                           anti: bool = False) -> list[float]:
-    """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer."""
+    """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer;
+    `anti` (the geometry schedule's `reverse`) reflects them against the allocation's direction
+    (`reflect_allocation`)."""
     layers = int(profile["layers"])
-    cost = profile_cost(profile, cfg, anti)
+    cost = profile_cost(profile, cfg)
     if cfg.exponent == "intrinsic":
         exponents = intrinsic_exponents(profile["intrinsic_dim"])
     else:
@@ -131,6 +150,8 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     # The work was measured on the reference at its uniform width u, so layer l's error is c_l (w / u)^(-a_l):
     # solve for the fractions x = w / u (budget L, bound w_min_fraction), which no choice of unit can change.
     fractions = allocate_widths(cost, float(layers), cfg.w_min_fraction, exponents, weights)
+    if anti:
+        fractions = reflect_allocation(fractions, cfg.w_min_fraction)
     return (uniform_width * fractions).tolist()
 
 

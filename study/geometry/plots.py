@@ -6,8 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from study.config.geometry import STATISTICS
-from study.config.geometry import GEOMETRIES
+from study.config.geometry import GEOMETRIES, STATISTICS
 
 _TITLES = {"shift": "shift", "gw": "metric distortion (GW)", "topo": "topological change (H1 W2)"}
 
@@ -21,31 +20,54 @@ def _pyplot():
     return plt
 
 
-def plot_profile(profile: dict, path: str | Path) -> Path:
-    """Work vs depth for the 9 statistic x geometry combinations, one panel per statistic.
-
-    Each curve is divided by its own mean: raw work is in the states' units and normalised work in radians, so only
-    the shapes are comparable, and the shape (front-loaded or back-loaded) is what the allocation follows.
-    """
-    plt = _pyplot()
+def _draw_geometries(ax, profile: dict, statistic: str) -> None:
+    """One statistic's work per layer in each geometry, each curve divided by its own mean: raw work is in the
+    states' units and normalised work in radians, so only the shapes are comparable, and the shape (front-loaded or
+    back-loaded) is what the allocation follows."""
     layers = np.arange(profile["layers"])
-    fig, axes = plt.subplots(1, len(STATISTICS), figsize=(4.2 * len(STATISTICS), 3.4), sharey=True)
-    for ax, statistic in zip(axes, STATISTICS):
-        for geometry in GEOMETRIES:
-            work = np.asarray(profile["stats"][statistic][geometry], dtype=np.float64)
-            mean = work.mean()
-            ax.plot(layers, work / mean if mean > 0 else work, marker="o", ms=3, label=geometry)
-        ax.set_title(_TITLES[statistic])
-        ax.set_xlabel("layer")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("work / mean over layers")
-    axes[-1].legend(title="geometry")
-    fig.suptitle(f"FFN work profile ({profile['n_tokens']} tokens)")
+    for geometry in GEOMETRIES:
+        work = np.asarray(profile["stats"][statistic][geometry], dtype=np.float64)
+        mean = work.mean()
+        ax.plot(layers, work / mean if mean > 0 else work, marker="o", ms=3, label=geometry)
+    ax.set_xlabel("layer")
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, plt, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_profile(profile: dict, path: str | Path) -> Path:
+    """Work vs depth for the 9 statistic x geometry combinations, one panel per statistic, each curve divided by its
+    mean."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(STATISTICS), figsize=(4.2 * len(STATISTICS), 3.4), sharey=True)
+    for ax, statistic in zip(axes, STATISTICS):
+        _draw_geometries(ax, profile, statistic)
+        ax.set_title(_TITLES[statistic])
+    axes[0].set_ylabel("work / mean over layers")
+    axes[-1].legend(title="geometry")
+    fig.suptitle(f"FFN work profile ({profile['n_tokens']} tokens)")
+    return _save(fig, plt, path)
+
+
+def plot_reference_profiles(profiles: dict[str, dict], statistics: list[str], path: str | Path) -> Path:
+    """One figure for a report: a row per reference profile (keyed by its scale), a panel per statistic, the work per
+    layer in each geometry divided by its mean, so the direction of every curve compares at a glance."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(profiles), len(statistics), figsize=(4.2 * len(statistics), 3.0 * len(profiles)),
+                             squeeze=False, sharey=True)
+    for row, (scale, profile) in zip(axes, profiles.items()):
+        for ax, statistic in zip(row, statistics):
+            _draw_geometries(ax, profile, statistic)
+            ax.set_title(f"{scale}: {_TITLES[statistic]}")
+        row[0].set_ylabel("work / mean over layers")
+    axes[0][-1].legend(title="geometry")
+    return _save(fig, plt, path)
 
 
 def plot_widths(widths_by_schedule: dict[str, list], path: str | Path) -> Path:
@@ -58,8 +80,4 @@ def plot_widths(widths_by_schedule: dict[str, list], path: str | Path) -> Path:
     ax.set_ylabel("FFN width")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, path)

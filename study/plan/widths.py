@@ -8,9 +8,10 @@ With t = l / (L - 1), d_s = start x base and d_e = end x base (base: the uniform
     sigmoid    d(l) = d_e + (d_s - d_e) (s(k (1/2 - t)) - s(-k/2)) / (s(k/2) - s(-k/2)),  s the logistic
     layerwise  d(l) = beta_l d_model, q_l = alpha_l d_model / head_dim in whole KV groups (OpenELM; arXiv 2509.06518)
 
-`reverse` reflects a family about its midrange (m_l -> max m + min m - m_l). The budget matcher
-(`study.plan.budget.solve_ffn`) keeps the shape and solves one scale factor for the FFN widths; heads stay as the
-family sets them.
+`reverse` reflects a family about its midrange (m_l -> max m + min m - m_l); a `geometry` schedule arrives reflected
+from the allocator (the anti control: its widths above their lower bound, study.geometry.allocate.reflect_allocation,
+so the bound and the budget hold). The budget matcher (`study.plan.budget.solve_ffn`) keeps the shape and solves one
+scale factor for the FFN widths; heads stay as the family sets them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""The report's "Reference work profile" section, for an experiment whose scheduled runs take their widths from a
+profiled reference run (study 2).
+
+Each scale's reference run holds its work profile (the MLflow artifact `geometry/profile.json` that `study profile`
+logs); each scheduled run's params say which curve its widths follow (`geometry.statistic`, `geometry.geometry`),
+whether they are reflected against it (`model.ffn.schedule.reverse`, the anti control) and the widths it trained
+(`resolved.ffn_widths`). The section draws every geometry's curve of the statistics in use, normalised so their
+directions compare, and says per scheduled variant which curve it follows and which way it points, so an arm that
+runs the same way as the arm it should oppose shows before its results are read.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from analysis import runs as store
+from analysis.render import Block, Heading, Paragraph, Plot, Table
+from study.config.geometry import GEOMETRIES, STATISTICS
+from study.config.model import LEGACY_KEYS
+from study.geometry.allocate import anti_profile
+from study.geometry.direction import BALANCED, depth_centre, direction
+
+PROFILE_ARTIFACT = "geometry/profile.json"
+"""Where `study profile` logs a reference run's profile (study/geometry/run_profile.py)."""
+
+FIGURE = "reference_profile.png"
+"""The section's figure, beside report.md."""
+
+REFERENCE, SCHEDULED = "reference", "scheduled"
+"""`study.stage` of the profiled reference runs and of the runs whose widths come from a profile."""
+
+REVERSE = "model.ffn.schedule.reverse"
+_LEGACY_REVERSE = next(old for old, new in LEGACY_KEYS.items() if new == REVERSE)
+"""The param runs logged the reverse flag under before the schedule was a mapping (`geometry.anti`)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One scheduled variant at one scale, as its newest run logged it."""
+
+    scale: str
+    variant: str
+    statistic: str
+    """The work statistic its widths follow."""
+    geometry: str
+    """The geometry that statistic is measured in."""
+    reverse: bool
+    """The anti control: widths reflected against the allocation."""
+    widths: list[int] | None
+    """The per-layer FFN widths it trained; None before the run logged them."""
+
+    @property
+    def curve(self) -> str:
+        """`statistic / geometry`, marked when the widths are reflected against it."""
+        return f"{self.statistic} / {self.geometry}" + (", reversed" if self.reverse else "")
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """The section's blocks, the files it wrote and what report.json records of it; empty without a reference."""
+
+    blocks: list[Block]
+    files: list[Path]
+    summary: list[dict]
+
+
+def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> ProfileSection:
+    """The section for the experiment whose training runs are `runs` (analysis.runs.read_runs), its figure written
+    to `out`; no blocks when no reference run was trained."""
+    if "stage" not in runs.columns or not (runs["stage"] == REFERENCE).any():
+        return ProfileSection([], [], [])
+    client = store.client(uri)
+    profiles = _reference_profiles(client, runs)
+    arms = _arms(client, runs)
+    blocks: list[Block] = [Heading("Reference work profile"), Paragraph(_INTRO)]
+    missing = sorted(set(runs.loc[runs["stage"] == REFERENCE, "scale"]) - set(profiles), key=_scale_key(runs))
+    if missing:
+        blocks.append(Paragraph(f"No profile on the reference run of {', '.join(missing)} yet ({PROFILE_ARTIFACT} "
+                                "is logged by `study profile RUN_KEY`, which `study launch` runs after the reference "
+                                "trains)."))
+    if not profiles:
+        return ProfileSection(blocks, [], [])
+    from study.geometry.plots import plot_reference_profiles
+
+    statistics = [s for s in STATISTICS if any(a.statistic == s for a in arms)] or list(STATISTICS)
+    path = plot_reference_profiles(profiles, statistics, out / FIGURE)
+    blocks.append(Plot(path, "Work per layer of each reference run in each geometry, each curve divided by its mean "
+                             "over layers (only the shape, the direction, compares)"))
+    curves = [[scale, statistic, *(_described(profile["stats"][statistic][g]) for g in GEOMETRIES)]
+              for scale, profile in profiles.items() for statistic in statistics]
+    blocks.append(Table(["scale", "statistic", *GEOMETRIES], curves))
+    summary = []
+    rows = []
+    for arm in arms:
+        profile = profiles.get(arm.scale)
+        if profile is None:
+            continue
+        work = profile["stats"][arm.statistic][arm.geometry]
+        followed = anti_profile(work) if arm.reverse else work
+        trained = _described(arm.widths) if arm.widths else "not logged yet"
+        rows.append([arm.scale, arm.variant, arm.curve, _described(followed), trained])
+        summary.append({"scale": arm.scale, "variant": arm.variant, "statistic": arm.statistic,
+                        "geometry": arm.geometry, "reverse": arm.reverse, "direction": direction(followed),
+                        "centre": depth_centre(followed),
+                        "widths_direction": direction(arm.widths) if arm.widths else None})
+    if rows:
+        blocks += [Paragraph("Each scheduled variant follows one curve; a reversed one (the anti control) has its "
+                             "widths reflected against the allocation, so it points the other way."),
+                   Table(["scale", "variant", "follows", "direction of the curve it follows", "trained widths"],
+                         rows)]
+    else:
+        blocks.append(Paragraph("No scheduled run has logged its schedule yet."))
+    return ProfileSection(blocks, [path], summary)
+
+
+def _reference_profiles(client, runs: pd.DataFrame) -> dict[str, dict]:
+    """scale -> the profile of that scale's newest reference run that has one, smallest scale first."""
+    out: dict[str, dict] = {}
+    refs = runs[runs["stage"] == REFERENCE].sort_values("start_time", ascending=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in refs.itertuples():
+            if row.scale in out:
+                continue
+            folder = PROFILE_ARTIFACT.rsplit("/", 1)[0]
+            if PROFILE_ARTIFACT not in {a.path for a in client.list_artifacts(row.run_id, folder)}:
+                continue
+            dst = Path(tmp) / row.run_id
+            dst.mkdir()
+            out[row.scale] = json.loads(Path(client.download_artifacts(row.run_id, PROFILE_ARTIFACT, str(dst)))
+                                        .read_text())
+    order = _scale_key(runs)
+    return dict(sorted(out.items(), key=lambda item: order(item[0])))
+
+
+def _arms(client, runs: pd.DataFrame) -> list[Arm]:
+    """The newest run of each scheduled (scale, variant), read back from its params."""
+    newest = (runs[runs["stage"] == SCHEDULED].sort_values("start_time", ascending=False)
+              .drop_duplicates(["scale", "variant"]))
+    order = _scale_key(runs)
+    arms = []
+    for row in sorted(newest.itertuples(), key=lambda r: (order(r.scale), r.variant)):
+        params = client.get_run(row.run_id).data.params
+        widths = params.get("resolved.ffn_widths")
+        arms.append(Arm(row.scale, row.variant, params["geometry.statistic"], params["geometry.geometry"],
+                        params.get(REVERSE, params.get(_LEGACY_REVERSE, "false")) == "true",
+                        json.loads(widths) if widths not in (None, "null") else None))
+    return arms
+
+
+def _scale_key(runs: pd.DataFrame):
+    order = store.scale_order(runs)
+    return lambda scale: order.index(scale) if scale in order else len(order)
+
+
+def _described(values) -> str:
+    return f"{direction(values)} (centre at {depth_centre(values):.0%} of depth)"
+
+
+_INTRO = (
+    "The uniform reference run of each scale was profiled: the geometric work each FFN does on the token cloud, per "
+    "layer, for each statistic and geometry (raw: Euclidean on the states; spherical and hyperbolic: on unit-"
+    "normalised states). Raw work tends to track the residual norm and rise with depth while normalised work tends "
+    "to be front-loaded, so the geometry an arm follows can set its direction. A curve's direction is where its "
+    "work above its minimum sits along depth, its centre from 0% (first layer) to 100% (last): front-loaded "
+    f"below 50%, back-loaded above, balanced within {BALANCED:.0%} of depth of the middle."
+)
