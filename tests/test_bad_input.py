@@ -115,7 +115,7 @@ CASES = [
     (["plan", "demo", "train.lr=inf"], "train.lr"),
     (["plan", "demo", "train.eps=-1"], "train.eps"),
     (["plan", "demo", "train.eps=0"], "train.eps"),
-    (["plan", "demo", "train.global_batch=10"], "train.global_batch"),
+    (["plan", "demo", "train.global_batch=9", "cluster.tasks_per_node=2"], "train.global_batch"),
     (["plan", "demo", "train.gpu_peak_tflops=0"], "train.gpu_peak_tflops"),
     (["plan", "demo", "train.assumed_mfu=0"], "train.assumed_mfu"),
     (["plan", "demo", "train.assumed_mfu=1.5"], "train.assumed_mfu"),

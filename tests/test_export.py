@@ -13,7 +13,7 @@ import torch
 
 from conftest import TINY
 from study.cli import main
-from study.config.model import FFNConfig, ModelConfig
+from study.config.model import FFNConfig, ModelConfig, RopeScaling
 from study.evaluate.locate import load_trained_model
 from study.export import hf, load
 from study.models.transformer import build_model
@@ -49,6 +49,8 @@ def tokens(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [
     dict(n_kv_heads=2, head_dim=12, tie_embeddings=True),  # GQA, head_dim != d_model / n_heads, tied head
     dict(rope_theta=1234.0, norm_eps=1e-3, widths=[96, 93]),  # non-default base and eps; matcher leftover padded
+    # Llama 3's frequency scaling, its original context inside the 32 positions compared
+    dict(rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=16)),
 ])
 def test_the_library_mapping_gives_transformers_the_same_logits_for_each_shape_detail(block, shape, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -211,9 +213,9 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(runs, capsys):
     assert not spec.run_dir.export.exists() and not untrained.run_dir.export.exists()
     assert export(root, spec) == 0 and export(root, spec) == 2  # the default <run dir>/export, once
     assert "--force" in capsys.readouterr().err
-    (spec.run_dir.export / "stale.txt").write_text("from an earlier export")
-    assert export(root, spec, "--force") == 0  # replaced whole
-    assert not (spec.run_dir.export / "stale.txt").exists() and (spec.run_dir.export / "config.json").is_file()
+    (spec.run_dir.export / "notes.txt").write_text("the user's own")
+    assert export(root, spec, "--force") == 0  # the earlier export's files replaced, never other files
+    assert (spec.run_dir.export / "notes.txt").is_file() and (spec.run_dir.export / "config.json").is_file()
 
 
 @pytest.mark.distributed

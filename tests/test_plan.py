@@ -48,9 +48,13 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
             ref = conventional[(r["scale"], r["seed"])]
             assert (m["n_layers"], m["d_model"], m["n_heads"]) == (ref["n_layers"], ref["d_model"], ref["n_heads"])
             assert m["ffn"]["k"] == 8 and d_h < m["d_model"]
-        elif r["variant"] == "hourglass_attn":
+        elif r["variant"] == "hourglass_attn" and r["scale"] == "113M":  # the v1 paper's best 113M proportions
             assert m["ffn"]["k"] == 4 and 0.38 <= d_h / m["d_model"] <= 0.45 and m["head_dim"] == 64
             assert 100 <= r["d_model_per_layer"] <= 250 and r["params"]["attention"] > r["params"]["ffn"]
+        elif r["variant"] == "hourglass_attn":  # above 113M, the release's: attention within d_model, d_h 0.8-0.9
+            assert m["ffn"]["k"] == 4 and 0.8 <= d_h / m["d_model"] <= 0.9 and m["head_dim"] == 64
+            assert 100 <= r["d_model_per_layer"] <= 250 and m["n_heads"] * 64 <= m["d_model"]
+            assert r["params"]["ffn"] > 0.7 * r["params"]["counted"]
         elif r["variant"] == "hourglass_depth":
             assert m["ffn"]["k"] == 4 and 0.35 <= d_h / m["d_model"] <= 0.45
     attn = next(r for r in runs if r["variant"] == "hourglass_attn" and r["scale"] == "113M")

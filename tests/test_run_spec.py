@@ -158,9 +158,11 @@ def test_hydra_grammar_sets_and_resets_fields():
 
 
 def test_an_adhoc_run_is_named_after_its_presets():
-    spec = plan_adhoc(["scale=113M", "model=hourglass", "seed=5"])
-    assert spec.name == "hourglass-113M-s5" and spec.model.d_model == 768 and spec.config.seed == 5
-    assert spec.model.ffn.kind == "hourglass" and abs(spec.mismatch) <= 1e-5
+    spec = plan_adhoc(["scale=113M", "model=hourglass_depth", "seed=5"])
+    assert spec.name == "hourglass_depth-113M-s5" and spec.model.d_model == 768 and spec.config.seed == 5
+    assert spec.model.ffn.kind == "hourglass" and abs(spec.mismatch) <= 1e-5 and spec.model.n_layers == 22
+    width = plan_adhoc(["scale=113M", "model=hourglass", "model.n_layers=6"])  # attention kept, d_model solved
+    assert (width.model.d_model, width.model.n_heads * width.model.dim_head) == (1248, 768)
 
 
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):

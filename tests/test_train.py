@@ -77,11 +77,11 @@ def test_paired_runs_of_two_variants_see_identical_batches(workdir):
     assert a.key != b.key
     data = prepare_data(a.config.data)
     d = Dist(0, 1, 0, "cpu")
-    with batch_stream(a.config, data, d, 3) as sa, batch_stream(b.config, data, d, 3) as sb:
+    with batch_stream(a, data, d, 3) as sa, batch_stream(b, data, d, 3) as sb:
         for _ in range(3):
             (xa, ya), (xb, yb) = next(sa)[0], next(sb)[0]
             assert xa.equal(xb) and ya.equal(yb)
-    with batch_stream(cfg_for("seed=1").config, data, d, 3) as sc, batch_stream(a.config, data, d, 3) as sa:
+    with batch_stream(cfg_for("seed=1"), data, d, 3) as sc, batch_stream(a, data, d, 3) as sa:
         assert not next(sc)[0][0].equal(next(sa)[0][0])
 
 

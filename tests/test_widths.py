@@ -158,16 +158,16 @@ def test_the_widths_experiment_plans_every_family_and_shows_widths_and_heads(cap
 
 
 def test_the_old_string_form_and_fields_keep_their_keys():
-    """Keys pinned before the schedule was a mapping (key schema 3, this repository before the change): the old
-    fields and their new places give the same run."""
+    """Keys pinned under key schema 4: the fields under their old names (before the schedule was a mapping) and in
+    their new places give the same run."""
     pinned = {
-        ("model=tapered", "model.ffn.cosine_start=2.0"): ("model.ffn.schedule.start=2.0", "9119f5d02f03"),
+        ("model=tapered", "model.ffn.cosine_start=2.0"): ("model.ffn.schedule.start=2.0", "426ee52aaf44"),
         ("model=tapered", "model.ffn.cosine_end=0.25", "model.ffn.multiple_of=8"):
-            ("model.ffn.schedule.end=0.25", "827efccf07d5"),
-        ("model=uniform", "model.ffn.cosine_start=3.0"): ("model.ffn.schedule.start=3.0", "6b840803dd2a"),
-        ("model.ffn.schedule=cosine",): ("model.ffn.schedule={family: cosine}", "bf8ed27c5727"),
+            ("model.ffn.schedule.end=0.25", "f721761d045d"),
+        ("model=uniform", "model.ffn.cosine_start=3.0"): ("model.ffn.schedule.start=3.0", "b18e152a6420"),
+        ("model.ffn.schedule=cosine",): ("model.ffn.schedule={family: cosine}", "8d7f4843591d"),
         ("model.ffn.schedule=explicit", "model.ffn.widths=[100,200,300,400]"):
-            ("model.ffn.schedule.family=explicit", "fe12653190ae"),
+            ("model.ffn.schedule.family=explicit", "7eaf9e79e97b"),
     }
     for legacy, (new, key) in pinned.items():
         a = plan_adhoc(["scale=tiny", *legacy])
@@ -182,20 +182,23 @@ def test_the_old_string_form_and_fields_keep_their_keys():
         plan_adhoc(["scale=tiny", "model.ffn.schedule=sigmoid"]).key
 
 
-@pytest.mark.parametrize("name,experiment", [("spec_v3_tapered.json", "demo"), ("spec_v3_anti.json", "geometry")])
-def test_a_run_spec_written_before_the_schedule_was_a_mapping_reads_as_the_same_run(name, experiment):
-    """run.json files written by the previous version (a string schedule, cosine_start/cosine_end, geometry.anti):
-    read as the run this version plans for the same experiment, same key and same model."""
+@pytest.mark.parametrize("name", ["spec_v3_tapered.json", "spec_v3_anti.json"])
+def test_a_run_spec_of_key_schema_3_is_refused_by_name_and_its_config_still_upgrades(name):
+    """run.json files of key schema 3 (a string schedule, cosine_start/cosine_end, geometry.anti) trained with a
+    per-arm init and recipe: read_spec names both schemas instead of resuming them as schema-4 runs; the config they
+    hold still reads in the current shape (users' files keep the legacy form)."""
     from conftest import ROOT
+    from study.config.model import upgrade_legacy
     from study.config.spec import read_spec
 
-    spec = read_spec(ROOT / "tests" / "golden" / name)
+    with pytest.raises(StudyError) as err:
+        read_spec(ROOT / "tests" / "golden" / name)
+    assert err.value.field == "run spec" and "key schema 3" in err.value.problem and "uses 4" in err.value.problem
     raw = json.loads((ROOT / "tests" / "golden" / name).read_text())["config"]
-    assert spec.model.ffn.schedule.family == raw["model"]["ffn"]["schedule"]
-    assert spec.model.ffn.schedule.start == raw["model"]["ffn"]["cosine_start"]
-    assert spec.model.ffn.schedule.reverse == raw["geometry"]["anti"]
-    planned = next(r for r in plan_experiment(experiment).runs if r.name == spec.name)
-    assert planned.key == spec.key and planned.model == spec.model
+    upgraded = upgrade_legacy(raw)["model"]["ffn"]["schedule"]
+    assert upgraded["family"] == raw["model"]["ffn"]["schedule"]
+    assert upgraded["start"] == raw["model"]["ffn"]["cosine_start"]
+    assert upgraded.get("reverse", False) == raw["geometry"]["anti"]
 
 
 @pytest.mark.parametrize("override,field", [

@@ -20,10 +20,12 @@ from typing import Any
 from study.config.model import FAMILIES
 from study.config.run import RunConfig, leaves
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
 in a clear error instead of being resumed or matched. Raised whenever what a hashed field means changes (3: the
-`non_embedding` budget counts norm gains)."""
+`non_embedding` budget counts norm gains; 4: one init rule and one recipe per comparison: llama blocks start every
+matrix at N(0, init_std) with no depth scaling by the arm's own L and K, and steps and the peak LR come from the
+scale's budget instead of each arm's own count)."""
 
 KEY, OUT, SCHEDULED = "key", "out", "scheduled"
 
@@ -64,6 +66,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.tokens_per_param": (KEY, "the training length when max_steps is 0"),
     "train.lr": (KEY, "the optimizer"),
     "train.min_lr_ratio": (KEY, "the LR schedule"),
+    "train.final_lr": (KEY, "the LR schedule"),
+    "train.qk_norm_decay": (KEY, "the optimizer"),
     "train.warmup_steps": (KEY, "the LR schedule"),
     "train.lr_schedule": (KEY, "the LR schedule"),
     "train.decay_fraction": (KEY, "the LR schedule"),
@@ -109,7 +113,10 @@ SCHEDULE = "model.ffn.schedule."
 FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
-ADDED = frozenset({"model.layer_heads", "geometry.gw_starts",
+ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "model.init", "model.init_depth", "model.qk_norm",
+                   "train.final_lr", "train.qk_norm_decay",
+                   *("model.rope_scaling." + f for f in ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_seq_len")),
                    "data.tokens", "data.val_tokens", "data.token_dtype",
                    *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends", "reverse"))})
 """Fields added since key schema 3."""
@@ -123,7 +130,7 @@ def _defaults() -> dict[str, Any]:
 def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[str, bool]:
     """(name, hashed?) of a field on the key's side, under the frozen key schema.
 
-    The key schema is frozen (SCHEMA_VERSION 3: every existing run keeps its key), so a field added since enters the
+    The key schema is frozen (within a SCHEMA_VERSION every existing run keeps its key), so a field added since enters the
     key only when it can change the trained model: when it differs from its default (a run that leaves it there hashes
     exactly what it did before), and, for a width-schedule parameter, when the run's family reads it (`FAMILIES`: a
     parameter of another family cannot change this model, so it must not make a second key for it). A field moved

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 BLOCKS = ("llama", "olmo2")
 FFN_KINDS = ("swiglu", "hourglass")
+INITS = ("normal", "olmo2", "depth_scaled")
+"""Weight-init rules (`ModelConfig.init`): every one is the same for every arm of a comparison."""
 FAMILIES: dict[str, tuple[str, ...]] = {
     "uniform": (),
     "explicit": ("reverse",),
@@ -56,6 +58,23 @@ class WidthSchedule:
 
 
 @dataclass
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (transformers `_compute_llama3_parameters`): wavelengths longer than
+    original_max_seq_len / low_freq_factor are divided by `factor`, those shorter than original_max_seq_len /
+    high_freq_factor kept, and those between interpolated smoothly. Llama 3.2 and the hourglass release: factor 32,
+    low 1, high 4, original context 8192."""
+
+    factor: float = 0.0
+    """Frequency division for the longest wavelengths; 0 turns scaling off (plain RoPE)."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_seq_len / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_seq_len / high_freq_factor are kept."""
+    original_max_seq_len: int = 8192
+    """The context length the unscaled frequencies were trained for."""
+
+
+@dataclass
 class FFNConfig:
     kind: str = "swiglu"
     """`swiglu`: one wide SwiGLU MLP per layer; `hourglass`: K residual narrow SwiGLU sub-MLPs (d_model -> d_h -> d_model)."""
@@ -87,7 +106,8 @@ class FFNConfig:
 @dataclass
 class ModelConfig:
     block: str = "llama"
-    """`llama` (pre-norm) or `olmo2` (norm after each sublayer's output, QK-norm, eps 1e-6, rope_theta 500k, trunc-normal init)."""
+    """`llama` (pre-norm) or `olmo2` (norm after each sublayer's output; by default QK-norm, eps 1e-6, rope_theta
+    500k, trunc-normal init)."""
     d_model: int = 128
     """Width of the residual stream."""
     n_layers: int = 4
@@ -113,7 +133,21 @@ class ModelConfig:
     rope_theta: float = 0.0
     """RoPE base; 0 means the block's default (llama 10,000, olmo2 500,000)."""
     init_std: float = 0.02
-    """Standard deviation of the weight init (olmo2: truncated at 3 sigma, no depth scaling)."""
+    """Standard deviation of the weight init."""
+    init: str = ""
+    """Weight-init rule, the same for every arm of a comparison: `normal`, every matrix N(0, init_std) (the hourglass
+    authors' release: Megatron with its scaled output init removed); `olmo2`, truncated normal at +-3 init_std
+    (OLMo-core); `depth_scaled`, the GPT-2 rule as an explicit choice: output projections (`wo`, `wu`) at
+    init_std / sqrt(2 init_depth), a factor that depends on no arm's own shape. Empty means the block's rule: llama
+    `normal`, olmo2 `olmo2`."""
+    init_depth: int = 0
+    """`depth_scaled`: the depth L whose 2 L residual additions scale the output projections; 0 means the scale's
+    reference model's depth, which the planner writes in, so every arm of a comparison shares it."""
+    qk_norm: bool | None = None
+    """RMSNorm over the full q and k projections before RoPE (OLMo-2; the hourglass release uses it on llama blocks
+    too); None means the block's default (olmo2 on, llama off)."""
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling())
+    """Llama-3 RoPE frequency scaling (off unless `factor` > 0)."""
     ffn: FFNConfig = field(default_factory=FFNConfig)
     """The feed-forward sublayer and its per-layer widths."""
 
@@ -145,8 +179,12 @@ class ModelConfig:
         return self.rope_theta or (500_000.0 if self.block == "olmo2" else 10_000.0)
 
     @property
-    def qk_norm(self) -> bool:
-        return self.block == "olmo2"
+    def has_qk_norm(self) -> bool:
+        return self.block == "olmo2" if self.qk_norm is None else bool(self.qk_norm)
+
+    @property
+    def init_rule(self) -> str:
+        return self.init or ("olmo2" if self.block == "olmo2" else "normal")
 
     @property
     def hourglass_on_stream(self) -> bool:

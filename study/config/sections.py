@@ -11,20 +11,25 @@ from dataclasses import dataclass, field
 @dataclass
 class TrainConfig:
     micro_batch: int = 8
-    """Sequences per rank per forward/backward."""
+    """Most sequences per rank per forward/backward (a memory setting: the planner splits the global batch into the
+    largest micro batch up to this that divides each rank's share)."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step; global batch = micro_batch * grad_accum * world size."""
+    """With global_batch 0: the global batch is micro_batch * grad_accum sequences, split over however many ranks run."""
     global_batch: int = 0
-    """When > 0, fixes the global batch in sequences and derives grad_accum from the world size (paired runs then see
-    the same batches whatever their resources)."""
+    """When > 0, the global batch in sequences (paired runs see the same batches whatever their resources)."""
     max_steps: int = 0
-    """Optimizer steps; 0 derives them from tokens_per_param."""
+    """Optimizer steps (a fixed iteration count, as a release states it); 0 derives them from tokens_per_param and
+    the scale's budget, the same for every arm."""
     tokens_per_param: float = 20.0
-    """Training tokens per counted parameter when max_steps is 0 (Chinchilla, Hoffmann et al. 2022: about 20)."""
+    """Training tokens per parameter of the scale's budget when max_steps is 0 (Chinchilla, Hoffmann et al. 2022:
+    about 20)."""
     lr: float = 0.0
-    """Peak learning rate; 0 applies the OLMo model-ladder rule lr = 0.0047 * (N / 108e6) ** (-1/3)."""
+    """Peak learning rate; 0 applies the OLMo model-ladder rule lr = 0.0047 * (N / 108e6) ** (-1/3) at the scale's
+    budget N (the same for every arm)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """Final learning rate as a fraction of the peak, unless final_lr sets it."""
+    final_lr: float = 0.0
+    """Absolute final learning rate (the hourglass release: 6e-5); 0 means min_lr_ratio x the peak."""
     warmup_steps: int = 0
     """Linear warm-up steps; 0 means 2 % of max_steps (at least 1)."""
     lr_schedule: str = "cosine"
@@ -32,7 +37,10 @@ class TrainConfig:
     decay_fraction: float = 0.2
     """WSD: share of steps spent decaying."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices only (never on norms or embeddings)."""
+    """AdamW decoupled weight decay on matrices only (never on embeddings; on norms only as qk_norm_decay says)."""
+    qk_norm_decay: bool = False
+    """Weight decay on the QK-norm gains too (Megatron's apply_wd_to_qk_layernorm, which the hourglass release sets);
+    other norm gains never decay."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -71,7 +79,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     tasks: list[str] = field(default_factory=lambda: ["arc_easy", "hellaswag", "piqa"])
-    """lm-eval task names; the shipped offline tasks are arc_easy_local, hellaswag_local, piqa_local."""
+    """lm-eval task names; the shipped offline tasks are arc_easy_local, hellaswag_local, piqa_local, sciq_local."""
     after_train: bool = False
     """Evaluate the final checkpoint at the end of training."""
     limit: int = 0

@@ -17,6 +17,7 @@ from typing import Any
 
 from study.config.identity import SCHEMA_VERSION
 from study.config.model import upgrade_legacy
+from study.config.recipe import Recipe
 from study.config.run import RunConfig
 from study.errors import StudyError
 from study.schema import RunDir
@@ -48,6 +49,9 @@ class RunSpec:
     """Why the widths are not known yet (the stage that will produce them)."""
     reference_total: int | None = None
     """Every parameter, embeddings included, of the scale's reference model (for the mismatch of the total)."""
+    recipe: Recipe | None = None
+    """The resolved training recipe (batch, steps, tokens, LR schedule), the same for every arm of a comparison;
+    the job reads it and never recomputes it."""
     schema: int = SCHEMA_VERSION
     """Key and spec schema version."""
 
@@ -83,11 +87,14 @@ class RunSpec:
         return (self.params["total"] - self.reference_total) / self.reference_total
 
     def tokens(self) -> int:
-        t = self.config.train
-        seqs = t.global_batch or t.micro_batch * t.grad_accum
-        if t.max_steps:
-            return t.max_steps * seqs * self.config.data.seq_len
-        return 0 if self.params is None else int(t.tokens_per_param * self.params["counted"])
+        return self.planned.tokens
+
+    @property
+    def planned(self) -> Recipe:
+        if self.recipe is None:
+            raise StudyError("run spec", f"run {self.key} has no resolved recipe",
+                             "plan and launch the run again (study launch EXPERIMENT) to rewrite its spec")
+        return self.recipe
 
     def gpu_hours(self) -> float | None:
         """Estimated GPU-hours at the assumed MFU (an estimate: never part of the key)."""

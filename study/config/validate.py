@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict
 
 from study.config.data import validate_data
+from study.config.recipe import batch_layout
 from study.config.run import RunConfig, leaves
 from study.errors import StudyError
 
@@ -24,7 +25,7 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "tra
             "cluster.time_min", "cluster.array_parallelism", "tracking.batch_points", "tracking.max_buffer",
             "tracking.flush_interval_s", "tracking.retry_initial_s", "tracking.retry_max_s",
             "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s")
-NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
+NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
                 "cluster.signal_delay_s", "cluster.mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
@@ -65,10 +66,8 @@ def _check_cluster(cfg: RunConfig) -> None:
                          "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
     t = cfg.train
     world = c.nodes * (c.gpus_per_node or c.tasks_per_node)
-    if t.global_batch and t.global_batch % (t.micro_batch * world):
-        raise StudyError("train.global_batch", f"{t.global_batch} sequences do not split into {world} ranks of "
-                         f"micro batches of {t.micro_batch}",
-                         f"use a multiple of micro_batch x ranks = {t.micro_batch * world}")
+    batch_layout(t.global_batch or t.micro_batch * t.grad_accum, t.micro_batch, world,
+                 "train.global_batch" if t.global_batch else "train.grad_accum")
 
 
 def _check_tracking(cfg: RunConfig) -> None:
@@ -79,9 +78,11 @@ def _check_tracking(cfg: RunConfig) -> None:
     if scheme not in URI_SCHEMES:
         raise StudyError("tracking.uri", f"scheme {scheme!r} is not a tracking store MLflow can open",
                          f"use one of {', '.join(s + '://' for s in URI_SCHEMES)} (or leave it empty)")
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@", uri):
-        raise StudyError("tracking.uri", "holds a password, which would be written to every run's config",
-                         "put credentials in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead")
+    # a password, or over HTTP a userinfo alone (`https://TOKEN@host`): jobs read the config masked
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@|^https?://[^/@]+@", uri):
+        raise StudyError("tracking.uri", "holds a password or token, which would be written to every run's config",
+                         "put credentials in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                         "MLFLOW_TRACKING_TOKEN) instead")
 
 
 def _check_eval(cfg: RunConfig) -> None:
@@ -114,6 +115,9 @@ def validate_run(cfg: RunConfig) -> None:
     t = cfg.train
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise StudyError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+    if t.lr and t.final_lr > t.lr:
+        raise StudyError("train.final_lr", f"{t.final_lr} is above the peak train.lr {t.lr}",
+                         "use a final LR at or below the peak (the hourglass release: 6e-5)")
     if not (0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0):
         raise StudyError("train.beta1", "AdamW betas must lie in [0, 1)", "use e.g. beta1=0.9 beta2=0.95")
     if not 0.0 < t.decay_fraction <= 1.0:

@@ -37,6 +37,8 @@ def hf_unsupported(cfg: ModelConfig) -> str | None:
         return f"attention heads that differ per layer ({cfg.layer_heads})"
     if cfg.block not in ARCHITECTURES:
         return f"the {cfg.block} block"
+    if cfg.has_qk_norm != (cfg.block == "olmo2"):
+        return f"a {cfg.block} block {'with' if cfg.has_qk_norm else 'without'} QK-norm"
     return None
 
 
@@ -50,6 +52,15 @@ def padded_units(cfg: ModelConfig) -> dict[int, int]:
     W_u[:, j] * SiLU(0) * 0 = 0, so the padded FFN computes the same function."""
     widest = max(cfg.ffn.widths)
     return {layer: widest - w for layer, w in enumerate(cfg.ffn.widths) if w < widest}
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' RoPE description of the model: plain, or Llama 3's frequency scaling."""
+    s = cfg.rope_scaling
+    if s.factor <= 0:
+        return {"rope_type": "default", "rope_theta": cfg.theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.theta, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
 
 
 def hf_config(cfg: ModelConfig, eos_id: int, dtype: str) -> PretrainedConfig:
@@ -69,7 +80,7 @@ def hf_config(cfg: ModelConfig, eos_id: int, dtype: str) -> PretrainedConfig:
         # our RoPE tables end here; transformers would extrapolate past it, the trained model never saw further
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.theta},
+        rope_parameters=rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         initializer_range=cfg.init_std,
@@ -146,5 +157,8 @@ def save_pretrained(model: torch.nn.Module, out: str | Path, eos_id: int, dtype:
     # without them it would silently use its default base (10,000, wrong for olmo2's 500,000)
     path = out / "config.json"
     written = json.loads(path.read_text()) | {"rope_theta": model.cfg.theta, "torch_dtype": dtype}
+    rope = rope_parameters(model.cfg)
+    if rope["rope_type"] != "default":
+        written["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     save_file(hf_state_dict(model, getattr(torch, dtype)), str(out / "model.safetensors"), metadata={"format": "pt"})

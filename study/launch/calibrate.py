@@ -22,6 +22,7 @@ from study.errors import StudyError
 from study.plan.planner import plan_experiment
 from study.plan.throughput import (CALIBRATION_EXPERIMENT, MFU, PER_DEVICE, TAG_CLUSTER, TAG_SHAPE, TOKENS_PER_S,
                                    devices, measured, shape_key)
+from study.plan.recipe import resolve_recipe
 from study.schema import RunDir
 
 WARMUP_FRACTION = 0.25
@@ -48,7 +49,7 @@ def calibration_specs(experiment: str, overrides: list[str], steps: int) -> list
         name = f"{cfg.variant}-{cfg.scale}-{cfg.cluster.name}"
         rdir = RunDir.of(cfg.paths.runs, CALIBRATION_EXPERIMENT, f"{key}-{cfg.cluster.name}")
         out.append(replace(run, key=f"{key}-{cfg.cluster.name}", name=name, config=config, dir=str(rdir.path),
-                           depends_on=[]))
+                           depends_on=[], recipe=resolve_recipe(config, run.budget)))
     return out
 
 

@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from study.config.model import ModelConfig
+from study.config.model import ModelConfig, RopeScaling
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) for the rotate-half RoPE convention (as in LLaMA)."""
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3's frequency scaling (transformers `_compute_llama3_parameters`): long wavelengths divided by
+    `factor`, short ones kept, those between blended by where the original context sits between them."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, blended, scaled)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) for the rotate-half RoPE convention (as in LLaMA), with Llama 3's
+    frequency scaling when `scaling.factor` > 0."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None and scaling.factor > 0:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -38,8 +57,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, cfg.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(q_dim, eps=cfg.eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(kv_dim, eps=cfg.eps) if cfg.qk_norm else None
+        self.q_norm = nn.RMSNorm(q_dim, eps=cfg.eps) if cfg.has_qk_norm else None
+        self.k_norm = nn.RMSNorm(kv_dim, eps=cfg.eps) if cfg.has_qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

@@ -1,7 +1,8 @@
 """The decoder-only transformer of both studies.
 
     llama block:  h = x + Attn(RMSNorm(x));  out = h + FFN(RMSNorm(h))
-    olmo2 block:  h = x + RMSNorm(Attn(x));  out = h + RMSNorm(FFN(h))      (plus QK-norm inside Attn)
+    olmo2 block:  h = x + RMSNorm(Attn(x));  out = h + RMSNorm(FFN(h))      (plus QK-norm inside Attn, which
+                                                                             `qk_norm` also gives a llama block)
     logits = LMHead(RMSNorm(out_L))
 
 FFN is SwiGLU (width d_ff[l]) or hourglass (K residual sub-MLPs of width d_h). Every block's FFN width comes from
@@ -73,7 +74,7 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta, scaling=cfg.rope_scaling)
         # Non-persistent: derived from the config, so neither counted as parameters nor checkpointed.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -91,29 +92,38 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise every parameter and buffer from `seed` (the same seed gives the same weights on any device).
-
-        llama: N(0, 0.02), output projections of residual branches scaled by 1/sqrt(number of residual additions)
-        (GPT-2); olmo2: trunc_normal(0, 0.02, +-3 sigma) everywhere, no depth scaling, as OLMo-core.
-        """
+        """Initialise every parameter and buffer from `seed` (the same seed gives the same weights on any device),
+        by the config's init rule (`init_std_of`): norm gains 1, every matrix drawn at its rule's std."""
         cfg = self.cfg
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        residual_adds = cfg.n_layers * (1 + cfg.ffn.k)
         for name, p in self.named_parameters():
             if p.ndim == 1:
                 value = torch.ones(p.shape)
-            elif cfg.block == "olmo2":
+            elif cfg.init_rule == "olmo2":
+                std = init_std_of(cfg, name)
                 value = torch.empty(p.shape)
-                nn.init.trunc_normal_(value, 0.0, cfg.init_std, -3 * cfg.init_std, 3 * cfg.init_std, generator=gen)
+                nn.init.trunc_normal_(value, 0.0, std, -3 * std, 3 * std, generator=gen)
             else:
-                std = cfg.init_std
-                if name.endswith(("wo.weight", "wu.weight")):
-                    std /= math.sqrt(residual_adds)
-                value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
+                value = torch.empty(p.shape).normal_(0.0, init_std_of(cfg, name), generator=gen)
             p.copy_(value.to(p.device, p.dtype))
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta, scaling=cfg.rope_scaling)
         self.rope_cos.copy_(cos.to(self.rope_cos.device))
         self.rope_sin.copy_(sin.to(self.rope_sin.device))
+
+
+OUTPUT_PROJECTIONS = ("wo.weight", "wu.weight")
+"""Matrices whose output is added to the residual stream (attention output, each SwiGLU's up-projection)."""
+
+
+def init_std_of(cfg: ModelConfig, name: str) -> float:
+    """The std a matrix named `name` starts at. It reads the rule, `init_std` and `init_depth` only, never the arm's
+    own depth or K, so corresponding matrices of every arm of a comparison start alike (an init that depended on the
+    arm would confound the comparison)."""
+    if cfg.init_rule == "depth_scaled" and name.endswith(OUTPUT_PROJECTIONS):
+        if cfg.init_depth <= 0:
+            raise ValueError("depth_scaled init needs init_depth; the planner sets it from the reference")  # a bug
+        return cfg.init_std / math.sqrt(2 * cfg.init_depth)
+    return cfg.init_std
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta", seed: int = 0) -> Transformer:

@@ -20,7 +20,8 @@ budget of the scale's reference model:
                `layerwise` family sets them, so attention is fixed and the FFN alone meets the budget)
     depth      L, at the target d_h, then the FFN widths            (hourglass: saved parameters become layers)
     attention  n_heads at fixed head_dim, at the target d_h, then the FFN widths (saved parameters become attention)
-    width      d_model at fixed head_dim and d_h/d_model, then the FFN widths
+    width      d_model at fixed attention (n_heads x head_dim, apart from d_model) and d_h/d_model, then the FFN
+               widths                                             (hourglass: saved parameters widen the stream)
     none       nothing (the reference itself)
 
 Fine adjustment. One FFN hidden unit costs 3 d parameters (2,304 at d=768, 2e-5 of 113M), coarser than the 1e-5
@@ -39,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 from study.config.sections import BudgetConfig
 from study.errors import StudyError
-from study.config.model import BLOCKS, FFN_KINDS, ModelConfig
+from study.config.model import BLOCKS, FFN_KINDS, INITS, ModelConfig
 from study.plan.widths import FIELD, schedule_shape
 
 MODES = ("non_embedding", "matrices", "total")
@@ -77,7 +78,7 @@ def count_params(cfg: ModelConfig, mode: str = "non_embedding") -> ParamCount:
     attention = 2 * d * q_kv
     ffn = 3 * d * sum(cfg.ffn.widths)
     norm = 2 * n_layers * d + d
-    if cfg.qk_norm:
+    if cfg.has_qk_norm:
         norm += q_kv
     if cfg.ffn.kind == "hourglass" and cfg.ffn.sub_norm:
         norm += n_layers * cfg.ffn.k * d
@@ -131,6 +132,18 @@ def validate_shape(cfg: ModelConfig) -> None:
         raise StudyError("model.layer_heads", f"{list(heads)} is not one positive whole number of KV groups "
                          f"({cfg.kv_group} query heads each) per layer for {cfg.n_layers} layers",
                          f"give {cfg.n_layers} multiples of {cfg.kv_group}, or leave it unset (n_heads everywhere)")
+    if cfg.init and cfg.init not in INITS:
+        raise StudyError("model.init", f"unknown init rule {cfg.init!r}",
+                         f"use one of {', '.join(INITS)}, or leave it empty for the block's rule")
+    if cfg.init_std <= 0 or cfg.init_depth < 0:
+        raise StudyError("model.init_std", "init_std must be positive and init_depth >= 0", "use e.g. init_std=0.02")
+    s = cfg.rope_scaling
+    if s.factor < 0 or (s.factor > 0 and not (0 < s.low_freq_factor < s.high_freq_factor
+                                              and s.original_max_seq_len > 0)):
+        raise StudyError("model.rope_scaling", f"factor {s.factor}, low/high frequency factors {s.low_freq_factor}/"
+                         f"{s.high_freq_factor}, original context {s.original_max_seq_len} is no Llama-3 scaling",
+                         "use factor 0 (off), or factor > 0 with 0 < low_freq_factor < high_freq_factor "
+                         "(Llama 3.2: 32, 1, 4, 8192)")
     if cfg.ffn.residual not in ("stream", "branch"):
         raise StudyError("model.ffn.residual", f"unknown value {cfg.ffn.residual!r}", "use stream or branch")
     if cfg.ffn.kind == "hourglass" and cfg.ffn.residual == "stream" and not cfg.ffn.sub_norm and cfg.block == "llama":
@@ -228,11 +241,17 @@ def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     return replace(cfg, n_heads=heads, head_dim=hd)
 
 
+WIDTH_STEP = 8
+"""`width` solves d_model in steps of this many units (the hourglass release's widths 2496, 3696, 4992 are such)."""
+
+
 def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    """d_model at fixed attention: the declared heads keep their head_dim, so attention width (n_heads x head_dim)
+    is set apart from d_model, as in the revised hourglass paper and its release."""
     hd = cfg.dim_head
     best, best_gap = None, None
-    for d in range(hd, 65_536 + 1, hd):
-        trial = replace(cfg, d_model=d, n_heads=d // hd, head_dim=hd)
+    for d in range(WIDTH_STEP, 65_536 + 1, WIDTH_STEP):
+        trial = replace(cfg, d_model=d, head_dim=hd)
         gap = abs(count_params(_with_target_widths(trial), mode).counted - budget)
         if best_gap is not None and gap > best_gap:
             break

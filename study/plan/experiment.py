@@ -11,7 +11,7 @@ from typing import Any
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
 
-KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "published",
+KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
         "decision")
 
 
@@ -66,6 +66,9 @@ class Experiment:
     """(variant, seed) whose trained model is profiled for geometry-scheduled widths, per scale."""
     common: dict[str, Any] = field(default_factory=dict)
     """Overrides applied to every run."""
+    per_scale: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Dotted overrides for every variant at one scale (top-level `at: {906M: {train.lr: 2.5e-4}}`), after `common`
+    and before the variants' own: a recipe that differs by scale, such as a release's per-size LR and length."""
     description: str = ""
     """One line for the plan's title."""
     published: Published | None = None
@@ -247,15 +250,8 @@ def load_experiment(name: str) -> Experiment:
                              "(per-scale dotted overrides)")
         preset = spec.get("model", vname)
         group_file("model", preset)
-        at = spec.get("at") or {}
-        if not isinstance(at, dict) or any(not isinstance(v, dict) for v in at.values()):
-            raise StudyError(f"{name}.yaml: variants.{vname}.at", "must map scale names to dotted overrides",
-                             "write e.g. `at: {113M: {model.n_layers: 6, model.d_model: 1280}}`")
-        stray = sorted(set(at) - set(scales))
-        if stray:
-            raise StudyError(f"{name}.yaml: variants.{vname}.at.{stray[0]}", "is not a scale of the experiment",
-                             f"use one of {', '.join(scales)}")
-        variants.append(Variant(vname, preset, spec.get("set") or {}, {str(k): v for k, v in at.items()}))
+        at = _per_scale(spec.get("at"), f"{name}.yaml: variants.{vname}.at", scales)
+        variants.append(Variant(vname, preset, spec.get("set") or {}, at))
     if "grid" in raw:
         variants += _grid_variants(raw.grid)
     names = [v.name for v in variants]
@@ -270,11 +266,24 @@ def load_experiment(name: str) -> Experiment:
                              f"use one of {', '.join(names)}")
         reference = (ref["variant"], int(ref.get("seed", 0)))
     common = OmegaConf.to_container(raw.common) if raw.get("common") else {}
+    per_scale = _per_scale(OmegaConf.to_container(raw.at) if raw.get("at") else None, f"{name}.yaml: at", scales)
     published = (_published(name, OmegaConf.to_container(raw.published), raw.baseline, scales, names)
                  if raw.get("published") else None)
     decision = OmegaConf.to_container(raw.decision) if raw.get("decision") else {}
     from study.config.decision import DecisionRule
 
     DecisionRule.from_mapping(decision, f"{name}.yaml: decision")  # refused here, before anything is planned
-    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, raw.get("description", ""),
-                      published, decision)
+    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
+                      raw.get("description", ""), published, decision)
+
+
+def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
+    """An `at:` block: scale name -> dotted overrides, every name a scale of the experiment."""
+    at = at or {}
+    if not isinstance(at, dict) or any(not isinstance(v, dict) for v in at.values()):
+        raise StudyError(where, "must map scale names to dotted overrides",
+                         "write e.g. `at: {113M: {model.n_layers: 6, model.d_model: 1280}}`")
+    stray = sorted(set(map(str, at)) - set(scales))
+    if stray:
+        raise StudyError(f"{where}.{stray[0]}", "is not a scale of the experiment", f"use one of {', '.join(scales)}")
+    return {str(k): v for k, v in at.items()}

@@ -18,6 +18,7 @@ from study.config.spec import RunSpec
 from study.errors import StudyError
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
+from study.plan.recipe import resolve_recipe
 from study.schema import RunDir
 
 OWNED = ("experiment", "variant", "scale", "seed", "baseline", "stage")
@@ -59,7 +60,15 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
         "mismatch_total": spec.mismatch_total,
         "pending": spec.pending, "depends_on": spec.depends_on,
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
+        **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
+        "init": {"rule": m.init_rule, "std": m.init_std, **({"depth": m.init_depth} if m.init_rule == "depth_scaled"
+                                                            else {})},
     }
+
+
+RECIPE_JSON = ("max_steps", "lr", "warmup_steps", "final_lr", "global_batch", "micro_batch", "grad_accum",
+               "world_size", "lr_rule")
+"""Recipe fields each run of `study plan --json` shows beside `tokens` (study/config/recipe.py)."""
 
 
 def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, dict[str, dict[str, Any]]]:
@@ -91,6 +100,7 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
     groups = {k: v for k, v in exp.common.items() if k in GROUPS and isinstance(v, str)}
     common = {k: v for k, v in exp.common.items() if k not in groups}
     layers = [(identity, "the experiment's identity"), (common, f"{exp.name}.yaml: common"),
+              (nested(exp.per_scale.get(scale, {})), f"{exp.name}.yaml: at.{scale}"),
               (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}"),
               (nested(variant.per_scale.get(scale, {})), f"{exp.name}.yaml: variants.{variant.name}.at.{scale}")]
     run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset, raw=ov.raw)
@@ -98,7 +108,10 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
 
 
 def with_budget(cfg: RunConfig, reference: RunConfig) -> RunConfig:
-    """Fix the run's budget to the count of `reference` (the scale's conventional model with the same settings)."""
+    """Fix what the scale's reference (its conventional model with the same settings) decides for every arm: the
+    budget (its count), and the depth a `depth_scaled` init divides by (its L), so no arm's init reads its own shape."""
+    if cfg.model.init_rule == "depth_scaled" and not cfg.model.init_depth:
+        cfg = replace(cfg, model=replace(cfg.model, init_depth=reference.model.n_layers))
     if cfg.budget.target:
         return cfg
     return replace(cfg, budget=replace(cfg.budget, target=reference_budget(reference.model, cfg.budget.mode)))
@@ -115,12 +128,13 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
               depends_on: list[str] | None = None, profile: str = "", pending: str | None = None) -> RunSpec:
     rdir = RunDir.of(cfg.paths.runs, cfg.experiment, key)
     ref_total = reference_budget(reference.model, "total")
+    recipe = resolve_recipe(cfg, cfg.budget.target)
     if matched is None:
         return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
-                       profile=profile, pending=pending, reference_total=ref_total)
+                       profile=profile, pending=pending, reference_total=ref_total, recipe=recipe)
     return RunSpec(key, run_name(cfg), replace(cfg, model=matched.model), str(rdir.path), matched.budget,
                    matched.params.as_dict(), matched.mismatch, flops_per_token(matched.model, cfg.data.seq_len),
-                   list(depends_on or []), profile, None, ref_total)
+                   list(depends_on or []), profile, None, ref_total, recipe)
 
 
 def _check_unique(exp: Experiment) -> None:

@@ -20,6 +20,14 @@ def fmt_widths(widths: list[int] | None) -> str:
     return f"{widths[0]}..{widths[-1]} (sum {sum(widths)}) {bars}"
 
 
+def fmt_tokens(tokens: int) -> str:
+    """Token counts at a glance: 2.27B, 18.0M, 122,880."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if tokens >= size:
+            return f"{tokens / size:.3g}{unit}"
+    return f"{tokens:,}"
+
+
 def fmt_heads(heads: list[int]) -> str:
     """Query heads per layer, repeats run-length encoded: `8 10 13 15x2 13 10 8`, `16x8`."""
     runs: list[list[int]] = []
@@ -64,7 +72,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
     per_layer = any(r.model.layer_heads is not None and len(set(r.model.layer_heads)) > 1 for r in plan.runs)
     cols = ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths",
             *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
-            "attn/FFN (M)", "GFLOP/tok", "tok/s", "GPU-h")
+            "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths",
                                                              "heads/layer") else "left")
@@ -85,6 +93,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
             f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
+            f"{run.planned.max_steps:,}", fmt_tokens(run.planned.tokens),
+            f"{run.planned.lr:.3g}/{run.planned.final_lr:.2g}", f"{run.planned.warmup_steps:,}",
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",

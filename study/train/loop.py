@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from study import schema
+from study.config.recipe import batch_layout
 from study.config.run import RunConfig
 from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
@@ -55,30 +56,21 @@ class Outcome:
     """Why the run did not finish."""
 
 
-def batch_layout(cfg: RunConfig, world: int) -> tuple[int, int]:
-    """(micro_batch, grad_accum) per rank; a fixed global batch keeps paired runs' data identical at any world size."""
-    t = cfg.train
-    if not t.global_batch:
-        return t.micro_batch, t.grad_accum
-    per_rank, rem = divmod(t.global_batch, world)
-    if rem or per_rank % t.micro_batch:
-        raise StudyError("train.global_batch", f"{t.global_batch} sequences do not split into {world} ranks of "
-                         f"micro batches of {t.micro_batch}", "choose global_batch = micro_batch x accum x world size")
-    return t.micro_batch, per_rank // t.micro_batch
-
-
-def batch_stream(cfg: RunConfig, data, d: Dist, start: int):
-    """Batches depend on the seed and the step only, never on the architecture: paired runs see the same data."""
+def batch_stream(spec: RunSpec, data, d: Dist, start: int):
+    """Batches depend on the seed, the step and the global batch only, never on the architecture or the world size:
+    paired runs see the same data."""
     from study.data import BatchStream
 
-    micro, accum = batch_layout(cfg, d.world_size)
-    return BatchStream(data.train, data.seq_len, cfg.seed, micro, accum, d.rank, d.world_size, start, d.device)
+    micro, accum = layout(spec, d)
+    return BatchStream(data.train, data.seq_len, spec.config.seed, micro, accum, d.rank, d.world_size, start, d.device)
 
 
-def train_steps(cfg: RunConfig, counted: int, seqs_per_step: int) -> int:
-    if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.tokens_per_param * counted / (seqs_per_step * cfg.data.seq_len)))
+def layout(spec: RunSpec, d: Dist) -> tuple[int, int]:
+    """(micro batch, accumulation steps) per rank that split the recipe's global batch over this job's ranks."""
+    r = spec.planned
+    if d.world_size == r.world_size:
+        return r.micro_batch, r.grad_accum
+    return batch_layout(r.global_batch, spec.config.train.micro_batch, d.world_size, "world size")
 
 
 def evaluate(model, data, cfg: RunConfig, d: Dist, micro: int) -> float:
@@ -175,13 +167,10 @@ def _keep_tokenizer(source: Path, copy: Path, eos_id: int) -> None:
 def _train(spec: RunSpec, d: Dist) -> Outcome:
     import torch
 
-    cfg, key, model_cfg = spec.config, spec.key, spec.model
+    cfg, key, model_cfg, recipe = spec.config, spec.key, spec.model, spec.planned
     rdir = spec.run_dir.path
-    micro, accum = batch_layout(cfg, d.world_size)
-    seqs_per_step = micro * accum * d.world_size
-    max_steps = train_steps(cfg, spec.counted, seqs_per_step)
-    lr = cfg.train.lr or _scaled_lr(spec.counted)
-    warmup = cfg.train.warmup_steps or max(1, int(0.02 * max_steps))
+    micro, _ = layout(spec, d)
+    max_steps = recipe.max_steps
 
     from study.config.data import validate_data
     from study.data import prepare_data
@@ -203,23 +192,23 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     if cfg.train.activation_checkpointing:
         _checkpoint_blocks(model)
     step_model = torch.compile(model) if use_compile(cfg, d) else model
-    optimizer = build_optimizer(model, cfg.train, lr)
+    optimizer = build_optimizer(model, cfg.train, recipe.lr)
 
     shape = model_hash(model_cfg)
     state = (checkpoint.load_latest(rdir, model, optimizer, d, key, shape)
              or TrainState(max_steps=max_steps, run_key=key))
     state.run_key, state.model_hash, state.compute_dtype = key, shape, compute_dtype(cfg, d)
     start = state.step
-    scheduler = build_scheduler(optimizer, lr, max_steps, warmup, cfg.train, start)
+    scheduler = build_scheduler(optimizer, recipe, cfg.train, start)
 
-    tracker = open_tracker(spec, d, max_steps, lr, data)
+    tracker = open_tracker(spec, d, data)
     stop = StopRequest.install()
-    stream = batch_stream(cfg, data, d, start)
+    stream = batch_stream(spec, data, d, start)
     progress = Progress(d, start, max_steps, spec.name, spec.run_dir.progress)
     losses: dict[int, float] = {}
     faults = FaultHooks(cfg.faults)
     autocast_bf16 = use_bf16(cfg, d) and d.world_size == 1  # FSDP's policy casts sharded runs
-    tokens_per_step = seqs_per_step * data.seq_len
+    tokens_per_step = recipe.global_batch * data.seq_len
     t_last, steps_since = time.perf_counter(), 0
     outcome = None
     try:
@@ -330,12 +319,6 @@ def _writable(rdir: Path) -> None:
                else "point paths.runs at a writable directory (shared between nodes on a cluster)")
         raise StudyError("paths.runs", f"cannot write the run directory {rdir} ({os.strerror(err.errno or 0)})",
                          fix) from None
-
-
-def _scaled_lr(counted: int) -> float:
-    from study.train.optim import scaled_lr
-
-    return scaled_lr(counted)
 
 
 def _checkpoint_blocks(model) -> None:

@@ -1,25 +1,30 @@
-"""AdamW parameter groups, the learning-rate schedule, and the learning-rate scaling rule."""
+"""AdamW parameter groups and the learning-rate schedule (the run spec's recipe says its peak, length and end)."""
 
 from __future__ import annotations
 
 import math
 
+from study.config.recipe import Recipe
 from study.config.sections import TrainConfig
 
 
-def scaled_lr(n_params: int) -> float:
-    """OLMo-core model ladder: lr = 0.0047 * (N / 108e6) ** (-1/3), N the non-embedding parameter count."""
-    return 0.0047 * (n_params / 108e6) ** (-1 / 3)
+QK_NORMS = (".q_norm.weight", ".k_norm.weight")
 
 
-def param_groups(model, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms (1-D) and embeddings get none, as in the OLMo-2 and LLaMA recipes."""
+def decays(name: str, ndim: int, qk_norm_decay: bool) -> bool:
+    """Matrices decay, embeddings never (OLMo-2 and LLaMA recipes); of the norm gains only the QK-norm's, when the
+    recipe says so (Megatron's apply_wd_to_qk_layernorm)."""
+    if name.startswith("embed."):
+        return False
+    return ndim >= 2 or (qk_norm_decay and name.endswith(QK_NORMS))
+
+
+def param_groups(model, t: TrainConfig) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or name.startswith("embed.") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if p.requires_grad:
+            (decay if decays(name, p.ndim, t.qk_norm_decay) else no_decay).append(p)
+    return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(model, t: TrainConfig, lr: float):
@@ -27,15 +32,16 @@ def build_optimizer(model, t: TrainConfig, lr: float):
 
     # fused kernels on CUDA and CPU alike: on CPU the optimizer step fell from 5.7 to 1.6 ms for the tiny model
     # (foreach was no faster than the per-tensor loop there; benchmarks/RESULTS.md)
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    return torch.optim.AdamW(param_groups(model, t), lr=lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=True)
 
 
-def lr_factor(step: int, max_steps: int, warmup: int, t: TrainConfig) -> float:
-    """Multiplier of the peak LR at `step` (0-based, applied to the update of step+1)."""
+def lr_factor(step: int, recipe: Recipe, t: TrainConfig) -> float:
+    """Multiplier of the peak LR at `step` (0-based, applied to the update of step+1); it ends at final_lr / lr."""
+    max_steps, warmup = recipe.max_steps, recipe.warmup_steps
     if step < warmup:
         return (step + 1) / warmup
-    floor = t.min_lr_ratio
+    floor = recipe.final_lr / recipe.lr
     if t.lr_schedule == "cosine":
         progress = (step - warmup) / max(1, max_steps - warmup)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
@@ -47,12 +53,12 @@ def lr_factor(step: int, max_steps: int, warmup: int, t: TrainConfig) -> float:
     raise ValueError(f"train.lr_schedule {t.lr_schedule!r} passed the config check")  # a bug, not bad input
 
 
-def build_scheduler(optimizer, peak_lr: float, max_steps: int, warmup: int, t: TrainConfig, start_step: int):
+def build_scheduler(optimizer, recipe: Recipe, t: TrainConfig, start_step: int):
     import torch
 
     for group in optimizer.param_groups:
         # a restored optimizer carries the last step's decayed lr; the schedule must scale the peak
-        group["initial_lr"] = peak_lr
+        group["initial_lr"] = recipe.lr
     # The schedule is a pure function of the step, so a resumed run restarts it at its step.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max_steps, warmup, t),
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe, t),
                                              last_epoch=start_step - 1)

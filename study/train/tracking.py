@@ -14,7 +14,7 @@ MAX_LOG_ARTIFACT = 64 << 20
 """Largest job log copied to MLflow at the end of a run."""
 
 
-def open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
+def open_tracker(spec: RunSpec, d: Dist, data):
     """The run's MLflow run, opened or resumed, with its params, tags, lineage (parent run, dataset input) and the
     artifacts a reader of the run page wants (config, spec, parameter table, tokenizer)."""
     from study.track import lineage
@@ -27,7 +27,10 @@ def open_tracker(spec: RunSpec, d: Dist, max_steps: int, lr: float, data):
     params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
-                          "ffn_widths": m.ffn.widths, "max_steps": max_steps, "lr": lr, "world_size": d.world_size}
+                          "ffn_widths": m.ffn.widths}
+    # the recipe as planned: a resume on another world size splits the same global batch, so its params stay valid
+    params["recipe"] = {k: v for k, v in asdict(spec.planned).items() if k not in ("micro_batch", "grad_accum",
+                                                                                   "world_size")}
     params["params"] = spec.params
     tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
     tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,

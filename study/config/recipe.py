@@ -1,0 +1,49 @@
+"""The resolved training recipe of one run: what the planner derives once from the config and the scale's budget,
+stores in the run spec, and the job reads without recomputing.
+
+The arms of a comparison share it: steps, tokens, peak and final LR and warm-up come from the scale's budget (the
+reference model's count), never from an arm's own count, so they train the same tokens under the same schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from study.errors import StudyError
+
+
+@dataclass
+class Recipe:
+    global_batch: int
+    """Sequences per optimizer step, whatever the world size (`train.global_batch`, else micro_batch x grad_accum)."""
+    micro_batch: int
+    """Sequences per rank per forward pass at the planned world size (at most `train.micro_batch`)."""
+    grad_accum: int
+    """Micro batches per optimizer step on each rank at the planned world size."""
+    world_size: int
+    """Ranks the plan was resolved for (the cluster profile's); another world size splits the same global batch."""
+    max_steps: int
+    """Optimizer steps: `train.max_steps`, else ceil(tokens_per_param x budget / tokens per step)."""
+    tokens: int
+    """Training tokens: max_steps x global_batch x seq_len."""
+    lr: float
+    """Peak learning rate: `train.lr`, else the OLMo ladder rule at the scale's budget."""
+    warmup_steps: int
+    """Linear warm-up steps: `train.warmup_steps`, else 2 % of max_steps (at least 1)."""
+    final_lr: float
+    """Learning rate at the last step: `train.final_lr`, else min_lr_ratio x lr."""
+    lr_rule: str
+    """Where `lr` came from, in words (shown by `study plan`)."""
+
+
+def batch_layout(global_batch: int, micro_batch: int, world: int, field: str = "train.global_batch") -> tuple[int, int]:
+    """(micro batch, accumulation steps) per rank that split `global_batch` sequences over `world` ranks: the
+    largest micro batch up to `micro_batch` that divides each rank's share. The global batch is what a step trains
+    on (batches are pure functions of the step and the global batch), so a run resumed on another world size
+    continues the same batches and length."""
+    per_rank, rem = divmod(global_batch, world)
+    if rem or per_rank == 0:
+        raise StudyError(field, f"{global_batch} sequences do not split evenly over {world} ranks",
+                         f"use a multiple of the number of ranks ({world}), or run on a world size dividing it")
+    micro = next(m for m in range(min(micro_batch, per_rank), 0, -1) if per_rank % m == 0)
+    return micro, per_rank // micro
