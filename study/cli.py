@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", required=True, help="profile.json written by `study profile`")
     p.add_argument("--statistic", default="topo", choices=["shift", "gw", "topo"])
     p.add_argument("--geometry", default="hyperbolic", choices=["raw", "spherical", "hyperbolic"])
-    p.add_argument("--anti", action="store_true", help="allocate against the measured direction (the control)")
+    p.add_argument("--anti", action="store_true",
+                   help="reflect the allocated widths against their direction (the anti control)")
     p.add_argument("--budget-from", required=True, help="EXPERIMENT:SCALE whose budget the widths must meet")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_allocate)

@@ -118,3 +118,13 @@ def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
     a = json.loads((workdir / "full" / "unit" / key / "result.json").read_text())
     b = json.loads((workdir / "cut" / "unit" / key / "result.json").read_text())
     assert a["val_loss"] == b["val_loss"]
+
+
+def test_a_validation_split_smaller_than_one_batch_is_refused_before_the_first_step(workdir):
+    from study.errors import StudyError
+
+    spec = cfg_for("train.max_steps=4", "data.val_fraction=0.0007", "train.micro_batch=64", "train.global_batch=64")
+    with pytest.raises(StudyError) as err:
+        train(spec)
+    assert err.value.field == "data.val_fraction" and "fewer than one validation batch of 64" in err.value.problem
+    assert not (spec.run_dir.path / "checkpoints").exists() and not (workdir / "mlflow.db").exists()

@@ -24,8 +24,9 @@ SCHEMA_VERSION = 4
 """Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
 in a clear error instead of being resumed or matched. Raised whenever what a hashed field means changes (3: the
 `non_embedding` budget counts norm gains; 4: one init rule and one recipe per comparison: llama blocks start every
-matrix at N(0, init_std) with no depth scaling by the arm's own L and K, and steps and the peak LR come from the
-scale's budget instead of each arm's own count)."""
+matrix at N(0, init_std) with no depth scaling by the arm's own L and K, steps and the peak LR come from the
+scale's budget instead of each arm's own count, and the geometry schedule's `reverse` (the anti control) reflects the
+allocated widths instead of the measured work)."""
 
 KEY, OUT, SCHEDULED = "key", "out", "scheduled"
 

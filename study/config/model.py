@@ -52,8 +52,11 @@ class WidthSchedule:
     model, n_heads) and the points span the layers between them (the Frame variant)."""
     reverse: bool = False
     """Reflect the family about its midrange, m_l -> max m + min m - m_l: the layers that get the most get the least.
-    For the tapers and two-point `layerwise` this is their mirror in depth; for `geometry` it is the anti control
-    (the measured work reflected before allocation, arXiv 2608.02064)."""
+    For the tapers and two-point `layerwise` this is their mirror in depth. For `geometry` it is the anti control
+    (arXiv 2608.02064), reflected on the widths, not the work: the widths allocated from the same statistic and
+    geometry, each layer's width above the lower bound reflected about its midrange and rescaled to the same budget
+    (study.geometry.allocate.reflect_allocation), so the order is exactly reversed. Reflected work would not do this:
+    exponents and sensitivities also shape the widths."""
 
 
 

@@ -74,6 +74,20 @@ def get_batch(tokens: np.ndarray, seq_len: int, data_seed: int, step: int, micro
     return to_tensors(gather_windows(tokens, seq_len, ids))
 
 
+def check_val_split(tokens, seq_len: int, batch_size: int, from_files: bool = False) -> int:
+    """Whole validation batches the held-out tokens hold; none is refused by the field that decides the split
+    (`from_files`: a run's own validation files, `data.val_tokens`), so a run learns it before training, not at its
+    first validation."""
+    windows = num_windows(len(tokens), seq_len)
+    if windows // batch_size == 0:
+        field, fix = (("data.val_tokens", "give validation files holding more tokens") if from_files else
+                      ("data.val_fraction", "raise data.val_fraction (or max_docs)"))
+        raise StudyError(field, f"the held-out split has {windows} windows of seq_len {seq_len}, fewer than one "
+                         f"validation batch of {batch_size}", f"{fix}, or lower the validation batch size "
+                         "(train.micro_batch x ranks)")
+    return windows // batch_size
+
+
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int | None = None, rank: int = 0,
                 world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `num_batches` batches of consecutive held-out windows (all that fit when None), seed-independent.
@@ -83,12 +97,7 @@ def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: 
     """
     if batch_size % world_size or not 0 <= rank < world_size:
         raise ValueError(f"validation batch {batch_size} does not split into {world_size} ranks (rank {rank})")
-    windows = num_windows(len(tokens), seq_len)
-    available = windows // batch_size
-    if available == 0:
-        raise StudyError("data.val_fraction", f"the held-out split has {windows} windows of seq_len {seq_len}, "
-                         f"fewer than one validation batch of {batch_size}",
-                         "raise data.val_fraction (or max_docs), or lower the validation batch size")
+    available = check_val_split(tokens, seq_len, batch_size)
     per_rank = batch_size // world_size
     for b in range(available if num_batches is None else min(num_batches, available)):
         first = b * batch_size + rank * per_rank

@@ -177,6 +177,9 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
 
     validate_data(cfg.data)
     data = prepare_data(cfg.data, model_vocab=model_cfg.vocab_size)
+    from study.data.batches import check_val_split
+
+    check_val_split(data.val, data.seq_len, micro * d.world_size, from_files=bool(cfg.data.val_tokens))
     if d.rank == 0:
         _keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer, data.eos_id)
 
