@@ -166,7 +166,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from analysis.headline import print_headline
     from analysis.report import build_report
+    from study.schema import check_name
 
+    # the report is written to <out>/<experiment>/: one word keeps it inside --out (`study report ../../x`)
+    check_name("EXPERIMENT", args.experiment, "an experiment name")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise StudyError("--out", f"{args.out} is a file", "give a folder (it is created; the report goes to "
+                         f"{args.out}/{args.experiment}/)")
     result = build_report(args.experiment, baseline=args.baseline, metrics=args.metric or None,
                           tracking_uri=args.tracking_uri, out_dir=Path(args.out))
     if args.json:

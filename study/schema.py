@@ -3,7 +3,24 @@ run directory and of an experiment's launch folder."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from study.errors import StudyError
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+"""Names of experiments, variants, scales and config-group options: one SLURM and file-system word that starts with a
+letter or digit (so never `.`, `..` or a path), since they become directory, MLflow and job names."""
+
+
+def check_name(field: str, value: str, what: str = "name") -> str:
+    """`value`, refused by `field` unless it is one NAME: `experiment=../../x` would put a run directory outside
+    `paths.runs`, `data=../../evil` would merge any YAML file."""
+    if not isinstance(value, str) or not NAME.match(value):
+        raise StudyError(field, f"{str(value)[:120]!r} is not {what}",
+                         "use letters, digits, _ . - (starting with a letter or digit, at most 100 characters)")
+    return value
+
 
 # MLflow tags (users filter the UI by these; analysis reads them)
 TAG_RUN_KEY = "study.run_key"
@@ -44,36 +61,56 @@ def eval_artifact(eval_id: str, name: str = "") -> str:
     return f"{EVALS}/{eval_id}/{name}".rstrip("/")
 
 
+def not_a_link(path: Path) -> Path:
+    """`path`, refused when it is a symbolic link. The run's own files are written where they lie: a link planted in
+    a run directory would have training truncate or overwrite a file outside it."""
+    if path.is_symlink():
+        raise StudyError(str(path), "is a symbolic link, and the run's files are never written through one",
+                         f"remove the link (the run writes its own {path.name} in its directory)")
+    return path
+
+
+def _own(name: str) -> property:
+    return property(lambda self: not_a_link(self.path / name))
+
+
 class RunDir:
-    """<runs>/<experiment>/<run key>/: everything one run leaves on disk."""
+    """<runs>/<experiment>/<run key>/: everything one run leaves on disk. The files and folders the run writes are
+    read through `not_a_link`: each access refuses a symbolic link by name."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
+
+    def refuse_links(self) -> None:
+        """Every file and folder of the layout below, checked at once (the trainer does so before it writes)."""
+        for name, attr in vars(RunDir).items():
+            if isinstance(attr, property):
+                getattr(self, name)
 
     @classmethod
     def of(cls, runs_root: str | Path, experiment: str, key: str) -> RunDir:
         return cls(Path(runs_root).resolve() / experiment / key)
 
-    spec = property(lambda self: self.path / "run.json")
+    spec = _own("run.json")
     """The run spec: what to build and train (written by the launcher, completed by a scheduled run's job)."""
-    config = property(lambda self: self.path / "config.yaml")
+    config = _own("config.yaml")
     """The resolved config, for people (also an MLflow artifact)."""
-    checkpoints = property(lambda self: self.path / "checkpoints")
-    metrics = property(lambda self: self.path / "metrics.jsonl")
+    checkpoints = _own("checkpoints")
+    metrics = _own("metrics.jsonl")
     """Every metric point the run logged, appended before it is sent (the store is made to match it)."""
-    progress = property(lambda self: self.path / "progress.json")
+    progress = _own("progress.json")
     """The trainer's latest figures (step, max_steps, loss, tokens/s, ETA), replaced at every logged step."""
-    lease = property(lambda self: self.path / ".lease")
+    lease = _own(".lease")
     """Held (flock) by the one process training the run."""
-    evals = property(lambda self: self.path / EVALS)
+    evals = _own(EVALS)
     """One folder per evaluation, `<evaluation id>/` with EVAL_RECORD, EVAL_RESULTS and ITEMS_ARTIFACT."""
-    result = property(lambda self: self.path / "result.json")
+    result = _own("result.json")
     """Written when training finished: final step and validation loss."""
-    tokenizer = property(lambda self: self.path / "tokenizer.json")
+    tokenizer = _own("tokenizer.json")
     """A copy of the tokenizer the run was trained with: evaluation and profiling read it, never the data."""
-    profile = property(lambda self: self.path / "profile.json")
+    profile = _own("profile.json")
     """A reference run's geometry profile (and profile.png, widths.png beside it)."""
-    export = property(lambda self: self.path / "export")
+    export = _own("export")
     """`study export`'s default output: the latest checkpoint as transformers (or study-format) files."""
 
 

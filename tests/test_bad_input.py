@@ -45,7 +45,14 @@ BAD_EXPERIMENTS = {
                          "variants": {"conventional": {}}, "common": {"train": {"lr": "fast"}}},
     "bad_set_key": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
                     "variants": {"conventional": {"set": {"model.ffn.colour": 2}}}},
+    "escaping_scale": {"baseline": "conventional", "scales": ["../scale/tiny"], "seeds": [0],
+                       "variants": {"conventional": {}}},
+    "escaping_group": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": {}},
+                       "common": {"data": "../../../elsewhere/evil"}},
 }
+# nine aliases of nine aliases, eight deep: 9^9 values from nine lines
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
 TOP_LIST = ["just", "a", "list"]
 
 # (argv, the field the message must name)
@@ -187,6 +194,15 @@ CASES = [
     (["allocate", "--profile", "/no/profile.json", "--budget-from", "demo"], "--budget-from"),
     (["allocate", "--profile", "/no/profile.json", "--budget-from", "demo:113M"], "--budget-from"),
     (["report", "demo", "--tracking-uri", "sqlite:////no/such/dir/mlflow.db"], "tracking_uri"),
+    (["train", "experiment=../../x", "scale=tiny"], "experiment"),
+    (["train", "scale=tiny", "variant=../x"], "variant"),
+    (["plan", "demo", "data=../../../../elsewhere/evil"], "data"),
+    (["plan", "escaping_scale"], "scale"),
+    (["plan", "escaping_group"], "data"),
+    (["report", "../../x"], "EXPERIMENT"),
+    (["plan", "demo", "tracking.uri=https://TOKEN@mlflow.example.org"], "tracking.uri"),
+    (["plan", "alias_bomb"], "alias_bomb.yaml"),
+    (["train", "scale=tiny", "budget.match=depth", "budget.target=100000000000000"], "budget.target"),
 ]
 
 
@@ -200,6 +216,7 @@ def bad_tree(tmp_path, monkeypatch, data_cache):
         (tree / "experiment" / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     (tree / "experiment" / "broken_yaml.yaml").write_text("baseline: [unclosed\n")
     (tree / "experiment" / "top_list.yaml").write_text(yaml.safe_dump(TOP_LIST))
+    (tree / "experiment" / "alias_bomb.yaml").write_text(ALIAS_BOMB)
     (tree / "cluster" / "badprofile.yaml").write_text("# @package _global_\ncluster: {reservation: x}\n")
     work = tmp_path / "work"
     work.mkdir()

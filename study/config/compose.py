@@ -16,6 +16,7 @@ runs.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 from study.config.model import LEGACY_KEYS, upgrade_dotted, upgrade_legacy
 from study.config.run import RunConfig
 from study.errors import StudyError
+from study.schema import NAME, check_name
 
 GROUPS = ("scale", "model", "train", "data", "cluster")
 
@@ -37,14 +39,44 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (sweeps_dir() / group).glob("*.yaml"))
 
 
+MAX_YAML_NODES = 100_000
+"""Most values a file of the tree may expand to through YAML aliases (the shipped files hold a few hundred): an alias
+bomb, a few lines that expand to billions of values, is refused before OmegaConf builds it."""
+
+
+def _expanded_size(node: Any) -> float:
+    """Values the composed YAML node expands to, each alias counted as a copy of what it names; infinite for an alias
+    inside the node it names. Linear in the file: a node named by many aliases is counted once."""
+    import yaml
+
+    sizes: dict[int, float] = {}
+
+    def size(n) -> float:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        sizes[id(n)] = math.inf  # while its children are counted: an alias back to it is a cycle
+        children = (n.value if isinstance(n, yaml.SequenceNode) else
+                    [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else [])
+        sizes[id(n)] = 1 + sum(size(c) for c in children)
+        return sizes[id(n)]
+
+    return 0 if node is None else size(node)
+
+
 @functools.lru_cache(maxsize=None)
 def _load_yaml_cached(path: Path, mtime_ns: int) -> Any:
+    import yaml
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.load(path)
+        size = _expanded_size(yaml.compose(path.read_text(), Loader=yaml.SafeLoader))
+        loaded = OmegaConf.load(path) if size <= MAX_YAML_NODES else None
     except Exception as exc:  # a YAML syntax error is the user's, not a bug
         raise StudyError(str(path), f"cannot be read as YAML ({exc})", "fix the file's syntax") from None
+    if loaded is None:
+        raise StudyError(str(path), f"expands to more than {MAX_YAML_NODES:,} values through its YAML aliases "
+                         "(`*name`)", "write the values out, or use fewer aliases")
+    return loaded
 
 
 def clear_cache() -> None:
@@ -59,7 +91,8 @@ def load_yaml(path: Path) -> Any:
 
 def group_file(group: str, option: str) -> Path:
     path = sweeps_dir() / group / f"{option}.yaml"
-    if not path.is_file():
+    # one word: `data=../../elsewhere/evil` would merge any YAML file it reaches
+    if not isinstance(option, str) or not NAME.match(option) or not path.is_file():
         raise StudyError(group, f"unknown option {option!r}", f"use one of {', '.join(group_options(group))}")
     return path
 
@@ -202,5 +235,7 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
             raise cause from None
         raise StudyError(str(getattr(exc, "full_key", "config")), f"cannot be resolved ({exc})",
                          "fix the value or the interpolation") from None
+    for name in ("experiment", "variant", "scale"):  # they name directories, MLflow experiments and jobs
+        check_name(name, getattr(cfg, name), f"a usable {name} name")
     validate_run(cfg)
     return cfg

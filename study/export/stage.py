@@ -78,13 +78,12 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     if out == spec.run_dir.path or out in spec.run_dir.path.parents:
         raise StudyError("--out", f"{out} holds the run directory {spec.run_dir.path}",
                          "give a directory outside it (the default is <run dir>/export)")
+    earlier = None
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise StudyError("--out", f"{out} exists and is not empty",
                              "add --force to replace an earlier export, or choose another --out")
-        if not (out / MANIFEST).is_file():  # --force replaces exports only, never a folder of other files
-            raise StudyError("--out", f"{out} is not empty and holds no earlier export ({MANIFEST})",
-                             "choose a new or empty directory")
+        earlier = _earlier_files(out)
     model, ckpt = load_trained_model(spec)
     state = TrainState.read(ckpt / "train_state.json")
     weights_dtype, reason = _weights_dtype(dtype, state.compute_dtype, spec.config.train.precision)
@@ -109,12 +108,41 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
         else:
             save_weights(model, tmp / WEIGHTS, getattr(torch, weights_dtype))
         _write_manifest(tmp, spec, exported, ckpt.name, eos)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        if earlier is None:
+            os.replace(tmp, out)  # a new or empty directory: the export appears whole
+        else:
+            _replace_files(tmp, out, earlier)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return exported
+
+
+def _earlier_files(out: Path) -> list[str]:
+    """The files of the earlier export in `out`, as its manifest lists them: all that --force removes. An export
+    whose manifest lists none (written before manifests did) loses only the files the new one writes over."""
+    try:
+        listed = json.loads((out / MANIFEST).read_text()).get("files", [])
+    except FileNotFoundError:  # --force replaces exports only, never a folder of other files
+        raise StudyError("--out", f"{out} is not empty and holds no earlier export ({MANIFEST})",
+                         "choose a new or empty directory") from None
+    except (OSError, ValueError, AttributeError) as err:
+        raise StudyError("--out", f"{out / MANIFEST} cannot be read ({err})",
+                         "remove the earlier export by hand, or choose a new or empty directory") from None
+    if not isinstance(listed, list) or any(not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f
+                                           for f in listed):
+        raise StudyError("--out", f"{out / MANIFEST} lists other paths than the export's own files",
+                         "remove the earlier export by hand, or choose a new or empty directory")
+    return listed
+
+
+def _replace_files(new: Path, out: Path, earlier: list[str]) -> None:
+    """The new export's files moved over the earlier one's, whose other listed files are removed: a user's own files
+    beside them stay. The manifest moves last, so an export cut short still lists what a rerun must remove."""
+    written = sorted(p.name for p in new.iterdir())
+    for name in sorted(set(earlier) - set(written)):
+        (out / name).unlink(missing_ok=True)
+    for name in sorted(written, key=lambda n: n == MANIFEST):
+        os.replace(new / name, out / name)
 
 
 def _weights_dtype(choice: str, computed: str, precision: str) -> tuple[str, str]:
@@ -152,7 +180,7 @@ def _write_manifest(out: Path, spec: RunSpec, exported: Exported, checkpoint: st
               "loader": "transformers.AutoModelForCausalLM" if exported.architecture else "study.export.load",
               "run_key": spec.key, "name": spec.name, "checkpoint": checkpoint, "step": exported.step,
               "dtype": exported.dtype, "dtype_reason": exported.dtype_reason, "padded_units": exported.padded_units,
-              "eos_token": eos,
+              "eos_token": eos, "files": sorted([p.name for p in out.iterdir()] + [MANIFEST]),
               "spec": redact(spec.as_dict())}
     (out / MANIFEST).write_text(json.dumps(record, indent=1, default=str))
 

@@ -21,7 +21,10 @@ def manifest_path(runs_root: str | Path, experiment: str) -> Path:
 
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
                    tracking_uri: str = "", extra_seeds: dict | None = None) -> dict:
-    entry = {"experiment": experiment, "overrides": list(overrides), "keys": list(keys), "time": time.time()}
+    from study.track.params import redact
+
+    # the masked form, here and in the MLflow tags: an override may carry a secret (`cluster.setup=[...--token X]`)
+    entry = {"experiment": experiment, "overrides": redact(list(overrides)), "keys": list(keys), "time": time.time()}
     if extra_seeds:
         entry["extra_seeds"] = extra_seeds  # seeds an adaptive launch added, per scale and variant
     path = manifest_path(runs_root, experiment)

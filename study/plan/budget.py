@@ -221,11 +221,22 @@ def _with_target_widths(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers))
 
 
+MAX_LAYERS = 4096
+"""Most layers the depth strategy solves for: far past any trained transformer. Widths, heads and counts go layer by
+layer, so a budget a million times the scale's (`budget.target=100000000000000`) would take minutes to match."""
+
+
 def _solve_depth(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     one = count_params(_with_target_widths(replace(cfg, n_layers=1)), mode).counted
     two = count_params(_with_target_widths(replace(cfg, n_layers=2)), mode).counted
     per_layer, fixed = two - one, 2 * one - two
-    return replace(cfg, n_layers=max(1, round((budget - fixed) / per_layer)))
+    layers = max(1, round((budget - fixed) / per_layer))
+    if layers > MAX_LAYERS:
+        raise StudyError("budget.target", f"meeting the budget {budget:,} by depth takes {layers:,} layers of "
+                         f"{per_layer:,} parameters (at most {MAX_LAYERS:,})",
+                         "use a budget near the scale's own (budget.target=0 is its reference model's count) or a "
+                         "larger scale")
+    return replace(cfg, n_layers=layers)
 
 
 def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
+from study.schema import NAME
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
         "decision")
@@ -181,8 +181,6 @@ def _grid_variants(grid: Any) -> list[Variant]:
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
          "reference": (dict,), "grid": (dict,), "common": (dict,), "published": (dict,),
          "decision": (dict,)}
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-"""Experiment and variant names: they become directory, MLflow and job names."""
 
 
 def _check_types(name: str, raw: dict) -> None:

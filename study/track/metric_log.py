@@ -42,7 +42,8 @@ class MetricLog:
         if not lines:
             return
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # O_NOFOLLOW: a link planted after the run directory was checked is refused, never appended through
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             if os.fstat(self._fd).st_size and not self._ends_with_newline():
                 os.write(self._fd, b"\n")  # never glue a point to a line a crash cut short
         os.write(self._fd, lines.encode())

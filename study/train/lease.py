@@ -24,11 +24,14 @@ POLL_S = 2.0
 
 class Lease:
     def __init__(self, run_dir: Path):
-        self.path = RunDir(run_dir).lease
+        run = RunDir(run_dir)
+        run.refuse_links()  # before the run writes anything: nothing it writes lies behind a link
+        self.path = run.lease
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link planted while this trainer waits is refused, never truncated through
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
