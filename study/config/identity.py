@@ -148,9 +148,10 @@ def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[s
     return dotted, read and value != _defaults()[dotted]
 
 
-def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any]:
+def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the key hashes: the placed fields (as composed, before matching; new fields by the frozen schema's
-    rule, `_frozen`) and, for a scheduled run, the reference runs its profile comes from."""
+    rule, `_frozen`), for a scheduled run the reference runs its profile comes from, and for a run whose LR a
+    declared tuning stage chooses, that tuning (grid, scales, seeds, cap: its choice is a function of them)."""
     scheduled = cfg.model.ffn.schedule.family == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
@@ -161,10 +162,12 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None) -> dict[str, Any
                 payload[name] = value
     if scheduled:
         payload["upstream"] = sorted(upstream or [])
+    if tuning is not None:
+        payload["tuning"] = tuning
     return payload
 
 
-def run_key(cfg: RunConfig, upstream: list[str] | None = None) -> str:
+def run_key(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None) -> str:
     """Short stable hash of the run's identity."""
-    blob = json.dumps(identity(cfg, upstream), sort_keys=True, default=str)
+    blob = json.dumps(identity(cfg, upstream, tuning), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -36,6 +36,23 @@ class Recipe:
     """Where `lr` came from, in words (shown by `study plan`)."""
 
 
+PENDING = "pending"
+"""`Tuned.status` of a main run whose variant's tuning has not decided yet."""
+
+
+@dataclass
+class Tuned:
+    """Where a run's peak LR comes from when its experiment declares a tuning stage."""
+
+    multiple: float
+    """The multiple of the recipe's peak LR the run trains at: a tune point's own, or its variant's choice."""
+    status: str
+    """Tune runs: `grid` or `extension` (a point added beyond an edge). Main runs: `interior`, `extended`, `edge`
+    (study.plan.tune) or `pending` (their tuning has not decided yet)."""
+    record: str
+    """The variant's tuning record (`<runs>/<experiment>/_tune/<variant>.json`)."""
+
+
 def batch_layout(global_batch: int, micro_batch: int, world: int, field: str = "train.global_batch") -> tuple[int, int]:
     """(micro batch, accumulation steps) per rank that split `global_batch` sequences over `world` ranks: the
     largest micro batch up to `micro_batch` that divides each rank's share. The global batch is what a step trains

@@ -27,7 +27,8 @@ class RunConfig:
     baseline: str = "conventional"
     """Variant this run is paired against in the report."""
     stage: str = "train"
-    """`train`, `reference` (trains the model a geometry profile is measured on) or `scheduled` (widths from it)."""
+    """`train`, `reference` (trains the model a geometry profile is measured on), `scheduled` (widths from it) or
+    `tune` (a point of a tuning stage's LR grid: never paired in the report)."""
     scale: str = "tiny"
     """Scale preset name."""
     seed: int = 0

@@ -17,7 +17,7 @@ from typing import Any
 
 from study.config.identity import SCHEMA_VERSION
 from study.config.model import upgrade_legacy
-from study.config.recipe import Recipe
+from study.config.recipe import PENDING, Recipe, Tuned
 from study.config.run import RunConfig
 from study.errors import StudyError
 from study.schema import RunDir
@@ -50,8 +50,11 @@ class RunSpec:
     reference_total: int | None = None
     """Every parameter, embeddings included, of the scale's reference model (for the mismatch of the total)."""
     recipe: Recipe | None = None
-    """The resolved training recipe (batch, steps, tokens, LR schedule), the same for every arm of a comparison;
-    the job reads it and never recomputes it."""
+    """The resolved training recipe (batch, steps, tokens, LR schedule), the same for every arm of a comparison
+    unless a declared tuning stage chose the arm's LR; the job reads it and never recomputes it."""
+    tuned: Tuned | None = None
+    """The tuning the run's LR comes from (tune runs and the main runs of an experiment with `tune:`); None when
+    the experiment declares none."""
     schema: int = SCHEMA_VERSION
     """Key and spec schema version."""
 
@@ -88,6 +91,11 @@ class RunSpec:
 
     def tokens(self) -> int:
         return self.planned.tokens
+
+    @property
+    def awaits_tuning(self) -> bool:
+        """A main run whose LR waits for its variant's tune runs."""
+        return self.tuned is not None and self.tuned.status == PENDING
 
     @property
     def planned(self) -> Recipe:

@@ -17,7 +17,7 @@ CHOICES = {
     "train.lr_schedule": ("cosine", "wsd"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "stage": ("train", "reference", "scheduled"),
+    "stage": ("train", "reference", "scheduled", "tune"),
 }
 POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "train.eval_batches",
             "train.ckpt_interval", "train.keep_last", "train.log_interval", "train.eps", "train.gpu_peak_tflops",

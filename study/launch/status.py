@@ -39,7 +39,7 @@ class RunStatus:
     val_loss: float | None
     restarts: int
     verdict: str
-    """One word a person acts on: finished, running, queued, failed, died, not submitted."""
+    """One word a person acts on: finished, running, queued, failed, died, not submitted, waiting for its tuning."""
 
 
 def _verdict(mlflow: str, job_state: str, submitted: bool) -> str:
@@ -88,7 +88,8 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
             int(latest.name.split("_")[-1]) if latest else None,
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
-            _verdict(mlflow, job_state, bool(entry)),
+            "waiting for its tuning" if planned.awaits_tuning and not entry
+            else _verdict(mlflow, job_state, bool(entry)),
         ))
     return out
 

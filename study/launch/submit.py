@@ -1,12 +1,15 @@
 """`study launch`: submit what an experiment still needs, as SLURM job arrays (or local processes), idempotently.
 
 Stages: data preparation (a CPU-only job per shard entry not yet in the cache, so no GPU waits on tokenisation) ->
-training runs (the reference runs among them) -> geometry profiles of finished references -> runs scheduled from
-those profiles, chained with `afterok`. Before anything is submitted every run's spec is written to
-its run directory (`run.json`) and the launch manifest is recorded; each job reads its spec and nothing else. A run
-whose key is FINISHED in MLflow is skipped, and so is one whose job is still pending or running; a failed or vanished
-run is submitted again and resumes from its checkpoint. A relaunch whose overrides change run identities names the
-new runs and asks for `--new-runs` instead of training them silently.
+tune runs (an experiment with `tune:`) -> training runs (the reference runs among them) -> geometry profiles of
+finished references -> runs scheduled from those profiles, chained with `afterok`. Main runs whose LR waits for their
+variant's tuning are submitted by the launch that finds it decided: a local launch launches again when its tune runs
+are done, a SLURM launch leaves a small relaunch job after the tune array (study.plan.tune). Before anything is
+submitted every run's spec is written to its run directory (`run.json`) and the launch manifest is recorded; each
+job reads its spec and nothing else. A run whose key is FINISHED in MLflow is skipped, and so is one whose job is
+still pending or running; a failed or vanished run is submitted again and resumes from its checkpoint. A relaunch
+whose overrides change run identities names the new runs and asks for `--new-runs` instead of training them
+silently.
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.scheduler import ACTIVE, check_slurm, journal, outside_allocation, record, slurm_jobs, slurm_states
 from study.plan.planner import Plan, plan_experiment
+from study.plan.tune import write_record
 from study.schema import submitit_dir
 from study.track.groups import ensure_parents
+from study.track.params import mask_text, redact
 from study.track.query import status_by_key
 
 
 @dataclass
 class Stage:
     name: str
-    """`prepare`, `train`, `profile` or `scheduled`."""
+    """`prepare`, `tune`, `train`, `profile` or `scheduled`."""
     runs: list[RunSpec]
     """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
     after: list[str] = field(default_factory=list)
@@ -76,11 +81,14 @@ def to_submit(plan: Plan) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec]
 
         return not r.config.eval.after_train or evaluated(r)
 
-    train = [r for r in plan.runs if r.stage != "scheduled" and not done(r) and not busy(r.key)]
-    refs = {d for r in plan.runs if r.stage == "scheduled" for d in r.depends_on}
+    tune = [r for r in plan.runs if r.stage == "tune" and not done(r) and not busy(r.key)]
+    # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
+    ready = [r for r in plan.runs if not r.awaits_tuning]
+    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and not done(r) and not busy(r.key)]
+    refs = {d for r in ready if r.stage == "scheduled" for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in plan.runs if r.stage == "scheduled" and not done(r) and not busy(r.key)]
+    scheduled = [r for r in ready if r.stage == "scheduled" and not done(r) and not busy(r.key)]
     prepare = [g for g in missing_groups(train + scheduled) if not busy(g.key)]
     return prepare, train, profile, scheduled, status
 
@@ -136,6 +144,10 @@ def plan_stages(plan: Plan) -> list[Stage]:
     stages = []
     if prepare:
         stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
+    tune = [r for r in train if r.stage == "tune"]
+    if tune:
+        stages.append(Stage("tune", tune))
+    train = [r for r in train if r.stage != "tune"]
     if train:
         stages.append(Stage("train", train))
     if profile:
@@ -158,7 +170,7 @@ def _upstream(stage: str, run: RunSpec) -> list[str]:
         return [run.key]
     if stage == "scheduled":
         return [f"profile:{k}" for k in run.depends_on] + [data]
-    if stage == "train":
+    if stage in ("train", "tune"):
         return [data]
     return []
 
@@ -172,9 +184,12 @@ def write_specs(plan: Plan) -> None:
             if done.key != spec.key:
                 raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {done.key}, not {spec.key}",
                                  "leave run directories as the launcher made them; move the foreign run.json away")
-            if spec.pending is not None and done.pending is None:
+            if spec.pending is not None and done.pending is None and not spec.awaits_tuning:
                 spec = replace(done, config=replace(spec.config, model=done.model))
         write_spec(spec)
+    for t in plan.tunings.values():
+        if t.choices is not None and not t.recorded:  # the choice is made once: later launches read it back
+            write_record(t.record, plan.experiment.tuning.identity(), t.choices)
 
 
 def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: bool = False, echo=print,
@@ -188,10 +203,11 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         check_slurm()
     tracking_uri = plan.runs[0].config.tracking.uri
     last = latest_manifest(_root(plan), experiment, tracking_uri)
-    if extra_seeds is None and last and last.get("extra_seeds") and last["overrides"] == list(overrides):
+    if extra_seeds is None and last and last.get("extra_seeds") and last["overrides"] == redact(list(overrides)):
         # the seeds an adaptive launch added stay part of the experiment when it is relaunched plainly
         plan = plan_experiment(experiment, overrides, last["extra_seeds"])
-    fresh = new_runs([r.key for r in plan.runs], last)
+    # points a tuning adds beyond its grid's edge are new by design: the tune block that decides them is unchanged
+    fresh = new_runs([r.key for r in plan.runs if not (r.tuned and r.tuned.status == "extension")], last)
     if fresh and not new and not dry_run:
         names = ", ".join(f"{r.name} ({r.key})" for r in plan.runs if r.key in fresh)
         raise StudyError("overrides", f"{len(fresh)} of {len(plan.runs)} planned runs of {experiment} are not in its "
@@ -215,7 +231,11 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
     if cluster.name == "local":
-        return _launch_local(plan, stages, echo)
+        done = _launch_local(plan, stages, echo)
+        if any(r.awaits_tuning for r in plan.runs) and any(s.name == "tune" for s in stages):
+            # the tune runs have finished: the next launch finds the choice (or the points beyond an edge)
+            return done + launch(experiment, overrides, echo=echo, new=True, extra_seeds=extra_seeds)
+        return done
     submitted = _live(plan)
     for stage in stages:
         stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
@@ -226,9 +246,43 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
         for line, job in zip(_lines(stage), jobs):
             echo(f"  {job.job_id}  {line}")
+    tune_jobs = [j for s in stages if s.name == "tune" for j in s.job_ids]
+    if tune_jobs and any(r.awaits_tuning for r in plan.runs):
+        _relaunch_after(plan, overrides, tune_jobs, echo)
     if wait:
         follow(plan, echo)
     return stages
+
+
+@dataclass
+class RelaunchJob:
+    """`study launch` again, as a small CPU job after a tune array: it finds each variant's tuning decided (and
+    submits its main runs) or adds the points beyond an edge (and another of itself after them)."""
+
+    experiment: str
+    """Experiment name."""
+    overrides: list[str]
+    """The launch's overrides."""
+
+    def __call__(self) -> int:
+        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True)
+        return 0
+
+
+def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) -> None:
+    from study.launch.scheduler import outside_allocation
+
+    cfg = plan.runs[0].config
+    # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
+    cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
+    ex = _executor(cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
+                   _safe_name(f"{cfg.experiment}-after-tuning"))
+    ex.update_parameters(dependency="afterany:" + ":".join(after))
+    with outside_allocation():
+        job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides)))
+    record(_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
+                                                "scheduler": "slurm", "name": "after tuning", "time": time.time()}])
+    echo(f"stage relaunch: job {job.job_id} (afterany {','.join(after)}) launches the main runs once tuning decides")
 
 
 def _lines(stage: Stage) -> list[str]:
@@ -257,14 +311,15 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
     previous: list[str] = []
     for stage in stages:
-        upstream = {"train": "data", "profile": "reference runs", "scheduled": "profiles"}.get(stage.name)
+        upstream = {"tune": "data", "train": "data", "profile": "reference runs", "scheduled": "profiles"}.get(
+            stage.name)
         after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
         what = "shard entries to tokenise (CPU only)" if stage.name == "prepare" else "runs"
         echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else ""))
         for line in _lines(stage):
             echo(f"  {line}")
-        echo(sbatch_preview(plan, stage.name, len(stage.runs), after) if cluster.name != "local"
+        echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after)) if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
 

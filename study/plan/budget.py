@@ -253,6 +253,8 @@ def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
 
 
 WIDTH_STEP = 8
+MAX_D_MODEL = 65_536
+"""Widest residual stream the width strategy solves for."""
 """`width` solves d_model in steps of this many units (the hourglass release's widths 2496, 3696, 4992 are such)."""
 
 
@@ -261,13 +263,15 @@ def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     is set apart from d_model, as in the revised hourglass paper and its release."""
     hd = cfg.dim_head
     best, best_gap = None, None
-    for d in range(WIDTH_STEP, 65_536 + 1, WIDTH_STEP):
+    for d in range(WIDTH_STEP, MAX_D_MODEL + 1, WIDTH_STEP):
         trial = replace(cfg, d_model=d, head_dim=hd)
         gap = abs(count_params(_with_target_widths(trial), mode).counted - budget)
         if best_gap is not None and gap > best_gap:
-            break
+            return best
         best, best_gap = trial, gap
-    return best
+    raise StudyError("budget.target", f"meeting the budget {budget:,} by width takes d_model past {MAX_D_MODEL:,}",
+                     "use a budget near the scale's own (budget.target=0 is its reference model's count) or a "
+                     "larger scale")
 
 
 def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:

@@ -9,10 +9,11 @@ from typing import Any
 
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.errors import StudyError
+from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
-        "decision")
+        "decision", "tune")
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Experiment:
     """One line for the plan's title."""
     published: Published | None = None
     """The papers' reported figures (the `published:` block); the report compares their deltas with ours."""
+    tuning: Tuning | None = None
+    """The declared tuning stage (`tune:`): each variant's peak LR chosen from tune runs (study.plan.tune)."""
     decision: dict[str, Any] = field(default_factory=dict)
     """How the report decides (analysis.decide.DecisionRule): primary metric, equivalence margin, alpha, power,
     prior sd of paired deltas for planning."""
@@ -179,8 +182,8 @@ def _grid_variants(grid: Any) -> list[Variant]:
 
 
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
-         "reference": (dict,), "grid": (dict,), "common": (dict,), "published": (dict,),
-         "decision": (dict,)}
+         "reference": (dict,), "grid": (dict,), "common": (dict,), "at": (dict,), "published": (dict,),
+         "decision": (dict,), "tune": (dict,)}
 
 
 def _check_types(name: str, raw: dict) -> None:
@@ -271,8 +274,10 @@ def load_experiment(name: str) -> Experiment:
     from study.config.decision import DecisionRule
 
     DecisionRule.from_mapping(decision, f"{name}.yaml: decision")  # refused here, before anything is planned
+    tuning = (parse_tuning(OmegaConf.to_container(raw.tune), f"{name}.yaml: tune", lambda s: group_file("scale", s))
+              if raw.get("tune") is not None else None)
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
-                      raw.get("description", ""), published, decision)
+                      raw.get("description", ""), published, tuning, decision)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
 from study.config.identity import run_key
 from study.config.run import RunConfig, run_name
+from study.config.recipe import PENDING, Tuned
 from study.config.spec import RunSpec
 from study.errors import StudyError
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
 from study.plan.recipe import resolve_recipe
+from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, choose, grid_with_extensions, read_record, \
+    record_path, transfer
 from study.schema import RunDir
 
 OWNED = ("experiment", "variant", "scale", "seed", "baseline", "stage")
@@ -33,6 +37,28 @@ class Plan:
     """The command-line overrides the plan was made with (the launch manifest records them)."""
     extra_seeds: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     """Seeds added beyond the experiment file's, per scale and variant (an adaptive launch's)."""
+    tunings: dict[str, VariantTuning] = field(default_factory=dict)
+    """Each tuned variant's tune runs and choice (experiments with `tune:`)."""
+
+
+@dataclass
+class VariantTuning:
+    """One variant's tuning stage as planned: its tune runs and, once they decide, its choice per tune scale."""
+
+    variant: str
+    """The variant tuned."""
+    record: Path
+    """Where its choices are recorded, once."""
+    runs: list[RunSpec]
+    """Its tune runs: every grid point (and extension) x tune seed at every tune scale."""
+    choices: dict[str, Choice] | None
+    """Tune scale -> the choice; None while a tune run it needs has not finished."""
+    rule_lr: dict[str, float]
+    """Tune scale -> the recipe's peak LR there (what the multiples multiply)."""
+    budgets: dict[str, int]
+    """Tune scale -> its budget (for fitting the optimum against N)."""
+    recorded: bool = False
+    """The choices were read from the record (else a launch writes them there)."""
 
     def as_json(self) -> dict[str, Any]:
         return {"experiment": self.experiment.name, "baseline": self.experiment.baseline,
@@ -61,6 +87,7 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
         "pending": spec.pending, "depends_on": spec.depends_on,
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
         **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
+        "tuned": asdict(spec.tuned) if spec.tuned is not None else None,
         "init": {"rule": m.init_rule, "std": m.init_std, **({"depth": m.init_depth} if m.init_rule == "depth_scaled"
                                                             else {})},
     }
@@ -160,6 +187,8 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
     exp = load_experiment(name)
     _check_unique(exp)
     ov, per_variant = experiment_overrides(exp, list(overrides or []))
+    tunings = plan_tunings(exp, ov, per_variant) if exp.tuning else {}
+    tuning_id = exp.tuning.identity() if exp.tuning else None
     runs: list[RunSpec] = []
     for scale in exp.scales:
         reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
@@ -181,14 +210,109 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                 is_ref = exp.reference == (variant.name, seed)
                 cfg = replace(base, seed=seed, stage="reference" if is_ref else ("scheduled" if scheduled else "train"))
                 if not scheduled:
-                    runs.append(make_spec(cfg, run_key(cfg), matched, reference))
+                    runs.append(make_spec(cfg, run_key(cfg, tuning=tuning_id), matched, reference))
                     continue
                 profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
-                spec = make_spec(cfg, run_key(cfg, [ref_key]), None, reference, [ref_key], str(profile),
+                spec = make_spec(cfg, run_key(cfg, [ref_key], tuning_id), None, reference, [ref_key], str(profile),
                                  f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
                 runs.append(complete_spec(spec) if profile.is_file() else spec)
+    if exp.tuning:
+        runs = [r for t in tunings.values() for r in t.runs] + [_with_tuning(r, exp, tunings) for r in runs]
     _check_distinct(name, runs)
-    return Plan(exp, runs, list(overrides or []), extra_seeds or {})
+    return Plan(exp, runs, list(overrides or []), extra_seeds or {}, tunings)
+
+
+def _tuned_variant(exp: Experiment, variant: str, scheduled: bool) -> str:
+    """Whose tuning a variant's LR comes from: its own; a geometry-scheduled variant's is its reference variant's
+    (its tune runs would need a profile of their own at the tune scale)."""
+    return exp.reference[0] if scheduled and exp.reference else variant
+
+
+def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str, Any]]) -> dict[str, VariantTuning]:
+    """Every tuned variant's tune runs, and its choice when they have all finished (or as recorded)."""
+    tuning = exp.tuning
+    out: dict[str, VariantTuning] = {}
+    for variant in exp.variants:
+        tuned_runs: list[RunSpec] = []
+        choices: dict[str, Choice] = {}
+        rule_lr: dict[str, float] = {}
+        budgets: dict[str, int] = {}
+        record = None
+        for scale in tuning.scales:
+            reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
+            base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
+            if base.model.ffn.schedule.family == "geometry":
+                break  # it takes its reference variant's tuning (_tuned_variant)
+            record = tune_record(base.paths.runs, exp.name, variant.name)
+            matched = match_run(base)
+            rule = resolve_recipe(base, base.budget.target)
+            rule_lr[scale], budgets[scale] = rule.lr, base.budget.target
+            specs: dict[tuple[float, int], RunSpec] = {}
+
+            def tune_spec(multiple: float, seed: int, extension: bool) -> RunSpec:
+                cfg = replace(base, seed=seed, stage="tune", eval=replace(base.eval, after_train=False),
+                              train=replace(base.train, lr=float(f"{multiple * rule.lr:.6g}")))
+                spec = make_spec(cfg, run_key(cfg), matched, reference)
+                return replace(spec, name=f"{spec.name}-lr{multiple:g}",
+                               tuned=Tuned(multiple, "extension" if extension else "grid", str(record)))
+
+            results: dict[float, Point] = {}
+            while True:
+                points, decided = grid_with_extensions(tuning, results)
+                for p in points:
+                    for i, seed in enumerate(tuning.seeds):
+                        if (p.multiple, seed) not in specs:
+                            specs[p.multiple, seed] = tune_spec(p.multiple, seed, p.extension)
+                        p.losses[i] = finished_loss(specs[p.multiple, seed])
+                fresh = {p.multiple: p for p in points}
+                if decided or fresh.keys() == results.keys() and all(
+                        fresh[m].losses == results[m].losses for m in fresh):
+                    break
+                results = fresh
+            tuned_runs += [specs[p.multiple, seed] for p in points for seed in tuning.seeds]
+            if decided:
+                choices[scale] = choose(points, any(p.extension for p in points))
+        if record is None:
+            continue
+        recorded = read_record(record, tuning.identity())
+        if recorded is not None:
+            choices = {s: Choice(c["multiple"], c["status"], c["best"]) for s, c in recorded["scales"].items()}
+        out[variant.name] = VariantTuning(variant.name, record, tuned_runs,
+                                          choices if len(choices) == len(tuning.scales) else None, rule_lr, budgets,
+                                          recorded is not None)
+    return out
+
+
+def finished_loss(spec: RunSpec) -> float | None:
+    """A finished run's final validation loss, from its run directory (None until it finished)."""
+    import json
+
+    path = spec.run_dir.result
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return float(result["val_loss"]) if result.get("run_key") == spec.key else None
+
+
+def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTuning]) -> RunSpec:
+    """A main run with the peak LR its variant's tuning chose, or marked as waiting for it."""
+    t = tunings[_tuned_variant(exp, spec.config.variant, spec.stage == "scheduled")]
+    if t.choices is None:
+        done = sum(finished_loss(r) is not None for r in t.runs)
+        return replace(spec, tuned=Tuned(0.0, PENDING, str(t.record)),
+                       pending=spec.pending or f"tuning of {t.variant} ({done} of {len(t.runs)} tune runs finished)")
+    tuned_lr = {s: (c.multiple, c.multiple * t.rule_lr[s]) for s, c in t.choices.items()}
+    lr, how = transfer(tuned_lr, t.budgets, spec.config.scale, spec.planned.lr)
+    statuses = {c.status for c in t.choices.values()}
+    status = EDGE if EDGE in statuses else EXTENDED if EXTENDED in statuses else INTERIOR
+    t_cfg = spec.config.train
+    recipe = replace(spec.planned, lr=lr, final_lr=min(lr, t_cfg.final_lr or t_cfg.min_lr_ratio * lr), lr_rule=how)
+    return replace(spec, recipe=recipe, tuned=Tuned(float(f"{lr / spec.planned.lr:.6g}"), status, str(t.record)))
+
+
+def tune_record(runs_root: str, experiment: str, variant: str) -> Path:
+    return record_path(runs_root, experiment, variant)
 
 
 def _check_distinct(name: str, runs: list[RunSpec]) -> None:
@@ -224,7 +348,9 @@ def select_run(items: list[str]) -> RunSpec:
     rest = [i for i in items if i.split("=", 1)[0] not in selectors]
     plan = plan_experiment(name, rest)
     wanted = {k: v for k, v in picked.items() if k != "experiment"}
-    found = [r for r in plan.runs if all(str(getattr(r.config, k)) == v for k, v in wanted.items())]
+    # tune runs share their variant, scale and seed with a main run: launches train them, never `study train`
+    found = [r for r in plan.runs if r.stage != "tune" and all(str(getattr(r.config, k)) == v
+                                                              for k, v in wanted.items())]
     if len(found) != 1:
         choices = sorted({f"variant={r.config.variant} scale={r.config.scale} seed={r.config.seed}" for r in plan.runs})
         raise StudyError("variant/scale/seed", f"{len(found)} runs of experiment {name} match "

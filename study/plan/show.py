@@ -94,7 +94,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
             f"{run.planned.max_steps:,}", fmt_tokens(run.planned.tokens),
-            f"{run.planned.lr:.3g}/{run.planned.final_lr:.2g}", f"{run.planned.warmup_steps:,}",
+            "tuning" if run.awaits_tuning else f"{run.planned.lr:.3g}/{run.planned.final_lr:.2g}",
+            f"{run.planned.warmup_steps:,}",
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
@@ -109,8 +110,15 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
                   f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
     for run in plan.runs:
         if run.pending:
-            console.print(f"{run.name} ({run.key}): widths wait for the {run.pending}")
+            console.print(f"{run.name} ({run.key}): waits for the {run.pending}")
             break
+    for t in plan.tunings.values():
+        if t.choices is None:
+            continue
+        chosen = ", ".join(f"x{c.multiple:g} at {s} ({c.status})" for s, c in t.choices.items())
+        console.print(f"tuning of {t.variant}: {chosen} of the recipe's LR; other scales take it as a multiple of "
+                      "their own LR rule" if len(t.choices) == 1 else f"tuning of {t.variant}: {chosen}; log LR* "
+                      "is fitted against log N for the other scales")
     if power:
         console.print(_power_table(plan, power, note))
 

@@ -15,6 +15,11 @@ def run_tags(spec: RunSpec) -> dict[str, str]:
     tags = {schema.TAG_RUN_KEY: spec.key, schema.TAG_EXPERIMENT: cfg.experiment, schema.TAG_VARIANT: cfg.variant,
             schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_STAGE: cfg.stage,
             schema.TAG_BASELINE: cfg.baseline, schema.TAG_KEY_SCHEMA: str(SCHEMA_VERSION)}
+    tags[schema.TAG_LR_SOURCE] = "tune" if spec.tuned is not None else "recipe"
+    if spec.tuned is not None:
+        tags[schema.TAG_TUNE_MULTIPLE] = f"{spec.tuned.multiple:g}"
+        if cfg.stage != "tune":
+            tags[schema.TAG_TUNE_STATUS] = spec.tuned.status
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
     if job:

@@ -122,6 +122,10 @@ def compute_dtype(cfg: RunConfig, d: Dist) -> str:
 def train(spec: RunSpec) -> Outcome:
     """Train (or resume) the run the spec describes, holding its run directory's lease. Collective when world
     size > 1."""
+    if spec.awaits_tuning:
+        raise StudyError("tune", f"run {spec.name} ({spec.key}) trains at the LR its variant's tuning chooses, which "
+                         f"has not decided yet ({spec.pending})", f"launch the experiment (study launch "
+                         f"{spec.config.experiment}): it trains the tune runs first, then this one")
     d = setup(spec.config.train.device)
     rdir = spec.run_dir.path
     if d.is_main:

@@ -27,7 +27,7 @@ def open_tracker(spec: RunSpec, d: Dist, data):
     params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
-                          "ffn_widths": m.ffn.widths}
+                          "ffn_widths": m.ffn.widths, "flops_per_token": spec.flops_per_token}
     # the recipe as planned: a resume on another world size splits the same global batch, so its params stay valid
     params["recipe"] = {k: v for k, v in asdict(spec.planned).items() if k not in ("micro_batch", "grad_accum",
                                                                                    "world_size")}
