@@ -293,3 +293,32 @@ def test_the_hourglass_arm_reallocates_into_width_at_every_scale(experiment):
         assert all(0.78 <= w / m.d_model <= 0.82 for l in range(m.n_layers) for w in m.sub_widths(l)), r.name
         assert abs(r.mismatch) <= r.config.budget.tolerance
     assert "hourglass_depth" not in {r.config.variant for r in runs}
+
+
+def test_init_and_data_order_seeds_can_be_set_apart_and_default_to_the_seed(workdir):
+    """`init_seed` fixes the initial weights and `data_seed` the batches, each defaulting to `seed`: a run that sets
+    both to the seed is the plain run (same key), and each one alone changes exactly its own source."""
+    import torch
+
+    from study.data import prepare_data
+    from study.train.distributed import Dist
+    from study.train.loop import batch_stream
+
+    plain = select_run([*TINY, "experiment=unit", "seed=1"])
+    assert select_run([*TINY, "experiment=unit", "seed=1", "init_seed=null", "data_seed=null"]).key == plain.key
+    same_init = select_run([*TINY, "experiment=unit", "seed=1", "data_seed=5"])
+    same_data = select_run([*TINY, "experiment=unit", "seed=1", "init_seed=5"])
+    assert len({plain.key, same_init.key, same_data.key}) == 3
+
+    def weights(spec):
+        model = build_model(spec.model, "cpu", seed=spec.config.weights_seed)
+        return model.state_dict()["layers.0.ffn_sublayer.fn.w1.weight"]
+
+    def first_batch(spec):
+        data = prepare_data(spec.config.data)
+        with batch_stream(spec, data, Dist(0, 1, 0, "cpu"), 0) as stream:
+            return next(stream)[0][0]
+
+    assert torch.equal(weights(plain), weights(same_init)) and not torch.equal(weights(plain), weights(same_data))
+    assert torch.equal(first_batch(plain), first_batch(same_data))
+    assert not torch.equal(first_batch(plain), first_batch(same_init))

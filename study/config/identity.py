@@ -37,6 +37,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "stage": (OUT, "a role in the pipeline (a reference is an ordinary trained run)"),
     "scale": (OUT, "a label; the shape it selects is hashed through the model fields"),
     "seed": (KEY, "initialisation and data order"),
+    "init_seed": (KEY, "the initial weights"),
+    "data_seed": (KEY, "the data order"),
     "model": (KEY, "the architecture and its declared shape"),
     "budget.mode": (KEY, "what the budget counts: decides the matched shape"),
     "budget.match": (KEY, "which dimension is solved: decides the matched shape"),
@@ -114,7 +116,7 @@ SCHEDULE = "model.ffn.schedule."
 FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
-ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "model.init", "model.init_depth", "model.qk_norm",
+ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data_seed", "model.init", "model.init_depth", "model.qk_norm",
                    "train.final_lr", "train.qk_norm_decay",
                    *("model.rope_scaling." + f for f in ("factor", "low_freq_factor", "high_freq_factor",
                                                          "original_max_seq_len")),

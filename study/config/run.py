@@ -32,7 +32,23 @@ class RunConfig:
     scale: str = "tiny"
     """Scale preset name."""
     seed: int = 0
-    """Initialisation and data-order seed; runs sharing scale and seed are paired."""
+    """The run's seed: runs sharing scale and seed are paired; it seeds initialisation and data order unless
+    init_seed or data_seed set them apart."""
+    init_seed: int | None = None
+    """Seed of the weight initialisation; None means `seed`. Set apart from data_seed, a study can vary the two
+    sources of seed variance separately (Bouthillier et al. 2021)."""
+    data_seed: int | None = None
+    """Seed of the training data order; None means `seed`."""
+
+    @property
+    def weights_seed(self) -> int:
+        """The seed the initial weights are drawn from."""
+        return self.seed if self.init_seed is None else self.init_seed
+
+    @property
+    def order_seed(self) -> int:
+        """The seed of the order the training windows are visited in."""
+        return self.seed if self.data_seed is None else self.data_seed
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture."""
     budget: BudgetConfig = field(default_factory=BudgetConfig)

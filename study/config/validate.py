@@ -109,6 +109,9 @@ def validate_run(cfg: RunConfig) -> None:
     for name in NON_NEGATIVE:
         if _get(cfg, name) < 0:
             raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0")
+    for name in ("init_seed", "data_seed"):
+        if _get(cfg, name) is not None and _get(cfg, name) < 0:
+            raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0, or null for `seed`")
     for name, bound in AT_MOST.items():
         if _get(cfg, name) > bound:
             raise StudyError(name, f"must be at most {bound}, got {_get(cfg, name)}", f"use a value <= {bound}")

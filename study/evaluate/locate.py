@@ -102,7 +102,7 @@ def load_trained_model(spec: RunSpec, device: str = "cpu", ckpt: Path | None = N
     ckpt = ckpt or checkpoint.latest(spec.run_dir.path)
     if ckpt is None:
         raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint yet", "train it first (study train/launch)")
-    model = build_model(spec.model, device, seed=spec.config.seed)
+    model = build_model(spec.model, device, seed=spec.config.weights_seed)
     checkpoint.load_model_weights(ckpt, model)
     return model.eval(), ckpt
 

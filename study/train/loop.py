@@ -62,7 +62,8 @@ def batch_stream(spec: RunSpec, data, d: Dist, start: int):
     from study.data import BatchStream
 
     micro, accum = layout(spec, d)
-    return BatchStream(data.train, data.seq_len, spec.config.seed, micro, accum, d.rank, d.world_size, start, d.device)
+    return BatchStream(data.train, data.seq_len, spec.config.order_seed, micro, accum, d.rank, d.world_size, start,
+                       d.device)
 
 
 def layout(spec: RunSpec, d: Dist) -> tuple[int, int]:
@@ -192,8 +193,8 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
 
     if not d.device.startswith("cuda"):
         _keep_freed_memory()
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, d.device, seed=cfg.seed)
+    torch.manual_seed(cfg.weights_seed)
+    model = build_model(model_cfg, d.device, seed=cfg.weights_seed)
     if d.world_size > 1:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
