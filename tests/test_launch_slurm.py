@@ -135,7 +135,7 @@ def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
     states = wait_jobs(job_ids(stages))
     assert set(states.values()) == {"COMPLETED"}, states
     (run,) = mlflow_runs(name)
-    assert run.info.status == "FINISHED" and run.data.params["resolved.world_size"] == "2"
+    assert run.info.status == "FINISHED" and run.data.tags["study.world_size"] == "2"
 
 
 def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):

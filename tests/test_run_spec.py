@@ -161,8 +161,9 @@ def test_an_adhoc_run_is_named_after_its_presets():
     spec = plan_adhoc(["scale=113M", "model=hourglass_depth", "seed=5"])
     assert spec.name == "hourglass_depth-113M-s5" and spec.model.d_model == 768 and spec.config.seed == 5
     assert spec.model.ffn.kind == "hourglass" and abs(spec.mismatch) <= 1e-5 and spec.model.n_layers == 22
-    width = plan_adhoc(["scale=113M", "model=hourglass", "model.n_layers=6"])  # attention kept, d_model solved
-    assert (width.model.d_model, width.model.n_heads * width.model.dim_head) == (1248, 768)
+    width = plan_adhoc(["scale=113M", "model=hourglass"])  # the scale's L and attention kept, d_model solved
+    assert (width.model.n_layers, width.model.n_heads * width.model.dim_head) == (12, 768)
+    assert width.model.d_model == 848 and abs(width.mismatch) <= 1e-5
 
 
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):

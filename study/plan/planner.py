@@ -40,6 +40,13 @@ class Plan:
     tunings: dict[str, VariantTuning] = field(default_factory=dict)
     """Each tuned variant's tune runs and choice (experiments with `tune:`)."""
 
+    def as_json(self) -> dict[str, Any]:
+        return {"experiment": self.experiment.name, "baseline": self.experiment.baseline,
+                "overrides": self.overrides, "runs": [spec_json(r) for r in self.runs],
+                "tunings": {v: {"record": str(t.record), "choices": None if t.choices is None else
+                                {s: {"multiple": c.multiple, "status": c.status, "best": c.best}
+                                 for s, c in t.choices.items()}} for v, t in self.tunings.items()}}
+
 
 @dataclass
 class VariantTuning:
@@ -59,10 +66,6 @@ class VariantTuning:
     """Tune scale -> its budget (for fitting the optimum against N)."""
     recorded: bool = False
     """The choices were read from the record (else a launch writes them there)."""
-
-    def as_json(self) -> dict[str, Any]:
-        return {"experiment": self.experiment.name, "baseline": self.experiment.baseline,
-                "overrides": self.overrides, "runs": [spec_json(r) for r in self.runs]}
 
 
 def spec_json(spec: RunSpec) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from study import schema
 from study.config.spec import RunSpec
 from study.train.distributed import Dist
 
@@ -32,7 +33,8 @@ def open_tracker(spec: RunSpec, d: Dist, data):
     params["recipe"] = {k: v for k, v in asdict(spec.planned).items() if k not in ("micro_batch", "grad_accum",
                                                                                    "world_size")}
     params["params"] = spec.params
-    tags = {**run_tags(spec), **lineage.source_tags(), lineage.DESCRIPTION: lineage.description(spec)}
+    tags = {**run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
+            lineage.DESCRIPTION: lineage.description(spec)}
     tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
                            cfg=cfg.tracking, log_path=spec.run_dir.metrics,
                            system_metrics=cfg.tracking.system_metrics_s > 0)
