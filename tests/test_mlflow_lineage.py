@@ -79,7 +79,9 @@ def test_each_run_records_its_data_code_description_tokenizer_log_and_system_met
         tags = run.data.tags
         assert tags["mlflow.source.git.commit"] == commit and tags["mlflow.source.type"] == "JOB"
         note = tags["mlflow.note.content"]
-        assert note.startswith(f"{tags['study.variant']} at tiny, seed {tags['study.seed']}: llama L2 d_model=64")
+        d_model = run.data.params["resolved.d_model"]  # the matched width (the hourglass arm solves its own)
+        assert note.startswith(f"{tags['study.variant']} at tiny, seed {tags['study.seed']}: llama L2 d_model={d_model}")
+        assert d_model == ("64" if tags["study.variant"] == "conventional" else "56")
         (inp,) = run.inputs.dataset_inputs
         shards = Path(json.loads(inp.dataset.source)["shards"])
         meta = json.loads((shards / "meta.json").read_text())
