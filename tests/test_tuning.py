@@ -160,3 +160,16 @@ def test_a_local_launch_tunes_first_and_trains_each_variant_at_its_own_best_lr(w
     again: list[str] = []
     assert launch("tuned", ["cluster=local"], echo=again.append) == []
     assert "nothing to submit" in again[-1]
+
+
+def test_seeds_an_adaptive_launch_adds_go_to_main_runs_never_to_tune_runs(workdir, monkeypatch):
+    from slurm_helpers import private_sweeps
+
+    from study.plan.planner import plan_experiment
+
+    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, "tuned", **TUNED)))
+    plain = plan_experiment("tuned")
+    more = plan_experiment("tuned", extra_seeds={"tiny": {"slow": [3, 4]}})
+    tune = sorted(r.key for r in plain.runs if r.stage == "tune")
+    assert sorted(r.key for r in more.runs if r.stage == "tune") == tune
+    assert sorted(r.config.seed for r in more.runs if r.stage != "tune" and r.config.variant == "slow") == [0, 3, 4]
