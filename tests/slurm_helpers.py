@@ -40,7 +40,7 @@ def private_sweeps(tmp: Path, name: str = "small", **changes) -> Path:
 
 
 def wait_jobs(job_ids: list[str], timeout: float = 600) -> dict[str, str]:
-    from study.launch.submit import ACTIVE, slurm_states
+    from study.launch.scheduler import ACTIVE, slurm_states
 
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -49,6 +49,19 @@ def wait_jobs(job_ids: list[str], timeout: float = 600) -> dict[str, str]:
             return states
         time.sleep(2)
     raise TimeoutError(f"jobs {job_ids} still active: {slurm_states(job_ids)}")
+
+
+def sacct_state(job_id: str, expect: str, timeout: float = 30) -> str:
+    """A plain job's state in SLURM's accounting (`CANCELLED by 0` reads CANCELLED), read until it is `expect` or the
+    timeout has passed: sacct lags squeue by a moment."""
+    deadline = time.time() + timeout
+    while True:
+        out = subprocess.run(["sacct", "-n", "-P", "-X", "--format=State", "-j", job_id], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        state = out[0] if out else "UNKNOWN"
+        if state == expect or time.time() > deadline:
+            return state
+        time.sleep(0.5)
 
 
 def slurm_available() -> bool:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import TRAINING_RUNS
-from slurm_helpers import SMALL, private_sweeps, slurm_available, wait_jobs
+from slurm_helpers import SMALL, private_sweeps, sacct_state, slurm_available, wait_jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"),
               pytest.mark.skipif(not slurm_available(), reason="no SLURM cluster: run `eval \"$(slurm/local/up)\"`")]
@@ -224,3 +224,144 @@ def test_missing_shards_are_tokenised_by_a_cpu_job_that_training_waits_for(workd
         (entry / "tokenizer.json").read_bytes()
     assert [r.info.status for r in mlflow_runs(name)] == ["FINISHED"]
     assert launch(name, over, echo=lambda m: None) == []  # shards present, run finished: nothing to submit
+
+
+@pytest.fixture
+def held_jobs(workdir, monkeypatch):
+    """Every job the test submits is held (`sbatch --hold`: SLURM 22.05's sbatch reads no SBATCH_HOLD), so nothing
+    trains, the point being the queue; the job ids the test adds to the list are cancelled at the end."""
+    import shutil
+
+    shim = workdir / "held-bin"
+    shim.mkdir()
+    (shim / "sbatch").write_text(f'#!/bin/sh\nexec {shutil.which("sbatch")} --hold "$@"\n')
+    (shim / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+
+
+def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.5)
+
+
+def test_a_job_whose_prepare_job_was_cancelled_is_stuck_and_a_relaunch_replaces_it(workdir, cluster_env, held_jobs):
+    from study.launch.scheduler import STUCK, slurm_states
+    from study.launch.status import experiment_status
+    from study.launch.submit import launch
+
+    name = "stuck" + cluster_env
+    common = {**SMALL["common"], "data": {**SMALL["common"]["data"], "cache_dir": str(workdir / "cache")}}
+    private_sweeps(workdir, name, common=common, variants={"conventional": {"model": "conventional"}})
+    over = ["cluster=slurm"]
+    first = launch(name, over, echo=lambda m: None)
+    held_jobs += job_ids(first)
+    (prepare,), (train,) = first[0].job_ids, first[1].job_ids
+    (run,) = first[1].runs
+    subprocess.run(["scancel", prepare], check=True)
+    subprocess.run(["scontrol", "release", train], check=True)  # free to start, but what it waits for is gone
+    _until(lambda: slurm_states([train])[train] == STUCK, 60, "SLURM finds the dependency never satisfied")
+
+    (row,) = experiment_status(name, over)
+    assert (row.job_id, row.job_state, row.verdict) == (train, STUCK, "stuck (a job it waits for failed or was "
+                                                        "cancelled, so it never starts; `study launch` resubmits it)")
+
+    said: list[str] = []
+    again = launch(name, over, echo=said.append)
+    held_jobs += job_ids(again)
+    assert said[0] == (f"cancelled 1 job that could never start (a job each waits for failed or was cancelled): "
+                       f"{train} {run.name} ({run.key}); what they were to do is submitted again")
+    assert sacct_state(train, "CANCELLED") == "CANCELLED"
+    assert [s.name for s in again] == ["prepare", "train"] and again[1].after == again[0].job_ids
+    assert again[1].job_ids != [train] and [r.key for r in again[1].runs] == [run.key]
+
+
+def test_new_runs_cancels_the_queued_jobs_of_runs_an_edited_experiment_no_longer_has(workdir, cluster_env,
+                                                                                        held_jobs):
+    from study.launch.submit import launch
+
+    name = "edited" + cluster_env
+    variants = {"conventional": {"model": "conventional"}}
+    private_sweeps(workdir, name, variants=variants, seeds=[0])
+    over = ["cluster=slurm"]
+    first = launch(name, over, echo=lambda m: None)
+    held_jobs += job_ids(first)
+    (old,), (old_run,) = first[-1].job_ids, first[-1].runs
+
+    private_sweeps(workdir, name, variants=variants, seeds=[1])  # the edit: seed 0 becomes seed 1
+    said: list[str] = []
+    again = launch(name, over, echo=said.append, new=True)
+    held_jobs += job_ids(again)
+    assert said[0] == (f"cancelled 1 queued job of runs no longer planned (the experiment file or the overrides "
+                       f"changed): {old} {old_run.name} ({old_run.key})")
+    assert sacct_state(old, "CANCELLED") == "CANCELLED"
+    (new,), (new_run,) = again[-1].job_ids, again[-1].runs
+    assert new != old and new_run.name == old_run.name.replace("-s0", "-s1")
+
+
+def test_a_local_launch_skips_the_runs_queued_on_slurm_saying_so(workdir, cluster_env, held_jobs):
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
+
+    name = "queued" + cluster_env
+    private_sweeps(workdir, name)
+    queued = launch(name, ["cluster=slurm"], echo=lambda m: None)
+    held_jobs += job_ids(queued)
+    train = queued[-1]
+    said: list[str] = []
+    assert launch(name, ["cluster=local"], echo=said.append) == []
+    jobs = journal(workdir / "runs", name)
+    assert said == [f"skipped {r.name} ({r.key}): SLURM job {jobs[r.key]['job_id']} is PENDING; it is not submitted "
+                    "twice" for r in train.runs] + [f"{name}: nothing to submit, every planned run is finished or in "
+                                                    "the queue"]
+
+
+def test_a_slurm_launch_skips_a_run_a_live_local_process_trains_saying_so(workdir, cluster_env, held_jobs):
+    import signal
+    import socket
+    import sys
+
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+    from study.train.lease import Lease, held_by
+
+    name = "shared" + cluster_env
+    # long enough (400 steps of 0.5 s) that the run is still training when the launcher is stopped
+    common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "max_steps": 400},
+              "faults": {"sleep_per_step": 0.5}}
+    private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}}, common=common)
+    (run,) = plan_experiment(name, ["cluster=local"]).runs
+    log = (workdir / "local.log").open("w")
+    local = subprocess.Popen([sys.executable, "-m", "study.cli", "launch", name, "cluster=local"], cwd=workdir,
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # past its first step, so its signal handlers are in place when the launcher is stopped below
+        _until(lambda: run.run_dir.progress.is_file(), 300, "the local launch starts training")
+        said: list[str] = []
+        assert launch(name, ["cluster=slurm"], echo=said.append) == []
+        pid = journal(workdir / "runs", name)[run.key]["job_id"]
+        assert said == [f"skipped {run.name} ({run.key}): local process {pid} on {socket.gethostname()} runs it; "
+                        "it is not submitted twice",
+                        f"{name}: nothing to submit, every planned run is finished or in the queue"]
+    finally:
+        local.send_signal(signal.SIGTERM)  # it checkpoints its run and stops
+        local.wait(timeout=300)
+    assert local.returncode == 128 + signal.SIGTERM, (workdir / "local.log").read_text()[-2000:]
+    _until(lambda: held_by(run.run_dir.path) is None, 60, "the stopped run's lease is released")
+
+    lease = Lease(run.run_dir.path)  # `study train` by hand, say: no journal knows it
+    assert lease.try_acquire()
+    try:
+        said = []
+        assert launch(name, ["cluster=slurm"], echo=said.append) == []
+    finally:
+        lease.release()
+    assert said == [f"skipped {run.name} ({run.key}): a live process ({socket.gethostname()} {os.getpid()}) holds its "
+                    "run directory's lease; it is not submitted twice",
+                    f"{name}: nothing to submit, every planned run is finished or in the queue"]

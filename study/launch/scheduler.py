@@ -1,10 +1,12 @@
-"""What the scheduler knows: SLURM job states (squeue, then sacct), whether SLURM is reachable, and the job journal
-(<runs>/<experiment>/_launch/jobs.jsonl: every submission, so `study status` can name a run's job)."""
+"""What the scheduler knows: SLURM job states (squeue, then sacct), whether SLURM is reachable, whether a local job's
+process still runs, and the job journal (<runs>/<experiment>/_launch/jobs.jsonl: every submission with the jobs it
+waits for, so `study status` can name a run's job and a launch can tell a job that will never start)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +20,11 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
 
 DEAD = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
         "VANISHED"}
+
+STUCK = "DEPENDENCY_NEVER_SATISFIED"
+"""Not a SLURM state: a job PENDING that can never start. SLURM gives it the reason `DependencyNeverSatisfied` when a
+job it waits for (afterok) failed or was cancelled; a job pending behind a stuck one keeps the reason `Dependency`,
+yet it is stuck too. A relaunch cancels such jobs and submits their runs again."""
 
 
 @contextmanager
@@ -36,7 +43,8 @@ def outside_allocation():
 
 
 def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
-    """Latest submission per run key (and per `profile:<key>`)."""
+    """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
+    name, the job ids it waits for (`after`) and the launcher's host."""
     path = launch_dir(runs_root, experiment) / "jobs.jsonl"
     out: dict[str, dict] = {}
     if path.is_file():
@@ -57,11 +65,6 @@ def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
             f.write(json.dumps(e) + "\n")
 
 
-def slurm_jobs(runs_root: str | Path, experiment: str) -> dict[str, str]:
-    """SLURM job id per submitted key (`<run key>` or `profile:<run key>`), from the journal."""
-    return {k: e["job_id"] for k, e in journal(runs_root, experiment).items() if e.get("scheduler") == "slurm"}
-
-
 def _scheduler_lines(cmd: list[str]) -> list[str]:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -72,22 +75,64 @@ def _scheduler_lines(cmd: list[str]) -> list[str]:
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
     """State per job id (array tasks as `<job>_<task>`): squeue for live jobs (sacct can lag behind a submission),
-    sacct for finished ones; `VANISHED` when neither knows the job."""
+    sacct for finished ones; `VANISHED` when neither knows the job, STUCK for a pending job whose dependency SLURM
+    found can never be satisfied."""
     if not job_ids:
         return {}
     bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))
-    lines = _scheduler_lines(["sacct", "-n", "-P", "-X", "--format=JobID,State", "-j", bases])
-    lines += _scheduler_lines(["squeue", "-h", "-o", "%i|%T", "-j", bases])
+    lines = _scheduler_lines(["sacct", "-n", "-P", "-X", "--format=JobID,State,Reason", "-j", bases])
+    lines += _scheduler_lines(["squeue", "-h", "-o", "%i|%T|%r", "-j", bases])
     states: dict[str, str] = {}
     for line in lines:
-        jid, _, state = line.partition("|")
+        jid, state, reason = (line.split("|") + ["", ""])[:3]
         jid, state = jid.strip(), state.split()[0] if state.strip() else "UNKNOWN"
+        if state == "PENDING" and reason.strip() == "DependencyNeverSatisfied":
+            state = STUCK
         if "[" in jid:  # array tasks not started yet are listed as one line: 12_[3-8%4]
             base, _, spec = jid.partition("_[")
             for task in _expand(spec.split("%")[0].rstrip("]")):
                 states[f"{base}_{task}"] = state
         states[jid] = state
     return {j: states.get(j, "VANISHED") for j in job_ids}
+
+
+def job_states(entries: dict[str, dict]) -> dict[str, str]:
+    """SLURM state per job id of the journal's SLURM jobs (and of the jobs they wait for), with every job pending
+    behind a STUCK one STUCK too."""
+    slurm = [e for e in entries.values() if e.get("scheduler") == "slurm"]
+    states = slurm_states(sorted({e["job_id"] for e in slurm} | {j for e in slurm for j in e.get("after", [])}))
+    changed = True
+    while changed:
+        changed = False
+        for e in slurm:
+            if states[e["job_id"]] == "PENDING" and any(states.get(j) == STUCK for j in e.get("after", [])):
+                states[e["job_id"]] = STUCK
+                changed = True
+    return states
+
+
+def local_alive(entry: dict) -> bool:
+    """A local job's process still runs: the journal entry was made on this machine and its process id still names
+    submitit's local controller (an id the system has since given to another program does not count)."""
+    if entry.get("host") != socket.gethostname():
+        return False
+    try:
+        return b"submitit.local._local" in Path(f"/proc/{int(entry['job_id'])}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+
+
+def active(entry: dict, states: dict[str, str]) -> bool:
+    """The journal entry's job may still run: a SLURM job queued or running, or a local job whose process lives."""
+    if entry.get("scheduler") == "slurm":
+        return states.get(entry["job_id"], "VANISHED") in ACTIVE
+    return local_alive(entry)
+
+
+def cancel(job_ids: list[str]) -> None:
+    _refuse_unless(["scancel", *job_ids], 30, f"scancel {' '.join(job_ids)} failed",
+                   "check that SLURM is reachable (sinfo), then launch again",
+                   "check the jobs with squeue, then launch again")
 
 
 def _expand(spec: str) -> list[int]:
@@ -99,13 +144,18 @@ def _expand(spec: str) -> list[int]:
 
 
 def check_slurm() -> None:
+    _refuse_unless(["sinfo", "-h"], 10, "SLURM is not reachable",
+                   "start it (eval \"$(slurm/local/up)\") or use cluster=local",
+                   "check SLURM_CONF, or start the local cluster with eval \"$(slurm/local/up)\"")
+
+
+def _refuse_unless(cmd: list[str], timeout_s: float, what: str, fix_unreachable: str, fix_failed: str) -> None:
+    """Run a SLURM command; when it cannot run, or fails, the user reads `what`, the reason and the fix."""
     try:
-        ok = subprocess.run(["sinfo", "-h"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise StudyError("cluster", f"SLURM is not reachable ({err})",
-                         "start it (eval \"$(slurm/local/up)\") or use cluster=local") from None
-    if ok.returncode != 0:
-        raise StudyError("cluster", f"SLURM is not reachable: {ok.stderr.strip()}",
-                         "check SLURM_CONF, or start the local cluster with eval \"$(slurm/local/up)\"")
+        raise StudyError("cluster", f"{what} ({err})", fix_unreachable) from None
+    if done.returncode != 0:
+        raise StudyError("cluster", f"{what}: {done.stderr.strip()}", fix_failed)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from study import schema
 from study.launch.manifest import latest_manifest
-from study.launch.scheduler import ACTIVE, DEAD, journal, slurm_states
+from study.launch.scheduler import ACTIVE, DEAD, STUCK, job_states, journal
 from study.plan.planner import Plan, plan_experiment
 from study.track.query import runs_by_key
 from study.train import checkpoint
@@ -33,18 +33,22 @@ class RunStatus:
     job_id: str
     """SLURM job id (`<array>_<task>` for an array task), or the local process id, `-` when never submitted."""
     job_state: str
-    """What the scheduler says now: a SLURM state (PENDING, RUNNING, COMPLETED, ...), `local process` for a run the
-    launcher ran on this machine (no queue keeps its state), `-` when never submitted."""
+    """What the scheduler says now: a SLURM state (PENDING, RUNNING, COMPLETED, ...), DEPENDENCY_NEVER_SATISFIED for a
+    job that can never start, `local process` for a run the launcher ran on this machine (no queue keeps its state),
+    `-` when never submitted."""
     last_step: int | None
     val_loss: float | None
     restarts: int
     verdict: str
-    """One word a person acts on: finished, running, queued, failed, died, not submitted, waiting for its tuning."""
+    """One word a person acts on: finished, running, queued, stuck, failed, died, not submitted, waiting for its
+    tuning."""
 
 
 def _verdict(mlflow: str, job_state: str, submitted: bool) -> str:
     if mlflow == "FINISHED":
         return "finished"
+    if job_state == STUCK:
+        return "stuck (a job it waits for failed or was cancelled, so it never starts; `study launch` resubmits it)"
     if job_state in ACTIVE:
         return "queued" if job_state == "PENDING" else "running"
     if mlflow == "FAILED":
@@ -73,7 +77,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
     cfg0 = plan.runs[0].config
     runs = runs_by_key(experiment, cfg0.tracking.uri)
     jobs = journal(cfg0.paths.runs, experiment)
-    states = slurm_states([e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"])
+    states = job_states(jobs)
     out = []
     for planned in plan.runs:
         r = runs.get(planned.key)

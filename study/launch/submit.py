@@ -7,14 +7,17 @@ variant's tuning are submitted by the launch that finds it decided: a local laun
 are done, a SLURM launch leaves a small relaunch job after the tune array (study.plan.tune). Before anything is
 submitted every run's spec is written to its run directory (`run.json`) and the launch manifest is recorded; each
 job reads its spec and nothing else. A run whose key is FINISHED in MLflow is skipped, and so is one whose job is
-still pending or running; a failed or vanished run is submitted again and resumes from its checkpoint. A relaunch
-whose overrides change run identities names the new runs and asks for `--new-runs` instead of training them
-silently.
+still pending or running, or that a live process trains (its run directory's lease is held: a local launch beside a
+SLURM one, `study train` by hand), saying so; a failed or vanished run is submitted again and resumes from its
+checkpoint. A job that can never start (a job it waits for failed or was cancelled) is cancelled and its run
+submitted again, and so are queued jobs of runs the plan no longer has (an edited experiment file). A relaunch whose
+overrides change run identities names the new runs and asks for `--new-runs` instead of training them silently.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -25,13 +28,18 @@ from study.errors import StudyError
 from study.launch.board import DONE, FAILED, RUNNING, RunBoard
 from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
-from study.launch.scheduler import ACTIVE, check_slurm, journal, outside_allocation, record, slurm_jobs, slurm_states
+from study.launch.scheduler import (ACTIVE, STUCK, active, cancel, check_slurm, job_states, journal,
+                                    outside_allocation, record)
 from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
 from study.schema import submitit_dir
 from study.track.groups import ensure_parents
 from study.track.params import mask_text, redact
 from study.track.query import status_by_key
+from study.train.lease import held_by
+
+RUN_STAGES = ("tune", "train", "profile", "scheduled")
+"""Stages whose jobs belong to one run each (journal key `<run key>`, or `profile:<run key>`)."""
 
 
 @dataclass
@@ -58,19 +66,62 @@ def _root(plan: Plan) -> str:
     return plan.runs[0].config.paths.runs
 
 
-def to_submit(plan: Plan) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec], dict[str, str]]:
-    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job; plus
-    MLflow status per key."""
+class Queue:
+    """The experiment's job journal and what the schedulers say of its jobs now, read once."""
+
+    def __init__(self, plan: Plan):
+        self.jobs = journal(_root(plan), plan.experiment.name)
+        self.states = job_states(self.jobs)
+        self.on_slurm = plan.runs[0].config.cluster.name != "local"
+        self.planned = {r.key for r in plan.runs}
+        self.elsewhere: dict[str, tuple[str, str]] = {}
+        """(name, why) per key `busy` found taken outside this launch's own SLURM queue: the launch says so."""
+
+    def busy(self, key: str, run: RunSpec | None = None) -> bool:
+        """The key's latest job may still run (a SLURM job queued or running, a local job's live process), or, for a
+        run, a live process holds its run directory's lease (a local launch, `study train`, a job this journal does
+        not know)."""
+        entry = self.jobs.get(key)
+        if entry is not None and active(entry, self.states):
+            name = entry.get("name", key)
+            if entry.get("scheduler") != "slurm":
+                self.elsewhere[key] = name, f"local process {entry['job_id']} on {entry['host']} runs it"
+            elif not self.on_slurm:  # a SLURM relaunch passes over its own queue silently: that is its idempotence
+                self.elsewhere[key] = name, f"SLURM job {entry['job_id']} is {self.states[entry['job_id']]}"
+            return True
+        holder = held_by(run.run_dir.path) if run is not None else None
+        if holder is not None:
+            self.elsewhere[key] = run.name, f"a live process ({holder}) holds its run directory's lease"
+        return holder is not None
+
+    def live(self) -> dict[str, str]:
+        """SLURM job id per key whose job is queued or running: what new jobs wait for (afterok). A finished job
+        needs no waiting for, sbatch refuses a dependency on a job SLURM has forgotten, and one on a failed or
+        cancelled job would never be satisfied."""
+        return {k: e["job_id"] for k, e in self.jobs.items()
+                if e.get("scheduler") == "slurm" and self.states.get(e["job_id"]) in ACTIVE}
+
+    def stale(self) -> tuple[list[dict], list[dict], list[dict]]:
+        """SLURM jobs a launch acts on: (queued jobs of runs the plan no longer has, which it cancels; running jobs of
+        such runs, which it names; jobs that can never start, which it cancels and submits again)."""
+        superseded, running, stuck = [], [], []
+        for e in self.jobs.values():
+            state = self.states.get(e["job_id"]) if e.get("scheduler") == "slurm" else None
+            gone = e.get("stage") in RUN_STAGES and e["key"].removeprefix("profile:") not in self.planned
+            if gone and state in ("PENDING", STUCK):
+                superseded.append(e)
+            elif gone and state in ACTIVE:
+                running.append(e)
+            elif state == STUCK:
+                stuck.append(e)
+        return superseded, running, stuck
+
+
+def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec]]:
+    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job."""
     cfg0 = plan.runs[0].config
     status = status_by_key(plan.experiment.name, cfg0.tracking.uri)
-    jobs = journal(_root(plan), plan.experiment.name)
-    states = slurm_states([e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"])
-
-    def busy(key: str) -> bool:
-        entry = jobs.get(key)
-        if not entry or entry.get("scheduler") != "slurm":
-            return False
-        return states.get(entry["job_id"], "VANISHED") in ACTIVE
+    busy = queue.busy
 
     def done(r: RunSpec) -> bool:
         """Trained, and evaluated when it is to be: a run whose evaluation failed is submitted again (training
@@ -81,26 +132,16 @@ def to_submit(plan: Plan) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec]
 
         return not r.config.eval.after_train or evaluated(r)
 
-    tune = [r for r in plan.runs if r.stage == "tune" and not done(r) and not busy(r.key)]
+    tune = [r for r in plan.runs if r.stage == "tune" and not done(r) and not busy(r.key, r)]
     # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
     ready = [r for r in plan.runs if not r.awaits_tuning]
-    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and not done(r) and not busy(r.key)]
+    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and not done(r) and not busy(r.key, r)]
     refs = {d for r in ready if r.stage == "scheduled" for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in ready if r.stage == "scheduled" and not done(r) and not busy(r.key)]
+    scheduled = [r for r in ready if r.stage == "scheduled" and not done(r) and not busy(r.key, r)]
     prepare = [g for g in missing_groups(train + scheduled) if not busy(g.key)]
-    return prepare, train, profile, scheduled, status
-
-
-def _live(plan: Plan) -> dict[str, str]:
-    """SLURM job id per journal key, without prepare jobs that are no longer queued or running: a finished one
-    left its shards (nothing waits on it), and a job id SLURM has forgotten would make sbatch refuse the
-    dependency."""
-    submitted = slurm_jobs(_root(plan), plan.experiment.name)
-    prepares = [j for k, j in submitted.items() if k.startswith(PREPARE)]
-    states = slurm_states(prepares)
-    return {k: j for k, j in submitted.items() if not k.startswith(PREPARE) or states.get(j) in ACTIVE}
+    return prepare, train, profile, scheduled
 
 
 def submit_stage(plan: Plan, stage: Stage) -> list:
@@ -126,7 +167,8 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
     names = [g.data.name for g in stage.groups] if stage.name == "prepare" else [r.name for r in stage.runs]
     record(_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
-                   "name": n, "time": time.time()} for k, n, j in zip(stage.keys(), names, ids)])
+                   "name": n, "after": stage.after, "host": socket.gethostname(), "time": time.time()}
+                  for k, n, j in zip(stage.keys(), names, ids)])
     stage.job_ids = ids
     return jobs
 
@@ -137,10 +179,10 @@ def _submit_array(ex, callables: list) -> list:
     return jobs
 
 
-def plan_stages(plan: Plan) -> list[Stage]:
+def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     """The stages still to submit, with their dependencies on jobs submitted now or still active."""
-    prepare, train, profile, scheduled, _ = to_submit(plan)
-    submitted = _live(plan)
+    prepare, train, profile, scheduled = to_submit(plan, queue)
+    submitted = queue.live()
     stages = []
     if prepare:
         stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
@@ -214,8 +256,10 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
                          f"last launch: the overrides change their identity, so they would train as new runs: {names}",
                          "pass --new-runs to train them, or relaunch with the last launch's overrides "
                          "(shown by `study status`)")
-    stages = plan_stages(plan)
+    queue = Queue(plan)
+    stages = plan_stages(plan, queue)
     if dry_run:
+        _act_on_stale(queue, echo, dry_run=True)
         _print_dry_run(plan, stages, cluster, echo)
         return stages
     from study.config.data import validate_data
@@ -227,6 +271,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)
     ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
+    _act_on_stale(queue, echo, dry_run=False)
     if not stages:
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
@@ -236,7 +281,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
             # the tune runs have finished: the next launch finds the choice (or the points beyond an edge)
             return done + launch(experiment, overrides, echo=echo, new=True, extra_seeds=extra_seeds)
         return done
-    submitted = _live(plan)
+    submitted = Queue(plan).live()  # read again: the jobs cancelled above are no one's dependency
     for stage in stages:
         stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
         jobs = submit_stage(plan, stage)
@@ -281,8 +326,40 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) ->
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides)))
     record(_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
-                                                "scheduler": "slurm", "name": "after tuning", "time": time.time()}])
+                                                "scheduler": "slurm", "name": "after tuning", "after": after,
+                                                "host": socket.gethostname(), "time": time.time()}])
     echo(f"stage relaunch: job {job.job_id} (afterany {','.join(after)}) launches the main runs once tuning decides")
+
+
+def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
+    """Cancel the SLURM jobs that would wait forever or train runs the plan no longer has, name the superseded
+    runs still running, and name each run taken elsewhere; a dry run only says what a launch would do."""
+    superseded, running, stuck = queue.stale()
+
+    def jobs(entries: list[dict]) -> str:
+        return ", ".join(f"{e['job_id']} {e['name']} ({e['key']})" for e in entries)
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'s' * (n != 1)}"
+
+    cancelled = "would cancel" if dry_run else "cancelled"
+    if superseded:
+        echo(f"{cancelled} {count(len(superseded), 'queued job')} of runs no longer planned (the experiment file or "
+             f"the overrides changed): {jobs(superseded)}")
+    if running:
+        echo(f"left running: {count(len(running), 'job')} of runs no longer planned: {jobs(running)}; scancel them "
+             "if their results are not wanted")
+    if stuck:
+        echo(f"{cancelled} {count(len(stuck), 'job')} that could never start (a job each waits for failed or was "
+             f"cancelled): {jobs(stuck)}; what they were to do is submitted again")
+    if not dry_run and superseded + stuck:
+        cancel([e["job_id"] for e in superseded + stuck])
+    _say_skipped(queue, echo)
+
+
+def _say_skipped(queue: Queue, echo) -> None:
+    for key, (name, why) in queue.elsewhere.items():
+        echo(f"skipped {name} ({key}): {why}; it is not submitted twice")
 
 
 def _lines(stage: Stage) -> list[str]:
@@ -354,6 +431,16 @@ def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                 shown = stage.name != "prepare"  # the board follows training runs
                 for i in range(0, len(stage.runs), parallel):
                     chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
+                    if stage.name in ("tune", "train", "scheduled"):
+                        # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
+                        # started yet
+                        queue = Queue(plan)
+                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)]
+                        _say_skipped(queue, echo)
+                        for key in queue.elsewhere:
+                            board.mark(key, "taken elsewhere")
+                        if not chunk.runs:
+                            continue
                     live[:] = submit_stage(plan, chunk)
                     for run in chunk.runs if shown else []:
                         board.mark(run.key, RUNNING)
@@ -416,7 +503,7 @@ def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
         while True:
             jobs = journal(_root(plan), plan.experiment.name)
             ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
-            states = slurm_states(ids)
+            states = job_states(jobs)
             counts: dict[str, int] = {}
             for j in ids:
                 st = states.get(j, "VANISHED")

@@ -55,6 +55,24 @@ class Lease:
             self._fd = None
 
 
+def held_by(run_dir: Path) -> str | None:
+    """Who trains the run now: the lease's `host pid` while a live process holds it, else None. Read-only: it creates
+    no file, and its shared lock lasts an instant (a trainer starting just then waits one poll and takes the lease)."""
+    try:
+        fd = os.open(RunDir(run_dir).lease, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 256).decode(errors="replace").strip() or "another process"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def acquire(run_dir: Path, key: str, d: Dist) -> Lease | None:
     """Hold the run's lease on rank 0, waiting while another trainer has it (every rank waits together, polling,
     so no collective blocks for long). Returns the lease on rank 0, None elsewhere."""
