@@ -19,202 +19,24 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 from study.config.sections import ClusterConfig
-from study.config.spec import RunSpec, read_spec, write_spec
-from study.data.stage import PREPARE, DataGroup, missing_groups, shards_id
+from study.config.spec import read_spec, write_spec
 from study.errors import StudyError
-from study.launch.board import DONE, FAILED, RUNNING, RunBoard
 from study.launch.executor import _executor, _safe_name, sbatch_preview
+from study.launch.local import LaunchFailed, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
-from study.launch.scheduler import (ACTIVE, STUCK, active, cancel, check_slurm, job_states, journal,
-                                    outside_allocation, record)
+from study.launch.scheduler import ACTIVE, cancel, check_slurm, job_states, journal, outside_allocation, record
+from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_root, say_skipped, stage_lines, \
+    submit_stage
 from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
 from study.schema import submitit_dir
 from study.track.groups import ensure_parents
 from study.track.params import mask_text, redact
-from study.track.query import status_by_key
-from study.train.lease import held_by
 
-RUN_STAGES = ("tune", "train", "profile", "scheduled")
-"""Stages whose jobs belong to one run each (journal key `<run key>`, or `profile:<run key>`)."""
-
-
-@dataclass
-class Stage:
-    name: str
-    """`prepare`, `tune`, `train`, `profile` or `scheduled`."""
-    runs: list[RunSpec]
-    """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
-    after: list[str] = field(default_factory=list)
-    """Job ids this stage waits for (afterok)."""
-    job_ids: list[str] = field(default_factory=list)
-    """Filled on submission."""
-    groups: list[DataGroup] = field(default_factory=list)
-    """For `prepare`: the shard entries to tokenise, one job each (aligned with `runs`)."""
-
-    def keys(self) -> list[str]:
-        """The job journal's name of each job of the stage."""
-        if self.name == "prepare":
-            return [g.key for g in self.groups]
-        return [("profile:" if self.name == "profile" else "") + r.key for r in self.runs]
-
-
-def _root(plan: Plan) -> str:
-    return plan.runs[0].config.paths.runs
-
-
-class Queue:
-    """The experiment's job journal and what the schedulers say of its jobs now, read once."""
-
-    def __init__(self, plan: Plan):
-        self.jobs = journal(_root(plan), plan.experiment.name)
-        self.states = job_states(self.jobs)
-        self.on_slurm = plan.runs[0].config.cluster.name != "local"
-        self.planned = {r.key for r in plan.runs}
-        self.elsewhere: dict[str, tuple[str, str]] = {}
-        """(name, why) per key `busy` found taken outside this launch's own SLURM queue: the launch says so."""
-
-    def busy(self, key: str, run: RunSpec | None = None) -> bool:
-        """The key's latest job may still run (a SLURM job queued or running, a local job's live process), or, for a
-        run, a live process holds its run directory's lease (a local launch, `study train`, a job this journal does
-        not know)."""
-        entry = self.jobs.get(key)
-        if entry is not None and active(entry, self.states):
-            name = entry.get("name", key)
-            if entry.get("scheduler") != "slurm":
-                self.elsewhere[key] = name, f"local process {entry['job_id']} on {entry['host']} runs it"
-            elif not self.on_slurm:  # a SLURM relaunch passes over its own queue silently: that is its idempotence
-                self.elsewhere[key] = name, f"SLURM job {entry['job_id']} is {self.states[entry['job_id']]}"
-            return True
-        holder = held_by(run.run_dir.path) if run is not None else None
-        if holder is not None:
-            self.elsewhere[key] = run.name, f"a live process ({holder}) holds its run directory's lease"
-        return holder is not None
-
-    def live(self) -> dict[str, str]:
-        """SLURM job id per key whose job is queued or running: what new jobs wait for (afterok). A finished job
-        needs no waiting for, sbatch refuses a dependency on a job SLURM has forgotten, and one on a failed or
-        cancelled job would never be satisfied."""
-        return {k: e["job_id"] for k, e in self.jobs.items()
-                if e.get("scheduler") == "slurm" and self.states.get(e["job_id"]) in ACTIVE}
-
-    def stale(self) -> tuple[list[dict], list[dict], list[dict]]:
-        """SLURM jobs a launch acts on: (queued jobs of runs the plan no longer has, which it cancels; running jobs of
-        such runs, which it names; jobs that can never start, which it cancels and submits again)."""
-        superseded, running, stuck = [], [], []
-        for e in self.jobs.values():
-            state = self.states.get(e["job_id"]) if e.get("scheduler") == "slurm" else None
-            gone = e.get("stage") in RUN_STAGES and e["key"].removeprefix("profile:") not in self.planned
-            if gone and state in ("PENDING", STUCK):
-                superseded.append(e)
-            elif gone and state in ACTIVE:
-                running.append(e)
-            elif state == STUCK:
-                stuck.append(e)
-        return superseded, running, stuck
-
-
-def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec]]:
-    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job."""
-    cfg0 = plan.runs[0].config
-    status = status_by_key(plan.experiment.name, cfg0.tracking.uri)
-    busy = queue.busy
-
-    def done(r: RunSpec) -> bool:
-        """Trained, and evaluated when it is to be: a run whose evaluation failed is submitted again (training
-        resumes at its last checkpoint, so only the evaluation runs)."""
-        if status.get(r.key) != "FINISHED":
-            return False
-        from study.evaluate.records import evaluated
-
-        return not r.config.eval.after_train or evaluated(r)
-
-    tune = [r for r in plan.runs if r.stage == "tune" and not done(r) and not busy(r.key, r)]
-    # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
-    ready = [r for r in plan.runs if not r.awaits_tuning]
-    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and not done(r) and not busy(r.key, r)]
-    refs = {d for r in ready if r.stage == "scheduled" for d in r.depends_on}
-    profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
-               and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in ready if r.stage == "scheduled" and not done(r) and not busy(r.key, r)]
-    prepare = [g for g in missing_groups(train + scheduled) if not busy(g.key)]
-    return prepare, train, profile, scheduled
-
-
-def submit_stage(plan: Plan, stage: Stage) -> list:
-    from study.launch.jobs import PrepareJob, ProfileJob, TrainJob
-
-    cfg = plan.runs[0].config
-    folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), stage.name)
-    if stage.after and cfg.cluster.name != "local":
-        ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
-    if stage.name == "prepare":
-        callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
-    else:
-        make = ProfileJob if stage.name == "profile" else TrainJob
-        callables = [make(r.dir) for r in stage.runs]
-    try:
-        with outside_allocation():
-            jobs = _submit_array(ex, callables)
-    except Exception as err:  # sbatch's own message is the useful part
-        raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
-                         "check the cluster profile (partition, account, qos, time limit) against `sinfo`") from None
-    ids = [j.job_id for j in jobs]
-    scheduler = "local" if cfg.cluster.name == "local" else "slurm"
-    names = [g.data.name for g in stage.groups] if stage.name == "prepare" else [r.name for r in stage.runs]
-    record(_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
-                   "name": n, "after": stage.after, "host": socket.gethostname(), "time": time.time()}
-                  for k, n, j in zip(stage.keys(), names, ids)])
-    stage.job_ids = ids
-    return jobs
-
-
-def _submit_array(ex, callables: list) -> list:
-    with ex.batch():
-        jobs = [ex.submit(c) for c in callables]
-    return jobs
-
-
-def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
-    """The stages still to submit, with their dependencies on jobs submitted now or still active."""
-    prepare, train, profile, scheduled = to_submit(plan, queue)
-    submitted = queue.live()
-    stages = []
-    if prepare:
-        stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
-    tune = [r for r in train if r.stage == "tune"]
-    if tune:
-        stages.append(Stage("tune", tune))
-    train = [r for r in train if r.stage != "tune"]
-    if train:
-        stages.append(Stage("train", train))
-    if profile:
-        stages.append(Stage("profile", profile))
-    if scheduled:
-        stages.append(Stage("scheduled", scheduled))
-    for stage in stages:
-        stage.after = dependencies(stage, submitted)
-    return stages
-
-
-def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:
-    """Exactly the upstream array tasks of a stage's runs (a reference run, its profile), not whole arrays."""
-    return sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
-
-
-def _upstream(stage: str, run: RunSpec) -> list[str]:
-    data = PREPARE + shards_id(run.config.data)
-    if stage == "profile":
-        return [run.key]
-    if stage == "scheduled":
-        return [f"profile:{k}" for k in run.depends_on] + [data]
-    if stage in ("train", "tune"):
-        return [data]
-    return []
+__all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 
 
 def write_specs(plan: Plan) -> None:
@@ -244,7 +66,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     if cluster.name != "local" and not dry_run:
         check_slurm()
     tracking_uri = plan.runs[0].config.tracking.uri
-    last = latest_manifest(_root(plan), experiment, tracking_uri)
+    last = latest_manifest(runs_root(plan), experiment, tracking_uri)
     if extra_seeds is None and last and last.get("extra_seeds") and last["overrides"] == redact(list(overrides)):
         # the seeds an adaptive launch added stay part of the experiment when it is relaunched plainly
         plan = plan_experiment(experiment, overrides, last["extra_seeds"])
@@ -268,7 +90,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         validate_data(data)  # what every job would fail on is refused before anything is submitted
     _check_tasks(plan)
     write_specs(plan)
-    write_manifest(_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
+    write_manifest(runs_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)
     ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
     _act_on_stale(queue, echo, dry_run=False)
@@ -276,7 +98,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
     if cluster.name == "local":
-        done = _launch_local(plan, stages, echo)
+        done = run_local(plan, stages, echo)
         if any(r.awaits_tuning for r in plan.runs) and any(s.name == "tune" for s in stages):
             # the tune runs have finished: the next launch finds the choice (or the points beyond an edge)
             return done + launch(experiment, overrides, echo=echo, new=True, extra_seeds=extra_seeds)
@@ -289,7 +111,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         what = "shard entries (CPU)" if stage.name == "prepare" else "runs"
         echo(f"stage {stage.name}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
-        for line, job in zip(_lines(stage), jobs):
+        for line, job in zip(stage_lines(stage), jobs):
             echo(f"  {job.job_id}  {line}")
     tune_jobs = [j for s in stages if s.name == "tune" for j in s.job_ids]
     if tune_jobs and any(r.awaits_tuning for r in plan.runs):
@@ -299,23 +121,8 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     return stages
 
 
-@dataclass
-class RelaunchJob:
-    """`study launch` again, as a small CPU job after a tune array: it finds each variant's tuning decided (and
-    submits its main runs) or adds the points beyond an edge (and another of itself after them)."""
-
-    experiment: str
-    """Experiment name."""
-    overrides: list[str]
-    """The launch's overrides."""
-
-    def __call__(self) -> int:
-        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True)
-        return 0
-
-
 def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) -> None:
-    from study.launch.scheduler import outside_allocation
+    from study.launch.jobs import RelaunchJob
 
     cfg = plan.runs[0].config
     # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
@@ -325,9 +132,9 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) ->
     ex.update_parameters(dependency="afterany:" + ":".join(after))
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides)))
-    record(_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
-                                                "scheduler": "slurm", "name": "after tuning", "after": after,
-                                                "host": socket.gethostname(), "time": time.time()}])
+    record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
+                                                    "scheduler": "slurm", "name": "after tuning", "after": after,
+                                                    "host": socket.gethostname(), "time": time.time()}])
     echo(f"stage relaunch: job {job.job_id} (afterany {','.join(after)}) launches the main runs once tuning decides")
 
 
@@ -354,18 +161,7 @@ def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
              f"cancelled): {jobs(stuck)}; what they were to do is submitted again")
     if not dry_run and superseded + stuck:
         cancel([e["job_id"] for e in superseded + stuck])
-    _say_skipped(queue, echo)
-
-
-def _say_skipped(queue: Queue, echo) -> None:
-    for key, (name, why) in queue.elsewhere.items():
-        echo(f"skipped {name} ({key}): {why}; it is not submitted twice")
-
-
-def _lines(stage: Stage) -> list[str]:
-    if stage.name == "prepare":
-        return [f"{g.data.name} for {len(g.runs)} run{'s' * (len(g.runs) != 1)}" for g in stage.groups]
-    return [f"{r.key}  {r.name}" for r in stage.runs]
+    say_skipped(queue, echo)
 
 
 def _check_tasks(plan: Plan) -> None:
@@ -394,105 +190,11 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         what = "shard entries to tokenise (CPU only)" if stage.name == "prepare" else "runs"
         echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else ""))
-        for line in _lines(stage):
+        for line in stage_lines(stage):
             echo(f"  {line}")
         echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after)) if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
-
-
-class LaunchFailed(Exception):
-    """Some runs of a local launch failed; the message lists each with its reason."""
-
-
-class _Stopped(BaseException):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-def _launch_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
-    """Laptop mode: stages run one after the other, `array_parallelism` processes at a time. A signal to the
-    launcher (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
-    import signal
-
-    parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
-    failures: list[tuple[RunSpec, str]] = []
-    live: list = []
-
-    def stop(signum, frame):
-        raise _Stopped(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        with RunBoard([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
-            for stage in stages:
-                what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
-                echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
-                shown = stage.name != "prepare"  # the board follows training runs
-                for i in range(0, len(stage.runs), parallel):
-                    chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
-                    if stage.name in ("tune", "train", "scheduled"):
-                        # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
-                        # started yet
-                        queue = Queue(plan)
-                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)]
-                        _say_skipped(queue, echo)
-                        for key in queue.elsewhere:
-                            board.mark(key, "taken elsewhere")
-                        if not chunk.runs:
-                            continue
-                    live[:] = submit_stage(plan, chunk)
-                    for run in chunk.runs if shown else []:
-                        board.mark(run.key, RUNNING)
-                    for run, line, job in zip(chunk.runs, _lines(chunk), live):
-                        try:
-                            job.result()
-                            if shown:
-                                board.mark(run.key, DONE)
-                            echo(f"  done    {line}")
-                        except Exception as err:  # a failed run must not stop its siblings
-                            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                            failures.append((run, reason))
-                            if shown:
-                                board.mark(run.key, FAILED)
-                            echo(f"  FAILED  {line}: {reason}")
-                    stage.job_ids += [j.job_id for j in live]
-                    live.clear()
-                if stage.name == "prepare" and failures:  # the runs read these shards: none can train without them
-                    raise LaunchFailed("data preparation failed, so no run was trained: "
-                                       + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
-    except (_Stopped, KeyboardInterrupt) as stopped:
-        _stop_jobs(live)
-        signum = getattr(stopped, "signum", signal.SIGINT)
-        echo(f"stopped by {signal.Signals(signum).name}: {len(live)} running jobs checkpointed and stopped; "
-             "`study launch` again resumes them")
-        raise SystemExit(128 + signum) from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if failures:
-        runs = sum(len(s.runs) for s in stages if s.name != "prepare")
-        raise LaunchFailed(f"{len(failures)} of {runs} runs failed: "
-                           + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
-                           + ". `study launch` again resumes them from their checkpoints")
-    return stages
-
-
-def _stop_jobs(jobs: list, grace_s: float = 120.0) -> None:
-    """TERM to each local job's controller, which forwards it to the training process (checkpoint, then stop)."""
-    import signal
-    import subprocess
-
-    procs = [getattr(j, "_process", None) for j in jobs]  # submitit's LocalJob keeps its Popen here
-    procs = [p for p in procs if p is not None and p.poll() is None]
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
@@ -501,7 +203,7 @@ def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
 
     with Live(refresh_per_second=1, transient=False) as live:
         while True:
-            jobs = journal(_root(plan), plan.experiment.name)
+            jobs = journal(runs_root(plan), plan.experiment.name)
             ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
             states = job_states(jobs)
             counts: dict[str, int] = {}

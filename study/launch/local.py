@@ -1,0 +1,104 @@
+"""Laptop mode: a launch's stages as local processes, one stage after the other, `array_parallelism` at a time;
+a signal to the launcher stops its jobs first (each run checkpoints and stops)."""
+
+from __future__ import annotations
+
+import time
+
+from study.config.spec import RunSpec
+from study.launch.board import DONE, FAILED, RUNNING, RunBoard
+from study.launch.stages import Queue, Stage, say_skipped, stage_lines, submit_stage
+from study.plan.planner import Plan
+
+class LaunchFailed(Exception):
+    """Some runs of a local launch failed; the message lists each with its reason."""
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
+    """Laptop mode: stages run one after the other, `array_parallelism` processes at a time. A signal to the
+    launcher (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
+    import signal
+
+    parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
+    failures: list[tuple[RunSpec, str]] = []
+    live: list = []
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with RunBoard([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
+            for stage in stages:
+                what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
+                echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
+                shown = stage.name != "prepare"  # the board follows training runs
+                for i in range(0, len(stage.runs), parallel):
+                    chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
+                    if stage.name in ("tune", "train", "scheduled"):
+                        # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
+                        # started yet
+                        queue = Queue(plan)
+                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)]
+                        say_skipped(queue, echo)
+                        for key in queue.elsewhere:
+                            board.mark(key, "taken elsewhere")
+                        if not chunk.runs:
+                            continue
+                    live[:] = submit_stage(plan, chunk)
+                    for run in chunk.runs if shown else []:
+                        board.mark(run.key, RUNNING)
+                    for run, line, job in zip(chunk.runs, stage_lines(chunk), live):
+                        try:
+                            job.result()
+                            if shown:
+                                board.mark(run.key, DONE)
+                            echo(f"  done    {line}")
+                        except Exception as err:  # a failed run must not stop its siblings
+                            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                            failures.append((run, reason))
+                            if shown:
+                                board.mark(run.key, FAILED)
+                            echo(f"  FAILED  {line}: {reason}")
+                    stage.job_ids += [j.job_id for j in live]
+                    live.clear()
+                if stage.name == "prepare" and failures:  # the runs read these shards: none can train without them
+                    raise LaunchFailed("data preparation failed, so no run was trained: "
+                                       + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
+    except (_Stopped, KeyboardInterrupt) as stopped:
+        stop_jobs(live)
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        echo(f"stopped by {signal.Signals(signum).name}: {len(live)} running jobs checkpointed and stopped; "
+             "`study launch` again resumes them")
+        raise SystemExit(128 + signum) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failures:
+        runs = sum(len(s.runs) for s in stages if s.name != "prepare")
+        raise LaunchFailed(f"{len(failures)} of {runs} runs failed: "
+                           + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
+                           + ". `study launch` again resumes them from their checkpoints")
+    return stages
+
+
+def stop_jobs(jobs: list, grace_s: float = 120.0) -> None:
+    """TERM to each local job's controller, which forwards it to the training process (checkpoint, then stop)."""
+    import signal
+    import subprocess
+
+    procs = [getattr(j, "_process", None) for j in jobs]  # submitit's LocalJob keeps its Popen here
+    procs = [p for p in procs if p is not None and p.poll() is None]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
