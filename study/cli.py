@@ -64,10 +64,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and "RANK" not in os.environ:
         from study.train.distributed import spawn_local
 
-        return spawn_local(args.nproc, ["train", "--spec", str(write_spec(spec))])
+        restart = ["--restart"] if args.restart else []
+        return spawn_local(args.nproc, ["train", "--spec", str(write_spec(spec)), *restart])
     from study.train.loop import EXIT_PREEMPTED, train
 
-    outcome = train(spec)
+    outcome = train(spec, restart=args.restart)
     if outcome.status == "FINISHED":
         print(f"{outcome.status} at step {outcome.step}: val/loss {outcome.val_loss:.4f}", file=sys.stderr)
         return 0
@@ -102,6 +103,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not args.until_decided and (args.max_seeds is not None or args.max_gpu_hours is not None):
         raise StudyError("--max-seeds/--max-gpu-hours", "are caps of an adaptive launch",
                          "add --until-decided, or drop them")
+    if args.restart:
+        _restart(args)
     try:
         if args.until_decided:
             if args.dry_run:
@@ -115,6 +118,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"study launch: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _restart(args: argparse.Namespace) -> None:
+    """`study launch X --restart KEY`: the run's earlier training is set aside before the launch, which then finds
+    it unfinished and submits it; its job starts from step 0."""
+    from study.plan.planner import plan_experiment
+    from study.train.restart import restart_idle
+
+    if args.dry_run:
+        raise StudyError("--restart", "a dry run changes nothing, and a restart sets a run's training aside",
+                         "drop --dry-run to restart, or --restart to preview the launch")
+    runs = {r.key: r for r in plan_experiment(args.experiment, args.overrides).runs}
+    unknown = [key for key in args.restart if key not in runs]
+    if unknown:
+        raise StudyError("--restart", f"{unknown[0]} is no run of {args.experiment} with these overrides",
+                         f"give a run key that `study plan {args.experiment}` lists")
+    for key in dict.fromkeys(args.restart):
+        restart_idle(runs[key])
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -298,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="local processes (FSDP2 over gloo on CPU, NCCL on GPU)")
     p.add_argument("--cfg", choices=["job"], help="print the resolved run spec and exit (Hydra's --cfg job)")
     p.add_argument("--spec", help="train the run spec in this run.json (what launched jobs and ranks do)")
+    p.add_argument("--restart", action="store_true",
+                   help="train from step 0: checkpoints, metric log, results and the MLflow run are set aside "
+                   "(when every checkpoint is damaged, or the data changed)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("prepare", help="tokenise the data of an experiment (or of data=... overrides) into the "
@@ -318,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="then add seeds, round by round, only where a comparison is still undecided")
     p.add_argument("--max-seeds", type=int, default=None, help="adaptive cap: seed pairs per comparison")
     p.add_argument("--max-gpu-hours", type=float, default=None, help="adaptive cap: estimated GPU-hours in total")
+    p.add_argument("--restart", action="append", metavar="RUN_KEY", default=[],
+                   help="train this run again from step 0, its earlier training set aside (repeatable)")
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("calibrate", help="one short job per distinct model shape: measured tokens/s and MFU for "

@@ -49,6 +49,10 @@ BAD_EXPERIMENTS = {
                        "variants": {"conventional": {}}},
     "escaping_group": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": {}},
                        "common": {"data": "../../../elsewhere/evil"}},
+    "bool_seeds": {"baseline": "conventional", "scales": ["tiny"], "seeds": [True, False],
+                   "variants": {"conventional": {}}},
+    "bool_seeds_per_scale": {"baseline": "conventional", "scales": ["tiny"], "seeds": {"tiny": [0, True]},
+                             "variants": {"conventional": {}}},
 }
 # nine aliases of nine aliases, eight deep: 9^9 values from nine lines
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -203,6 +207,13 @@ CASES = [
     (["plan", "demo", "tracking.uri=https://TOKEN@mlflow.example.org"], "tracking.uri"),
     (["plan", "alias_bomb"], "alias_bomb.yaml"),
     (["train", "scale=tiny", "budget.match=depth", "budget.target=100000000000000"], "budget.target"),
+    (["plan", "bool_seeds"], "bool_seeds.yaml: seeds"),
+    (["plan", "bool_seeds_per_scale"], "bool_seeds_per_scale.yaml: seeds"),
+    # 350 entries, the largest id 60,000: the embedding needs 60,001 rows, not 350
+    (["prepare", "scale=tiny", "data.tokenizer=../sparse/tokenizer.json"], "model.vocab_size"),
+    (["prepare", "scale=tiny", "data.cache_dir=../a_file"], "data.cache_dir"),
+    (["prepare", "scale=tiny", "data.cache_dir=../a_file/cache"], "data.cache_dir"),
+    (["prepare", "scale=tiny", "data.name=../corpora/empty"], "data.name"),
 ]
 
 
@@ -218,6 +229,9 @@ def bad_tree(tmp_path, monkeypatch, data_cache):
     (tree / "experiment" / "top_list.yaml").write_text(yaml.safe_dump(TOP_LIST))
     (tree / "experiment" / "alias_bomb.yaml").write_text(ALIAS_BOMB)
     (tree / "cluster" / "badprofile.yaml").write_text("# @package _global_\ncluster: {reservation: x}\n")
+    (tmp_path / "a_file").write_text("where a cache directory is expected\n")
+    sparse_tokenizer(tmp_path / "sparse")
+    unreadable_corpora(tmp_path / "corpora")
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -227,6 +241,39 @@ def bad_tree(tmp_path, monkeypatch, data_cache):
     return work
 
 
+def sparse_tokenizer(folder) -> None:
+    """A word-level tokenizer of 350 entries whose EOS has id 60,000."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {**{f"w{i}": i for i in range(349)}, "<|endoftext|>": 60_000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def unreadable_corpora(root) -> None:
+    """An empty corpus, a JSON-lines corpus cut mid-line, one in Latin-1, and a parquet file with a damaged page."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"Document {i} says that the quick brown fox jumps over the lazy dog, and then some more. " * 3
+            for i in range(400)]
+    lines = "".join(json.dumps({"text": d.replace("fox", "f\u00f6x")}, ensure_ascii=False) + "\n" for d in docs)
+    for name in ("empty", "truncated", "latin1", "damaged_parquet"):
+        (root / name).mkdir(parents=True)
+    (root / "empty" / "data.jsonl").write_text("")
+    (root / "truncated" / "data.jsonl").write_text(lines[:len(lines) // 2 + 17])
+    (root / "latin1" / "data.jsonl").write_bytes(lines.encode("latin-1"))
+    parquet = root / "damaged_parquet" / "data.parquet"
+    pq.write_table(pa.table({"text": docs}), parquet, row_group_size=50)
+    data = bytearray(parquet.read_bytes())
+    data[2000:2400] = b"\xab" * 400  # inside the first row group's compressed page
+    parquet.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("argv,field", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
     assert main(argv) == 2
@@ -234,6 +281,17 @@ def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
     assert f"{field}`" in err and "Fix:" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1  # one paragraph
     assert sorted(p.name for p in bad_tree.iterdir()) == []  # nothing written: no store, no runs, no reports
+
+
+@pytest.mark.parametrize("corpus", ["truncated", "latin1", "damaged_parquet"])
+def test_an_unreadable_corpus_is_refused_naming_data_name(corpus, bad_tree):
+    """The real command: `datasets` logs the file it failed on in a line of its own before the refusal."""
+    out = subprocess.run([sys.executable, "-m", "study.cli", "prepare", "scale=tiny", f"data.name=../corpora/{corpus}"],
+                         capture_output=True, text=True, cwd=bad_tree)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"study prepare: error in `data.name`: the dataset '../corpora/{corpus}' cannot be read (")
+    assert list(bad_tree.iterdir()) == []
 
 
 def test_bad_input_count_covers_every_command():

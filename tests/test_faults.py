@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from conftest import TINY, TRAINING_RUNS
+from study.cli import main
 from study.plan.planner import select_run
 from study.train.loop import train
 
@@ -69,37 +71,67 @@ def test_sigkill_at_random_steps_resumes_to_the_uninterrupted_result(workdir):
     assert int(runs[0].data.tags["study.restarts"]) == 3
 
 
-def test_half_written_checkpoint_is_never_loaded_and_a_full_disk_fails_cleanly(workdir, monkeypatch):
-    """The disk filling up is injected (ENOSPC raised after the shards are written): no real disk is filled here."""
-    import errno
+@pytest.fixture
+def small_disk(workdir):
+    """A file system that really fills up: a 64 MiB tmpfs in the working directory (mounting needs root)."""
+    disk = workdir / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
 
+
+def resize(disk, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_run_naming_it_and_its_half_written_checkpoint_is_never_loaded(workdir, small_disk,
+                                                                                               capsys):
     from study.train import checkpoint
 
     want = reference_result(workdir)
-    real_rng, calls = checkpoint._rng_state, {"n": 0}
-
-    def disk_full_after_shards():  # the RNG file is written after the DCP shards and .metadata
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_rng()
-
-    monkeypatch.setattr(checkpoint, "_rng_state", disk_full_after_shards)
-    cfg = select_run(COMMON)
-    with pytest.raises(OSError):
-        train(cfg)
-    monkeypatch.setattr(checkpoint, "_rng_state", real_rng)
-    (rdir,) = workdir.glob("runs/faults/*")
-    partial = list((rdir / "checkpoints").glob("*.partial"))
-    assert len(partial) == 1 and (partial[0] / ".metadata").is_file()  # half-written: shards but no train state
-    assert checkpoint.latest(rdir).name == "step_00000006"
+    over = [*COMMON, f"paths.runs={small_disk}"]
+    assert train(select_run([*over, "faults.stop_at_step=6"])).status == "PREEMPTED"
+    (rdir,) = small_disk.glob("faults/*")
+    size = sum(f.stat().st_size for f in (rdir / "checkpoints" / "step_00000006").iterdir())
+    resize(small_disk, shutil.disk_usage(small_disk).used + size // 2)  # the next metric points fit, step 9 does not
+    capsys.readouterr()
+    assert main(["train", *over]) == 2
+    err = capsys.readouterr().err
+    assert f"error in `paths.runs`: no space left on {rdir} (writing {rdir}/checkpoints/step_00000009.partial" in err
+    assert "resumes from step_00000006" in err and "Traceback" not in err
+    assert [p.name for p in (rdir / "checkpoints").glob("*.partial")] == ["step_00000009.partial"]
+    assert checkpoint.latest(rdir).name == "step_00000006"  # the half-written one never counts
     runs, _ = history(f"{workdir}/mlflow.db")
     assert runs[0].info.status == "FAILED" and "No space left" in runs[0].data.tags["study.failure_reason"]
-    out = train(cfg)
+
+    resize(small_disk, 64 << 20)  # space freed: the run resumes from step 6
+    out = train(select_run(over))
     assert out.status == "FINISHED" and out.val_loss == want and min(out.losses) == 7
     assert not list((rdir / "checkpoints").glob("*.partial"))
     runs, steps = history(f"{workdir}/mlflow.db")
     assert len(runs) == 1 and list(steps.values())[0] == list(range(1, STEPS + 1))
+
+
+def test_a_full_data_cache_is_refused_naming_data_cache_dir(workdir, small_disk, capsys):
+    resize(small_disk, 256 << 10)
+    assert main(["prepare", *TINY, f"data.cache_dir={small_disk}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error in `data.cache_dir`: no space left on {small_disk}" in err and "Traceback" not in err
+    resize(small_disk, 64 << 20)
+    assert main(["prepare", *TINY, f"data.cache_dir={small_disk}"]) == 0
+
+
+def test_a_non_finite_validation_loss_fails_the_run_with_its_step(workdir, capsys):
+    # a step this large makes the weights overflow within two steps; the training loss is only read at step 100
+    over = [*COMMON, "train.lr=1000", "train.grad_clip=0", "train.log_interval=100", "train.eval_interval=2"]
+    assert main(["train", *over]) == 1
+    assert "FAILED at step 2: validation loss is nan at step 2" in capsys.readouterr().err
+    runs, steps = history(f"{workdir}/mlflow.db", key="val/loss")
+    assert [r.info.status for r in runs] == ["FAILED"] and list(steps.values()) == [[]]
+    assert runs[0].data.tags["study.failure_reason"] == "validation loss is nan at step 2"
+    assert not list(workdir.glob("runs/faults/*/result.json"))
 
 
 def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir):

@@ -249,7 +249,8 @@ def test_a_crafted_rng_file_is_not_unpickled(workdir):
             return (os.system, (f"touch {marker}",))
 
     (spec.run_dir.checkpoints / "step_00000004" / "rng_rank0.pt").write_bytes(pickle.dumps(Exploit()))
-    train(select_run(RUN))
+    with pytest.raises(StudyError, match=r"no checkpoint of run \w+ loads: step_00000004 \(UnpicklingError"):
+        train(select_run(RUN))  # refused as a damaged checkpoint, the only one
     assert not marker.exists()
 
 

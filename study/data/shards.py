@@ -12,12 +12,14 @@ tokenizer and a meta.json of the scanned files, and the splits are read from the
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,10 +67,16 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
     scanned; with `build=False` missing shards are an error naming `study prepare` (commands that only read them);
     `progress` shows a progress line; `after_chunk(n)` runs after each of the n finished chunks, or scanned flat
     files (fault injection)."""
-    from study.data.prepare import write_shards
-
     validate_data(cfg)
     cache = cache_root(cfg)
+    with _writing(cache):
+        return _prepare(cfg, cache, model_vocab, build, progress, after_chunk)
+
+
+def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool, progress: bool,
+             after_chunk: Callable[[int], None] | None) -> PreparedData:
+    from study.data.prepare import write_shards
+
     documents = source_key(cfg)
     if cfg.tokenizer == TRAIN_BPE and model_vocab is not None and cfg.vocab_size > model_vocab:
         # refused before the BPE is trained; the trained vocabulary is checked exactly below
@@ -103,6 +111,30 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
         return open_fn()
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+UNWRITABLE = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+@contextmanager
+def _writing(cache: Path) -> Iterator[None]:
+    """The cache failing to take a write is refused naming data.cache_dir: no space left (a write to an open file
+    names no path, and only the cache is written here), or a path in it that is a file or read-only. A corpus that
+    cannot be read is the source's to refuse (`data.name`)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno in FULL:
+            raise StudyError("data.cache_dir", f"no space left on {cache} ({os.strerror(err.errno)})",
+                             "free space on that file system, or point data.cache_dir (or STUDY_CACHE) at one with "
+                             "room: tokenising resumes after its last finished chunk") from None
+        if (err.errno in UNWRITABLE and err.filename is not None
+                and Path(os.path.abspath(err.filename)).is_relative_to(os.path.abspath(cache))):
+            raise StudyError("data.cache_dir", f"cannot write the data cache {cache} ({os.strerror(err.errno)}: "
+                             f"{err.filename})", "point data.cache_dir (or STUDY_CACHE) at a writable directory "
+                             "(shared between nodes on a cluster)") from None
+        raise
+
+
 def shard_entry(cfg: DataConfig, documents: str, tok: TokenizerFile) -> Path:
     """The cache directory of the shards of (documents, tokenizer); its name is the cache key since format 2."""
     return cache_root(cfg) / "shards" / f"{_slug(cfg.name)}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
@@ -117,13 +149,13 @@ def find_shards(cfg: DataConfig) -> Path | None:
 
 
 def check_vocab(tok: TokenizerFile, model_vocab: int | None) -> None:
-    """Before any token is written: the ids fit the shard dtype, and the model embeds every id."""
+    """Before any token is written: the largest id fits the shard dtype, and the model embeds it."""
     if tok.vocab_size > 2**32:
-        raise StudyError("data.tokenizer", f"{tok.path} has {tok.vocab_size} ids, more than a uint32 shard holds",
-                         "use a tokenizer with at most 2**32 ids")
+        raise StudyError("data.tokenizer", f"{tok.path} has ids up to {tok.vocab_size - 1}, more than a uint32 shard "
+                         "holds", "use a tokenizer whose ids are below 2**32")
     if model_vocab is not None and tok.vocab_size > model_vocab:
-        raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the tokenizer's {tok.vocab_size} "
-                         "ids", f"set model.vocab_size >= {tok.vocab_size}")
+        raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the ids of the tokenizer {tok.path}, "
+                         f"up to {tok.vocab_size - 1}", f"set model.vocab_size >= {tok.vocab_size}")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

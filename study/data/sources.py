@@ -27,6 +27,9 @@ from study.data.flat import flat_key
 from study.errors import StudyError
 
 READ_BATCH = 1000
+UNREADABLE = (OSError, ValueError)
+"""How `datasets` and Arrow fail on a damaged corpus: OSError (a damaged page), ValueError (ArrowInvalid, a line cut
+short; UnicodeDecodeError)."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,12 @@ class Source:
                 loaded = datasets.load_dataset(name, cfg.config_name, streaming=True,
                                                cache_dir=str(cache_root(cfg) / "hf"))
             except (FileNotFoundError, ValueError, ConnectionError) as err:
-                raise StudyError("data.name", f"cannot read the dataset {cfg.name!r} ({type(err).__name__}: "
-                                 f"{str(err).splitlines()[0] if str(err) else ''})",
+                raise StudyError("data.name", f"cannot read the dataset {cfg.name!r} ({_first_line(err)})",
                                  f"give a local data directory, a `save_to_disk` directory, a hub dataset "
                                  f"reachable from here, or `{EMBEDDED}`") from None
+            except StopIteration:  # the JSON builder reads its first file's first rows for the columns: there are none
+                raise StudyError("data.name", f"the dataset {cfg.name!r} begins with an empty data file",
+                                 "remove the empty file, or give the corpus's directory of non-empty files") from None
         if isinstance(loaded, (datasets.Dataset, datasets.IterableDataset)):
             return {cfg.train_split: loaded}
         return dict(loaded)
@@ -130,28 +135,49 @@ class Source:
             return None
         names = ds.column_names
         if names is None:  # a stream whose features are unknown until read: its first document says
-            first = next(iter(ds.take(1)), None)
-            names = None if first is None else list(first)
+            try:
+                first = next(iter(ds.take(1)), None)
+            except UNREADABLE as err:
+                failure = self._unreadable(err)
+            else:
+                return None if first is None else list(first)
+            raise failure
         return names
+
+    def _unreadable(self, err: BaseException) -> StudyError:
+        """A corpus that cannot be read (cut short, not UTF-8, a damaged parquet page), refused naming data.name.
+
+        The readers raise from deep inside `datasets` and Arrow; this is raised only after leaving the `except` block,
+        so that the failed reader (an Arrow scan, whose threads may still be reading) is freed then, not at
+        interpreter exit, where a scan still alive aborts the process (`terminate called`, 3 of 40 runs)."""
+        return StudyError("data.name", f"the dataset {self.cfg.name!r} cannot be read ({_first_line(err)})",
+                          "repair or download again the damaged or empty file (JSON lines must be whole lines of "
+                          "UTF-8 JSON, parquet files whole), or remove it: a changed file is read afresh")
 
     def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
         """Batches of `size` of the split's texts from document `start` on, in source order (a null text is
         empty)."""
         ds, field = self.splits()[split], self.cfg.text_field
-        if self.kind == "jsonl":
-            batch: list[str] = []
-            with open(ds, encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if i >= start:
-                        batch.append(json.loads(line).get(field) or "")
-                        if len(batch) == size:
-                            yield batch
-                            batch = []
-            if batch:
-                yield batch
+        try:
+            if self.kind == "jsonl":
+                batch: list[str] = []
+                with open(ds, encoding="utf-8") as f:
+                    for i, line in enumerate(f):
+                        if i >= start:
+                            batch.append(json.loads(line).get(field) or "")
+                            if len(batch) == size:
+                                yield batch
+                                batch = []
+                if batch:
+                    yield batch
+            else:
+                for table in self._tables(split, start, size):
+                    yield [t or "" for t in table.column(field).to_pylist()]
+        except UNREADABLE as err:
+            failure = self._unreadable(err)
         else:
-            for table in self._tables(split, start, size):
-                yield [t or "" for t in table.column(field).to_pylist()]
+            return
+        raise failure
 
     def byte_lengths(self, split: str, size: int = READ_BATCH) -> Iterator[np.ndarray]:
         """The UTF-8 length of each text, batch by batch, computed in Arrow (no text becomes a Python string)."""
@@ -161,8 +187,14 @@ class Source:
             return
         import pyarrow.compute as pc
 
-        for table in self._tables(split, 0, size):
-            yield pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
+        try:
+            for table in self._tables(split, 0, size):
+                yield pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
+        except UNREADABLE as err:
+            failure = self._unreadable(err)
+        else:
+            return
+        raise failure
 
     def _tables(self, split: str, start: int, size: int):
         """Arrow tables of `size` rows of the text column from row `start` on."""
@@ -245,6 +277,12 @@ def _known_length(source: Source, p: Pass) -> int | None:
     if source.kind == "disk":
         return len(ds) if p.max_docs is None else min(len(ds), p.max_docs)
     return None
+
+
+def _first_line(err: BaseException) -> str:
+    """The exception's type and the first line of its message (Arrow's and datasets' can run to pages)."""
+    text = str(err).splitlines()[0][:300] if str(err) else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _share(cap: int | None, fraction: float) -> int | None:

@@ -30,7 +30,8 @@ class TokenizerFile:
     eos_id: int
     """Id of the token placed between documents."""
     vocab_size: int
-    """Number of ids the tokenizer can emit, added tokens included."""
+    """One more than the largest id the tokenizer can emit, added tokens included: the rows an embedding needs (a
+    vocabulary with gaps in its ids needs more rows than it has entries)."""
     key: str
     """Content hash of the tokenizer file and EOS choice: part of the token shards' cache key."""
 
@@ -65,7 +66,13 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
         path, declared = _convert_transformers(given, entry), declared_eos(given)
     tok = load_tokenizer(path)
     eos = eos_id(tok, cfg.eos_token or declared)
-    return TokenizerFile(path, eos, tok.get_vocab_size(with_added_tokens=True), f"{file_digest([path])}-{eos}")
+    return TokenizerFile(path, eos, id_bound(tok), f"{file_digest([path])}-{eos}")
+
+
+def id_bound(tok: Tokenizer) -> int:
+    """One more than the largest id `tok` emits. `get_vocab_size` counts entries instead: a vocabulary of 350
+    entries whose largest id is 60,000 would pass a 512-row embedding and then index past it."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def train_bpe(batches: Iterator[list[str]], vocab_size: int) -> Tokenizer:

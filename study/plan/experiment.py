@@ -239,8 +239,11 @@ def load_experiment(name: str) -> Experiment:
         seeds = {s: list(seeds_raw[s]) for s in scales}
     else:
         seeds = {s: list(seeds_raw) for s in scales}
-    if any(not isinstance(x, int) or x < 0 for v in seeds.values() for x in v) or not all(seeds.values()):
-        raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers", "e.g. seeds: [0, 1, 2]")
+    # YAML's true/false are Python bools, which are ints: [true, false] would plan seeds 1 and 0 under other keys
+    if (any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for v in seeds.values() for x in v)
+            or not all(seeds.values())):
+        raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers (true and "
+                         "false are not seeds)", "e.g. seeds: [0, 1, 2]")
     variants = []
     for vname, spec in (OmegaConf.to_container(raw.variants) if raw.get("variants") else {}).items():
         spec = spec or {}

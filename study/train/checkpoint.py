@@ -8,6 +8,8 @@ a write killed halfway (a `.partial` folder) is never loaded, and is removed by 
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,18 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
         partial.mkdir(parents=True, exist_ok=True)
     barrier(d)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    torch.save(_rng_state(), partial / f"rng_rank{d.rank}.pt")
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        torch.save(_rng_state(), partial / f"rng_rank{d.rank}.pt")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        # torch's zip writer reports a full disk as "enforce fail ... unexpected pos", without an errno: a file
+        # system left with less room than this rank's state is what happened
+        if (getattr(_cause(err), "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                or shutil.disk_usage(root).free < _nbytes((model_sd, optim_sd))):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial)) from err
+        raise
     barrier(d)
     if d.is_main:
         TrainState(**{**state.__dict__, "world_size": d.world_size}).write(partial / "train_state.json")
@@ -94,9 +106,12 @@ def load(path: Path, model, optimizer, d: Dist) -> TrainState:
 
 def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_hash: str = "") -> TrainState | None:
     """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when the run
-    has none. A checkpoint saved by another run key, or for another model shape, is refused by name."""
+    has none. A checkpoint saved by another run key, or for another model shape, is refused by name, and so is a
+    run whose every checkpoint is broken: starting it from step 0 would leave its MLflow curve and its weights
+    disagreeing (the recomputed points are dropped as repeats), so only `--restart` does that."""
     import sys
 
+    broken = []
     for path in reversed(complete_checkpoints(run_dir)):
         state = _read_state(path)
         if state is not None and state.run_key and state.run_key != run_key:
@@ -110,10 +125,37 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # a damaged file of any kind (DCP's CheckpointException is a BaseException)
+            cause = _cause(err)
+            reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}"
+            broken.append(f"{path.name} ({reason})")
             if d.is_main:
-                print(f"checkpoint {path.name} of run {run_key} cannot be loaded ({type(err).__name__}: {err}); "
-                      "falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
+                print(f"checkpoint {path.name} of run {run_key} cannot be loaded ({reason}); falling back to the "
+                      "previous complete checkpoint", file=sys.stderr, flush=True)
+    if broken:
+        raise StudyError(str(checkpoint_dir(run_dir)), f"no checkpoint of run {run_key} loads: {'; '.join(broken)}",
+                         "restore the checkpoints from a copy, or train the run again from step 0 with `study train "
+                         "... --restart` (a launch: `study launch EXPERIMENT --restart KEY`), which sets them and its "
+                         "MLflow run aside and starts a new curve")
     return None
+
+
+def _cause(err: BaseException) -> BaseException:
+    """What failed: for DCP's CheckpointException (one wrapped exception per failed rank), the first rank's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+def _nbytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    local = state.to_local() if hasattr(state, "to_local") else state
+    return local.numel() * local.element_size() if hasattr(local, "element_size") else 0
 
 
 def _read_state(path: Path) -> TrainState | None:

@@ -13,6 +13,7 @@ recomputes bit-identical losses (fp32 on CPU). Tracking dedups the re-logged ste
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from study.config.run import RunConfig
 from study.config.spec import RunSpec, read_spec, write_spec
 from study.errors import StudyError
 from study.train import checkpoint
-from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, setup
+from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, barrier, setup
 from study.train.faults import FaultHooks
 from study.train.lease import acquire
 from study.train.progress import Progress
@@ -120,9 +121,9 @@ def compute_dtype(cfg: RunConfig, d: Dist) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
-def train(spec: RunSpec) -> Outcome:
-    """Train (or resume) the run the spec describes, holding its run directory's lease. Collective when world
-    size > 1."""
+def train(spec: RunSpec, restart: bool = False) -> Outcome:
+    """Train (or resume) the run the spec describes, holding its run directory's lease; with `restart`, from step 0,
+    its earlier training set aside (study.train.restart). Collective when world size > 1."""
     if spec.awaits_tuning:
         raise StudyError("tune", f"run {spec.name} ({spec.key}) trains at the LR its variant's tuning chooses, which "
                          f"has not decided yet ({spec.pending})", f"launch the experiment (study launch "
@@ -135,10 +136,32 @@ def train(spec: RunSpec) -> Outcome:
     try:
         if d.is_main:
             _claim(spec)
+            from study.train import restart as restarts
+
+            interrupted = restarts.staged(spec)
+            if restart or interrupted is not None:
+                restarts.restart(spec, interrupted)
+        barrier(d)  # every rank looks for checkpoints after a restart has set them aside
         return _train(spec, d)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise _no_space(spec, err) from None
     finally:
         if lease is not None:
             lease.release()
+
+
+def _no_space(spec: RunSpec, err: OSError) -> StudyError:
+    import shutil
+
+    rdir = spec.run_dir.path
+    last = checkpoint.latest(rdir)
+    return StudyError("paths.runs", f"no space left on {rdir} (writing {err.filename or 'to it'}; "
+                      f"{shutil.disk_usage(rdir).free >> 20} MiB free on its file system)",
+                      "free space on that file system (other runs' old checkpoints, or a lower train.keep_last), or "
+                      "move the runs folder to one with room and point paths.runs there; started again, the run "
+                      f"resumes from {last.name if last else 'step 0'}")
 
 
 def _claim(spec: RunSpec) -> None:
@@ -185,6 +208,9 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     from study.data.batches import check_val_split
 
     check_val_split(data.val, data.seq_len, micro * d.world_size, from_files=bool(cfg.data.val_tokens))
+    from study.train.data_record import check_data
+
+    check_data(spec, data, write=d.rank == 0)  # before the tokenizer copy: a start on other data leaves it as it is
     if d.rank == 0:
         _keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer, data.eos_id)
 
@@ -209,7 +235,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     start = state.step
     scheduler = build_scheduler(optimizer, recipe, cfg.train, start)
 
-    tracker = open_tracker(spec, d, data)
+    tracker = open_tracker(spec, d, data, start)
     stop = StopRequest.install()
     stream = batch_stream(spec, data, d, start)
     progress = Progress(d, start, max_steps, spec.name, spec.run_dir.progress)
@@ -243,6 +269,8 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
                 progress.update(step, mean_loss, tps)
             if step % cfg.train.eval_interval == 0 or step == max_steps:
                 state.val_loss = evaluate(step_model, data, cfg, d, micro)
+                if not math.isfinite(state.val_loss):
+                    raise Diverged(f"validation loss is {state.val_loss} at step {step}")
                 tracker.log_metrics({schema.VAL_LOSS: state.val_loss,
                                      schema.VAL_PPL: math.exp(min(state.val_loss, 50.0))}, step)
             faults.after_step(step, stop)

@@ -3,29 +3,36 @@ when it ends."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from study import schema
 from study.config.spec import RunSpec
+from study.errors import StudyError
 from study.train.distributed import Dist
 
 MAX_LOG_ARTIFACT = 64 << 20
 """Largest job log copied to MLflow at the end of a run."""
 
 
-def open_tracker(spec: RunSpec, d: Dist, data):
-    """The run's MLflow run, opened or resumed, with its params, tags, lineage (parent run, dataset input) and the
-    artifacts a reader of the run page wants (config, spec, parameter table, tokenizer)."""
+def open_tracker(spec: RunSpec, d: Dist, data, start: int):
+    """The run's MLflow run, opened or resumed at step `start`, with its params, tags, lineage (parent run, dataset
+    input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
+    FINISHED in another run directory is refused (`finished_elsewhere`)."""
+    from study.config.identity import KEY, SCHEDULED, placement
     from study.track import lineage
     from study.track.groups import parent_for
-    from study.track.params import redact
+    from study.track.params import flatten, redact
     from study.track.tags import run_tags
     from study.track.tracker import Tracker
 
     cfg, m = spec.config, spec.model
-    params = {k: v for k, v in asdict(cfg).items() if k not in ("cluster", "tracking", "eval", "paths", "faults")}
+    # the config fields the key hashes, and nothing else: a resume with another cadence, MFU estimate or device
+    # (placed out of the key) is the same run, and a param logged once cannot change value in MLflow
+    sides = (KEY, SCHEDULED) if m.ffn.schedule.family == "geometry" else (KEY,)
+    params = {k: v for k, v in flatten(asdict(cfg)).items() if placement(k)[0] in sides}
     params["resolved"] = {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                           **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
                           "ffn_widths": m.ffn.widths, "flops_per_token": spec.flops_per_token}
@@ -37,7 +44,8 @@ def open_tracker(spec: RunSpec, d: Dist, data):
             lineage.DESCRIPTION: lineage.description(spec)}
     tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
                            cfg=cfg.tracking, log_path=spec.run_dir.metrics,
-                           system_metrics=cfg.tracking.system_metrics_s > 0)
+                           system_metrics=cfg.tracking.system_metrics_s > 0,
+                           check=lambda client, run: finished_elsewhere(spec, start, client, run))
     if d.is_main:
         import yaml
 
@@ -58,6 +66,41 @@ def open_tracker(spec: RunSpec, d: Dist, data):
                           "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
         spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
     return tracker
+
+
+def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
+    """Refuse to resume the key's MLflow run when it FINISHED but this run directory, starting at step `start`,
+    holds neither its result nor its final checkpoint: it finished in another run directory (another `paths.runs`),
+    or this one lost them. Training here would reopen a result of record, retrain it, and on a failure mark it
+    FAILED, so the report would drop it."""
+    from study.plan.planner import finished_loss
+
+    if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.planned.max_steps:
+        return
+    here = spec.run_dir.path
+    where = _recorded_dir(client, run.info.run_id)
+    if where is None:
+        at, root = "in a run directory its MLflow run does not record", "its runs folder"
+    elif Path(where) == here:
+        at, root = ("in this run directory, which no longer holds its result.json or final checkpoint",
+                    str(here.parent.parent))
+    else:
+        at, root = f"in {where}", str(Path(where).parent.parent)
+    raise StudyError("paths.runs", f"run {spec.key} has FINISHED {at} (MLflow run {run.info.run_id}); training it "
+                     f"in {here} would reopen that result of record", f"use the finished run where it is (report, "
+                     f"eval and export read it with paths.runs={root}); or train it again from step 0 with "
+                     "`study train ... --restart`, which sets that MLflow run aside and replaces its result")
+
+
+def _recorded_dir(client, run_id: str) -> str | None:
+    """The run directory a run's `run.json` artifact names (the spec's `dir`), None when it cannot be read."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return json.loads(Path(client.download_artifacts(run_id, "run.json", tmp)).read_text()).get("dir")
+    except Exception:  # noqa: BLE001 - a missing, unreadable or unreachable artifact: the directory is not recorded
+        return None
 
 
 def log_job_output(tracker, spec: RunSpec) -> None:

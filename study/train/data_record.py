@@ -1,0 +1,57 @@
+"""The data a run started on: the SHA-256 of its token files and tokenizer (the prepared data's meta.json `sha256`),
+recorded in its run directory (`data.json`) on its first start and compared on every later one.
+
+The run key names the corpus (a path, a hub dataset), not its content: the same path can hold another corpus later,
+which the shard cache notices (sizes and modification times) and tokenises again, with a newly trained BPE if the
+run trains its own. A checkpoint continued on those shards would read token ids that now mean other strings, and
+the run's tokenizer copy would be replaced under its checkpoints, so a start on other data is refused by name;
+`--restart` (study.train.restart) trains the run again from step 0 on the new data instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.errors import StudyError
+from study.schema import not_a_link
+
+RECORD = "data.json"
+
+
+def record_path(spec: RunSpec) -> Path:
+    return not_a_link(spec.run_dir.path / RECORD)
+
+
+def check_data(spec: RunSpec, data, write: bool) -> None:
+    """Refuse a start on other data than the run started on; on the first start record the data (when `write`:
+    rank 0). A run directory from before the record existed has its tokenizer copy as the only witness."""
+    path = record_path(spec)
+    now = data.meta["sha256"]
+    if path.is_file():
+        then = json.loads(path.read_text())["sha256"]
+        changed = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
+        if changed:
+            _refuse(spec, data, f"{', '.join(changed)} of the prepared data ({data.shard_dir}) differ from the ones "
+                    f"recorded in {path} when the run started")
+        return
+    copy = spec.run_dir.tokenizer
+    if copy.is_file() and copy.read_bytes() != Path(data.tokenizer_path).read_bytes():
+        _refuse(spec, data, f"its tokenizer {data.tokenizer_path} differs from the run's copy {copy}")
+    if write:
+        record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
+        tmp = path.with_name(f".{RECORD}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+
+
+def _refuse(spec: RunSpec, data, what: str) -> None:
+    cfg = spec.config.data
+    field = "data.tokens" if cfg.tokens else "data.name"
+    raise StudyError(field, f"run {spec.key} started on other data than {cfg.name} holds now: {what}; its checkpoints "
+                     "would continue on token ids that mean other strings",
+                     "restore the data the run started on; or train the run again from step 0 on this data with "
+                     f"`study train ... --restart` (`study launch EXPERIMENT --restart {spec.key}`), which sets its "
+                     "checkpoints and MLflow run aside; or train this data as a new run (another experiment or seed)")

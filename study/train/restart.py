@@ -1,0 +1,83 @@
+"""`--restart`: train a run again from step 0, its earlier training set aside rather than continued or lost.
+
+The answer when a run cannot be continued: every checkpoint damaged, the data it started on changed
+(study.train.data_record), or a result of record that is to be replaced. Everything the run directory holds besides
+the spec and the resolved config (checkpoints, metric log, result, evaluations, export, tokenizer copy, data record)
+moves into `replaced/<UTC time>/`, and the key's MLflow runs are deleted (MLflow's soft delete, restorable) with tag
+`study.replaced` (study.track.tracker.retire_runs), so the next start opens a fresh MLflow run whose curve is the new
+training alone. The move is staged in `replaced/<time>.partial/`, made before anything moves: a restart interrupted
+anywhere is finished by the next start, before it trains, so no start ever mixes the old training with the new.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.schema import not_a_link
+
+REPLACED = "replaced"
+STAGED = ".partial"
+KEPT = ("run.json", "config.yaml", REPLACED)
+"""What a restart leaves in place (hidden files too: the lease and other processes' transient files)."""
+
+
+def replaced(spec: RunSpec) -> Path:
+    """Where a run's earlier trainings lie, one folder each (never through a link: it is written to)."""
+    return not_a_link(spec.run_dir.path / REPLACED)
+
+
+def staged(spec: RunSpec) -> Path | None:
+    """The folder of a restart that was interrupted, if any."""
+    root = replaced(spec)
+    found = sorted(root.glob(f"*{STAGED}")) if root.is_dir() else []
+    return found[0] if found else None
+
+
+def restart(spec: RunSpec, stage: Path | None = None) -> None:
+    """Set the run's earlier training aside (the caller holds its lease): into `stage`, an interrupted restart's
+    folder, or a new one."""
+    from study.track.tracker import retire_runs
+
+    rdir = spec.run_dir.path
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if stage is None:
+        stage = replaced(spec) / f"{when.replace(':', '')}-{os.getpid()}{STAGED}"
+    stage.mkdir(parents=True, exist_ok=True)
+    done = stage.with_name(stage.name[:-len(STAGED)])
+    retired = retire_runs(spec.key, spec.config.experiment, spec.config.tracking,
+                          f"trained again from step 0 (--restart) at {when}; its run directory's earlier files are in "
+                          f"{done}")
+    for entry in sorted(rdir.iterdir()):
+        if entry.name not in KEPT and not entry.name.startswith("."):
+            os.rename(entry, stage / entry.name)
+    if any(stage.iterdir()):
+        os.rename(stage, done)
+        kept = f"its earlier files are in {done}"
+    else:
+        stage.rmdir()
+        kept = "it had no files to set aside"
+    runs = (f"MLflow run{'s' * (len(retired) != 1)} {', '.join(retired)} deleted (restorable) and tagged "
+            "study.replaced" if retired else "no MLflow run to set aside")
+    print(f"run {spec.key} starts again from step 0: {kept}; {runs}", file=sys.stderr, flush=True)
+
+
+def restart_idle(spec: RunSpec) -> None:
+    """A restart before a launch submits the run (`study launch --restart KEY`): refused while a process trains the
+    run (its lease is taken without waiting)."""
+    from study.errors import StudyError
+    from study.train.lease import Lease
+
+    spec.run_dir.path.mkdir(parents=True, exist_ok=True)
+    lease = Lease(spec.run_dir.path)
+    if not lease.try_acquire():
+        raise StudyError("--restart", f"run {spec.key} is being trained by {lease.holder()}",
+                         "stop that job or process first (`study status` names it), or let it end, then launch with "
+                         "--restart again")
+    try:
+        restart(spec, staged(spec))
+    finally:
+        lease.release()
