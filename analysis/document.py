@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Sequence
 import pandas as pd
 
 from analysis import runs as store
+from analysis.compute import EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
 from analysis.render import Block, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
+from analysis.time_to_target import TimeReport
+from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
 
 if TYPE_CHECKING:
     from analysis.published import PublishedDelta
@@ -36,6 +39,10 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
                   + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
                   + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
                   f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
+        *([Paragraph(_TUNED + (f"; the {a.shared_runs} runs at the shared LR are decided beside them under 'Shared "
+                               "LR against tuned LR'" if a.shared_runs else "") + "."
+                     + (" Tune runs are shown under 'Tuning curves', never paired." if a.tune_curves else ""))]
+          if a.tuned else []),
         Heading(f"Decisions on final {rule.metric}"),
         Paragraph(f"{', '.join(f'{counts[v]} {v}' for v in VERDICTS)}. Each row pairs the variant with "
                   f"{a.baseline} over the seeds both finished. Primary family: every variant × scale on "
@@ -54,11 +61,17 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
                              f"(false discovery rate {alpha:g}); equivalence only where decision.margins names a "
                              "margin."),
                    _decision_table(secondary, with_metric=True)]
+    if a.verdict_pairs:
+        blocks += _flip_blocks(a.verdict_pairs)
     headline = a.metrics[0]
     verdicts = {(d.metric, d.scale, d.variant): d.verdict for d in a.decisions}
     blocks.append(Heading(f"Final {headline} per scale"))
     for scale in store.scale_order(a.runs):
-        blocks += _per_scale(a.runs, a.results[headline], headline, a.baseline, scale, verdicts)
+        blocks += _per_scale(a.runs, a.results[headline], headline, a.baseline, scale, verdicts, a.compute)
+    if a.compute is not None:
+        blocks += _compute_blocks(a.compute)
+    if a.time is not None:
+        blocks += _time_blocks(a.time, verdicts, rule.metric)
     blocks += [Heading("Paired deltas, every metric (descriptive)"),
                Paragraph(f"Bootstrap intervals are descriptive and shown only from {BOOTSTRAP_MIN_N} pairs: over "
                          "fewer seeds a bootstrap has too few distinct resamples (3 seeds give 10) and comes out "
@@ -90,6 +103,8 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
         blocks += _published_blocks(published, a.baseline)
     if a.scaling is not None:
         blocks += [Heading(f"Scaling fits of final {a.scaling.metric}"), *_scaling_blocks(a.scaling)]
+    if a.tune_curves:
+        blocks += _tuning_blocks(a.tune_curves)
     blocks += [*profile, *_missing(a.runs, unpaired, a.metrics)]
     blocks += [Heading("Figures"), *plots, Heading("Method"),
                Paragraph(_METHOD.format(n_resamples=a.n_resamples, min_n=BOOTSTRAP_MIN_N))]
@@ -142,12 +157,13 @@ def _looks_table(looks: Sequence[dict]) -> Table:
 
 
 def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, baseline: str, scale: str,
-               verdicts: dict) -> list[Block]:
+               verdicts: dict, compute: EffectiveCompute | None) -> list[Block]:
     at_scale = runs[(runs["scale"] == scale) & (runs["status"] == store.FINISHED) & runs[metric].notna()]
     by_variant = {r.variant: r for r in results if r.scale == scale}
     loss_like = metric.endswith("/loss")
+    with_compute = compute is not None and bool(compute.rows)
     header = ["variant", "seeds", f"{metric} (mean ± sd)"] + (["PPL"] if loss_like else []) + [
-        "Δ vs " + baseline, "t 95% CI", "verdict"]
+        "Δ vs " + baseline, "t 95% CI", "verdict"] + (["effective compute (95% CI)"] if with_compute else [])
     rows = []
     for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
         values = at_scale.loc[at_scale["variant"] == variant, metric]
@@ -159,6 +175,9 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
             cells += ["—"] * 3
         else:
             cells += [_signed(r.mean_delta), _ci(r.ci_low, r.ci_high), verdicts.get((metric, scale, variant), "—")]
+        if with_compute:
+            k = compute.at(scale, variant)
+            cells.append(_multiplier(k) if k is not None else "—")
         rows.append(cells)
     counted = runs.loc[runs["scale"] == scale, "params_counted"].median()
     size = f" (≈{counted / 1e6:,.1f}M counted parameters)" if pd.notna(counted) else ""
@@ -214,6 +233,95 @@ def _scaling_blocks(scaling: ScalingReport) -> list[Block]:
     return blocks
 
 
+def _flip_blocks(pairs: Sequence[VerdictPair]) -> list[Block]:
+    flips = [p for p in pairs if p.flip]
+    shown = [p for p in pairs if p.family == "primary" or p.flip]
+    rows = [[p.metric, p.scale, p.variant, _signed(p.shared_delta), p.shared_verdict, _signed(p.tuned_delta),
+             p.tuned_verdict, f"FLIP: {p.shared_verdict} → {p.tuned_verdict}" if p.flip else "—"] for p in shown]
+    return [Heading("Shared LR against tuned LR"),
+            Paragraph(f"The store also holds this experiment's main runs at the shared (recipe) LR. Both sets are "
+                      f"decided by the same rule; {len(flips)} of {len(pairs)} verdicts change between them"
+                      + (" (flagged below)" if flips else "") + ". The report decides on the tuned runs. Shown: "
+                      "every primary comparison, and any secondary one that flips."),
+            Table(["metric", "scale", "variant", "Δ shared LR", "verdict shared LR", "Δ tuned LR",
+                   "verdict tuned LR", "flip"], rows)]
+
+
+def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
+    rows = [[c.variant, c.scale,
+             ", ".join(f"×{m:g}: {loss:.4f}" for m, loss in zip(c.multiples, c.mean_losses)),
+             str(len(c.points)) + (f" ({c.unfinished} unfinished)" if c.unfinished else ""),
+             f"×{c.best_multiple:g}", f"×{c.chosen_multiple:.4g}" if math.isfinite(c.chosen_multiple) else "—",
+             _num(c.chosen_lr, 4, general=True), c.status or "—",
+             ", ".join(f"{s}: {lr:.4g}" for s, lr in c.main_lrs.items()) or "—"] for c in curves]
+    edges = sorted({c.variant for c in curves if c.status == "edge"})
+    blocks: list[Block] = [
+        Heading("Tuning curves"),
+        Paragraph("Each variant's tune runs: final val/loss at each multiple of the recipe's peak LR, the mean over "
+                  "seeds (each seed is a point in the figure), the grid point with the lowest mean, and the multiple "
+                  "the tuning stage chose (the minimum of a quadratic in log LR through the best point and its "
+                  "neighbours, recorded on the main runs) with how it was reached: interior (the best point had a "
+                  "neighbour on each side), extended (it did after points were added beyond an edge) or edge (it "
+                  f"stayed at an edge). Tune runs are never paired or decided on. {TRANSFER}"),
+        Table(["variant", "tune scale", "mean final val/loss per multiple", "runs", "lowest mean at", "chosen",
+               "chosen LR", "status", "main runs' LR by scale"], rows)]
+    if edges:
+        blocks.append(Paragraph(f"{', '.join(edges)}: the best point stayed at an edge of the grid after extending "
+                                "it, so the LR taken may not be that variant's best: widen tune.lr or tune.extend."))
+    return blocks
+
+
+def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
+    blocks: list[Block] = [
+        Heading("Effective compute"),
+        Paragraph(f"How many times a variant's training compute the baseline {compute.baseline} needs to reach the "
+                  f"variant's final {compute.metric}: final {compute.metric} of each variant is fitted against its "
+                  "training compute with the scaling fits below (the same form, Huber loss and seed-cluster "
+                  "bootstrap, the same draws for every variant), and the baseline's fit inverted at the variant's "
+                  "fitted loss. Read at each scale's median compute and at the centre of the fitted range (the "
+                  "geometric mean of the variant's compute). Interval: percentile interval over the paired bootstrap "
+                  "draws; 'never' where the baseline's fit does not come down to that loss. "
+                  f"Compute: {compute.source}.")]
+    if compute.fallback:
+        blocks.append(Paragraph(f"Fallback to {compute.source}: {compute.fallback}."))
+    if not compute.rows:
+        return [*blocks, Paragraph(f"No multipliers: {compute.status}.")]
+    blocks.append(Paragraph("; ".join(f"{v}: {_multiplier(r, ' compute')} over {r.scale}"
+                                      for v, r in compute.headline().items()) + "."))
+    rows = [[r.variant, r.scale + (" (fitted range)" if r.fitted_range else ""), f"{r.compute:.3g}",
+             _times(r.multiplier), f"[{_bound(r.ci_low)}, {_bound(r.ci_high)}]", str(r.draws)] for r in compute.rows]
+    return [*blocks, Table(["variant", "scale", "compute (FLOPs)", "multiplier k", "95% bootstrap CI", "draws"],
+                           rows)]
+
+
+def _time_blocks(time: TimeReport, verdicts: dict, metric: str) -> list[Block]:
+    rows = []
+    for r in time.rows:
+        bound = "≥ " if r.reached < r.n else ""
+        rows.append([r.scale, r.variant, _num(r.target), str(r.n), _num(r.baseline_hours, 3, general=True),
+                     bound + _num(r.variant_hours, 3, general=True), f"{r.reached}/{r.n}", bound + _times(r.ratio),
+                     f"[{_bound(r.ci_low)}, {_bound(r.ci_high)}]", _p(r.p_adjusted), r.verdict,
+                     verdicts.get((metric, r.scale, r.variant), "—"), r.throughput])
+    blocks: list[Block] = [
+        Heading("Time to target"),
+        Paragraph(f"GPU-hours each arm needed to reach the final val/loss of the {time.baseline} run of the same "
+                  "seed, interpolated along its validation curve, at its measured throughput (study calibrate's "
+                  "figure for the run's shape where one exists, else the median of its own train/tokens_per_s). "
+                  "Ratio: geometric mean over seeds of variant over baseline GPU-hours, with the paired t interval "
+                  "of the log ratio; the throughput-adjusted verdict decides the log ratios like the primary family "
+                  "(paired t, Holm over scales × variants): better needs fewer GPU-hours. A run that never reached "
+                  "the target counts its whole training's GPU-hours (≥: a lower bound), which can show a variant "
+                  "slower but never faster. The parameter-matched verdict on "
+                  f"{metric} is beside it."),
+        Table(["scale", "variant", f"target ({time.baseline} final)", "seeds", f"{time.baseline} GPU-h",
+               "variant GPU-h", "reached", "ratio", "t CI", "p (adj.)", "throughput-adjusted verdict",
+               "parameter-matched verdict", "throughput"], rows)]
+    if time.devices_unknown:
+        blocks.append(Paragraph(f"{len(time.devices_unknown)} runs logged no readable run spec (run.json), so their "
+                                "device count is unknown and one device is counted: their GPU-hours are job-hours."))
+    return blocks
+
+
 def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> list[Block]:
     blocks: list[Block] = [Heading("Unfinished and unpaired runs")]
     unfinished = runs[runs["status"] != store.FINISHED]
@@ -261,6 +369,19 @@ def _ci(low: float, high: float, digits: int = 4) -> str:
     return f"[{low:+.{digits}f}, {high:+.{digits}f}]"
 
 
+def _times(k: float) -> str:
+    return "never" if k == math.inf else "—" if not math.isfinite(k) else f"{k:.2f}x"
+
+
+def _bound(k: float) -> str:
+    return "∞" if k == math.inf else "—" if not math.isfinite(k) else f"{k:.2f}"
+
+
+def _multiplier(k: Multiplier, what: str = "") -> str:
+    """``1.09x compute [1.02, 1.16]``."""
+    return f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}]"
+
+
 def _p(p: float) -> str:
     return "—" if p is None or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
@@ -275,6 +396,9 @@ def _mean_sd(values: pd.Series) -> str:
     sd = values.std(ddof=1) if len(values) > 1 else math.nan
     return f"{values.mean():.4f} ± {_num(sd)}"
 
+
+_TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tune runs found best "
+          "(study.lr_source = tune)")
 
 _METHOD = (
     "Runs are paired by (scale, seed): paired runs share data order and initialisation, so the per-seed "

@@ -1,10 +1,12 @@
-"""The headline of a report on the console: one row per decision."""
+"""The headline of a report on the console: one row per decision, then what the decisions rest on (the LR they were
+trained at, their worth in compute)."""
 
 from __future__ import annotations
 
 
 def print_headline(result: dict) -> None:
-    """The report's decision table on the console (`study report`, `study demo`)."""
+    """The report's decision table on the console (`study report`, `study demo`), then the effective compute of each
+    variant and every verdict that flips between the shared and the tuned LR."""
     from study.term import console
     from rich.table import Table
 
@@ -19,4 +21,17 @@ def print_headline(result: dict) -> None:
         table.add_row(d["scale"], d["variant"], d["metric"], str(d["n"]), num(d["mean_delta"], "+.4f"),
                       f"[{num(d['ci_low'], '+.4f')}, {num(d['ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
                       d["verdict"], str(d["seeds_to_decide"] or "-"))
-    console().print(table)
+    out = console()
+    out.print(table)
+    tuning = result.get("tuning") or {}
+    if tuning.get("decided_on") == "tune":
+        out.print("decided on the tuned runs (each variant at its own tuned LR)")
+    for p in tuning.get("shared_vs_tuned", []):
+        if p["flip"]:
+            out.print(f"flip: {p['variant']} at {p['scale']} on {p['metric']}: {p['shared_verdict']} at the shared LR, "
+                      f"{p['tuned_verdict']} tuned")
+    # JSON has no infinity: a bound the baseline never reaches is None there
+    for r in (result.get("effective_compute") or {}).get("rows", []):
+        if r["fitted_range"]:
+            out.print(f"{r['variant']}: {num(r['multiplier'], '.2f')}x compute [{num(r['ci_low'], '.2f')}, "
+                      f"{num(r['ci_high'], '.2f')}] over {r['scale']}")

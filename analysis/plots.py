@@ -1,4 +1,5 @@
-"""The report's figures: loss curves with seed bands, a forest plot of paired deltas, the scaling fits.
+"""The report's figures: loss curves with seed bands, a forest plot of paired deltas, the scaling fits, the LR grids
+of the tuning stage.
 
 Figures are built as ``matplotlib.figure.Figure`` objects and written by the Agg canvas without touching pyplot,
 so a caller's interactive backend (a notebook, say) is left alone and nothing needs a display.
@@ -16,6 +17,7 @@ import pandas as pd
 from analysis.paired import PairedResult
 from analysis.runs import FINISHED, scale_order
 from analysis.scaling import ScalingReport
+from analysis.tuning import TuneCurve
 
 DPI = 110
 """Resolution of the PNGs; they are embedded in the HTML, so size matters."""
@@ -156,6 +158,35 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
     gap_ax.set_title("Fit minus baseline fit; points: paired deltas with t 95% CI", fontsize=9)
     if gap_ax.get_legend_handles_labels()[0]:
         gap_ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: str = "val/loss") -> Path:
+    """One panel per tune scale: final ``metric`` against peak LR (log axis) per variant, each seed a point, the mean
+    over seeds joined by a line, the chosen LR a dashed vertical line labelled with its multiple and status."""
+    from matplotlib.figure import Figure
+
+    scales = list(dict.fromkeys(c.scale for c in curves))
+    colors = variant_colors({c.variant for c in curves} | {baseline}, baseline)
+    fig = Figure(figsize=(5.2 * len(scales), 3.8), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(scales), squeeze=False).ravel()
+    for ax, scale in zip(axes, scales):
+        for c in (c for c in curves if c.scale == scale):
+            color = colors[c.variant]
+            ax.scatter([p["lr"] for p in c.points], [p["loss"] for p in c.points], s=14, color=color, alpha=0.5,
+                       lw=0)
+            label = c.variant
+            if math.isfinite(c.chosen_lr):
+                ax.axvline(c.chosen_lr, color=color, lw=1.0, ls="--")
+                label += f": chosen ×{c.chosen_multiple:.3g} ({c.status or 'status not recorded'})"
+            lrs = [np.median([p["lr"] for p in c.points if p["multiple"] == m]) for m in c.multiples]
+            ax.plot(lrs, c.mean_losses, "-o", color=color, ms=4, lw=1.2, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("peak LR")
+        ax.set_ylabel(f"final {metric}")
+        ax.set_title(f"LR grid at {scale}: seeds (dots), mean (line), chosen LR (dashed)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
     return _save(fig, path)
 
 

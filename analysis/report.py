@@ -16,6 +16,7 @@ from typing import Sequence
 import pandas as pd
 
 from analysis import runs as store
+from analysis.compute import EffectiveCompute, effective_compute
 from analysis.decide import Decision, decide
 from analysis.document import document
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
@@ -24,6 +25,8 @@ from analysis.paired import JointResult, PairedResult, is_higher_better, joint_b
 from analysis.render import Plot, to_html, to_markdown
 from analysis.scaling import ScalingReport, scaling_report
 from analysis.sequential import final_decisions, read_looks
+from analysis.time_to_target import TimeReport, time_to_target
+from analysis.tuning import TRANSFER, TuneCurve, VerdictPair, tune_curves, verdict_pairs
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.store import resolve_tracking_uri
@@ -34,7 +37,7 @@ HEADLINE = "val/loss"
 REPORT_RUN_NAME = "report"
 """Name of the experiment-level MLflow run that holds the report artifacts."""
 
-_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", PROFILE_FIGURE)
+_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", "tuning.png", PROFILE_FIGURE)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Analysis:
     metrics: list[str]
     """Final metrics compared; the first heads the report."""
     runs: pd.DataFrame
-    """One row per training run (analysis.runs.read_runs)."""
+    """One row per training run decided on (analysis.runs.read_study: the tuned runs when there are any)."""
     results: dict[str, list[PairedResult]]
     """Paired deltas per metric."""
     joint: list[JointResult]
@@ -69,6 +72,20 @@ class Analysis:
     """How the primary verdicts were reached when the launch was adaptive."""
     items: list = field(default_factory=list)
     """Downstream-task deltas with two-level (seed, item) bootstrap intervals (analysis.items.ItemDelta)."""
+    curves: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """val/loss histories of the finished runs (analysis.runs.read_curves), for the curve plot and time to target."""
+    tuned: bool = False
+    """The runs decided on trained at their own tuned LRs (study.lr_source = tune)."""
+    tune_curves: list[TuneCurve] = field(default_factory=list)
+    """Each variant's LR grid from its tune runs, with the LR chosen."""
+    shared_runs: int = 0
+    """Main runs at the shared LR beside the tuned ones (not decided on)."""
+    verdict_pairs: list[VerdictPair] = field(default_factory=list)
+    """Every comparison decided at the shared LR and at the tuned LRs, flips flagged."""
+    compute: EffectiveCompute | None = None
+    """Effective compute multipliers from fits of val/loss against training compute, when logged."""
+    time: TimeReport | None = None
+    """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
 
     @property
     def flat(self) -> list[PairedResult]:
@@ -90,7 +107,8 @@ def build_report(
     """Report ``experiment`` against ``baseline`` (default: the runs' ``study.baseline`` tag).
 
     ``metrics`` default to the final ``val/loss`` plus every ``eval/*/acc*`` present. Returns
-    ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "files", "report_run_id"}``.
+    ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "effective_compute",
+    "time_to_target", "tuning", "files", "report_run_id"}`` (and the rest of report.json).
     """
     a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed, rule)
     out = Path(out_dir) / experiment
@@ -115,6 +133,12 @@ def build_report(
         "looks": a.looks, "sequential": a.sequential_note or None, "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
+        "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
+        "time_to_target": a.time.to_dict() if a.time else {"status": f"no run logged {HEADLINE}"},
+        "tuning": {"decided_on": store.TUNED if a.tuned else store.SHARED, "transfer": TRANSFER if a.tuned else None,
+                   "curves": [c.to_dict() for c in a.tune_curves], "shared_runs": a.shared_runs,
+                   "shared_vs_tuned": [p.to_dict() for p in a.verdict_pairs],
+                   "flips": sum(p.flip for p in a.verdict_pairs)},
         "published": [p.to_dict() for p in published],
         "reference_profile": profile.summary,
         "files": [str(f) for f in files], "report_run_id": None,
@@ -132,7 +156,8 @@ def analyse(
     """Read the runs and compute every comparison; no files are written. ``rule`` defaults to the experiment
     file's `decision:` block."""
     uri = resolve_tracking_uri(tracking_uri or "")
-    runs = store.read_runs(experiment, uri)
+    study = store.read_study(experiment, uri)
+    runs = study.runs
     baseline = choose_baseline(runs, baseline)
     rule = rule or decision_rule(experiment)
     metrics = choose_metrics(runs, metrics)
@@ -142,8 +167,13 @@ def analyse(
     joint = [j for group in _task_groups(metrics) for j in
              joint_bootstrap(runs, group, baseline, n_resamples=n_resamples, seed=seed)]
     # the seed bootstrap of the fits is a bootstrap interval too: it takes at most the resamples asked for
-    scaling = (scaling_report(runs, baseline, HEADLINE, n_boot=min(200, n_resamples), seed=seed)
-               if HEADLINE in runs.columns else None)
+    n_boot = min(200, n_resamples)
+    logged = HEADLINE in runs.columns
+    scaling = scaling_report(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed) if logged else None
+    compute = (effective_compute(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed, by_params=scaling.fits)
+               if logged else None)
+    finished = runs.loc[runs["status"] == store.FINISHED, "run_id"]
+    curves = store.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
     decisions = decide(results, rule, _baseline_means(runs, results))
     looks = _looks(uri, experiment)
     note = ""
@@ -157,8 +187,23 @@ def analyse(
                 "that decided it (or the last), at that look's spent alpha (Bonferroni alpha spending, "
                 "analysis.sequential).")
     items = _item_deltas(uri, runs, baseline, n_resamples, seed) if any(m.startswith("eval/") for m in metrics) else []
+    time = time_to_target(runs, curves, baseline, rule, uri) if logged and len(curves) else None
+    shared = study.shared_lr
+    pairs = (verdict_pairs(_shared_decisions(shared, baseline, metrics, rule), decisions)
+             if shared is not None and baseline in set(shared["variant"]) else [])
     return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
-                    looks, note, items)
+                    looks, note, items, curves, tuned=bool((runs["lr_source"] == store.TUNED).any()),
+                    tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
+                    verdict_pairs=pairs, compute=compute, time=time)
+
+
+def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str], rule: DecisionRule
+                      ) -> list[Decision]:
+    """The decision table of the runs at the shared LR, on the metrics they logged (no bootstrap: it never
+    decides)."""
+    present = [m for m in metrics if m in shared.columns]
+    results = {m: paired_deltas(shared, m, baseline, n_resamples=0) for m in present}
+    return decide(results, rule, _baseline_means(shared, results))
 
 
 def _item_deltas(uri: str, runs: pd.DataFrame, baseline: str, n_resamples: int, seed: int) -> list:
@@ -244,15 +289,12 @@ def _task_groups(metrics: Sequence[str]) -> list[list[str]]:
 
 
 def _plots(a: Analysis, out: Path) -> list[Plot]:
-    from analysis.plots import plot_forest, plot_loss_curves, plot_scaling
+    from analysis.plots import plot_forest, plot_loss_curves, plot_scaling, plot_tuning
 
     plots = []
-    finished = a.runs.loc[a.runs["status"] == store.FINISHED, "run_id"]
-    if HEADLINE in a.runs.columns and len(finished):
-        curves = store.read_curves(finished, HEADLINE, a.uri)
-        if len(curves):
-            plots.append(Plot(plot_loss_curves(a.runs, curves, a.baseline, out / "loss_curves.png"),
-                              f"{HEADLINE} against step per scale: mean over finished seeds, band ± 1 sd"))
+    if len(a.curves):
+        plots.append(Plot(plot_loss_curves(a.runs, a.curves, a.baseline, out / "loss_curves.png"),
+                          f"{HEADLINE} against step per scale: mean over finished seeds, band ± 1 sd"))
     for metric, rs in a.results.items():
         if any(r.n > 0 for r in rs):
             path = plot_forest(rs, out / f"forest_{_slug(metric)}.png")
@@ -262,6 +304,10 @@ def _plots(a: Analysis, out: Path) -> list[Plot]:
         path = plot_scaling(a.runs, a.scaling, out / "scaling.png", a.results.get(HEADLINE, []))
         plots.append(Plot(path, f"Final {HEADLINE} against counted parameters with per-variant fits, and each "
                                 f"variant's fitted gap to {a.baseline}"))
+    if a.tune_curves:
+        path = plot_tuning(a.tune_curves, a.baseline, out / "tuning.png")
+        plots.append(Plot(path, f"Tuning curves: final {HEADLINE} of each tune run against its peak LR, the mean "
+                                "over seeds and the LR each variant's main runs took"))
     return plots
 
 

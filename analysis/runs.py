@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import pandas as pd
 
 from study.errors import StudyError
 from study.track.store import mlflow_client, sqlite_path
-from study.track.groups import GROUP_STAGE
+from study.track.groups import GROUP_STAGE, TUNE_STAGE
 from study.track.query import all_runs, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
@@ -62,24 +63,50 @@ def experiment_id(store: MlflowClient, experiment: str) -> str:
     return found.experiment_id
 
 
+LR_SOURCE_TAG, TUNE_MULTIPLE_TAG, TUNE_STATUS_TAG = "study.lr_source", "study.tune.multiple", "study.tune.status"
+"""Tags of the tuning stage: a main run's LR source (``tune`` or ``recipe``; missing means ``recipe``), the LR
+multiple of the recipe's LR (a tune run's grid point, a tuned main run's chosen multiple) and how the choice was
+reached (``interior``, ``extended`` or ``edge``)."""
+
+TUNED, SHARED = "tune", "recipe"
+"""Values of ``study.lr_source``: each variant at the LR its own tune runs found best, or the recipe's shared LR."""
+
+
+@dataclass(frozen=True)
+class StudyRuns:
+    """An experiment's runs as the report reads them: the runs it decides on, kept apart from the rest."""
+
+    runs: pd.DataFrame
+    """Main training runs the report decides on: the tuned ones when the store holds any, else those at the shared
+    LR (one row per run, columns as :func:`read_runs`)."""
+    shared_lr: pd.DataFrame | None
+    """Main runs at the shared LR beside tuned ones (for verdicts side by side); None unless the store holds both."""
+    tune: pd.DataFrame
+    """Tune runs (``study.stage=tune``): points of an LR grid, never paired, decided on or fitted."""
+
+
 def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
-    """One row per training run of ``experiment``, unfinished ones included with their status.
+    """The training runs of ``experiment`` that pairing and decisions see: :attr:`StudyRuns.runs` of
+    :func:`read_study` (tune runs never among them)."""
+    return read_study(experiment, tracking_uri).runs
+
+
+def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
+    """Every training run of ``experiment``, unfinished ones included with their status, from one paged query.
 
     Columns: run_id, run_name, run_key, variant, scale, seed (int), stage, baseline, status, failure_reason,
-    start_time, params_counted (int or NaN), then one column per final metric named by its MLflow key
-    (``val/loss``, ``eval/arc_easy/acc``, ...).
-    Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's variant/scale/seed tags are not training
-    runs and are left out; when `study launch` recorded a manifest, only the last launch's runs are kept.
+    start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR trained at),
+    tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), then one column per final
+    metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
+    Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's
+    variant/scale/seed tags are not training runs and are left out. Runs split three ways: tune runs, main runs at
+    a tuned LR, main runs at the shared LR. When `study launch` recorded a manifest, each of the three is the last
+    launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
+    study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison.
     """
     store = client(tracking_uri)
     exp_id = experiment_id(store, experiment)
-    rows = [_row(run) for run in all_runs(store, exp_id)]
-    rows = [row for row in rows if row is not None]
-    manifest = read_manifest_tags(store, experiment)
-    if manifest is not None and manifest["keys"]:
-        # the experiment's last launch decides which runs the report is about (earlier launches may linger)
-        launched = set(manifest["keys"])
-        rows = [row for row in rows if row["run_key"] in launched]
+    rows = [row for row in map(_row, all_runs(store, exp_id)) if row is not None]
     if not rows:
         raise StudyError(
             "experiment",
@@ -89,14 +116,35 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     fixed = [c for c in frame.columns if "/" not in c]
     metrics = sorted(c for c in frame.columns if "/" in c)
-    return frame[fixed + metrics].sort_values(["scale", "variant", "seed"], ignore_index=True)
+    frame = frame[fixed + metrics].sort_values(["scale", "variant", "seed"], ignore_index=True)
+    manifest = read_manifest_tags(store, experiment)
+    launched = set(manifest["keys"]) if manifest is not None else set()
+
+    def latest(kind: pd.DataFrame) -> pd.DataFrame:
+        mine = kind["run_key"].isin(launched)
+        return kind[mine].reset_index(drop=True) if mine.any() else kind.reset_index(drop=True)
+
+    tune_runs = frame["stage"] == TUNE_STAGE
+    tuned = latest(frame[~tune_runs & (frame["lr_source"] == TUNED)])
+    shared = latest(frame[~tune_runs & (frame["lr_source"] != TUNED)])
+    tune = latest(frame[tune_runs])
+    runs = tuned if len(tuned) else shared
+    if not len(runs):
+        raise StudyError(
+            "experiment",
+            f"MLflow experiment {experiment!r} holds only tune runs",
+            f"let the main runs train (`study launch {experiment}`), then report",
+        )
+    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune)
 
 
 def _row(run) -> dict | None:
-    tags = run.data.tags
+    tags, params = run.data.tags, run.data.params
     if tags.get("study.stage") in (REPORT_STAGE, GROUP_STAGE) or any(t not in tags for t in _REQUIRED_TAGS):
         return None
-    counted = run.data.params.get("params.counted")
+    counted = _number(params, "params.counted")
+    tune = tags.get("study.stage") == TUNE_STAGE
+    batch = _first(params, "recipe.global_batch", "train.global_batch")
     row = {
         "run_id": run.info.run_id,
         "run_name": run.info.run_name,
@@ -109,10 +157,39 @@ def _row(run) -> dict | None:
         "status": run.info.status,
         "failure_reason": tags.get("study.failure_reason"),
         "start_time": run.info.start_time,
-        "params_counted": int(float(counted)) if counted not in (None, "", "None") else math.nan,
+        "params_counted": int(counted) if math.isfinite(counted) else math.nan,
+        "lr_source": tags.get(LR_SOURCE_TAG) or SHARED,
+        "tune_multiple": _number(tags, TUNE_MULTIPLE_TAG),
+        "tune_status": tags.get(TUNE_STATUS_TAG),
+        # a tune run trains at its grid point (train.lr); a main run at its resolved recipe's LR
+        "lr": _number(params, "train.lr") if tune else _number(params, "recipe.lr"),
+        "tokens": _number(params, "recipe.tokens"),
+        "max_steps": _first(params, "recipe.max_steps", "train.max_steps"),
+        # the recipe's rule for the global batch: train.global_batch, else micro batch x accumulation
+        "global_batch": batch if math.isfinite(batch)
+        else _number(params, "train.micro_batch") * _number(params, "train.grad_accum"),
+        "seq_len": _number(params, "data.seq_len"),
+        "flops_per_token": _number(params, "resolved.flops_per_token"),
     }
     row.update(run.data.metrics)
     return row
+
+
+def _number(values: Mapping[str, str], key: str) -> float:
+    """``values[key]`` as a float; NaN when absent or not a number (MLflow logs a None as the string "None")."""
+    try:
+        return float(values[key])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+
+
+def _first(values: Mapping[str, str], *keys: str) -> float:
+    """The first of ``keys`` logged with a positive value (a config's 0 means "derive it"), else NaN."""
+    for key in keys:
+        value = _number(values, key)
+        if value > 0:
+            return value
+    return math.nan
 
 
 def read_curves(

@@ -1,4 +1,5 @@
-"""Loss-versus-parameters fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross.
+"""Loss-versus-size fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross. N is
+counted parameters, or training compute for effective compute (:mod:`analysis.compute`).
 
 The fit follows the corrections Besiroglu et al. (2024) made to Chinchilla's approach 3: it minimises a Huber
 loss (delta = 1e-3) of the log residuals ``log L_fit - log L_obs`` rather than squared errors, from a grid of starts
@@ -6,9 +7,10 @@ loss (delta = 1e-3) of the log residuals ``log L_fit - log L_obs`` rather than s
 in a centred form, ``L = E + exp(b - alpha * (ln N - ln N_ref))`` with N_ref the geometric mean of the observed
 sizes, because ``A`` in raw units spans many orders of magnitude and is nearly collinear with ``alpha``.
 Uncertainty comes from a seed-cluster bootstrap: a drawn seed brings its runs at every scale and for every variant,
-so the crossing of two variants is bootstrapped from the same draws. The saturating law needs four distinct scales,
-a pure power law (E = 0) three; below three scales no fit is made. With four scales or more, the fit without the
-largest scale predicts it, which tells how far the law can be trusted beyond the data.
+so the crossing of two variants is bootstrapped from the same draws; a draw that repeats a multiset of seeds
+reuses its fit. The saturating law needs four distinct scales, a pure power law (E = 0) three; below three scales no
+fit is made. With four scales or more, the fit without the largest scale predicts it, which tells how far the law
+can be trusted beyond the data.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ EXTRAPOLATE = 100.0
 
 @dataclass(frozen=True)
 class ScalingFit:
-    """One variant's fit of a final metric against counted parameters."""
+    """One variant's fit of a final metric against a size N: counted parameters, or training compute."""
 
     variant: str
     """Variant fitted."""
@@ -79,10 +81,23 @@ class ScalingFit:
     """ln N_ref of the centred form (the geometric mean of the observed sizes)."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
     """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted."""
+    size: str = "params_counted"
+    """Column N is read from: ``params_counted``, or ``compute`` (training FLOPs, :mod:`analysis.compute`)."""
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """The fitted metric at parameter counts ``n``."""
         return self.E + self.A * np.asarray(n, dtype=float) ** (-self.alpha)
+
+    def solve(self, loss: np.ndarray | float) -> np.ndarray:
+        """The size at which the fit reaches ``loss``: infinite where ``loss`` is at or below E (never reached)."""
+        loss = np.asarray(loss, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n = ((loss - self.E) / self.A) ** (-1 / self.alpha)
+        return np.where(loss > self.E, n, math.inf)
+
+    def draws(self) -> list[ScalingFit | None]:
+        """The fit of every bootstrap draw in draw order (None where that draw could not be fitted)."""
+        return [_from_theta(self, row) if np.all(np.isfinite(row)) else None for row in self.boots]
 
     def to_dict(self) -> dict:
         """JSON-ready dict without the bootstrap draws; NaN becomes None."""
@@ -148,24 +163,33 @@ class ScalingReport:
         })
 
 
-def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 200, seed: int = 0) -> ScalingFit:
-    """Fit one variant's finished runs (columns scale, seed, params_counted and ``metric``)."""
+def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 200, seed: int = 0,
+                size: str = "params_counted", start: Sequence[float] | None = None,
+                draw_starts: Sequence[Sequence[float]] = ()) -> ScalingFit:
+    """Fit one variant's finished runs (columns scale, seed, ``size`` and ``metric``) against N = ``size``.
+
+    ``start`` (E, b, alpha) replaces the grid of starts for the point fit when the optimum is known to lie near it
+    (the grid is the fallback when that fit fails); ``draw_starts`` gives bootstrap draw i its own start (a row of
+    NaN, or no row: the point fit)."""
     n_scales = points["scale"].nunique()
-    base = dict(variant=variant, metric=metric, n_points=len(points), n_scales=n_scales)
+    base = dict(variant=variant, metric=metric, n_points=len(points), n_scales=n_scales, size=size)
     if n_scales < MIN_SCALES:
         return ScalingFit(form="none", status=f"no fit possible: {n_scales} scale(s), a fit needs {MIN_SCALES}",
                           **base)
     saturating = n_scales >= MIN_SCALES_SATURATING
     status = "ok" if saturating else f"pure power law: {n_scales} scales (E needs {MIN_SCALES_SATURATING})"
-    n = points["params_counted"].to_numpy(float)
+    n = points[size].to_numpy(float)
     loss = points[metric].to_numpy(float)
     log_ref = float(np.mean(np.log(n)))
-    theta, cov = _fit(n, loss, log_ref, saturating)
+    try:
+        theta, cov = _fit(n, loss, log_ref, saturating, None if start is None else np.asarray(start, float))
+    except RuntimeError:
+        theta, cov = _fit(n, loss, log_ref, saturating)
     E, b, alpha = theta
     sd = np.sqrt(np.clip(np.diag(cov), 0, None)) if np.all(np.isfinite(cov)) else np.full(3, math.nan)
     var_log_a = cov[1, 1] + log_ref**2 * cov[2, 2] + 2 * log_ref * cov[1, 2]
     A = math.exp(b + alpha * log_ref)
-    boots = _bootstrap(points, metric, log_ref, saturating, theta, n_boot, seed)
+    boots = _bootstrap(points, metric, size, log_ref, saturating, theta, n_boot, seed, draw_starts)
     finite = boots[np.all(np.isfinite(boots), axis=1)]
     quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
     E_boot = tuple(np.quantile(finite[:, 0], quantiles)) if len(finite) else (math.nan, math.nan)
@@ -181,35 +205,36 @@ def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 2
 
 def scaling_report(
     df: pd.DataFrame, baseline: str, metric: str = "val/loss", n_range: tuple[float, float] | None = None,
-    n_boot: int = 200, seed: int = 0,
+    n_boot: int = 200, seed: int = 0, size: str = "params_counted",
 ) -> ScalingReport:
-    """Fit every variant on its finished runs and find where each crosses the baseline within ``n_range``.
+    """Fit every variant on its finished runs against N = ``size`` and find where each crosses the baseline within
+    ``n_range``.
 
     The default range runs from the smallest observed size to ``EXTRAPOLATE`` times the largest. Every variant's
     bootstrap uses the same seed draws (the same generator seed), so draw i of two variants resamples the same
     seeds and their crossing in draw i is a paired quantity.
     """
-    usable = df[(df["status"] == FINISHED) & df[metric].notna() & df["params_counted"].notna()]
-    fits = {v: fit_variant(g, v, metric, n_boot, seed) for v, g in usable.groupby("variant", sort=True)}
+    usable = df[(df["status"] == FINISHED) & df[metric].notna() & df[size].notna()]
+    fits = {v: fit_variant(g, v, metric, n_boot, seed, size) for v, g in usable.groupby("variant", sort=True)}
     if n_range is None:
-        sizes = usable["params_counted"].to_numpy(float)
+        sizes = usable[size].to_numpy(float)
         n_range = (float(sizes.min()), float(sizes.max()) * EXTRAPOLATE) if len(sizes) else (math.nan, math.nan)
     crossings = {}
     if baseline in fits and fits[baseline].form != "none":
         for variant, fit in fits.items():
             if variant != baseline and fit.form != "none":
                 crossings[variant] = _crossing_with_interval(fit, fits[baseline], n_range)
-    holdouts = {v: holdout(g, v, metric) for v, g in usable.groupby("variant", sort=True)}
+    holdouts = {v: holdout(g, v, metric, size) for v, g in usable.groupby("variant", sort=True)}
     return ScalingReport(metric, baseline, n_range, fits, crossings, holdouts)
 
 
-def holdout(points: pd.DataFrame, variant: str, metric: str) -> Holdout | str:
+def holdout(points: pd.DataFrame, variant: str, metric: str, size: str = "params_counted") -> Holdout | str:
     """Fit without the largest scale and compare its prediction there with the measured mean."""
-    by_scale = points.groupby("scale")["params_counted"].median().sort_values()
+    by_scale = points.groupby("scale")[size].median().sort_values()
     if len(by_scale) < MIN_SCALES + 1:
         return f"needs {MIN_SCALES + 1} scales ({len(by_scale)} finished)"
     largest = by_scale.index[-1]
-    fit = fit_variant(points[points["scale"] != largest], variant, metric, n_boot=0)
+    fit = fit_variant(points[points["scale"] != largest], variant, metric, n_boot=0, size=size)
     predicted = float(fit.predict(float(by_scale.iloc[-1])))
     observed = float(points.loc[points["scale"] == largest, metric].mean())
     return Holdout(str(largest), predicted, observed, predicted - observed, fit.form)
@@ -235,7 +260,7 @@ def _crossing_with_interval(a: ScalingFit, b: ScalingFit, n_range: tuple[float, 
 def _from_theta(fit: ScalingFit, theta: Sequence[float]) -> ScalingFit:
     E, b, alpha = theta
     return ScalingFit(fit.variant, fit.metric, fit.form, fit.status, 0, 0, E=E, A=math.exp(b + alpha * fit.log_ref),
-                      alpha=alpha)
+                      alpha=alpha, log_ref=fit.log_ref, size=fit.size)
 
 
 def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: int = 512) -> list[float]:
@@ -326,27 +351,41 @@ def _fit(
 
 
 def _bootstrap(
-    points: pd.DataFrame, metric: str, log_ref: float, saturating: bool, theta: np.ndarray, n_boot: int, seed: int
+    points: pd.DataFrame, metric: str, size: str, log_ref: float, saturating: bool, theta: np.ndarray, n_boot: int,
+    seed: int, draw_starts: Sequence[Sequence[float]] = (),
 ) -> np.ndarray:
     """Refits on seeds resampled with replacement (a drawn seed brings its runs at every scale).
 
-    Row i is draw i; a draw that cannot be fitted is a row of NaN, so the draws of two variants stay aligned.
+    Row i is draw i; a draw that cannot be fitted is a row of NaN, so the draws of two variants stay aligned. A
+    draw is a multiset of seeds, and few seeds have few multisets (5 seeds: 126, and 200 draws hit about 90 of
+    them), so each distinct multiset is fitted once and its fit reused by every draw that repeats it.
     """
     seeds = np.sort(points["seed"].unique())
     if len(seeds) < 2 or n_boot <= 0:
         return np.empty((0, 3))
-    columns = points[["params_counted", metric]].to_numpy(float)
+    columns = points[[size, metric]].to_numpy(float)
     scale_codes = pd.factorize(points["scale"])[0]
     rows_of = [np.flatnonzero(points["seed"].to_numpy() == s) for s in seeds]
     needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
     rng = np.random.default_rng(seed)
     out = np.full((n_boot, 3), math.nan)
+    fitted: dict[tuple[int, ...], np.ndarray] = {}
     for i in range(n_boot):
-        rows = np.concatenate([rows_of[j] for j in rng.integers(0, len(seeds), size=len(seeds))])
-        if len(np.unique(scale_codes[rows])) < needed:
-            continue
-        try:
-            out[i], _ = _fit(columns[rows, 0], columns[rows, 1], log_ref, saturating, start=theta)
-        except (RuntimeError, ValueError):
-            continue
+        draw = tuple(sorted(rng.integers(0, len(seeds), size=len(seeds)).tolist()))
+        if draw not in fitted:
+            start = np.asarray(draw_starts[i], float) if i < len(draw_starts) else theta
+            fitted[draw] = _refit(columns, np.concatenate([rows_of[j] for j in draw]), scale_codes, needed,
+                                  log_ref, saturating, start if np.all(np.isfinite(start)) else theta)
+        out[i] = fitted[draw]
     return out
+
+
+def _refit(columns: np.ndarray, rows: np.ndarray, scale_codes: np.ndarray, needed: int, log_ref: float,
+           saturating: bool, start: np.ndarray) -> np.ndarray:
+    """(E, b, alpha) fitted to ``rows`` from ``start``; NaN when they span too few scales or the fit fails."""
+    if len(np.unique(scale_codes[rows])) < needed:
+        return np.full(3, math.nan)
+    try:
+        return _fit(columns[rows, 0], columns[rows, 1], log_ref, saturating, start=start)[0]
+    except (RuntimeError, ValueError):
+        return np.full(3, math.nan)

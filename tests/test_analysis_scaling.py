@@ -100,3 +100,30 @@ def test_report_compares_every_variant_with_the_baseline_and_ignores_unfinished_
             for a, b in zip(report.fits["new"].boots, report.fits["base"].boots)]
     assert set(report.crossings) == {"new"} and report.crossings["new"].draws == sum(both) > 0
     assert report.to_dict()["fits"]["new"]["form"] == "E + A*N^-alpha"
+
+
+def test_bootstrap_draws_of_one_seed_multiset_share_a_fit_equal_to_refitting_each_draw():
+    points = law_points(SIZES[:4], seeds=3, noise=0.003)
+    fit = fit_variant(points, "base", "val/loss", n_boot=40, seed=3)
+    rng = np.random.default_rng(3)  # the draws of the fit's generator, replayed
+    seen = {}
+    for E, b, alpha in fit.boots:
+        draw = rng.integers(0, 3, size=3)
+        key = tuple(sorted(draw))
+        if key in seen:
+            assert seen[key] == (E, b, alpha)  # 3 seeds have 10 multisets: most of 40 draws repeat one
+            continue
+        seen[key] = (E, b, alpha)
+        # the draw's runs fitted on their own, from the grid of starts
+        alone = fit_variant(pd.concat([points[points["seed"] == k] for k in draw]), "base", "val/loss", n_boot=0)
+        assert (alone.E, alone.alpha) == pytest.approx((E, alpha), rel=1e-4)
+        assert alone.A == pytest.approx(math.exp(b + alpha * fit.log_ref), rel=1e-3)
+    assert len(seen) <= 10 and fit.boot_fits == 40
+
+
+def test_a_fit_against_compute_reads_its_size_from_the_named_column():
+    points = law_points(SIZES).assign(compute=lambda f: 120.0 * f["params_counted"] ** 2)
+    fit = fit_variant(points, "base", "val/loss", n_boot=0, size="compute")
+    # L = E + A N^-alpha with C = 120 N^2 is E + A (C / 120)^(-alpha / 2)
+    assert fit.size == "compute" and fit.alpha == pytest.approx(0.15, abs=0.015)
+    assert fit.solve(fit.predict(1e18)) == pytest.approx(1e18, rel=1e-9) and fit.solve(fit.E) == math.inf

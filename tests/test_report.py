@@ -117,6 +117,24 @@ def test_report_files_hold_the_tables_and_the_html_embeds_every_plot(first_repor
     assert row["boot_ci_high"].item() == pytest.approx(expected["boot_ci_high"], rel=1e-12)
 
 
+def test_a_store_without_tune_runs_reports_compute_and_time_at_the_shared_lr_and_no_tuning(first_report):
+    result, out = first_report
+    assert result["tuning"] == {"decided_on": "recipe", "transfer": None, "curves": [], "shared_runs": 0,
+                                "shared_vs_tuned": [], "flips": 0}
+    compute = result["effective_compute"]
+    assert compute["source"] == "resolved.flops_per_token x recipe.tokens" and compute["status"] == "ok"
+    assert {(r["variant"], r["scale"]) for r in compute["rows"]} == {
+        (v, s) for v in ("hourglass", "tapered") for s in [*SCALES, "20M–160M"]}
+    # the only planted difference is hourglass's 0.03 lower loss at equal compute: it is worth more than its compute
+    hourglass = next(r for r in compute["rows"] if r["variant"] == "hourglass" and r["fitted_range"])
+    assert 1 < hourglass["ci_low"] <= hourglass["multiplier"] <= hourglass["ci_high"]
+    times = {(r["scale"], r["variant"]): r for r in result["time_to_target"]["rows"]}
+    assert times["20M", "hourglass"]["ratio"] < 1 and times["20M", "hourglass"]["reached"] == 3
+    md = (out / "report.md").read_text()
+    assert "## Effective compute" in md and "## Time to target" in md
+    assert "## Tuning curves" not in md and "Decided on the tuned runs" not in md and "Shared LR" not in md
+
+
 def test_rereport_reuses_the_single_report_run(store, first_report, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -23,6 +23,9 @@ from study.track.lineage import DESCRIPTION, PARENT
 
 logger = logging.getLogger(__name__)
 GROUP_STAGE = "group"
+TUNE_STAGE = "tune"
+"""`study.stage` of a tune run: a point of its variant's LR grid, nested under the variant's parent but never in its
+summary (a grid point at a poor LR is no sample of the variant's loss)."""
 TAG_GROUP = "study.group"
 SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)
 """Final metrics a parent summarises, besides every `eval/...` score."""
@@ -79,8 +82,8 @@ def _parents(client, experiment_id: str, name: str) -> list:
 
 def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, float], int]:
     """(metrics, n finished): mean, `/sd` (n >= 2) and `/n` of each summarised final metric over the FINISHED
-    children; `keys` limits them to those run keys (the experiment's latest launch)."""
-    done = [c for c in children if c.info.status == "FINISHED"
+    children that are not tune runs; `keys` limits them to those run keys (the experiment's latest launch)."""
+    done = [c for c in children if c.info.status == "FINISHED" and c.data.tags.get(schema.TAG_STAGE) != TUNE_STAGE
             and (keys is None or c.data.tags.get(schema.TAG_RUN_KEY) in keys)]
     values: dict[str, list[float]] = {}
     for child in done:

@@ -1,0 +1,224 @@
+"""Time to target: the GPU-hours each arm needed to reach the baseline's final validation loss.
+
+At a scale, the seed-k pair's target is the baseline run's final ``val/loss``. Each run's validation curve is walked
+from its start to the first logged point at or below the target, linearly interpolated in steps between that point
+and the one before it; a run that never gets there has not reached it. Tokens to that step are the step times the
+run's tokens per step (``recipe.tokens / recipe.max_steps``, else the global batch times the sequence length), and
+GPU-hours are those tokens over the run's tokens per second per device.
+
+Throughput per device comes from ``study calibrate``'s measurement of the run's shape when the store holds one
+(:func:`study.plan.throughput.measured`; the shape, cluster profile and devices are read from the run's own spec,
+its ``run.json`` artifact), else from the run itself: the median of its logged ``train/tokens_per_s`` (a whole
+job's figure) over its devices. A run whose spec cannot be read counts one device, and the report says so.
+
+The throughput-adjusted verdict is the parameter-matched procedure applied to ln(GPU-hours): per (scale, variant)
+the paired log ratio variant/baseline over seeds, a paired t test, Holm over the scale x variant family
+(:mod:`analysis.decide`); *better* means fewer GPU-hours to the baseline's loss. A variant run that did not reach
+the target needed more than its whole training: its GPU-hours to its last point stand in as a lower bound. Lower
+bounds can only understate how much slower it is, so a *worse* verdict stands, and a *better* one is withheld
+(*undecided*): an arm as good as the baseline misses the baseline's own final in about half the seeds by noise alone.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from analysis import runs as store
+from analysis.decide import decide
+from analysis.paired import json_ready, paired_deltas
+from study.config.decision import DecisionRule
+from study.errors import StudyError
+
+LOG_HOURS = "time/log_gpu_hours"
+"""Column of ln(GPU-hours to the target), the quantity the throughput-adjusted verdict pairs."""
+
+THROUGHPUT = "train/tokens_per_s"
+"""The metric a training run logs its whole job's tokens per second under."""
+
+SPEC_ARTIFACT = "run.json"
+"""The artifact a training run logs its spec under (study.train.tracking)."""
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Where one run's speed comes from."""
+
+    tokens_per_s_per_device: float
+    """Training tokens per second per device."""
+    devices: int | None
+    """Devices of the run's job, from its spec; None when the spec could not be read (one is counted)."""
+    source: str
+    """``measured on <cluster>`` (study calibrate) or ``own train/tokens_per_s``."""
+
+
+@dataclass(frozen=True)
+class TimeToTarget:
+    """GPU-hours to the baseline's final loss at one scale: the variant against the baseline, over seed pairs."""
+
+    scale: str
+    """Scale name."""
+    variant: str
+    """Variant compared."""
+    baseline: str
+    """Variant whose final loss is the target."""
+    n: int
+    """Seed pairs with both curves and both throughputs."""
+    target: float
+    """Mean over the pairs of the baseline's final loss."""
+    baseline_hours: float
+    """Mean GPU-hours the baseline runs took to reach their own final loss."""
+    variant_hours: float
+    """Mean GPU-hours the variant runs took to reach it; a run that never did counts its whole training's hours, so
+    the mean is then a lower bound."""
+    reached: int
+    """Pairs in which the variant reached the target."""
+    ratio: float
+    """Geometric mean over pairs of variant / baseline GPU-hours (< 1: the variant gets there sooner); a lower bound
+    when reached < n."""
+    ci_low: float
+    """Lower end of the paired t interval of the ratio (at 1 - alpha, from the log ratios)."""
+    ci_high: float
+    """Upper end of that interval."""
+    p_adjusted: float
+    """Holm-adjusted paired t p of the log ratio over the scale x variant family."""
+    verdict: str
+    """better (fewer GPU-hours), worse or undecided; never better when some seed did not reach the target."""
+    throughput: str
+    """Where the speeds of these runs came from."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; NaN and infinity become None."""
+        return json_ready(asdict(self))
+
+
+@dataclass(frozen=True)
+class TimeReport:
+    """Time to target for every variant and scale, and what its hours rest on."""
+
+    baseline: str
+    """Variant whose final loss is the target."""
+    rows: list[TimeToTarget] = field(default_factory=list)
+    """One per (scale, variant other than the baseline)."""
+    devices_unknown: list[str] = field(default_factory=list)
+    """Runs whose spec could not be read, counted as one device each."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; NaN and infinity become None."""
+        return json_ready({"baseline": self.baseline, "rows": [r.to_dict() for r in self.rows],
+                           "devices_unknown": self.devices_unknown})
+
+
+def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule: DecisionRule, uri: str,
+                   metric: str = "val/loss") -> TimeReport:
+    """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant).
+
+    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.runs.read_curves`).
+    """
+    chosen = _newest(runs, metric)
+    speed = throughputs(chosen, uri)
+    by_run = dict(tuple(curves.groupby("run_id")))
+    hours = [_hours(run, by_run.get(run.run_id), speed.get(run.run_id), target)
+             for run, target in zip(chosen.itertuples(), _targets(chosen, baseline, metric))]
+    frame = chosen.assign(hours=[h for h, _ in hours], total=[t for _, t in hours])
+    # a run that never reached the target took longer than its whole training: that is its lower bound
+    frame[LOG_HOURS] = np.log(frame["hours"].where(np.isfinite(frame["hours"]), frame["total"]))
+    results = paired_deltas(frame, LOG_HOURS, baseline, higher_is_better=False, n_resamples=0)
+    own_rule = DecisionRule(metric=LOG_HOURS, alpha=rule.alpha, power=rule.power)
+    rows = []
+    for r, d in zip(results, decide({LOG_HOURS: results}, own_rule)):
+        if not r.n:
+            continue
+        cell = frame[frame["scale"] == r.scale].set_index(["variant", "seed"])
+        mine, base = cell.loc[r.variant].loc[r.seeds], cell.loc[baseline].loc[r.seeds]
+        reached = int(np.isfinite(mine["hours"]).sum())
+        # a lower bound can show the variant slower, never faster
+        verdict = "undecided" if reached < r.n and d.verdict == "better" else d.verdict
+        rows.append(TimeToTarget(
+            r.scale, r.variant, baseline, r.n, float(base[metric].mean()), float(base["hours"].mean()),
+            float(np.exp(mine[LOG_HOURS]).mean()), reached, math.exp(d.mean_delta), math.exp(d.ci_low),
+            math.exp(d.ci_high), d.p_adjusted, verdict,
+            ", ".join(sorted({speed[i].source for i in [*mine["run_id"], *base["run_id"]]}))))
+    unknown = sorted(str(r.run_name) for r in chosen.itertuples() if r.run_id in speed
+                     and speed[r.run_id].devices is None)
+    return TimeReport(baseline, rows, unknown)
+
+
+def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
+    """Tokens per second per device of each run: its shape's calibration, else its own median figure."""
+    from study.plan.throughput import devices, estimate, measured
+
+    client = store.client(uri)
+    # the runs of a cell share a shape and a cluster profile: one spec per cell says both
+    specs = {cell: _spec(client, group["run_id"].iloc[0]) for cell, group in runs.groupby(["variant", "scale"])}
+    calibrations = measured(uri) if any(s is not None for s in specs.values()) else {}
+    out: dict[str, Throughput] = {}
+    own = []
+    for run in runs.itertuples():
+        spec = specs[run.variant, run.scale]
+        found = estimate(spec, calibrations) if spec is not None and spec.recipe is not None else None
+        if found is not None and found.tokens_per_s is not None:
+            n = devices(spec)
+            out[run.run_id] = Throughput(found.tokens_per_s / n, n, found.source)
+        else:
+            own.append((run.run_id, devices(spec) if spec is not None else None))
+    history = store.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"]
+    medians = history.median()
+    for run_id, n in own:
+        if run_id in medians.index:
+            out[run_id] = Throughput(float(medians[run_id]) / (n or 1), n, f"own {THROUGHPUT}")
+    return out
+
+
+def first_reach(steps: np.ndarray, values: np.ndarray, target: float) -> float:
+    """The first step at which the curve is at or below ``target``, linearly interpolated from the point before;
+    inf when it never is."""
+    below = np.flatnonzero(values <= target)
+    if not len(below):
+        return math.inf
+    i = below[0]
+    if i == 0:
+        return float(steps[0])
+    return float(np.interp(target, [values[i], values[i - 1]], [steps[i], steps[i - 1]]))
+
+
+def _newest(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The run each pair uses: per (variant, scale, seed) the newest finished one with a final ``metric``, as in
+    :mod:`analysis.paired`."""
+    usable = runs[(runs["status"] == store.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
+    return (usable.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
+            .reset_index(drop=True))
+
+
+def _targets(runs: pd.DataFrame, baseline: str, metric: str) -> list[float]:
+    """Each run's target: the final ``metric`` of the baseline run of its scale and seed (NaN without one)."""
+    base = runs[runs["variant"] == baseline].set_index(["scale", "seed"])[metric]
+    return [float(base.get((r.scale, r.seed), math.nan)) for r in runs.itertuples()]
+
+
+def _hours(run, curve: pd.DataFrame | None, speed: Throughput | None, target: float) -> tuple[float, float]:
+    """(GPU-hours the run took to reach ``target``, inf when it never did; GPU-hours to its last logged point);
+    NaN when its speed, tokens per step or curve is unknown."""
+    per_step = run.tokens / run.max_steps if run.tokens > 0 and run.max_steps > 0 else run.global_batch * run.seq_len
+    if speed is None or not per_step > 0 or curve is None or not math.isfinite(target):
+        return math.nan, math.nan
+    steps = curve["step"].to_numpy(float)
+    hours_per_step = per_step / speed.tokens_per_s_per_device / 3600
+    return first_reach(steps, curve["value"].to_numpy(float), target) * hours_per_step, steps[-1] * hours_per_step
+
+
+def _spec(client, run_id: str):
+    """The run's spec (its ``run.json`` artifact); None when it logged none or another key schema wrote it."""
+    from study.config.spec import read_spec
+
+    if SPEC_ARTIFACT not in {a.path for a in client.list_artifacts(run_id)}:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return read_spec(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp))
+        except StudyError:
+            return None
