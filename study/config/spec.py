@@ -165,3 +165,13 @@ def read_spec(path: Path | str) -> RunSpec:
         raise StudyError("run spec", f"{path} does not match this version's run spec ({str(exc).splitlines()[0]})",
                          "relaunch the experiment with this version") from None
     return spec
+
+
+def finished_loss(spec: RunSpec) -> float | None:
+    """A finished run's final validation loss, from its run directory's result.json (None until it finished)."""
+    path = spec.run_dir.result
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return float(result["val_loss"]) if result.get("run_key") == spec.key else None

@@ -112,6 +112,9 @@ def validate_run(cfg: RunConfig) -> None:
     for name in ("init_seed", "data_seed"):
         if _get(cfg, name) is not None and _get(cfg, name) < 0:
             raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0, or null for `seed`")
+    for name in ("seed", "init_seed", "data_seed"):  # torch's generators take 64-bit seeds
+        if _get(cfg, name) is not None and _get(cfg, name) > 2**64 - 1:
+            raise StudyError(name, f"{_get(cfg, name)} is past the largest seed torch takes", "use a seed below 2**64")
     for name, bound in AT_MOST.items():
         if _get(cfg, name) > bound:
             raise StudyError(name, f"must be at most {bound}, got {_get(cfg, name)}", f"use a value <= {bound}")

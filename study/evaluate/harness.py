@@ -223,11 +223,13 @@ def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
 
 
 def check_vocab(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
+    from study.data.tokenizer import id_bound
+
     model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    if model_vocab is not None and tokenizer.get_vocab_size() > model_vocab:
+    if model_vocab is not None and id_bound(tokenizer) > model_vocab:
         raise StudyError(
             "tokenizer_path",
-            f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens but the model embeds only {model_vocab}",
+            f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model embeds only {model_vocab}",
             "pass the tokenizer.json the model was trained with",
         )
 

@@ -67,7 +67,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     before anything is written, and the directory appears whole or not at all."""
     import torch
 
-    from study.data.tokenizer import eos_id, load_tokenizer
+    from study.data.tokenizer import eos_id, id_bound, load_tokenizer
     from study.evaluate.locate import load_trained_model, run_eos_token, run_tokenizer
     from study.train.state import TrainState
 
@@ -89,7 +89,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     weights_dtype, reason = _weights_dtype(dtype, state.compute_dtype, spec.config.train.precision)
     tokenizer_path = run_tokenizer(spec)  # the one the run trained with, as evaluation reads it: never the data
     tok = load_tokenizer(tokenizer_path)
-    vocab_size, end_id = tok.get_vocab_size(with_added_tokens=True), eos_id(tok, run_eos_token(spec, tokenizer_path))
+    vocab_size, end_id = id_bound(tok), eos_id(tok, run_eos_token(spec, tokenizer_path))
     if vocab_size > spec.model.vocab_size:
         raise StudyError("data.tokenizer", f"the run's tokenizer emits {vocab_size} ids but the model embeds "
                          f"{spec.model.vocab_size}", "export a run whose model.vocab_size covers its tokenizer")

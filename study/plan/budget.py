@@ -100,9 +100,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def reference_budget(reference: ModelConfig, mode: str) -> int:
     """The budget a scale's reference conventional model defines: its own count, uniform widths."""
+    check_positive(reference)
     ref = copy.deepcopy(reference)
     ref.ffn.widths = [ref.ffn.width * ref.ffn.k] * ref.n_layers
     return count_params(ref, mode).counted
+
+
+def check_positive(cfg: ModelConfig) -> None:
+    """The sizes every count divides or multiplies by are positive (checked before the reference is counted)."""
+    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        if getattr(cfg, name) <= 0:
+            raise StudyError(f"model.{name}", f"must be positive, got {getattr(cfg, name)}", "use a value > 0")
+    for name in ("width", "k", "multiple_of"):
+        if getattr(cfg.ffn, name) <= 0:
+            raise StudyError(f"model.ffn.{name}", f"must be positive, got {getattr(cfg.ffn, name)}", "use a value > 0")
 
 
 def validate_shape(cfg: ModelConfig) -> None:
@@ -111,12 +122,7 @@ def validate_shape(cfg: ModelConfig) -> None:
         raise StudyError("model.block", f"unknown block {cfg.block!r}", f"use one of {', '.join(BLOCKS)}")
     if cfg.ffn.kind not in FFN_KINDS:
         raise StudyError("model.ffn.kind", f"unknown FFN {cfg.ffn.kind!r}", f"use one of {', '.join(FFN_KINDS)}")
-    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
-        if getattr(cfg, name) <= 0:
-            raise StudyError(f"model.{name}", f"must be positive, got {getattr(cfg, name)}", "use a value > 0")
-    for name in ("width", "k", "multiple_of"):
-        if getattr(cfg.ffn, name) <= 0:
-            raise StudyError(f"model.ffn.{name}", f"must be positive, got {getattr(cfg.ffn, name)}", "use a value > 0")
+    check_positive(cfg)
     if cfg.n_kv_heads < 0 or cfg.head_dim < 0:
         raise StudyError("model.n_kv_heads", "n_kv_heads and head_dim must be >= 0", "use 0 for the default")
     if not cfg.head_dim and cfg.d_model % cfg.n_heads:

@@ -16,7 +16,7 @@ from study.config.compose import GROUPS, Overrides, compose, group_options, nest
 from study.config.identity import run_key
 from study.config.run import RunConfig, run_name
 from study.config.recipe import PENDING, Tuned
-from study.config.spec import RunSpec
+from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
@@ -284,18 +284,6 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
                                           choices if len(choices) == len(tuning.scales) else None, rule_lr, budgets,
                                           recorded is not None)
     return out
-
-
-def finished_loss(spec: RunSpec) -> float | None:
-    """A finished run's final validation loss, from its run directory (None until it finished)."""
-    import json
-
-    path = spec.run_dir.result
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return float(result["val_loss"]) if result.get("run_key") == spec.key else None
 
 
 def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTuning]) -> RunSpec:

@@ -12,12 +12,13 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from study.config.sections import TrackingConfig
+from study.errors import StudyError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,7 +30,8 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
-_PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR})
+_PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                               errno.EEXIST})
 
 
 def resolve_tracking_uri(uri: str = "") -> str:
@@ -193,3 +195,51 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
     for duplicate in runs[1:]:
         client.delete_run(duplicate.info.run_id)
     return runs[0], params_to_log(runs[0].data.params, params)
+
+
+TAG_REPLACED = "study.replaced"
+"""On a run set aside by `retire_runs`: when and why it was replaced by a run trained again from step 0."""
+
+
+@contextmanager
+def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
+    """A store that refuses the calls in the block, or does not answer them within `cfg.open_timeout_s`, is refused
+    naming tracking.uri."""
+    try:
+        yield
+    except StudyError:
+        raise
+    except Exception as exc:
+        if not is_transient(exc):
+            if isinstance(exc, OSError) or "database" in str(exc).lower():
+                raise StudyError("tracking.uri", f"the MLflow store {uri} cannot be used ({short(exc)})",
+                                 "point tracking.uri (or MLFLOW_TRACKING_URI) at a writable store; a damaged "
+                                 "SQLite file can be moved away and the runs replayed from their run "
+                                 "directories") from None
+            raise
+        raise StudyError(
+            "tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
+            f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable store"
+        ) from exc
+
+
+def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
+    """Sets aside every MLflow run of `run_key`, for a run trained again from step 0: tagged TAG_REPLACED with
+    `note`, ended KILLED if still RUNNING, and deleted (MLflow's soft delete: the UI's deleted runs or `mlflow runs
+    restore` bring it back until `mlflow gc`). MLflow cannot delete a metric history, and recomputed points would be
+    dropped as repeats of the old ones, so the next `Tracker.open` creates a fresh run that holds the new curve alone.
+    Returns the ids set aside."""
+    uri = resolve_tracking_uri(cfg.uri)
+    deadline = time.monotonic() + cfg.open_timeout_s
+    with answering(uri, cfg):
+        client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
+        found = call_with_retries(lambda: client.get_experiment_by_name(experiment), cfg, deadline, "experiment")
+        runs = [] if found is None else call_with_retries(
+            lambda: find_runs(client, found.experiment_id, run_key), cfg, deadline, "find run")
+        for run in runs:
+            run_id = run.info.run_id
+            call_with_retries(lambda: client.set_tag(run_id, TAG_REPLACED, note), cfg, deadline, "tag")
+            if run.info.status == "RUNNING":
+                call_with_retries(lambda: client.set_terminated(run_id, "KILLED"), cfg, deadline, "end")
+            call_with_retries(lambda: client.delete_run(run_id), cfg, deadline, "delete")
+    return [r.info.run_id for r in runs]

@@ -3,7 +3,7 @@
 Schema (DESIGN.md): experiment = experiment file name; run name `<variant>-<scale>-s<seed>`; tags `study.*`; params =
 what the caller logs, flattened with dots (training logs the config fields the run key hashes, so a resume with other
 key-neutral settings is the same run); metrics `train/*`, `val/*`, `eval/<task>/<metric>`. A key's run is the oldest
-active one; `retire_runs` sets a key's runs aside when it is trained again from step 0.
+active one; `study.track.store.retire_runs` sets a key's runs aside when it is trained again from step 0.
 
 A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, while a `log_batch` of 1000 points costs 0.3 s
 (STACK.md), so `Tracker.log_metrics` only appends to a buffer and a background thread ships batches. A tracking outage
@@ -25,8 +25,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
 from study.track.params import flatten, plain
 from study.track.store import (
+    answering,
     resolve_tracking_uri,
     call_with_retries,
     find_runs,
@@ -52,54 +52,6 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
-TAG_REPLACED = "study.replaced"
-"""On a run set aside by `retire_runs`: when and why it was replaced by a run trained again from step 0."""
-
-
-@contextmanager
-def _answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
-    """A store that refuses the calls in the block, or does not answer them within `cfg.open_timeout_s`, is refused
-    naming tracking.uri."""
-    try:
-        yield
-    except StudyError:
-        raise
-    except Exception as exc:
-        if not is_transient(exc):
-            if isinstance(exc, OSError) or "database" in str(exc).lower():
-                raise StudyError("tracking.uri", f"the MLflow store {uri} cannot be used ({short(exc)})",
-                                 "point tracking.uri (or MLFLOW_TRACKING_URI) at a writable store; a damaged "
-                                 "SQLite file can be moved away and the runs replayed from their run "
-                                 "directories") from None
-            raise
-        raise StudyError(
-            "tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
-            f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable store"
-        ) from exc
-
-
-def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
-    """Sets aside every MLflow run of `run_key`, for a run trained again from step 0: tagged TAG_REPLACED with
-    `note`, ended KILLED if still RUNNING, and deleted (MLflow's soft delete: the UI's deleted runs or `mlflow runs
-    restore` bring it back until `mlflow gc`). MLflow cannot delete a metric history, and recomputed points would be
-    dropped as repeats of the old ones, so the next `Tracker.open` creates a fresh run that holds the new curve alone.
-    Returns the ids set aside."""
-    uri = resolve_tracking_uri(cfg.uri)
-    deadline = time.monotonic() + cfg.open_timeout_s
-    with _answering(uri, cfg):
-        client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
-        found = call_with_retries(lambda: client.get_experiment_by_name(experiment), cfg, deadline, "experiment")
-        runs = [] if found is None else call_with_retries(
-            lambda: find_runs(client, found.experiment_id, run_key), cfg, deadline, "find run")
-        for run in runs:
-            run_id = run.info.run_id
-            call_with_retries(lambda: client.set_tag(run_id, TAG_REPLACED, note), cfg, deadline, "tag")
-            if run.info.status == "RUNNING":
-                call_with_retries(lambda: client.set_terminated(run_id, "KILLED"), cfg, deadline, "end")
-            call_with_retries(lambda: client.delete_run(run_id), cfg, deadline, "delete")
-    return [r.info.run_id for r in runs]
-
-
 class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
@@ -212,7 +164,7 @@ class Tracker:
                  log: MetricLog | None = None) -> Tracker:
         uri = resolve_tracking_uri(cfg.uri)
         deadline = time.monotonic() + cfg.open_timeout_s
-        with _answering(uri, cfg):
+        with answering(uri, cfg):
             client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
             experiment_id = call_with_retries(
                 lambda: get_or_create_experiment(client, uri, experiment), cfg, deadline, "experiment"

@@ -4,7 +4,7 @@ The answer when a run cannot be continued: every checkpoint damaged, the data it
 (study.train.data_record), or a result of record that is to be replaced. Everything the run directory holds besides
 the spec and the resolved config (checkpoints, metric log, result, evaluations, export, tokenizer copy, data record)
 moves into `replaced/<UTC time>/`, and the key's MLflow runs are deleted (MLflow's soft delete, restorable) with tag
-`study.replaced` (study.track.tracker.retire_runs), so the next start opens a fresh MLflow run whose curve is the new
+`study.replaced` (study.track.store.retire_runs), so the next start opens a fresh MLflow run whose curve is the new
 training alone. The move is staged in `replaced/<time>.partial/`, made before anything moves: a restart interrupted
 anywhere is finished by the next start, before it trains, so no start ever mixes the old training with the new.
 """
@@ -40,7 +40,7 @@ def staged(spec: RunSpec) -> Path | None:
 def restart(spec: RunSpec, stage: Path | None = None) -> None:
     """Set the run's earlier training aside (the caller holds its lease): into `stage`, an interrupted restart's
     folder, or a new one."""
-    from study.track.tracker import retire_runs
+    from study.track.store import retire_runs
 
     rdir = spec.run_dir.path
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

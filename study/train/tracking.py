@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from study import schema
-from study.config.spec import RunSpec
+from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
 from study.train.distributed import Dist
 
@@ -73,8 +73,6 @@ def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
     holds neither its result nor its final checkpoint: it finished in another run directory (another `paths.runs`),
     or this one lost them. Training here would reopen a result of record, retrain it, and on a failure mark it
     FAILED, so the report would drop it."""
-    from study.plan.planner import finished_loss
-
     if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.planned.max_steps:
         return
     here = spec.run_dir.path
