@@ -99,11 +99,14 @@ def load_trained_model(spec: RunSpec, device: str = "cpu", ckpt: Path | None = N
     if spec.pending is not None:
         raise StudyError("RUN_KEY", f"run {spec.key}'s spec is still pending ({spec.pending})",
                          "let its job complete the spec and train it first")
-    ckpt = ckpt or checkpoint.latest(spec.run_dir.path)
-    if ckpt is None:
-        raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint yet", "train it first (study train/launch)")
-    model = build_model(spec.model, device, seed=spec.config.weights_seed)
-    checkpoint.load_model_weights(ckpt, model)
+    with checkpoint.reading(spec.run_dir.path):  # a trainer still saving keeps the checkpoint while it is read
+        ckpt = ckpt or checkpoint.latest(spec.run_dir.path)
+        if ckpt is None or not checkpoint.is_complete(ckpt):
+            raise StudyError("RUN_KEY", f"run {spec.key} has no complete checkpoint "
+                             f"{'yet' if ckpt is None else ckpt.name + ' any more (pruned by its training)'}",
+                             "train it first (study train/launch), or name a checkpoint it keeps")
+        model = build_model(spec.model, device, seed=spec.config.weights_seed)
+        checkpoint.load_model_weights(ckpt, model)
     return model.eval(), ckpt
 
 

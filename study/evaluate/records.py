@@ -2,11 +2,12 @@
 run's artifacts, never replaced by an evaluation with other settings.
 
 The id names the settings (tasks, item limit, few-shot examples, checkpoint step) readably and by hash, so the
-same evaluation repeated lands in the same record and any other gets its own. An evaluation with the run's
-configured settings (`eval.limit`, `eval.num_fewshot`; what `study launch` runs after training) is the run's
-evaluation *of record*: its scores are the schema's `eval/<task>/<metric>` metrics, which the report reads. Any
-other (a smaller `limit`, another `num_fewshot`) is logged under `evals/<id>/<task>/<metric>`, so it is visible
-beside the run's scores and never taken for them.
+same evaluation repeated lands in the same record and any other gets its own. An evaluation of the run's final
+checkpoint (the step its result.json records) with its configured settings (`eval.limit`, `eval.num_fewshot`; what
+`study launch` runs after training) is the run's evaluation *of record*: its scores are the schema's
+`eval/<task>/<metric>` metrics, which the report reads. Any other (a smaller `limit`, another `num_fewshot`, or a
+checkpoint of a run not finished yet, whose scores other runs' final ones must never be paired with) is logged under
+`evals/<id>/<task>/<metric>`, so it is visible beside the run's scores and never taken for them.
 """
 
 from __future__ import annotations
@@ -53,10 +54,21 @@ def settings_for(spec: RunSpec, tasks: list[str], step: int, limit: int | None =
                         else num_fewshot, step)
 
 
+def final_step(spec: RunSpec) -> int | None:
+    """The step the run finished training at, from its run directory's result.json (None until it finished)."""
+    try:
+        result = json.loads(spec.run_dir.result.read_text())
+    except (OSError, ValueError):
+        return None
+    return int(result["step"]) if result.get("run_key") == spec.key else None
+
+
 def is_of_record(spec: RunSpec, settings: EvalSettings) -> bool:
-    """Whether these are the run's configured settings, so that the scores are its `eval/<task>/*` metrics."""
+    """Whether these are the run's configured settings on its final checkpoint, so that the scores are its
+    `eval/<task>/*` metrics."""
     cfg = spec.config.eval
-    return (settings.limit, settings.num_fewshot) == (cfg.limit or None, cfg.num_fewshot)
+    return (settings.limit, settings.num_fewshot, settings.step) == (cfg.limit or None, cfg.num_fewshot,
+                                                                    final_step(spec))
 
 
 def metric_prefix(settings: EvalSettings, of_record: bool) -> str:
@@ -99,6 +111,8 @@ def read_records(spec: RunSpec) -> list[dict]:
 
 
 def evaluated(spec: RunSpec) -> bool:
-    """Whether the run has an evaluation of record covering its configured tasks."""
-    wanted = set(spec.config.eval.tasks)
-    return any(r.get("of_record") and set(r.get("tasks", [])) >= wanted for r in read_records(spec))
+    """Whether the run has an evaluation of record of its final checkpoint covering its configured tasks (a record
+    written as of record before the run finished, by an older version, does not count)."""
+    wanted, final = set(spec.config.eval.tasks), final_step(spec)
+    return final is not None and any(r.get("of_record") and r.get("step") == final
+                                     and set(r.get("tasks", [])) >= wanted for r in read_records(spec))

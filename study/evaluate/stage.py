@@ -2,7 +2,11 @@
 
 Each evaluation is its own record (study.evaluate.records): a folder in the run directory, the same folder among
 the MLflow run's artifacts, and metric points at the checkpoint's step, under `eval/<task>/<metric>` for the
-evaluation of record and `evals/<id>/<task>/<metric>` for any other.
+evaluation of record and `evals/<id>/<task>/<metric>` for any other. MLflow cannot delete a point, so a repeated
+evaluation replaces its points by logging only what the run does not hold yet: a score equal to the one already at
+that step adds nothing (one point per metric and step), and one that differs (scored on another device) adds one
+point at the same step, newer, which is the value MLflow's latest metric and the report read, as the rewritten
+record holds it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     folder = write_record(spec, settings, result, task_summary(result["items"]))
     record = json.loads((folder / EVAL_RECORD).read_text())
     tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)
-    tracker.log_metrics(record["metrics"], settings.step)  # an attached tracker drops no point as a repeat
+    # if the run's history cannot be read, a repeated point is logged rather than a new one lost
+    held = tracker.record("logged scores", lambda client, run_id: _held(client, run_id, record["metrics"],
+                                                                        settings.step)) or set()
+    tracker.log_metrics({k: v for k, v in record["metrics"].items() if k not in held}, settings.step)
     tracker.log_artifact(folder, eval_artifact(settings.id))
     if left := tracker.close():
         raise StudyError("tracking.uri", f"evaluation {settings.id} is recorded in {folder}, but {left} of its "
@@ -48,6 +55,12 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
 
         tracker.record("parent summary", refresh_quietly)  # the variant's mean and spread include these scores
     return record
+
+
+def _held(client, run_id: str, metrics: dict[str, float], step: int) -> set[str]:
+    """The metrics whose history already holds this value at `step` (an earlier run of the same evaluation)."""
+    return {key for key, value in metrics.items()
+            if any(m.step == step and m.value == value for m in client.get_metric_history(run_id, key))}
 
 
 def _set_tags(spec: RunSpec, run_id: str, tags: dict[str, str]) -> None:

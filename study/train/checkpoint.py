@@ -3,14 +3,20 @@
 Layout: <run_dir>/checkpoints/step_00000050/ holds the DCP shards, `.metadata`, one `rng_rank<r>.pt` per rank and
 `train_state.json`. Every rank writes into `step_…partial/`; after a barrier rank 0 writes train_state.json and
 renames the folder. A checkpoint counts only when its final name, `.metadata` and `train_state.json` all exist, so
-a write killed halfway (a `.partial` folder) is never loaded, and is removed by the next save.
+a write killed halfway (a `.partial` folder) is never loaded, and is removed by the next save. A reader that is not
+the trainer (`study eval`, lm-eval's `study` model) holds `checkpoints/.readers` (created by the first reader) shared
+while it loads weights; a save prunes old checkpoints only when it can take that file exclusively, so none is removed
+under a reader (the next save prunes it).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ from study.train.state import TrainState
 
 PREFIX = "step_"
 PARTIAL = ".partial"
+READERS = ".readers"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -81,10 +88,51 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
     if d.is_main:
         TrainState(**{**state.__dict__, "world_size": d.world_size}).write(partial / "train_state.json")
         partial.rename(final)
-        for old in complete_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(run_dir, keep_last)
     barrier(d)
     return final
+
+
+def _prune(run_dir: Path, keep_last: int) -> None:
+    """All but the newest `keep_last` checkpoints removed, unless a reader holds its lease (then none this time)."""
+    try:
+        # O_NOFOLLOW: a link planted in the run directory is refused, never locked through
+        fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        # No reader yet. One that starts now chooses after this checkpoint's rename, so it reads the newest, which
+        # this prune keeps.
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+        for old in complete_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+@contextmanager
+def reading(run_dir: Path) -> Iterator[None]:
+    """A reader's lease on the run's checkpoints: none is pruned while it is held. Take it before choosing the
+    checkpoint to read (a prune in progress finishes first, so the choice sees what is left)."""
+    try:
+        fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        # no checkpoints folder (nothing to read, as the caller will say), or one this process cannot write in:
+        # read without a lease rather than refuse a read-only copy of a run
+        if err.errno not in (errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a save holds it exclusively only while it removes old checkpoints
+        yield
+    finally:
+        os.close(fd)
 
 
 def load(path: Path, model, optimizer, d: Dist) -> TrainState:
