@@ -37,6 +37,9 @@ MAX_PAIRS = 100_000
 
 VERDICTS = ("better", "worse", "equivalent", "undecided")
 
+VERDICT_COLORS = {"better": "#1a7f37", "worse": "#cf222e", "equivalent": "#0969da", "undecided": "#6e7781"}
+"""One colour per verdict, shared by the forest plots and the report's tables."""
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -1,11 +1,12 @@
-"""The report as blocks: the decision table first, then the descriptive tables, fits, figures and method."""
+"""The report as blocks: the answer first (a sentence per scale, the forest plot, a compact decision table), then
+the scaling figure, the secondary metrics, the descriptive tables, fits, figures and method."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pandas as pd
 
@@ -13,7 +14,7 @@ from analysis import runs as store
 from analysis.compute import EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
-from analysis.render import Block, Heading, Paragraph, Plot, Table
+from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
@@ -23,18 +24,34 @@ if TYPE_CHECKING:
     from analysis.report import Analysis
 
 
-def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
+def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
              published: Sequence[PublishedDelta] = (), profile: Sequence[Block] = ()) -> list[Block]:
-    """Every block of the report, in reading order; `profile` is the reference work profile section
-    (analysis.profile_section), empty without a profiled reference."""
+    """Every block of the report, in reading order; `plots` by their place (analysis.report._plots), `profile` is
+    the reference work profile section (analysis.profile_section), empty without a profiled reference.
+
+    The first screen answers: one sentence per scale, the primary forest plot, a decision table narrow enough for
+    a 1,280-pixel window; every other statistic of the decision sits in a collapsed table below it."""
     statuses = Counter(a.runs["status"])
     rule = a.rule
     primary = [d for d in a.decisions if d.family == "primary"]
     secondary = [d for d in a.decisions if d.family == "secondary"]
     counts = Counter(d.verdict for d in primary)
     alpha = primary[0].alpha if primary else rule.alpha
-    blocks: list[Block] = [
-        Heading(f"Report: {a.experiment}", 1),
+    blocks: list[Block] = [Heading(f"Report: {a.experiment}", 1), Heading(f"Decisions on final {rule.metric}")]
+    if primary:
+        blocks += [Paragraph(_scale_sentence(scale, [d for d in primary if d.scale == scale]))
+                   for scale in dict.fromkeys(d.scale for d in primary)]
+        blocks += [*([plots["decisions"]] if "decisions" in plots else []), _compact_table(primary)]
+    else:
+        blocks.append(Paragraph(f"No run logged {rule.metric}: nothing to decide."))
+    blocks += [
+        Paragraph(f"{', '.join(f'{counts[v]} {v}' for v in VERDICTS)}. Each row pairs the variant with "
+                  f"{a.baseline} over the seeds both finished. Primary family: every variant × scale on "
+                  f"{rule.metric}, Holm-corrected at family-wise α = {alpha:g}. "
+                  + (f"Equivalent: TOST shows |Δ| < {rule.margin:g} (Holm-corrected). " if rule.margin else
+                     "No equivalence margin is declared (decision.margin), so no row can be called equivalent. ")
+                  + "Undecided rows say how many seed pairs would probably decide them."
+                  + (f" {a.sequential_note}" if a.sequential_note else "")),
         Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
                   + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
                   + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
@@ -43,24 +60,22 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
                                "LR against tuned LR'" if a.shared_runs else "") + "."
                      + (" Tune runs are shown under 'Tuning curves', never paired." if a.tune_curves else ""))]
           if a.tuned else []),
-        Heading(f"Decisions on final {rule.metric}"),
-        Paragraph(f"{', '.join(f'{counts[v]} {v}' for v in VERDICTS)}. Each row pairs the variant with "
-                  f"{a.baseline} over the seeds both finished. Primary family: every variant × scale on "
-                  f"{rule.metric}, Holm-corrected at family-wise α = {alpha:g}. "
-                  + (f"Equivalent: TOST shows |Δ| < {rule.margin:g} (Holm-corrected). " if rule.margin else
-                     "No equivalence margin is declared (decision.margin), so no row can be called equivalent. ")
-                  + "Undecided rows say how many seed pairs would probably decide them."
-                  + (f" {a.sequential_note}" if a.sequential_note else "")),
-        _decision_table(primary) if primary else Paragraph(f"No run logged {rule.metric}: nothing to decide."),
     ]
+    if primary:
+        blocks.append(Details(f"Every statistic of the {len(primary)} primary comparisons (adjusted p, sign-flip, "
+                              "Wilcoxon, d_z, MDE, TOST)", [_decision_table(primary)]))
     if a.looks:
         blocks += [Heading("Sequential looks", 3), _looks_table(a.looks)]
+    if "scaling" in plots:
+        blocks += [Heading(f"Scaling of final {a.scaling.metric}"), plots["scaling"]]
     if secondary:
         blocks += [Heading("Secondary metrics"),
                    Paragraph("Other metrics and downstream tasks, Benjamini-Hochberg-corrected together "
                              f"(false discovery rate {alpha:g}); equivalence only where decision.margins names a "
                              "margin."),
-                   _decision_table(secondary, with_metric=True)]
+                   *([plots["secondary"]] if "secondary" in plots else []),
+                   Details(f"Every statistic of the {len(secondary)} secondary comparisons",
+                           [_decision_table(secondary, with_metric=True)])]
     if a.verdict_pairs:
         blocks += _flip_blocks(a.verdict_pairs)
     headline = a.metrics[0]
@@ -75,10 +90,12 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
     blocks += [Heading("Paired deltas, every metric (descriptive)"),
                Paragraph(f"Bootstrap intervals are descriptive and shown only from {BOOTSTRAP_MIN_N} pairs: over "
                          "fewer seeds a bootstrap has too few distinct resamples (3 seeds give 10) and comes out "
-                         "narrower than the t interval.")]
-    for metric, rs in a.results.items():
-        blocks += [Heading(f"{metric} ({'higher' if is_higher_better(metric) else 'lower'} is better)", 3),
-                   _deltas_table(rs)]
+                         "narrower than the t interval."),
+               Details(f"Paired deltas of {len(a.results)} metrics: mean ± sd, t and bootstrap intervals, Wilcoxon, "
+                       "win rate",
+                       [b for metric, rs in a.results.items() for b in (
+                           Heading(f"{metric} ({'higher' if is_higher_better(metric) else 'lower'} is better)", 3),
+                           _deltas_table(rs))])]
     if a.joint:
         blocks += [Heading("Mean across downstream tasks (joint bootstrap, descriptive)"),
                    Paragraph("Δ averaged over the tasks listed; each bootstrap draw resamples seeds once for all "
@@ -106,7 +123,8 @@ def document(a: Analysis, unpaired: list[dict], plots: list[Plot],
     if a.tune_curves:
         blocks += _tuning_blocks(a.tune_curves)
     blocks += [*profile, *_missing(a.runs, unpaired, a.metrics)]
-    blocks += [Heading("Figures"), *plots, Heading("Method"),
+    rest = [plots[k] for k in ("loss_curves", "tuning") if k in plots]
+    blocks += [*([Heading("Figures"), *rest] if rest else []), Heading("Method"),
                Paragraph(_METHOD.format(n_resamples=a.n_resamples, min_n=BOOTSTRAP_MIN_N))]
     return blocks
 
@@ -131,6 +149,40 @@ def _published_blocks(published: Sequence[PublishedDelta], baseline: str) -> lis
                       "against the source it names."),
             Table(["scale", "variant", f"published {baseline} → variant", "published Δ (nats)", "source", "verified",
                    "our Δ val/loss", "our t 95% CI", "seeds", "consistent"], rows)]
+
+
+def _scale_sentence(scale: str, decisions: Sequence[Decision]) -> str:
+    """``At 113M: hourglass_attn better by 0.031 nats [0.018, 0.044]; hourglass_fixed undecided, 9 more seeds would
+    decide it.`` The size of a better or worse Δ and its interval are given as magnitudes, in nats for a loss."""
+    unit = " nats" if decisions[0].metric.endswith("/loss") else ""
+    parts = []
+    for d in decisions:
+        if d.verdict in ("better", "worse"):
+            low, high = sorted((abs(d.ci_low), abs(d.ci_high)))
+            parts.append(f"{d.variant} {d.verdict} by {abs(d.mean_delta):.3g}{unit} [{low:.3g}, {high:.3g}]")
+        elif d.verdict == "equivalent":
+            parts.append(f"{d.variant} equivalent (|Δ| < {d.margin:g}{unit})")
+        elif d.seeds_to_decide is None:
+            parts.append(f"{d.variant} undecided, no number of seeds in reach would decide it")
+        elif d.seeds_to_decide > d.n:
+            more = d.seeds_to_decide - d.n
+            parts.append(f"{d.variant} undecided, {more} more {'seed' if more == 1 else 'seeds'} would decide it")
+        else:  # the observed Δ would be found at this n, but not at the family's corrected level
+            parts.append(f"{d.variant} undecided, about {d.seeds_to_decide} seed pairs would decide it")
+    return f"At {scale}: " + "; ".join(parts) + "."
+
+
+def _compact_table(rows: Sequence[Decision]) -> Table:
+    """The decision at a glance, narrow enough for a 1,280-pixel window; the rest is in _decision_table."""
+    levels = {1 - d.alpha for d in rows}
+    one_level = len(levels) == 1
+    header = ["scale", "variant", "Δ", f"t {levels.pop():.0%} CI" if one_level else "t CI (1 − α of its look)",
+              "Δ %", "verdict", "seed pairs to decide"]
+    return Table(header, [[d.scale, d.variant, _signed(d.mean_delta),
+                           _ci(d.ci_low, d.ci_high) + ("" if one_level or not math.isfinite(d.ci_low)
+                                                        else f" ({1 - d.alpha:.1%})"),
+                           _signed_pct(d.pct_delta), d.verdict,
+                           str(d.seeds_to_decide) if d.seeds_to_decide else "—"] for d in rows])
 
 
 def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Table:

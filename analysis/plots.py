@@ -1,4 +1,4 @@
-"""The report's figures: loss curves with seed bands, a forest plot of paired deltas, the scaling fits, the LR grids
+"""The report's figures: loss curves with seed bands, the decisions as forest plots, the scaling fits, the LR grids
 of the tuning stage.
 
 Figures are built as ``matplotlib.figure.Figure`` objects and written by the Agg canvas without touching pyplot,
@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from analysis.decide import VERDICT_COLORS, Decision
 from analysis.paired import PairedResult
 from analysis.runs import FINISHED, scale_order
 from analysis.scaling import ScalingReport
@@ -72,33 +73,52 @@ def plot_loss_curves(
     return _save(fig, path)
 
 
-def plot_forest(results: Sequence[PairedResult], path: Path, title: str | None = None) -> Path:
-    """Paired deltas of one metric, one row per (scale, variant): mean, t interval (thin), bootstrap (thick)."""
+def plot_decisions(decisions: Sequence[Decision], path: Path) -> Path:
+    """The decision table as a forest: one panel per metric (small multiples when there are several), one row per
+    (scale, variant) with its mean Δ and t interval at 1 − α, coloured by verdict, the equivalence margin shaded."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
-    rows = [r for r in results if r.n > 0]
-    metric = results[0].metric if results else ""
-    fig = Figure(figsize=(7.5, 0.45 * max(len(rows), 2) + 1.3), dpi=DPI, layout="constrained")
-    ax = fig.subplots()
-    colors = variant_colors({r.variant for r in rows} | {r.baseline for r in rows},
-                            rows[0].baseline if rows else "")
-    for y, r in enumerate(reversed(rows)):
-        color = colors[r.variant]
-        ax.hlines(y, r.ci_low, r.ci_high, color=color, lw=1.2)
-        ax.hlines(y, r.boot_ci_low, r.boot_ci_high, color=color, lw=4, alpha=0.45)
-        ax.plot(r.mean_delta, y, "o", color=color, ms=5)
-        p = "–" if math.isnan(r.p_wilcoxon) else f"{r.p_wilcoxon:.2g}"
-        ax.annotate(f"n={r.n}  p={p}  win={r.win_rate:.0%}", (1.01, y), xycoords=("axes fraction", "data"),
-                    va="center", fontsize=7)
-    ax.axvline(0.0, color="grey", lw=0.8, ls="--")
-    ax.set_yticks(range(len(rows)), [f"{r.variant} @ {r.scale}" for r in reversed(rows)])
-    ax.set_ylim(-0.7, max(len(rows), 1) - 0.3)
-    better = "right" if rows and rows[0].higher_is_better else "left"
-    baseline = rows[0].baseline if rows else "baseline"
-    ax.set_xlabel(f"Δ {metric} (variant − {baseline}); better to the {better}")
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_title(title or f"Paired deltas, {metric}: t 95% CI (thin), bootstrap 95% CI (thick)", fontsize=9)
+    metrics = list(dict.fromkeys(d.metric for d in decisions))
+    rows = max(sum(d.metric == m for d in decisions) for m in metrics)
+    cols = min(len(metrics), 3)
+    grid = math.ceil(len(metrics) / cols)
+    # wide enough for the labels, no wider than the 1,280-pixel window the report is read in
+    width = 9.0 if cols == 1 else min(4.0 * cols + 1.5, 11.5)
+    fig = Figure(figsize=(width, grid * (0.24 * rows + 1.0) + 0.4), dpi=DPI, layout="constrained")
+    axes = fig.subplots(grid, cols, squeeze=False).ravel()
+    for ax, metric in zip(axes, metrics):
+        _decision_panel(ax, [d for d in decisions if d.metric == metric])
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    fig.legend([Line2D([], [], color=c, marker="o", lw=1.5) for c in VERDICT_COLORS.values()], list(VERDICT_COLORS),
+               loc="outside lower center", ncols=len(VERDICT_COLORS), fontsize=8, frameon=False)
     return _save(fig, path)
+
+
+def _decision_panel(ax, decisions: Sequence[Decision]) -> None:
+    shown = list(reversed(decisions))
+    for y, d in enumerate(shown):
+        color = VERDICT_COLORS[d.verdict]
+        if math.isfinite(d.ci_low):
+            ax.hlines(y, d.ci_low, d.ci_high, color=color, lw=1.8)
+        if math.isfinite(d.mean_delta):
+            ax.plot(d.mean_delta, y, "o", color=color, ms=5)
+    margin = decisions[0].margin
+    if margin:
+        ax.axvspan(-margin, margin, color="#0969da", alpha=0.1, lw=0)
+    ax.axvline(0.0, color="grey", lw=0.8, ls="--")
+    for y in range(1, len(shown)):  # a rule between scales
+        if shown[y].scale != shown[y - 1].scale:
+            ax.axhline(y - 0.5, color="#bbb", lw=0.6)
+    ax.set_yticks(range(len(shown)), [f"{d.variant} @ {d.scale}" for d in shown], fontsize=8)
+    ax.set_ylim(-0.7, max(len(shown), 1) - 0.3)
+    d = decisions[0]
+    better = "right" if d.higher_is_better else "left"
+    ax.set_xlabel(f"Δ vs {d.baseline}; better to the {better}", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"{d.metric}: mean Δ, t {1 - d.alpha:.0%} CI" + (f", margin ±{margin:g} shaded" if margin else ""),
+                 fontsize=9)
 
 
 def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,

@@ -126,7 +126,7 @@ def build_report(
     (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
     (out / "report.html").write_text(to_html(blocks, f"Report: {experiment}"), encoding="utf-8")
     files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv",
-             out / "decisions.csv"] + [p.path for p in plots] + profile.files
+             out / "decisions.csv"] + [p.path for p in plots.values()] + profile.files
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
@@ -288,26 +288,32 @@ def _task_groups(metrics: Sequence[str]) -> list[list[str]]:
     return [g for g in groups.values() if len(g) >= 2 and len({is_higher_better(m) for m in g}) == 1]
 
 
-def _plots(a: Analysis, out: Path) -> list[Plot]:
-    from analysis.plots import plot_forest, plot_loss_curves, plot_scaling, plot_tuning
+def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
+    """The figures by the place they take in the report (analysis.document): ``decisions`` and ``scaling`` open it,
+    ``secondary`` heads the secondary metrics, ``loss_curves`` and ``tuning`` sit with the other figures."""
+    from analysis.plots import plot_decisions, plot_loss_curves, plot_scaling, plot_tuning
 
-    plots = []
-    if len(a.curves):
-        plots.append(Plot(plot_loss_curves(a.runs, a.curves, a.baseline, out / "loss_curves.png"),
-                          f"{HEADLINE} against step per scale: mean over finished seeds, band ± 1 sd"))
-    for metric, rs in a.results.items():
-        if any(r.n > 0 for r in rs):
-            path = plot_forest(rs, out / f"forest_{_slug(metric)}.png")
-            plots.append(Plot(path, f"Paired deltas of final {metric} against {a.baseline}: thin = t 95% CI, "
-                                    "thick = bootstrap 95% CI"))
+    plots = {}
+    for family in ("primary", "secondary"):
+        decided = [d for d in a.decisions if d.family == family and d.n > 0]
+        if decided:
+            name = f"forest_{_slug(a.rule.metric)}.png" if family == "primary" else "forest_secondary.png"
+            metrics = ", ".join(dict.fromkeys(d.metric for d in decided))
+            plots["decisions" if family == "primary" else "secondary"] = Plot(
+                plot_decisions(decided, out / name),
+                f"Paired Δ against {a.baseline} of final {metrics}: mean and t interval, coloured by verdict"
+                + (", the equivalence margin shaded" if any(d.margin for d in decided) else ""))
     if a.scaling is not None and any(f.form != "none" for f in a.scaling.fits.values()):
         path = plot_scaling(a.runs, a.scaling, out / "scaling.png", a.results.get(HEADLINE, []))
-        plots.append(Plot(path, f"Final {HEADLINE} against counted parameters with per-variant fits, and each "
-                                f"variant's fitted gap to {a.baseline}"))
+        plots["scaling"] = Plot(path, f"Final {HEADLINE} against counted parameters with per-variant fits, and each "
+                                      f"variant's fitted gap to {a.baseline}")
+    if len(a.curves):
+        plots["loss_curves"] = Plot(plot_loss_curves(a.runs, a.curves, a.baseline, out / "loss_curves.png"),
+                                    f"{HEADLINE} against step per scale: mean over finished seeds, band ± 1 sd")
     if a.tune_curves:
         path = plot_tuning(a.tune_curves, a.baseline, out / "tuning.png")
-        plots.append(Plot(path, f"Tuning curves: final {HEADLINE} of each tune run against its peak LR, the mean "
-                                "over seeds and the LR each variant's main runs took"))
+        plots["tuning"] = Plot(path, f"Tuning curves: final {HEADLINE} of each tune run against its peak LR, the mean "
+                                     "over seeds and the LR each variant's main runs took")
     return plots
 
 

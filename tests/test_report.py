@@ -94,9 +94,10 @@ def test_report_files_hold_the_tables_and_the_html_embeds_every_plot(first_repor
     result, out = first_report
     names = {Path(f).name for f in result["files"]}
     pngs = sorted(out.glob("*.png"))
+    # one forest of the primary family, one small-multiple forest of the four secondary metrics
     assert {"report.md", "report.html", "report.json", "pairs.csv", "loss_curves.png", "scaling.png",
-            "forest_val_loss.png", "forest_eval_piqa_acc.png"} <= names
-    assert {p.name for p in pngs} <= names and len(pngs) == 7
+            "forest_val_loss.png", "forest_secondary.png"} <= names
+    assert {p.name for p in pngs} <= names and len(pngs) == 4
 
     md = (out / "report.md").read_text()
     assert "| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs conventional | t 95% CI |" in md
@@ -115,6 +116,34 @@ def test_report_files_hold_the_tables_and_the_html_embeds_every_plot(first_repor
                     if (r["metric"], r["scale"], r["variant"]) == ("val/loss", "20M", "hourglass"))
     assert row["mean_delta"].item() == pytest.approx(expected["mean_delta"], rel=1e-12)
     assert row["boot_ci_high"].item() == pytest.approx(expected["boot_ci_high"], rel=1e-12)
+
+
+def test_report_opens_with_a_sentence_per_scale_the_forest_and_a_compact_table_and_folds_the_rest(first_report):
+    result, out = first_report
+    md = (out / "report.md").read_text()
+    primary = {(d["scale"], d["variant"]): d for d in result["decisions"] if d["family"] == "primary"}
+    won = primary["160M", "hourglass"]  # the planted 0.03 lower loss, decided at 160M
+    assert won["verdict"] == "better" and won["ci_high"] < 0
+    assert (f"At 160M: hourglass better by {-won['mean_delta']:.3g} nats [{-won['ci_high']:.3g}, "
+            f"{-won['ci_low']:.3g}]; tapered undecided, ") in md
+    short = primary["40M", "hourglass"]  # seed 2 failed: 2 pairs, too few for Holm at 8 comparisons
+    more = short["seeds_to_decide"] - 2
+    assert short["verdict"] == "undecided" and short["n"] == 2 and more > 0
+    assert f"At 40M: hourglass undecided, {more} more seed{'s' if more > 1 else ''} would decide it;" in md
+    compact = "| scale | variant | Δ | t 95% CI | Δ % | verdict | seed pairs to decide |"
+    full = "| scale | variant | n | Δ | Δ % | t CI | p (adj.) | sign-flip p | Wilcoxon p | d_z |"
+    order = ["## Decisions on final val/loss", "At 20M: ", "At 160M: ", "(forest_val_loss.png)", compact,
+             "<details><summary>Every statistic of the 8 primary comparisons", full, "</details>",
+             "## Scaling of final val/loss", "(scaling.png)", "## Secondary metrics", "(forest_secondary.png)",
+             "<details><summary>Every statistic of the 32 secondary comparisons", "## Final val/loss per scale"]
+    assert [md.index(s) for s in order] == sorted(md.index(s) for s in order)
+    page = (out / "report.html").read_text()
+    assert page.count("<details>") == md.count("<details>") == 3  # primary, secondary, the descriptive deltas
+    assert '<td class="better">better</td>' in page
+    # nothing the full tables show is lost from the files
+    csv = pd.read_csv(out / "decisions.csv")
+    assert len(csv) == len(result["decisions"]) == 8 + 32
+    assert {"p_adjusted", "p_signflip", "p_wilcoxon", "d_z", "mde", "p_tost_adjusted", "seeds_to_decide"} <= set(csv)
 
 
 def test_a_store_without_tune_runs_reports_compute_and_time_at_the_shared_lr_and_no_tuning(first_report):
