@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import pandas as pd
 
+from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
+from study.schema import TAG_KEY_SCHEMA
 from study.track.store import mlflow_client, sqlite_path
 from study.track.groups import GROUP_STAGE, TUNE_STAGE
-from study.track.query import all_runs, read_manifest_tags
+from study.track.query import all_runs, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ def client(uri: str | None = None) -> MlflowClient:
             f"no MLflow store at {db}",
             "run the experiment first, or point MLFLOW_TRACKING_URI (or tracking_uri) at the store that holds it",
         )
-    return mlflow_client(resolved)
+    return read(lambda: mlflow_client(resolved), resolved, "connect")  # a busy store is waited for
 
 
 def experiment_id(store: MlflowClient, experiment: str) -> str:
@@ -83,6 +85,8 @@ class StudyRuns:
     """Main runs at the shared LR beside tuned ones (for verdicts side by side); None unless the store holds both."""
     tune: pd.DataFrame
     """Tune runs (``study.stage=tune``): points of an LR grid, never paired, decided on or fitted."""
+    left_out: str = ""
+    """One line naming the runs left out for another key schema (empty when none), for the report to print."""
 
 
 def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
@@ -103,17 +107,30 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     a tuned LR, main runs at the shared LR. When `study launch` recorded a manifest, each of the three is the last
     launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
     study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison.
+    A run key's run is its oldest active MLflow run, as tracking takes it (a later one is a duplicate a race
+    left); runs tagged with another ``study.key_schema`` than this version's are left out and named in
+    :attr:`StudyRuns.left_out` (their keys hash other fields, so they are not the plan's runs).
     """
     store = client(tracking_uri)
     exp_id = experiment_id(store, experiment)
-    rows = [row for row in map(_row, all_runs(store, exp_id)) if row is not None]
+    listed = read(lambda: list(all_runs(store, exp_id)), resolve_tracking_uri(tracking_uri or ""), "runs")
+    rows = [row for row in map(_row, listed) if row is not None]
+    current = (None, str(SCHEMA_VERSION))  # untagged: runs written by other tools (analysis.synthetic)
+    other = [row for row in rows if row["key_schema"] not in current]
+    left_out = (f"Left out {len(other)} run(s) of another key schema (this version's is {SCHEMA_VERSION}): "
+                + ", ".join(f"{r['run_name']} (schema {r['key_schema']})" for r in other)
+                + f"; relaunch the experiment (`study launch {experiment}`) to train them under the current keys."
+                if other else "")
+    rows = [row for row in rows if row["key_schema"] in current]
     if not rows:
         raise StudyError(
             "experiment",
-            f"MLflow experiment {experiment!r} holds no training runs",
+            f"MLflow experiment {experiment!r} holds no training runs" + (f" of this version: {left_out}" if other
+                                                                        else ""),
             f"launch it first (`study launch {experiment}`), then report",
         )
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame(rows).drop(columns="key_schema").sort_values(["start_time", "run_id"])
+    frame = frame[frame["run_key"].isna() | ~frame.duplicated("run_key")]
     fixed = [c for c in frame.columns if "/" not in c]
     metrics = sorted(c for c in frame.columns if "/" in c)
     frame = frame[fixed + metrics].sort_values(["scale", "variant", "seed"], ignore_index=True)
@@ -135,7 +152,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
             f"MLflow experiment {experiment!r} holds only tune runs",
             f"let the main runs train (`study launch {experiment}`), then report",
         )
-    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune)
+    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, left_out)
 
 
 def _row(run) -> dict | None:
@@ -149,6 +166,7 @@ def _row(run) -> dict | None:
         "run_id": run.info.run_id,
         "run_name": run.info.run_name,
         "run_key": tags.get("study.run_key"),
+        "key_schema": tags.get(TAG_KEY_SCHEMA),
         "variant": tags["study.variant"],
         "scale": tags["study.scale"],
         "seed": int(tags["study.seed"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
 import subprocess
@@ -250,3 +251,79 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
         assert steps_logged(client, tracker.run_id, "train/loss") == steps
         assert sorted(costs)[len(costs) * 99 // 100] < 0.002
         assert max(costs) < 0.05, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
+
+
+def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_another_key_schema(tmp_path):
+    from mlflow import MlflowClient
+
+    from analysis.runs import read_study
+    from study.config.identity import SCHEMA_VERSION
+    from study.track.query import runs_by_key
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("keys")
+
+    def finished(key: str, schema: int, loss: float, start: int) -> str:
+        tags = {"study.run_key": key, "study.key_schema": str(schema), "study.variant": "conventional",
+                "study.scale": "tiny", "study.seed": "0"}
+        run_id = client.create_run(experiment, start_time=start, run_name=f"{key[0]}-{start}", tags=tags).info.run_id
+        client.log_metric(run_id, "val/loss", loss, step=8)
+        client.set_terminated(run_id, "FINISHED")
+        return run_id
+
+    first = finished("a" * 12, SCHEMA_VERSION, 3.0, 1000)
+    finished("a" * 12, SCHEMA_VERSION, 2.0, 2000)  # a later duplicate of the same key, as a race leaves one
+    finished("b" * 12, SCHEMA_VERSION - 1, 1.0, 3000)  # trained by a version whose keys hashed other fields
+    study = read_study("keys", uri)
+    assert runs_by_key("keys", uri)["a" * 12].info.run_id == first
+    assert study.runs[["run_id", "val/loss"]].values.tolist() == [[first, 3.0]]
+    assert study.left_out == (f"Left out 1 run(s) of another key schema (this version's is {SCHEMA_VERSION}): "
+                              f"b-3000 (schema {SCHEMA_VERSION - 1}); relaunch the experiment (`study launch keys`) "
+                              "to train them under the current keys.")
+
+
+def a_store_with_one_run(folder) -> str:
+    from mlflow import MlflowClient
+
+    folder.mkdir()
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("shelf"), tags={
+        "study.run_key": "c" * 12, "study.variant": "conventional", "study.scale": "tiny", "study.seed": "0"})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return uri
+
+
+def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path):
+    from analysis.runs import read_runs
+    from study.track.query import status_by_key
+
+    folder = tmp_path / "shelf"
+    uri = a_store_with_one_run(folder)
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(folder), str(folder)]).returncode:
+        pytest.skip("a read-only bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        assert status_by_key("shelf", uri) == {"c" * 12: "FINISHED"}  # what `study status` reads
+        assert read_runs("shelf", uri)["run_key"].tolist() == ["c" * 12]  # what `study report` reads
+        assert sorted(p.name for p in folder.iterdir()) == ["mlflow.db"]
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_store_a_writer_holds_locked_is_read_once_it_lets_go(tmp_path):
+    from study.track.query import status_by_key
+
+    uri = a_store_with_one_run(tmp_path / "busy")
+    writer = sqlite3.connect(tmp_path / "busy" / "mlflow.db", check_same_thread=False)
+    writer.execute("BEGIN EXCLUSIVE")  # readers wait; SQLite's own wait (5 s) runs out before the writer lets go
+    release = threading.Timer(8.0, writer.commit)
+    release.start()
+    started = time.monotonic()
+    try:
+        assert status_by_key("shelf", uri) == {"c" * 12: "FINISHED"}
+    finally:
+        release.join()
+        writer.close()
+    assert time.monotonic() - started >= 8.0

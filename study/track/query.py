@@ -4,13 +4,18 @@ kept in the experiment's tags. `study launch`, `study status` and the report all
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from study import schema
+from study.config.sections import TrackingConfig
 from study.errors import StudyError
-from study.track.store import mlflow_client, short, sqlite_path
+from study.track.store import call_with_retries, is_locked, mlflow_client, short, sqlite_path
 from study.track.store import resolve_tracking_uri
+
+T = TypeVar("T")
 
 PAGE = 1000
 KEYS_PER_TAG = 300
@@ -23,8 +28,16 @@ def open_store(tracking_uri: str = ""):
     db = sqlite_path(uri)
     if db is not None and not db.exists():
         return None
+    return read(lambda: mlflow_client(uri), uri, "connect")
+
+
+def read(fn: Callable[[], T], uri: str, what: str) -> T:
+    """`fn()` on the store, retried with backoff while a writer holds an SQLite store locked past SQLite's own wait
+    (for the default tracking.open_timeout_s); see `readable` for the rest. A server that does not answer is not
+    waited for: a reader is a person at a prompt (status, report) or a plan that must not stall."""
+    cfg = TrackingConfig()
     with readable(uri):
-        return mlflow_client(uri)
+        return call_with_retries(fn, cfg, time.monotonic() + cfg.open_timeout_s, f"read ({what})", is_locked)
 
 
 @contextmanager
@@ -59,9 +72,12 @@ def all_runs(client, experiment_id: str, filter_string: str = "") -> Iterator:
 def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
     """The MLflow run of each run key in the experiment (the oldest when a race left two)."""
     client = open_store(tracking_uri)
-    with readable(resolve_tracking_uri(tracking_uri)):
+
+    def listed() -> list:
         exp = experiment_of(client, experiment)
-        runs = [] if exp is None else list(all_runs(client, exp.experiment_id))
+        return [] if exp is None else list(all_runs(client, exp.experiment_id))
+
+    runs = read(listed, resolve_tracking_uri(tracking_uri), "runs")
     out: dict[str, object] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id)):
         key = run.data.tags.get(schema.TAG_RUN_KEY)
@@ -87,8 +103,7 @@ def write_manifest_tags(client, experiment_id: str, entry: dict) -> None:
 
 def read_manifest_tags(client, experiment: str) -> dict | None:
     """The latest launch recorded in the experiment's tags, or None."""
-    with readable(str(getattr(client, "tracking_uri", ""))):
-        exp = experiment_of(client, experiment)
+    exp = read(lambda: experiment_of(client, experiment), str(getattr(client, "tracking_uri", "")), "experiment")
     if exp is None or schema.TAG_LAUNCH not in exp.tags:
         return None
     head = json.loads(exp.tags[schema.TAG_LAUNCH])

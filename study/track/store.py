@@ -58,9 +58,14 @@ def artifact_location(uri: str, experiment: str) -> str | None:
     return (db.parent / "mlartifacts" / re.sub(r"[^\w.-]+", "_", experiment)).as_uri()
 
 
+def is_locked(exc: BaseException) -> bool:
+    """Whether a call failed because another connection held the SQLite store locked past SQLite's own wait."""
+    return "database is locked" in str(exc) or "database table is locked" in str(exc)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed MLflow call may succeed later (outage, overload, SQLite lock) rather than being rejected."""
-    if "database is locked" in str(exc) or "database table is locked" in str(exc):
+    if is_locked(exc):
         return True
     from mlflow.exceptions import MlflowException
 
@@ -84,15 +89,17 @@ def jittered(delay: float) -> float:
     return delay * random.uniform(0.5, 1.5)
 
 
-def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float, what: str) -> T:
-    """`fn()`, retried with jittered exponential backoff on transient errors until `deadline` (time.monotonic)."""
+def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float, what: str,
+                      retry_on: Callable[[BaseException], bool] = is_transient) -> T:
+    """`fn()`, retried with jittered exponential backoff on errors `retry_on` accepts (by default transient ones)
+    until `deadline` (time.monotonic)."""
     delay = cfg.retry_initial_s
     while True:
         try:
             return fn()
         except Exception as exc:
             wait = jittered(delay)
-            if not is_transient(exc) or time.monotonic() + wait > deadline:
+            if not retry_on(exc) or time.monotonic() + wait > deadline:
                 raise
             log.warning("MLflow %s failed (%s); retrying in %.1f s", what, short(exc), wait)
             time.sleep(wait)
@@ -102,9 +109,19 @@ def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float,
 @contextmanager
 def _store_lock(db: Path):
     """Serialises first use of an SQLite store across processes: MLflow creates its tables on first use, and
-    several processes creating them at once collide."""
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
+    several processes creating them at once collide. An existing store in a folder this process cannot write (a
+    read-only file system, another user's folder) is opened without the lock: this process can create no tables
+    there, so it has nothing to serialise, and it reads the store as it is."""
+    if not db.parent.is_dir():
+        db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(db.with_name(db.name + ".lock"), "a")
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and db.is_file():
+            yield
+            return
+        raise
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
