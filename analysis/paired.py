@@ -150,6 +150,7 @@ def paired_deltas(
     ``n_resamples=0`` skips it (the decision procedure does not use it).
     """
     _check(df, [metric], baseline)
+    df = _narrow(df, [metric])
     better_high = is_higher_better(metric) if higher_is_better is None else higher_is_better
     results = []
     for scale in scale_order(df):
@@ -180,6 +181,7 @@ def joint_bootstrap(
         )
     from scipy import stats
 
+    df = _narrow(df, metrics)
     results = []
     for scale in scale_order(df):
         at_scale = df[df["scale"] == scale]
@@ -208,6 +210,18 @@ def _check(df: pd.DataFrame, metrics: Sequence[str], baseline: str) -> None:
     for metric in metrics:
         if metric not in present:
             raise StudyError("metric", f"no run logged {metric!r}", f"choose from: {', '.join(present) or '(none)'}")
+
+
+_PAIRING = ("run_id", "run_key", "variant", "scale", "seed", "status", "failure_reason", "start_time",
+            "params_counted")
+"""The columns pairing reads besides the metrics (params_counted orders the scales)."""
+
+
+def _narrow(df: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
+    """Only the columns pairing reads, strings as Python objects: every row selection copies each column, and
+    copying Arrow-backed strings was most of the report's statistics time."""
+    narrow = df[[c for c in _PAIRING if c in df.columns] + list(metrics)]
+    return narrow.astype({c: object for c in narrow.columns if pd.api.types.is_string_dtype(narrow[c])})
 
 
 def _usable(runs: pd.DataFrame, metrics: Sequence[str]) -> pd.Series:
