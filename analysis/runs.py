@@ -85,8 +85,9 @@ class StudyRuns:
     """Main runs at the shared LR beside tuned ones (for verdicts side by side); None unless the store holds both."""
     tune: pd.DataFrame
     """Tune runs (``study.stage=tune``): points of an LR grid, never paired, decided on or fitted."""
-    left_out: str = ""
-    """One line naming the runs left out for another key schema (empty when none), for the report to print."""
+    notes: tuple[str, ...] = ()
+    """Lines for the report to print: the runs left out for another key schema, the (variant, scale) cells with no
+    run."""
 
 
 def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
@@ -109,7 +110,9 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison.
     A run key's run is its oldest active MLflow run, as tracking takes it (a later one is a duplicate a race
     left); runs tagged with another ``study.key_schema`` than this version's are left out and named in
-    :attr:`StudyRuns.left_out` (their keys hash other fields, so they are not the plan's runs).
+    :attr:`StudyRuns.notes` (their keys hash other fields, so they are not the plan's runs); so are the (variant,
+    scale) cells of the decided runs that hold no run. When every decided run FAILED there is nothing to report, and
+    the StudyError says so.
     """
     store = client(tracking_uri)
     exp_id = experiment_id(store, experiment)
@@ -152,7 +155,20 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
             f"MLflow experiment {experiment!r} holds only tune runs",
             f"let the main runs train (`study launch {experiment}`), then report",
         )
-    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, left_out)
+    if (runs["status"] == "FAILED").all():
+        named = "; ".join(f"{r.run_name}: {r.failure_reason or 'no reason recorded'}" for r in runs.head(3).itertuples())
+        raise StudyError(
+            "experiment",
+            f"every training run of MLflow experiment {experiment!r} failed ({len(runs)} FAILED; {named}"
+            + ("; ..." if len(runs) > 3 else "") + ")",
+            "each run's reason is its MLflow tag study.failure_reason and its job output is among its artifacts "
+            f"(`study status {experiment}` lists the runs); fix the cause and relaunch (`study launch {experiment}`)",
+        )
+    cells = set(zip(runs["variant"], runs["scale"]))
+    missing = [f"{v} at {s}" for s in scale_order(runs) for v in sorted(set(runs["variant"])) if (v, s) not in cells]
+    notes = tuple(note for note in (left_out, "No run of " + ", ".join(missing) + ": these cells are in no comparison"
+                                    if missing else "") if note)
+    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, notes)
 
 
 def _row(run) -> dict | None:

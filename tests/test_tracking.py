@@ -278,9 +278,42 @@ def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_
     study = read_study("keys", uri)
     assert runs_by_key("keys", uri)["a" * 12].info.run_id == first
     assert study.runs[["run_id", "val/loss"]].values.tolist() == [[first, 3.0]]
-    assert study.left_out == (f"Left out 1 run(s) of another key schema (this version's is {SCHEMA_VERSION}): "
-                              f"b-3000 (schema {SCHEMA_VERSION - 1}); relaunch the experiment (`study launch keys`) "
-                              "to train them under the current keys.")
+    assert study.notes == (f"Left out 1 run(s) of another key schema (this version's is {SCHEMA_VERSION}): "
+                           f"b-3000 (schema {SCHEMA_VERSION - 1}); relaunch the experiment (`study launch keys`) "
+                           "to train them under the current keys.",)
+
+
+def test_a_report_of_failed_runs_says_they_failed_and_one_with_a_missing_cell_names_it(tmp_path):
+    from mlflow import MlflowClient
+
+    from analysis.runs import read_study
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    failed, partial = client.create_experiment("failed"), client.create_experiment("partial")
+
+    def ended(experiment: str, variant: str, scale: str, status: str) -> None:
+        tags = {"study.run_key": f"{variant[0]}{scale[0]}" * 6, "study.variant": variant, "study.scale": scale,
+                "study.seed": "0"}
+        run_id = client.create_run(experiment, run_name=f"{variant}-{scale}", tags=tags).info.run_id
+        if status == "FAILED":
+            client.set_tag(run_id, "study.failure_reason", "non-finite val/loss at step 6")
+        else:
+            client.log_metric(run_id, "val/loss", 3.0, step=8)
+        client.set_terminated(run_id, status)
+
+    for variant in ("conventional", "hourglass"):
+        ended(failed, variant, "tiny", "FAILED")
+    with pytest.raises(StudyError) as refused:
+        read_study("failed", uri)
+    assert refused.value.field == "experiment" and refused.value.problem == (
+        "every training run of MLflow experiment 'failed' failed (2 FAILED; conventional-tiny: non-finite val/loss "
+        "at step 6; hourglass-tiny: non-finite val/loss at step 6)")
+    assert "study.failure_reason" in refused.value.fix and "`study status failed`" in refused.value.fix
+
+    for variant, scale in (("conventional", "tiny"), ("hourglass", "tiny"), ("conventional", "small")):
+        ended(partial, variant, scale, "FINISHED")
+    assert read_study("partial", uri).notes == ("No run of hourglass at small: these cells are in no comparison",)
 
 
 def a_store_with_one_run(folder) -> str:
