@@ -165,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     record = evaluate_run(spec, tasks, limit, num_fewshot)
     where = ("the run's eval/<task>/* scores" if record["of_record"] else
              f"evals/{record['id']}/<task>/*, beside the run's eval/<task>/* scores (other settings than its eval "
-             "config)")
+             "config, or not the run's final checkpoint)")
     print(f"evaluation {record['id']} recorded in {spec.run_dir.evals / record['id']} and MLflow as {where}",
           file=sys.stderr)
     print(json.dumps(record, indent=1))
