@@ -55,7 +55,8 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
         Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
                   + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
                   + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
-                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
+                  f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."
+                  + "".join(f" {note}" for note in a.run_notes)),
         *([Paragraph(_TUNED + (f"; the {a.shared_runs} runs at the shared LR are decided beside them under 'Shared "
                                "LR against tuned LR'" if a.shared_runs else "") + "."
                      + (" Tune runs are shown under 'Tuning curves', never paired." if a.tune_curves else ""))]

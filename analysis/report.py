@@ -86,6 +86,9 @@ class Analysis:
     """Effective compute multipliers from fits of val/loss against training compute, when logged."""
     time: TimeReport | None = None
     """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
+    run_notes: tuple[str, ...] = ()
+    """What the store held that the report left out: runs of another key schema, (variant, scale) cells with no run
+    (analysis.runs.StudyRuns.notes)."""
 
     @property
     def flat(self) -> list[PairedResult]:
@@ -130,7 +133,7 @@ def build_report(
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
-        "looks": a.looks, "sequential": a.sequential_note or None, "item_deltas": [i.to_dict() for i in a.items],
+        "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes), "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
         "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
@@ -194,7 +197,7 @@ def analyse(
     return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
                     looks, note, items, curves, tuned=bool((runs["lr_source"] == store.TUNED).any()),
                     tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
-                    verdict_pairs=pairs, compute=compute, time=time)
+                    verdict_pairs=pairs, compute=compute, time=time, run_notes=study.notes)
 
 
 def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str], rule: DecisionRule

@@ -314,6 +314,9 @@ def test_a_report_of_failed_runs_says_they_failed_and_one_with_a_missing_cell_na
     for variant, scale in (("conventional", "tiny"), ("hourglass", "tiny"), ("conventional", "small")):
         ended(partial, variant, scale, "FINISHED")
     assert read_study("partial", uri).notes == ("No run of hourglass at small: these cells are in no comparison",)
+    from analysis.report import analyse
+
+    assert analyse("partial", tracking_uri=uri, baseline="conventional").run_notes == read_study("partial", uri).notes
 
 
 def a_store_with_one_run(folder) -> str:
