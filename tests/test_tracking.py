@@ -363,3 +363,37 @@ def test_a_store_a_writer_holds_locked_is_read_once_it_lets_go(tmp_path):
         release.join()
         writer.close()
     assert time.monotonic() - started >= 8.0
+
+
+def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_start_sends_it(tmp_path):
+    """An artifact store that cannot take files (here its folder is a file: a permanent error, as a full file
+    system is) keeps every metric point; the artifact waits in the run directory's outbox, the close says so, and
+    the run's next start sends it: the run page ends up with it, and the outbox is gone."""
+    from mlflow import MlflowClient
+
+    from study.config.sections import TrackingConfig
+    from study.track.tracker import ARTIFACT_OUTBOX, Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    blocked = tmp_path / "artifacts"
+    blocked.write_text("not a folder")
+    MlflowClient(uri).create_experiment("outbox", artifact_location=str(blocked / "store"))
+    cfg = TrackingConfig(uri=uri, open_timeout_s=20, retry_initial_s=0.05, retry_max_s=0.1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    tracker = Tracker.open("k" * 12, "outbox", "r", cfg=cfg, log_path=run_dir / "metrics.jsonl")
+    tracker.log_metrics({"train/loss": 2.0}, 1)
+    tracker.log_dict({"a": 1}, "config.yaml")
+    tracker.close("FINISHED")
+    waiting = [p for p in (run_dir / ARTIFACT_OUTBOX).rglob("config.yaml")]
+    assert len(waiting) == 1 and waiting[0].read_text() == "a: 1\n"
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("outbox").experiment_id])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2.0]
+    blocked.unlink()  # space again
+    blocked.mkdir()
+    again = Tracker.open("k" * 12, "outbox", "r", cfg=cfg, log_path=run_dir / "metrics.jsonl")
+    assert again.run_id == run.info.run_id
+    again.close("FINISHED")
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    assert not (run_dir / ARTIFACT_OUTBOX).exists()

@@ -52,6 +52,23 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
+ARTIFACT_OUTBOX = "artifacts-outbox"
+"""Folder of a run directory where artifacts wait until MLflow holds them."""
+ARTIFACT_NAME = ".name"
+"""File beside a staged artifact holding the name it is stored under."""
+
+
+def _waiting(outbox: Path) -> list[tuple[Path, str]]:
+    """The complete artifacts staged in `outbox`, oldest first, as (staged path, name)."""
+    found = []
+    for folder in sorted(outbox.iterdir(), key=lambda p: p.stat().st_mtime) if outbox.is_dir() else []:
+        name_file = folder / ARTIFACT_NAME
+        if name_file.is_file():
+            name = name_file.read_text()
+            found.append((folder / name.rpartition("/")[2], name))
+    return found
+
+
 class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
@@ -61,7 +78,7 @@ class Tracker:
     """
 
     def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool,
-                 log: MetricLog | None = None, replay: list | None = None):
+                 log: MetricLog | None = None, replay: list | None = None, outbox: Path | None = None):
         self.run_id = run_id
         self._log = log
         self._client, self._cfg, self._terminate = client, cfg, terminate
@@ -72,7 +89,12 @@ class Tracker:
         self._inflight: list[tuple[str, float, int, int]] = []
         self._artifacts: deque[tuple[Path, str]] = deque()
         self._dropped = 0
-        self._staging = Path(tempfile.mkdtemp(prefix="study-artifacts-"))
+        # With a run directory, artifacts wait in its outbox until MLflow holds them: one the store refused (a full
+        # file system) is sent again on the next start, as unsent metric points are.
+        self._outbox = outbox
+        self._staging = outbox or Path(tempfile.mkdtemp(prefix="study-artifacts-"))
+        self._staging.mkdir(parents=True, exist_ok=True)
+        self._artifacts.extend(_waiting(self._staging))
         self._wake, self._closing = threading.Event(), threading.Event()
         self._final: tuple[str | None, str | None] = ("FINISHED", None)
         self._deadline = math.inf
@@ -174,7 +196,8 @@ class Tracker:
         logged_upto = {m.key: m.step for m in run.data.to_proto().metrics}
         replay = [] if log is None else reconcile(log, logged_upto, lambda k: {m.step for m in call_with_retries(
             lambda: client.get_metric_history(run.info.run_id, k), cfg, deadline, "metric history")})
-        return cls(client, run.info.run_id, cfg, logged_upto, terminate, log, replay)
+        outbox = None if log is None else log.path.parent / ARTIFACT_OUTBOX
+        return cls(client, run.info.run_id, cfg, logged_upto, terminate, log, replay, outbox)
 
     def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
         """`fn(client, run_id)` now, for what is written once per run (lineage, the parent run), retried on
@@ -226,6 +249,7 @@ class Tracker:
             (shutil.copytree if source.is_dir() else shutil.copyfile)(source, staged)
         else:
             staged.write_text(source)
+        (staged.parent / ARTIFACT_NAME).write_text("/".join(parts))  # written last: a staged artifact is complete
         with self._lock:
             self._artifacts.append((staged, "/".join(parts)))
 
@@ -358,6 +382,7 @@ class Tracker:
                     self._client.log_artifact(self.run_id, str(staged), name.rpartition("/")[0] or None)
                 with self._lock:
                     self._artifacts.popleft()
+                shutil.rmtree(staged.parent, ignore_errors=True)
             else:
                 return
 
@@ -369,7 +394,8 @@ class Tracker:
                 self._dropped += len(self._inflight)
                 self._inflight = []
             elif self._artifacts:
-                what = f"artifact {self._artifacts.popleft()[1]}"
+                what = f"artifact {self._artifacts.popleft()[1]}" + (
+                    " (kept in the run directory: the run's next start sends it again)" if self._outbox else "")
             else:
                 what = "nothing it could identify"
         logger.error("MLflow rejected %s for run %s: %s", what, self.run_id, short(exc))
@@ -386,4 +412,8 @@ class Tracker:
                 call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
         except Exception as exc:
             logger.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if self._outbox is None or not _waiting(self._staging):
+            shutil.rmtree(self._staging, ignore_errors=True)
+        else:
+            logger.error("%d artifacts of run %s did not reach MLflow; they wait in %s and the run's next start sends "
+                         "them again", len(_waiting(self._staging)), self.run_id, self._staging)
