@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -143,7 +144,9 @@ def test_seeds_share_a_shape_and_differ_in_key():
 def test_plan_command_imports_neither_torch_nor_mlflow(tmp_path):
     code = ("import sys; from study.cli import main; main(['plan', 'hourglass', '--json']);"
             "sys.stderr.write(repr(sorted(m for m in ('torch', 'mlflow') if m in sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    # no store to read measured noise from (mlflow.set_tracking_uri in other tests of this process sets the variable)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stderr.strip().endswith("[]"), out.stderr[-500:]
 
 

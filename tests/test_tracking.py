@@ -372,7 +372,8 @@ def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_s
     from mlflow import MlflowClient
 
     from study.config.sections import TrackingConfig
-    from study.track.tracker import ARTIFACT_OUTBOX, Tracker
+    from study.track.outbox import ARTIFACT_OUTBOX
+    from study.track.tracker import Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     blocked = tmp_path / "artifacts"

@@ -32,6 +32,7 @@ from typing import Any
 from study.config.sections import TrackingConfig
 from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
+from study.track.outbox import ARTIFACT_OUTBOX, stage, waiting
 from study.track.params import flatten, plain
 from study.track.store import (
     answering,
@@ -52,23 +53,6 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
-ARTIFACT_OUTBOX = "artifacts-outbox"
-"""Folder of a run directory where artifacts wait until MLflow holds them."""
-ARTIFACT_NAME = ".name"
-"""File beside a staged artifact holding the name it is stored under."""
-
-
-def _waiting(outbox: Path) -> list[tuple[Path, str]]:
-    """The complete artifacts staged in `outbox`, oldest first, as (staged path, name)."""
-    found = []
-    for folder in sorted(outbox.iterdir(), key=lambda p: p.stat().st_mtime) if outbox.is_dir() else []:
-        name_file = folder / ARTIFACT_NAME
-        if name_file.is_file():
-            name = name_file.read_text()
-            found.append((folder / name.rpartition("/")[2], name))
-    return found
-
-
 class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
@@ -94,7 +78,7 @@ class Tracker:
         self._outbox = outbox
         self._staging = outbox or Path(tempfile.mkdtemp(prefix="study-artifacts-"))
         self._staging.mkdir(parents=True, exist_ok=True)
-        self._artifacts.extend(_waiting(self._staging))
+        self._artifacts.extend(waiting(self._staging))
         self._wake, self._closing = threading.Event(), threading.Event()
         self._final: tuple[str | None, str | None] = ("FINISHED", None)
         self._deadline = math.inf
@@ -241,17 +225,9 @@ class Tracker:
     def log_artifact(self, source: Path | str, name: str) -> None:
         """Queues an artifact stored as `name` (may contain folders): a file or folder if `source` is a Path, else
         `source` itself as text. It is copied now, so later changes to the source do not matter."""
-        parts = name.strip("/").split("/")
-        if not parts[-1] or ".." in parts:
-            raise ValueError(f"artifact name {name!r} must be a relative path to a file")
-        staged = Path(tempfile.mkdtemp(dir=self._staging)) / parts[-1]
-        if isinstance(source, Path):
-            (shutil.copytree if source.is_dir() else shutil.copyfile)(source, staged)
-        else:
-            staged.write_text(source)
-        (staged.parent / ARTIFACT_NAME).write_text("/".join(parts))  # written last: a staged artifact is complete
+        entry = stage(self._staging, source, name)
         with self._lock:
-            self._artifacts.append((staged, "/".join(parts)))
+            self._artifacts.append(entry)
 
     def log_dict(self, data: Mapping[str, Any], name: str) -> None:
         """Queues `data` as a JSON (`.json`) or YAML (`.yaml`, `.yml`) artifact."""
@@ -412,8 +388,8 @@ class Tracker:
                 call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
         except Exception as exc:
             logger.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
-        if self._outbox is None or not _waiting(self._staging):
+        if self._outbox is None or not waiting(self._staging):
             shutil.rmtree(self._staging, ignore_errors=True)
         else:
             logger.error("%d artifacts of run %s did not reach MLflow; they wait in %s and the run's next start sends "
-                         "them again", len(_waiting(self._staging)), self.run_id, self._staging)
+                         "them again", len(waiting(self._staging)), self.run_id, self._staging)

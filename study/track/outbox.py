@@ -1,0 +1,40 @@
+"""Artifacts of a run waiting to reach MLflow: each staged in a folder of its own (a copy, so later changes to the
+source do not matter) beside a file naming where it is stored. In a run directory's outbox they outlive the process:
+an artifact the store refused is sent again on the run's next start."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+ARTIFACT_OUTBOX = "artifacts-outbox"
+"""Folder of a run directory where artifacts wait until MLflow holds them."""
+ARTIFACT_NAME = ".name"
+"""File beside a staged artifact holding the name it is stored under."""
+
+
+def waiting(outbox: Path) -> list[tuple[Path, str]]:
+    """The complete artifacts staged in `outbox`, oldest first, as (staged path, name)."""
+    found = []
+    for folder in sorted(outbox.iterdir(), key=lambda p: p.stat().st_mtime) if outbox.is_dir() else []:
+        name_file = folder / ARTIFACT_NAME
+        if name_file.is_file():
+            name = name_file.read_text()
+            found.append((folder / name.rpartition("/")[2], name))
+    return found
+
+
+def stage(folder: Path, source: Path | str, name: str) -> tuple[Path, str]:
+    """Copy an artifact into `folder`: a file or folder if `source` is a Path, else `source` itself as text; returns
+    (staged path, name). `name` may contain folders."""
+    parts = name.strip("/").split("/")
+    if not parts[-1] or ".." in parts:
+        raise ValueError(f"artifact name {name!r} must be a relative path to a file")
+    staged = Path(tempfile.mkdtemp(dir=folder)) / parts[-1]
+    if isinstance(source, Path):
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, staged)
+    else:
+        staged.write_text(source)
+    (staged.parent / ARTIFACT_NAME).write_text("/".join(parts))  # written last: a staged artifact is complete
+    return staged, "/".join(parts)
