@@ -81,9 +81,13 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
     assert all(r.info.status == "FINISHED" for r in runs)
     from mlflow import MlflowClient
 
+    from study.track.store import resolve_tracking_uri
+
     resumed = next(r for r in runs if r.data.tags["study.run_key"] == victim.key)
     assert int(resumed.data.tags["study.restarts"]) >= 1
-    steps = [m.step for m in MlflowClient().get_metric_history(resumed.info.run_id, "train/loss")]
+    # the store the jobs logged to, named: another test's mlflow.set_tracking_uri would outrank the environment
+    client = MlflowClient(resolve_tracking_uri(""))
+    steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")]
     assert sorted(steps) == list(range(1, 17))  # resumed, nothing lost, nothing twice
     assert launch(name, over, echo=lambda m: None) == []  # everything finished: nothing to submit
 
