@@ -1,5 +1,5 @@
 """What a launched job runs: the data preparation of a shard entry, training (then evaluation) of one run, the
-geometry profile of a reference run, or the launch again once a tuning stage's runs are done.
+geometry profile of a reference run.
 
 The callables are pickled by submitit and executed on the cluster node (or as a local process). Each holds only its
 run directory and reads the run spec there when it starts; a scheduled run's spec is completed from its
@@ -118,20 +118,3 @@ def _completed(spec: RunSpec) -> RunSpec:
     if _is_rank0():
         write_spec(spec)
     return spec
-
-
-@dataclass
-class RelaunchJob:
-    """`study launch` again, as a small CPU job after a tune array: it finds each variant's tuning decided (and
-    submits its main runs) or adds the points beyond an edge (and another of itself after them)."""
-
-    experiment: str
-    """Experiment name."""
-    overrides: list[str]
-    """The launch's overrides."""
-
-    def __call__(self) -> int:
-        from study.launch.submit import launch
-
-        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True)
-        return 0

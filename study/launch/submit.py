@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 from study.config.sections import ClusterConfig
 from study.config.spec import read_spec, write_spec
@@ -121,9 +121,22 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     return stages
 
 
-def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) -> None:
-    from study.launch.jobs import RelaunchJob
+@dataclass
+class RelaunchJob:
+    """`study launch` again, as a small CPU job after a tune array: it finds each variant's tuning decided (and
+    submits its main runs) or adds the points beyond an edge (and another of itself after them)."""
 
+    experiment: str
+    """Experiment name."""
+    overrides: list[str]
+    """The launch's overrides."""
+
+    def __call__(self) -> int:
+        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True)
+        return 0
+
+
+def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) -> None:
     cfg = plan.runs[0].config
     # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
