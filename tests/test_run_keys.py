@@ -1,0 +1,40 @@
+"""Every shipped experiment plans to the run keys it planned when they were last changed on purpose: a refactoring
+that moves code never moves a key (which would orphan every finished run of a study).
+
+A deliberate key change (a new key schema, said in its commit) is taken into the golden file by running
+`python tests/test_run_keys.py > tests/golden/run_keys.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+GOLDEN = ROOT / "tests" / "golden" / "run_keys.json"
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "sweeps" / "experiment").glob("*.yaml"))
+
+
+def planned_keys(experiment: str) -> dict[str, str]:
+    from study.plan.planner import plan_experiment
+
+    return {spec.name: spec.key for spec in plan_experiment(experiment).runs}
+
+
+def test_the_golden_file_covers_every_shipped_experiment():
+    assert sorted(json.loads(GOLDEN.read_text())) == EXPERIMENTS
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_shipped_experiment_plans_to_its_recorded_run_keys(experiment, tmp_path, monkeypatch):
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # paths.runs is relative: no profile of an earlier run is found
+    assert planned_keys(experiment) == json.loads(GOLDEN.read_text())[experiment]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps({e: planned_keys(e) for e in EXPERIMENTS}, indent=1, sort_keys=True))
