@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE, json_ready
-from analysis.runs import FINISHED, scale_order
+from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant
 
 FLOPS_TIMES_TOKENS = "resolved.flops_per_token x recipe.tokens"
@@ -100,7 +100,7 @@ class EffectiveCompute:
 def training_compute(runs: pd.DataFrame) -> tuple[pd.Series, str, str]:
     """(compute per run in FLOPs, how it was counted, why the fallback was taken or "").
 
-    ``runs`` has the columns of :func:`analysis.runs.read_runs`. The fallback is taken when any finished run lacks
+    ``runs`` has the columns of :func:`analysis.run_table.read_runs`. The fallback is taken when any finished run lacks
     ``resolved.flops_per_token`` or ``recipe.tokens``; a run that has neither its FLOPs nor a way to count its
     tokens gets NaN and stays out of the fits.
     """

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pandas as pd
 
-from analysis import runs as store
+from analysis import run_table
 from analysis.compute import EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.result import Analysis
 from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
 from analysis.time_to_target import TimeReport
@@ -21,7 +22,6 @@ from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
 
 if TYPE_CHECKING:
     from analysis.published import PublishedDelta
-    from analysis.report import Analysis
 
 
 def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
@@ -82,7 +82,7 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
     headline = a.metrics[0]
     verdicts = {(d.metric, d.scale, d.variant): d.verdict for d in a.decisions}
     blocks.append(Heading(f"Final {headline} per scale"))
-    for scale in store.scale_order(a.runs):
+    for scale in run_table.scale_order(a.runs):
         blocks += _per_scale(a.runs, a.results[headline], headline, a.baseline, scale, verdicts, a.compute)
     if a.compute is not None:
         blocks += _compute_blocks(a.compute)
@@ -211,7 +211,7 @@ def _looks_table(looks: Sequence[dict]) -> Table:
 
 def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, baseline: str, scale: str,
                verdicts: dict, compute: EffectiveCompute | None) -> list[Block]:
-    at_scale = runs[(runs["scale"] == scale) & (runs["status"] == store.FINISHED) & runs[metric].notna()]
+    at_scale = runs[(runs["scale"] == scale) & (runs["status"] == run_table.FINISHED) & runs[metric].notna()]
     by_variant = {r.variant: r for r in results if r.scale == scale}
     loss_like = metric.endswith("/loss")
     with_compute = compute is not None and bool(compute.rows)
@@ -377,7 +377,7 @@ def _time_blocks(time: TimeReport, verdicts: dict, metric: str) -> list[Block]:
 
 def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> list[Block]:
     blocks: list[Block] = [Heading("Unfinished and unpaired runs")]
-    unfinished = runs[runs["status"] != store.FINISHED]
+    unfinished = runs[runs["status"] != run_table.FINISHED]
     if len(unfinished):
         blocks.append(Table(["run", "status", "run key"], [[r.run_name, r.status, str(r.run_key)]
                                                            for r in unfinished.itertuples()]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 def print_headline(result: dict) -> None:
     """The report's decision table on the console (`study report`, `study demo`), then the effective compute of each
     variant and every verdict that flips between the shared and the tuned LR."""
-    from study.term import console
+    from study.console import console
     from rich.table import Table
 
     def num(x, fmt):

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.runs import FINISHED, scale_order
+from analysis.run_table import FINISHED, scale_order
 from study.errors import StudyError
 
 CONFIDENCE = 0.95
@@ -145,7 +145,7 @@ def paired_deltas(
 ) -> list[PairedResult]:
     """Per (scale, variant != baseline): paired statistics of ``metric`` against ``baseline``.
 
-    ``df`` is :func:`analysis.runs.read_runs` output. Only FINISHED runs with a finite value pair up; the rest
+    ``df`` is :func:`analysis.run_table.read_runs` output. Only FINISHED runs with a finite value pair up; the rest
     are listed in each result's ``unpaired``. The bootstrap is seeded so the report is reproducible;
     ``n_resamples=0`` skips it (the decision procedure does not use it).
     """

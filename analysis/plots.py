@@ -16,7 +16,7 @@ import pandas as pd
 
 from analysis.decide import VERDICT_COLORS, Decision
 from analysis.paired import PairedResult
-from analysis.runs import FINISHED, scale_order
+from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import ScalingReport
 from analysis.tuning import TuneCurve
 

@@ -89,7 +89,7 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     tracking server is asked once with a short timeout; a store that cannot be read is named in the note.
     """
     from analysis.paired import paired_deltas
-    from analysis.runs import read_runs
+    from analysis.run_table import read_runs
     from study.errors import StudyError
     from study.track.store import resolve_tracking_uri, sqlite_path
 
@@ -117,3 +117,13 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     found = {(r.scale, r.variant): (r.sd_delta, r.n) for r in results
              if r.n >= MIN_PAIRS_FOR_SD and math.isfinite(r.sd_delta) and r.sd_delta > 0}
     return found, f"measured for {len(found)} comparisons with at least {MIN_PAIRS_FOR_SD} finished pairs"
+
+
+def plan_power_rows(plan) -> tuple[list, str]:
+    """Power rows of a plan (study.plan.planner.Plan) when the experiment declares a decision margin, and where the noise came from."""
+    exp = plan.experiment
+    if not exp.decision.get("margin") or not plan.runs:
+        return [], "no decision.margin declared: no power analysis"
+    rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
+    measured, note = measured_noise(exp.name, exp.baseline, rule, plan.runs[0].config.tracking.uri)
+    return plan_power(plan, rule, measured), note

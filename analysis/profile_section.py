@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import runs as store
+from analysis import run_table
 from analysis.render import Block, Heading, Paragraph, Plot, Table
 from study.config.geometry import GEOMETRIES, STATISTICS
+from study.track.query import open_store
 from study.config.model import LEGACY_KEYS
 from study.geometry.allocate import anti_profile
 from study.geometry.direction import BALANCED, depth_centre, direction
 
 PROFILE_ARTIFACT = "geometry/profile.json"
-"""Where `study profile` logs a reference run's profile (study/geometry/run_profile.py)."""
+"""Where `study profile` logs a reference run's profile (study/jobs/profile.py)."""
 
 FIGURE = "reference_profile.png"
 """The section's figure, beside report.md."""
@@ -70,11 +71,11 @@ class ProfileSection:
 
 
 def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> ProfileSection:
-    """The section for the experiment whose training runs are `runs` (analysis.runs.read_runs), its figure written
+    """The section for the experiment whose training runs are `runs` (analysis.run_table.read_runs), its figure written
     to `out`; no blocks when no reference run was trained."""
     if "stage" not in runs.columns or not (runs["stage"] == REFERENCE).any():
         return ProfileSection([], [], [])
-    client = store.client(uri)
+    client = open_store(uri, required=True)
     profiles = _reference_profiles(client, runs)
     arms = _arms(client, runs)
     blocks: list[Block] = [Heading("Reference work profile"), Paragraph(_INTRO)]
@@ -153,7 +154,7 @@ def _arms(client, runs: pd.DataFrame) -> list[Arm]:
 
 
 def _scale_key(runs: pd.DataFrame):
-    order = store.scale_order(runs)
+    order = run_table.scale_order(runs)
     return lambda scale: order.index(scale) if scale in order else len(order)
 
 

@@ -15,10 +15,11 @@ from typing import Sequence
 
 import pandas as pd
 
-from analysis import runs as store
+from analysis import run_table
 from analysis.compute import EffectiveCompute, effective_compute
 from analysis.decide import Decision, decide
 from analysis.document import document
+from analysis.result import HEADLINE, Analysis
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
 from analysis.published import published_deltas, published_figures
 from analysis.paired import JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
@@ -29,71 +30,13 @@ from analysis.time_to_target import TimeReport, time_to_target
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair, tune_curves, verdict_pairs
 from study.config.decision import DecisionRule
 from study.errors import StudyError
+from study.track.query import open_store
 from study.track.store import resolve_tracking_uri
-
-HEADLINE = "val/loss"
-"""The metric of the headline table and of the scaling fit, when the runs logged it."""
 
 REPORT_RUN_NAME = "report"
 """Name of the experiment-level MLflow run that holds the report artifacts."""
 
 _OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", "tuning.png", PROFILE_FIGURE)
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """Everything the report says about one experiment, before it is written anywhere."""
-
-    experiment: str
-    """MLflow experiment name."""
-    uri: str
-    """Tracking URI it was read from."""
-    baseline: str
-    """Variant every delta is measured against."""
-    metrics: list[str]
-    """Final metrics compared; the first heads the report."""
-    runs: pd.DataFrame
-    """One row per training run decided on (analysis.runs.read_study: the tuned runs when there are any)."""
-    results: dict[str, list[PairedResult]]
-    """Paired deltas per metric."""
-    joint: list[JointResult]
-    """Mean-across-tasks deltas."""
-    scaling: ScalingReport | None
-    """Scaling fits of val/loss, when logged."""
-    n_resamples: int
-    """Bootstrap resamples per interval."""
-    rule: DecisionRule = DecisionRule()
-    """How comparisons are decided (the experiment file's `decision:` block)."""
-    decisions: list[Decision] = field(default_factory=list)
-    """The decision table: primary family first, then secondary metrics."""
-    looks: list[dict] = field(default_factory=list)
-    """Looks of an adaptive (`--until-decided`) launch; empty for a fixed-seed one."""
-    sequential_note: str = ""
-    """How the primary verdicts were reached when the launch was adaptive."""
-    items: list = field(default_factory=list)
-    """Downstream-task deltas with two-level (seed, item) bootstrap intervals (analysis.items.ItemDelta)."""
-    curves: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """val/loss histories of the finished runs (analysis.runs.read_curves), for the curve plot and time to target."""
-    tuned: bool = False
-    """The runs decided on trained at their own tuned LRs (study.lr_source = tune)."""
-    tune_curves: list[TuneCurve] = field(default_factory=list)
-    """Each variant's LR grid from its tune runs, with the LR chosen."""
-    shared_runs: int = 0
-    """Main runs at the shared LR beside the tuned ones (not decided on)."""
-    verdict_pairs: list[VerdictPair] = field(default_factory=list)
-    """Every comparison decided at the shared LR and at the tuned LRs, flips flagged."""
-    compute: EffectiveCompute | None = None
-    """Effective compute multipliers from fits of val/loss against training compute, when logged."""
-    time: TimeReport | None = None
-    """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
-    run_notes: tuple[str, ...] = ()
-    """What the store held that the report left out: runs of another key schema, (variant, scale) cells with no run
-    (analysis.runs.StudyRuns.notes)."""
-
-    @property
-    def flat(self) -> list[PairedResult]:
-        """Every paired result, metric by metric."""
-        return [r for m in self.metrics for r in self.results[m]]
 
 
 def build_report(
@@ -138,7 +81,7 @@ def build_report(
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
         "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
         "time_to_target": a.time.to_dict() if a.time else {"status": f"no run logged {HEADLINE}"},
-        "tuning": {"decided_on": store.TUNED if a.tuned else store.SHARED, "transfer": TRANSFER if a.tuned else None,
+        "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED, "transfer": TRANSFER if a.tuned else None,
                    "curves": [c.to_dict() for c in a.tune_curves], "shared_runs": a.shared_runs,
                    "shared_vs_tuned": [p.to_dict() for p in a.verdict_pairs],
                    "flips": sum(p.flip for p in a.verdict_pairs)},
@@ -159,7 +102,7 @@ def analyse(
     """Read the runs and compute every comparison; no files are written. ``rule`` defaults to the experiment
     file's `decision:` block."""
     uri = resolve_tracking_uri(tracking_uri or "")
-    study = store.read_study(experiment, uri)
+    study = run_table.read_study(experiment, uri)
     runs = study.runs
     baseline = choose_baseline(runs, baseline)
     rule = rule or decision_rule(experiment)
@@ -175,8 +118,8 @@ def analyse(
     scaling = scaling_report(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed) if logged else None
     compute = (effective_compute(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed, by_params=scaling.fits)
                if logged else None)
-    finished = runs.loc[runs["status"] == store.FINISHED, "run_id"]
-    curves = store.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
+    finished = runs.loc[runs["status"] == run_table.FINISHED, "run_id"]
+    curves = run_table.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
     decisions = decide(results, rule, _baseline_means(runs, results))
     looks = _looks(uri, experiment)
     note = ""
@@ -195,7 +138,7 @@ def analyse(
     pairs = (verdict_pairs(_shared_decisions(shared, baseline, metrics, rule), decisions)
              if shared is not None and baseline in set(shared["variant"]) else [])
     return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
-                    looks, note, items, curves, tuned=bool((runs["lr_source"] == store.TUNED).any()),
+                    looks, note, items, curves, tuned=bool((runs["lr_source"] == run_table.TUNED).any()),
                     tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
                     verdict_pairs=pairs, compute=compute, time=time, run_notes=study.notes)
 
@@ -212,8 +155,8 @@ def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str
 def _item_deltas(uri: str, runs: pd.DataFrame, baseline: str, n_resamples: int, seed: int) -> list:
     from analysis.items import item_deltas, read_items
 
-    finished = runs.loc[runs["status"] == store.FINISHED, "run_id"]
-    return item_deltas(runs, read_items(store.client(uri), finished), baseline, n_resamples, seed)
+    finished = runs.loc[runs["status"] == run_table.FINISHED, "run_id"]
+    return item_deltas(runs, read_items(open_store(uri, required=True), finished), baseline, n_resamples, seed)
 
 
 def decision_rule(experiment: str) -> DecisionRule:
@@ -233,7 +176,7 @@ def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) 
     for metric, rs in results.items():
         for r in rs:
             base = runs[(runs["scale"] == r.scale) & (runs["variant"] == r.baseline) & runs["seed"].isin(r.seeds)
-                        & (runs["status"] == store.FINISHED)]
+                        & (runs["status"] == run_table.FINISHED)]
             newest = base.sort_values("start_time").drop_duplicates("seed", keep="last")
             if len(newest):
                 out[metric, r.scale, r.variant] = float(newest[metric].mean())
@@ -241,8 +184,8 @@ def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) 
 
 
 def _looks(uri: str, experiment: str) -> list[dict]:
-    client = store.client(uri)
-    return read_looks(client, store.experiment_id(client, experiment))
+    client = open_store(uri, required=True)
+    return read_looks(client, run_table.experiment_id(client, experiment))
 
 
 def choose_baseline(runs: pd.DataFrame, baseline: str | None) -> str:
@@ -351,14 +294,14 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
     read are linked both ways: the artifact ``runs.json`` lists them (run id, key, cell, status) with the count in
     tag ``study.report.runs``, and each of them gets tag ``study.report_run_id``.
     """
-    mlflow_client = store.client(uri)
-    exp_id = store.experiment_id(mlflow_client, experiment)
-    found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`study.stage` = '{store.REPORT_STAGE}'",
+    mlflow_client = open_store(uri, required=True)
+    exp_id = run_table.experiment_id(mlflow_client, experiment)
+    found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`study.stage` = '{run_table.REPORT_STAGE}'",
                                       order_by=["attributes.start_time ASC"], max_results=1)
     if found:
         run_id = found[0].info.run_id
     else:
-        tags = {"study.stage": store.REPORT_STAGE, "study.experiment": experiment}
+        tags = {"study.stage": run_table.REPORT_STAGE, "study.experiment": experiment}
         run_id = mlflow_client.create_run(exp_id, run_name=REPORT_RUN_NAME, tags=tags).info.run_id
     from mlflow.entities import RunTag
 

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE, json_ready
-from analysis.runs import FINISHED
+from analysis.run_table import FINISHED
 
 MIN_SCALES_SATURATING = 4
 """Distinct scales needed for the three-parameter law; fewer fall back to a pure power law."""

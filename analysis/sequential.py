@@ -88,7 +88,7 @@ def until_decided(
 
     ``seeds`` are the experiment's seeds per scale, ``variants`` its variants (the baseline among them).
     ``execute`` trains the given runs and returns when they are done; ``read`` returns the store's runs
-    (:func:`analysis.runs.read_runs`); ``cost`` is one run's GPU-hours; ``record`` receives each look as it is made.
+    (:func:`analysis.run_table.read_runs`); ``cost`` is one run's GPU-hours; ``record`` receives each look as it is made.
     """
     n0 = min(len(s) for s in seeds.values())
     if caps.max_seeds < n0:

@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import runs as store
+from analysis import run_table
 from analysis.decide import decide
 from analysis.paired import json_ready, paired_deltas
 from study.config.decision import DecisionRule
 from study.errors import StudyError
+from study.track.query import open_store
 
 LOG_HOURS = "time/log_gpu_hours"
 """Column of ln(GPU-hours to the target), the quantity the throughput-adjusted verdict pairs."""
@@ -117,7 +118,7 @@ def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule
                    metric: str = "val/loss") -> TimeReport:
     """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant).
 
-    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.runs.read_curves`).
+    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.run_table.read_curves`).
     """
     chosen = _newest(runs, metric)
     speed = throughputs(chosen, uri)
@@ -152,7 +153,7 @@ def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
     """Tokens per second per device of each run: its shape's calibration, else its own median figure."""
     from study.plan.throughput import devices, estimate, measured
 
-    client = store.client(uri)
+    client = open_store(uri, required=True)
     # the runs of a cell share a shape and a cluster profile: one spec per cell says both
     specs = {cell: _spec(client, group["run_id"].iloc[0]) for cell, group in runs.groupby(["variant", "scale"])}
     calibrations = measured(uri) if any(s is not None for s in specs.values()) else {}
@@ -166,7 +167,7 @@ def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
             out[run.run_id] = Throughput(found.tokens_per_s / n, n, found.source)
         else:
             own.append((run.run_id, devices(spec) if spec is not None else None))
-    history = store.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"]
+    history = run_table.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"]
     medians = history.median()
     for run_id, n in own:
         if run_id in medians.index:
@@ -189,7 +190,7 @@ def first_reach(steps: np.ndarray, values: np.ndarray, target: float) -> float:
 def _newest(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     """The run each pair uses: per (variant, scale, seed) the newest finished one with a final ``metric``, as in
     :mod:`analysis.paired`."""
-    usable = runs[(runs["status"] == store.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
+    usable = runs[(runs["status"] == run_table.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
     return (usable.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
             .reset_index(drop=True))
 

@@ -20,7 +20,7 @@ import pandas as pd
 
 from analysis.decide import Decision
 from analysis.paired import json_ready
-from analysis.runs import FINISHED, TUNED, scale_order
+from analysis.run_table import FINISHED, TUNED, scale_order
 
 TRANSFER = ("Other scales train at the tuned multiple of the recipe's LR rule: this assumes the best LR, as a "
             "multiple of the rule, does not move with scale (a `tune.scales` list of two or more scales fits the "

@@ -23,7 +23,7 @@ SEEDS = 5
 
 def run(quick: bool) -> list[dict]:
     from analysis.report import build_report
-    from analysis.runs import read_curves, read_runs
+    from analysis.run_table import read_curves, read_runs
     from analysis.synthetic import synthetic_store
     from study.track.store import mlflow_client
 

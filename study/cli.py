@@ -7,7 +7,7 @@ import json
 import sys
 
 from study.errors import StudyError
-from study.options import command_options, whole_option
+from study.command_options import command_options, whole_option
 from study.parser import build_parser
 
 
@@ -19,7 +19,8 @@ def _filtered(args: argparse.Namespace, plan):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from study.plan.planner import plan_experiment
-    from study.plan.show import estimates, plan_power_rows, print_plan
+    from analysis.power import plan_power_rows
+    from study.plan.show import estimates, print_plan
 
     plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
     power, note = plan_power_rows(plan)
@@ -54,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.cfg:
         import yaml
 
-        from study.track.params import redact
+        from study.config.secrets import redact
 
         print(yaml.safe_dump(redact(spec.as_dict()), sort_keys=False), end="")
         return 0
@@ -78,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from study.data.stage import data_groups, prepare_group
+    from study.jobs.prepare import data_groups, prepare_group
 
     if "=" in args.target:  # `study prepare data=... [overrides]`: the data of the run `study train` would train
         from study.plan.planner import select_run
@@ -156,7 +157,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from study.evaluate.locate import find_run
-    from study.evaluate.stage import evaluate_run
+    from study.jobs.evaluate import evaluate_run
 
     settings = command_options(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
@@ -174,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from study.evaluate.locate import find_run
-    from study.export.stage import check_options, describe, export_run
+    from study.jobs.export import check_options, describe, export_run
 
     settings = command_options(args.overrides, ("paths.runs",), "export")
     check_options(args.format, args.dtype)
@@ -242,7 +243,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from study.config.geometry import AllocationConfig
     from study.evaluate.locate import find_run
-    from study.geometry.run_profile import profile_run
+    from study.jobs.profile import profile_run
 
     settings = command_options(args.overrides, ("geometry", "paths.runs"), "profile")
     spec = find_run(args.run_key, settings.pop("paths.runs", "runs"))

@@ -32,5 +32,5 @@ TRAINING_RUNS = "tags.`study.run_key` LIKE '%'"
 # Small, fast runs: tiny model, 2 layers, short sequences, a capped corpus.
 TINY = ["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.ffn.width=128",
         "model.max_seq_len=32", "data.seq_len=32", "data.max_docs=1500", "data.vocab_size=512",
-        "model.vocab_size=512", "data.val_fraction=0.05", "train.micro_batch=4", "train.eval_batches=2",
+        "model.vocab_size=512", "data.val_fraction=0.05", "train.micro_batch=4", "train.val_batches=2",
         "train.warmup_steps=2", "budget.tolerance=1e-2"]

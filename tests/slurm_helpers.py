@@ -22,7 +22,7 @@ SMALL = {
         "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "ffn": {"width": 128}, "max_seq_len": 32,
                   "vocab_size": 512},
         "data": {"seq_len": 32, "max_docs": 1500, "vocab_size": 512, "val_fraction": 0.05},
-        "train": {"max_steps": 16, "ckpt_interval": 4, "eval_interval": 8, "micro_batch": 4, "eval_batches": 2,
+        "train": {"max_steps": 16, "ckpt_interval": 4, "val_interval": 8, "micro_batch": 4, "val_batches": 2,
                   "warmup_steps": 2, "lr": 3e-3},
         "budget": {"tolerance": 1e-2},
     },

@@ -14,7 +14,7 @@ from study.errors import StudyError
 
 
 def runs_frame(rows: list[dict]) -> pd.DataFrame:
-    """Rows in the shape analysis.runs.read_runs returns; defaults fill what a test does not care about."""
+    """Rows in the shape analysis.run_table.read_runs returns; defaults fill what a test does not care about."""
     out = []
     for i, row in enumerate(rows):
         base = {"run_id": f"r{i}", "run_name": None, "run_key": f"k{i}", "stage": "train", "baseline": "base",

@@ -151,7 +151,7 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
 
     from analysis.profile_section import reference_profile_section
     from analysis.report import build_report
-    from analysis.runs import read_runs
+    from analysis.run_table import read_runs
     from analysis.synthetic import synthetic_store
 
     root = tmp_path_factory.mktemp("store")

@@ -184,7 +184,7 @@ def test_two_arms_train_the_recipe_the_plan_shows_and_mlflow_records_it(workdir)
     from study.train.loop import train
 
     common = [*TINY, "experiment=unit", "train.max_steps=0", "train.tokens_per_param=0.01", "train.lr=0",
-              "train.warmup_steps=0", "train.final_lr=1e-4", "train.eval_interval=100"]
+              "train.warmup_steps=0", "train.final_lr=1e-4", "train.val_interval=100"]
     specs = [select_run([*common, "variant=conventional"]),
              select_run([*common, "variant=hourglass", "model=hourglass", "model.ffn.hidden_ratio=0.5"])]
     assert (specs[0].model.ffn.k, specs[1].model.ffn.k) == (1, 4) and specs[0].budget == specs[1].budget
@@ -265,7 +265,7 @@ def test_the_release_recipe_trains_a_tiny_shape_on_cpu_from_flat_token_files(wor
                        "data.seq_len=32", "data.val_fraction=0.1", "model.max_seq_len=32", "model.vocab_size=96",
                        "model.n_layers=2", "model.d_model=48", "model.n_heads=2", "model.head_dim=16",
                        "model.ffn.width=40", "model.ffn.multiple_of=1", "train.global_batch=4", "train.micro_batch=4", "train.max_steps=6",
-                       "train.warmup_steps=2", "train.eval_interval=6", "train.eval_batches=1",
+                       "train.warmup_steps=2", "train.val_interval=6", "train.val_batches=1",
                        "train.precision=fp32"])
     m, r = spec.model, spec.recipe
     assert m.has_qk_norm and m.tie_embeddings and m.rope_scaling.factor == 32.0 and m.ffn.k == 4

@@ -221,8 +221,8 @@ def test_study_train_trains_on_flat_token_files(workdir, tokenizer):
     spec = plan_adhoc(["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
                        "model.ffn.width=128", "model.max_seq_len=32", f"model.vocab_size={VOCAB}",
                        "data.name=flat-test", f"data.tokens=[{workdir / 'olmo'}]", f"data.tokenizer={tokenizer}",
-                       "data.seq_len=32", "data.val_fraction=0.2", "train.micro_batch=4", "train.eval_batches=2",
-                       "train.warmup_steps=2", "train.max_steps=6", "train.eval_interval=6", "train.lr=3e-3",
+                       "data.seq_len=32", "data.val_fraction=0.2", "train.micro_batch=4", "train.val_batches=2",
+                       "train.warmup_steps=2", "train.max_steps=6", "train.val_interval=6", "train.lr=3e-3",
                        "budget.tolerance=1e-2"])
     out = train(spec)
     assert out.status == "FINISHED" and out.step == 6 and sorted(out.losses) == list(range(1, 7))

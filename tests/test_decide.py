@@ -15,7 +15,8 @@ from analysis.decide import (decide, minimum_detectable_effect, seeds_for_differ
                              signflip_p, t_power)
 from analysis.paired import paired_deltas
 from analysis.report import build_report
-from analysis.runs import client, experiment_id, read_runs
+from analysis.run_table import experiment_id, read_runs
+from study.track.query import open_store
 from analysis.synthetic import synthetic_store
 from study.config.decision import DecisionRule
 from study.errors import StudyError
@@ -92,7 +93,7 @@ def test_report_leads_with_the_decision_table_and_the_report_run_carries_verdict
     assert md.index("## Decisions on final val/loss") < md.index("## Final val/loss per scale")
     assert "1 better, 1 worse, 1 equivalent, 1 undecided" in md
     assert "omitted (n < 8)" in md and "BCa" not in md  # 6 seeds: no bootstrap shown as evidence
-    mlflow = client(uri)
+    mlflow = open_store(uri, required=True)
     run = mlflow.get_run(result["report_run_id"])
     tags = run.data.tags
     assert {k: v for k, v in tags.items() if k.startswith("study.verdict.50M")} == {
@@ -200,7 +201,7 @@ def test_task_deltas_carry_a_two_level_interval_over_the_runs_own_items(truth):
 
     uri, result, out = truth
     runs = read_runs(EXPERIMENT, uri)
-    items = read_items(client(uri), runs["run_id"])
+    items = read_items(open_store(uri, required=True), runs["run_id"])
     row = next(i for i in result["item_deltas"] if (i["variant"], i["metric"]) == ("worse", "ll_correct"))
     by = {(r.variant, r.seed): items[r.run_id] for r in runs.itertuples()}
     deltas = np.array([by["worse", s]["ll_correct"].to_numpy() - by["base", s]["ll_correct"].to_numpy()

@@ -14,7 +14,7 @@ from scipy.optimize import brentq
 
 from analysis.compute import FLOPS_TIMES_TOKENS, SIX_N_D, effective_compute, training_compute
 from analysis.report import build_report
-from analysis.runs import read_runs
+from analysis.run_table import read_runs
 from analysis.scaling import fit_variant
 from analysis.synthetic import synthetic_store
 from analysis.time_to_target import first_reach, time_to_target
@@ -161,7 +161,7 @@ def _independent_hours(client, run_id: str, target: float, per_device: float | N
 
 
 def test_hours_to_the_baselines_final_loss_follow_each_runs_curve_and_own_throughput(timed):
-    from analysis.runs import read_curves
+    from analysis.run_table import read_curves
 
     runs = read_runs("timed", timed)
     report = time_to_target(runs, read_curves(runs["run_id"], "val/loss", timed), "base", DecisionRule(), timed)
@@ -206,7 +206,7 @@ def test_time_to_target_sits_beside_the_parameter_matched_verdict_in_the_report(
 
 
 def test_a_calibrated_shape_sets_the_hours_of_its_runs(timed, tmp_path):
-    from analysis.runs import read_curves
+    from analysis.run_table import read_curves
     from study.config.spec import write_spec
     from study.plan.planner import plan_experiment
     from study.plan.throughput import CALIBRATION_EXPERIMENT, PER_DEVICE, TAG_CLUSTER, TAG_SHAPE, devices, shape_key

@@ -10,7 +10,7 @@ import json
 from conftest import TINY, TRAINING_RUNS
 from study.cli import main
 from study.evaluate.records import evaluated, read_records
-from study.evaluate.stage import evaluate_run
+from study.jobs.evaluate import evaluate_run
 from study.plan.planner import select_run
 from study.schema import EVAL_RECORD, TAG_EVAL
 from study.train import checkpoint

@@ -23,7 +23,7 @@ from study.train.loop import train
 pytestmark = pytest.mark.faults
 
 STEPS = 24
-COMMON = [*TINY, "experiment=faults", f"train.max_steps={STEPS}", "train.ckpt_interval=3", "train.eval_interval=6"]
+COMMON = [*TINY, "experiment=faults", f"train.max_steps={STEPS}", "train.ckpt_interval=3", "train.val_interval=6"]
 
 
 def history(db: str, experiment: str = "faults", key: str = "train/loss"):
@@ -125,7 +125,7 @@ def test_a_full_data_cache_is_refused_naming_data_cache_dir(workdir, small_disk,
 
 def test_a_non_finite_validation_loss_fails_the_run_with_its_step(workdir, capsys):
     # a step this large makes the weights overflow within two steps; the training loss is only read at step 100
-    over = [*COMMON, "train.lr=1000", "train.grad_clip=0", "train.log_interval=100", "train.eval_interval=2"]
+    over = [*COMMON, "train.lr=1000", "train.grad_clip=0", "train.log_interval=100", "train.val_interval=2"]
     assert main(["train", *over]) == 1
     assert "FAILED at step 2: validation loss is nan at step 2" in capsys.readouterr().err
     runs, steps = history(f"{workdir}/mlflow.db", key="val/loss")

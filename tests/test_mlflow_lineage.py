@@ -65,7 +65,7 @@ def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spre
     for run in runs:  # an evaluation's score is one value, not a curve
         if run.data.tags["study.variant"] == "conventional":
             assert len(client.get_metric_history(run.info.run_id, "eval/arc_easy_local/acc")) == 1
-    from analysis.runs import read_runs
+    from analysis.run_table import read_runs
 
     assert len(read_runs("nest", client.tracking_uri)) == 4  # parents are not training runs
 
@@ -111,10 +111,10 @@ def test_the_report_run_lists_the_runs_it_read_and_each_points_back(nested, caps
 
 
 def test_each_trainer_leaves_its_last_figures_for_the_launch_board(nested):
-    from study.launch.board import DONE, RunBoard
+    from study.launch.live_table import DONE, LiveTable
 
     client, exp, plan = nested
-    board = RunBoard(plan.runs)
+    board = LiveTable(plan.runs)
     board.mark(plan.runs[0].key, DONE)
     by_key = {r.data.tags["study.run_key"]: r for r in client.search_runs([exp.experiment_id],
                                                                          filter_string=TRAINING_RUNS)}

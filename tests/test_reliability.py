@@ -24,7 +24,7 @@ from study.train.loop import train
 pytestmark = pytest.mark.faults
 
 STEPS = 12
-RUN = [*TINY, "experiment=rel", f"train.max_steps={STEPS}", "train.ckpt_interval=4", "train.eval_interval=6"]
+RUN = [*TINY, "experiment=rel", f"train.max_steps={STEPS}", "train.ckpt_interval=4", "train.val_interval=6"]
 
 
 def store(db) -> "object":

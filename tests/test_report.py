@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from analysis.report import build_report
-from analysis.runs import read_runs
+from analysis.run_table import read_runs
 from analysis.synthetic import synthetic_store
 from study.errors import StudyError
 

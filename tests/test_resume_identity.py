@@ -20,7 +20,7 @@ from study.train.loop import train
 
 pytestmark = pytest.mark.faults
 
-RUN = [*TINY, "experiment=ident", "train.max_steps=8", "train.ckpt_interval=4", "train.eval_interval=4"]
+RUN = [*TINY, "experiment=ident", "train.max_steps=8", "train.ckpt_interval=4", "train.val_interval=4"]
 
 
 def store(workdir, db="mlflow.db"):
@@ -150,13 +150,13 @@ def test_a_finished_key_trained_under_another_runs_folder_is_refused_naming_wher
 
 def test_settings_out_of_the_key_resume_the_same_run(workdir):
     assert train(select_run([*RUN, "faults.stop_at_step=4"])).status == "PREEMPTED"
-    out = train(select_run([*RUN, "train.assumed_mfu=0.3", "train.ckpt_interval=2", "train.eval_interval=3"]))
+    out = train(select_run([*RUN, "train.assumed_mfu=0.3", "train.ckpt_interval=2", "train.val_interval=3"]))
     assert out.status == "FINISHED" and min(out.losses) == 5
     (run,) = runs(workdir)
     assert run.data.tags["study.restarts"] == "1" and [s for s, _ in curve(workdir, run)] == list(range(1, 9))
     params = run.data.params
     assert params["train.lr"] and params["model.d_model"] == "64"
-    assert not {"train.assumed_mfu", "train.ckpt_interval", "train.eval_interval", "variant"} & set(params)
+    assert not {"train.assumed_mfu", "train.ckpt_interval", "train.val_interval", "variant"} & set(params)
 
 
 def test_launch_restart_trains_a_finished_run_again_from_step_0(workdir, monkeypatch, capsys):

@@ -110,7 +110,7 @@ def keys_of(*overrides):
 
 def test_estimates_cadences_and_cluster_resources_leave_every_key_unchanged():
     base = keys_of()
-    for over in (["train.assumed_mfu=0.5"], ["train.log_interval=10"], ["train.eval_interval=7"],
+    for over in (["train.assumed_mfu=0.5"], ["train.log_interval=10"], ["train.val_interval=7"],
                  ["train.ckpt_interval=9", "train.keep_last=5"], ["cluster=slurm"], ["cluster=h100"],
                  ["eval.limit=4"], ["tracking.flush_interval_s=9"], ["paths.runs=elsewhere"]):
         assert keys_of(*over) == base, over
@@ -211,7 +211,7 @@ def tiny_experiment(workdir, monkeypatch):
     # the scale file keeps its depth, so editing it after launch would change the shape
     settings = dict(o.split("=", 1) for o in TINY if not o.startswith(("scale=", "model.n_layers=")))
     common = nested({dotted: yaml_value(value) for dotted, value in settings.items()})
-    common.setdefault("train", {}).update({"max_steps": 4, "eval_interval": 2, "ckpt_interval": 2})
+    common.setdefault("train", {}).update({"max_steps": 4, "val_interval": 2, "ckpt_interval": 2})
     tree = private_tree(workdir, "specx", {"baseline": "conventional", "scales": ["tiny"], "seeds": [0, 1],
                                            "variants": {"conventional": {"model": "conventional"},
                                                         "hourglass": {"model": "hourglass"}},
@@ -227,7 +227,7 @@ def yaml_value(text):
 
 
 def test_a_job_trains_the_planned_shape_after_the_sweeps_tree_changes(tiny_experiment, workdir):
-    from study.launch.jobs import TrainJob
+    from study.launch.callables import TrainJob
     from study.launch.submit import write_specs
 
     plan = plan_experiment("specx", ["variants.hourglass.model.ffn.k=2"])

@@ -14,7 +14,7 @@ from conftest import ROOT, TINY, TRAINING_RUNS
 from study.cli import main
 from study.config.spec import read_spec, write_spec
 from study.plan.planner import select_run
-from study.track.params import mask_text
+from study.config.secrets import mask_text
 
 RUN = [*TINY, "experiment=sec", "train.max_steps=2"]
 

@@ -142,13 +142,19 @@ def test_reopening_a_run_key_resumes_the_same_run_and_skips_steps_already_logged
     assert (run.info.status, run.data.tags["study.restarts"]) == ("FINISHED", "1")
 
 
-def test_other_ranks_get_a_tracker_that_logs_nothing(store, client):
-    tracker = Tracker.open("key-c", "ranks", "tapered-tiny-s0", TAGS, PARAMS, rank=1, cfg=cfg_for(store))
+def test_other_ranks_get_a_tracker_that_logs_nothing(store, client, tmp_path):
+    from study.plan.planner import plan_adhoc
+    from study.train.distributed import Dist
+    from study.train.tracking import open_tracker
+
+    spec = plan_adhoc(["experiment=ranks", f"tracking.uri={store}", f"paths.runs={tmp_path}"])
+    tracker = open_tracker(spec, Dist(rank=1, world_size=2, local_rank=1, device="cpu"), data=None, start=0)
     assert isinstance(tracker, NullTracker)
     tracker.log_metrics({"train/loss": 1.0}, 0)
-    tracker.log_dict({"a": 1}, "a.json")
-    assert tracker.close() == 0
+    tracker.record("lineage", lambda client, run_id: 1 / 0)  # never called
+    assert tracker.flush() is True and tracker.close() == 0
     assert client.get_experiment_by_name("ranks") is None
+    assert not spec.run_dir.config.exists()  # only rank 0 writes the run directory's config
 
 
 def test_a_locked_sqlite_store_delays_points_without_blocking_logging(store, client):
@@ -256,7 +262,7 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
 def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_another_key_schema(tmp_path):
     from mlflow import MlflowClient
 
-    from analysis.runs import read_study
+    from analysis.run_table import read_study
     from study.config.identity import SCHEMA_VERSION
     from study.track.query import runs_by_key
 
@@ -286,7 +292,7 @@ def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_
 def test_a_report_of_failed_runs_says_they_failed_and_one_with_a_missing_cell_names_it(tmp_path):
     from mlflow import MlflowClient
 
-    from analysis.runs import read_study
+    from analysis.run_table import read_study
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -332,7 +338,7 @@ def a_store_with_one_run(folder) -> str:
 
 
 def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path):
-    from analysis.runs import read_runs
+    from analysis.run_table import read_runs
     from study.track.query import status_by_key
 
     folder = tmp_path / "shelf"

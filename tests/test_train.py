@@ -26,7 +26,7 @@ def mlflow_runs(experiment="unit", db="mlflow.db"):
 
 
 def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
-    cfg = cfg_for("train.max_steps=30", "train.eval_interval=10", "train.lr=3e-3")
+    cfg = cfg_for("train.max_steps=30", "train.val_interval=10", "train.lr=3e-3")
     out = train(cfg)
     assert out.status == "FINISHED" and out.step == 30
     assert out.losses[30] < out.losses[1] - 0.7
@@ -51,7 +51,7 @@ def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
 
 
 def test_resume_after_preemption_reproduces_the_uninterrupted_losses(workdir):
-    common = ["train.max_steps=12", "train.ckpt_interval=4", "train.eval_interval=6"]
+    common = ["train.max_steps=12", "train.ckpt_interval=4", "train.val_interval=6"]
     full = train(cfg_for(*common, "paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db"))
     first = train(cfg_for(*common, "paths.runs=cut", "faults.stop_at_step=6"))
     assert first.status == "PREEMPTED" and first.step == 6
@@ -96,7 +96,7 @@ def test_nan_loss_fails_the_run_with_its_reason(workdir):
 def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
     def run(*extra):
         cmd = [sys.executable, "-m", "study.cli", "train", "--nproc", "2", *TINY, "experiment=unit",
-               "train.max_steps=8", "train.ckpt_interval=4", "train.eval_interval=4", "train.global_batch=8", *extra]
+               "train.max_steps=8", "train.ckpt_interval=4", "train.val_interval=4", "train.global_batch=8", *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
 
     full = run("paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db")

@@ -87,7 +87,7 @@ TUNED = {
         "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "ffn": {"width": 128}, "max_seq_len": 32,
                   "vocab_size": 512},
         "data": {"seq_len": 32, "max_docs": 1500, "vocab_size": 512, "val_fraction": 0.05},
-        "train": {"max_steps": 20, "ckpt_interval": 20, "eval_interval": 20, "micro_batch": 8, "eval_batches": 2,
+        "train": {"max_steps": 20, "ckpt_interval": 20, "val_interval": 20, "micro_batch": 8, "val_batches": 2,
                   "warmup_steps": 3},
         "budget": {"tolerance": 1e-2},
     },

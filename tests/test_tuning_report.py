@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from analysis.report import build_report
-from analysis.runs import read_runs, read_study
+from analysis.run_table import read_runs, read_study
 from analysis.synthetic import BASE_LR, synthetic_store, synthetic_tune_runs
 from study.track.groups import summary
 from study.track.query import write_manifest_tags

@@ -242,7 +242,7 @@ def tiny_widths_tree(workdir, variants):
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = yaml.safe_load(value)
-    common["train"].update({"max_steps": 3, "eval_interval": 3, "ckpt_interval": 3})
+    common["train"].update({"max_steps": 3, "val_interval": 3, "ckpt_interval": 3})
     exp.update(scales=["tiny"], seeds=[0], variants={v: exp["variants"][v] for v in variants}, common=common)
     exp.pop("reference")
     (tree / "experiment" / "widths_tiny.yaml").write_text(yaml.safe_dump(exp))
@@ -252,7 +252,7 @@ def tiny_widths_tree(workdir, variants):
 def test_a_tiny_widths_experiment_trains_the_per_layer_heads_and_piecewise_families(workdir, monkeypatch):
     """OpenELM-style (heads per layer) and Crown (three points) train on CPU as planned: the built model has the
     plan's count and heads, and the loss is finite."""
-    from study.launch.jobs import TrainJob
+    from study.launch.callables import TrainJob
     from study.launch.submit import write_specs
     from study.models.transformer import build_model
 

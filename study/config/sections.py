@@ -51,9 +51,9 @@ class TrainConfig:
     """Global gradient-norm clip; 0 disables it."""
     z_loss: float = 0.0
     """z-loss coefficient (OLMo-2: 1e-5): adds coef * mean(logsumexp(logits)^2)."""
-    eval_interval: int = 50
+    val_interval: int = 50
     """Steps between validation passes (and always at the last step)."""
-    eval_batches: int = 4
+    val_batches: int = 4
     """Validation batches per pass (fixed windows: every pass sees the same tokens)."""
     ckpt_interval: int = 50
     """Steps between checkpoints (and always at the last step)."""

@@ -129,7 +129,7 @@ def write_spec(spec: RunSpec) -> Path:
         raise StudyError("paths.runs", f"cannot create the run directory {path.parent} ({os.strerror(err.errno or 0)})",
                          "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
     tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-    from study.track.params import redact
+    from study.config.secrets import redact
 
     try:
         tmp.write_text(json.dumps(redact(spec.as_dict()), indent=1, default=str))

@@ -19,7 +19,7 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "stage": ("train", "reference", "scheduled", "tune"),
 }
-POSITIVE = ("train.micro_batch", "train.grad_accum", "train.eval_interval", "train.eval_batches",
+POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "train.val_batches",
             "train.ckpt_interval", "train.keep_last", "train.log_interval", "train.eps", "train.gpu_peak_tflops",
             "train.assumed_mfu", "eval.batch_size", "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task",
             "cluster.time_min", "cluster.array_parallelism", "tracking.batch_points", "tracking.max_buffer",

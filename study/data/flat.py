@@ -322,7 +322,7 @@ def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: 
 
 
 def _check_ids(files: dict[str, list[dict[str, Any]]], tok: TokenizerFile) -> None:
-    """Every id is one the tokenizer emits (the model covers the tokenizer: study.data.shards.check_vocab)."""
+    """Every id is one the tokenizer emits (the model covers the tokenizer: study.data.shards.check_model_vocab)."""
     for field, records in files.items():
         for f in records:
             if f["largest_id"] >= tok.vocab_size:

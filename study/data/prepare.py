@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from study.config.data import DataConfig
+from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS, token_dtype
 from study.data.sources import Layout, Source, capped
 
 if TYPE_CHECKING:
     from study.data.tokenizer import TokenizerFile
 
 PROGRESS = "progress.json"
-SPLITS = ("train", "val")
 
 
 def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, cfg: DataConfig,
                  progress: bool = False, after_chunk: Callable[[int], None] | None = None) -> None:
     """Tokenise both splits into the build directory `out` (renamed into the cache once this returns)."""
-    from study.data.shards import CHECKED, SHARD_FORMAT, sha256_file, token_dtype
+    from study.data.cache import sha256_file
     from study.data.tokenizer import load_tokenizer
 
     if cfg.num_proc:

@@ -30,12 +30,10 @@ from study.config.data import TRAIN_BPE, DataConfig, cache_root, validate_data
 from study.data.cache import build_resumable, cache_key, file_lock, sha256_file
 from study.data.flat import TokenStream, flat_streams, write_flat
 from study.data.sources import Layout, Source, capped, layout, source_key
+from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS
 from study.data.tokenizer import TokenizerFile, resolve_tokenizer
 from study.errors import StudyError
 
-SHARD_FORMAT = 2
-CHECKED = ("train.bin", "val.bin", "tokenizer.json")
-SPLITS = ("train", "val")
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool,
         raise StudyError("data", f"the token shards of {cfg.name} are not in the cache {cache}",
                          "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
                          "run's data overrides), or `study launch`, which prepares them")
-    check_vocab(tok, model_vocab)
+    check_model_vocab(tok, model_vocab)
     if cfg.tokens is not None:
         build_fn = lambda tmp: write_flat(tmp, cfg, tok, progress, after_chunk)  # noqa: E731
         open_fn = lambda: open_flat(entry, cfg)  # noqa: E731
@@ -148,7 +146,7 @@ def find_shards(cfg: DataConfig) -> Path | None:
     return entry if entry is not None and (entry / "meta.json").is_file() else None
 
 
-def check_vocab(tok: TokenizerFile, model_vocab: int | None) -> None:
+def check_model_vocab(tok: TokenizerFile, model_vocab: int | None) -> None:
     """Before any token is written: the largest id fits the shard dtype, and the model embeds it."""
     if tok.vocab_size > 2**32:
         raise StudyError("data.tokenizer", f"{tok.path} has ids up to {tok.vocab_size - 1}, more than a uint32 shard "
@@ -156,10 +154,6 @@ def check_vocab(tok: TokenizerFile, model_vocab: int | None) -> None:
     if model_vocab is not None and tok.vocab_size > model_vocab:
         raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the ids of the tokenizer {tok.path}, "
                          f"up to {tok.vocab_size - 1}", f"set model.vocab_size >= {tok.vocab_size}")
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 def _train_texts(source: Source, parts: Layout) -> Iterator[list[str]]:

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from study.data.tokenizer import eos_id, load_tokenizer
 from study.errors import StudyError
+from study.evaluate.model_args import check_model_embeds_tokenizer, model_max_length
 
 LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
 """Templates (YAML) and data (JSONL) of the offline tasks shipped with the package."""
@@ -209,31 +210,6 @@ def _unknown_tasks_error(unknown: list[str], local: list[str]) -> StudyError:
     )
 
 
-def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
-    if max_length is not None:
-        return max_length
-    config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
-    if config_max is None:
-        raise StudyError(
-            "max_length",
-            f"{type(model).__name__} has no cfg.max_seq_len to take the context length from",
-            "pass max_length=<the context length the model was trained with>",
-        )
-    return int(config_max)
-
-
-def check_vocab(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
-    from study.data.tokenizer import id_bound
-
-    model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    if model_vocab is not None and id_bound(tokenizer) > model_vocab:
-        raise StudyError(
-            "tokenizer_path",
-            f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model embeds only {model_vocab}",
-            "pass the tokenizer.json the model was trained with",
-        )
-
-
 def evaluate_model(
     model: torch.nn.Module,
     tokenizer_path: str | Path,
@@ -267,7 +243,7 @@ def evaluate_model(
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
     tokenizer = load_tokenizer(tokenizer_path)
-    check_vocab(model, tokenizer, tokenizer_path)
+    check_model_embeds_tokenizer(model, tokenizer, tokenizer_path)
     lm = StudyLM(
         model.to(device),
         tokenizer,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from study.errors import StudyError
 
@@ -33,7 +35,6 @@ def from_model_args(cls, args: dict[str, Any]):
     """`cls` (StudyLM) on the run `args` names, with the tokenizer, context length and EOS token it was trained
     with; lm-eval's --device and --batch_size arrive in `args` too."""
     from study.data.tokenizer import load_tokenizer
-    from study.evaluate.harness import check_vocab, model_max_length
     from study.evaluate.locate import find_run, open_trained, run_eos_token, run_of_checkpoint
 
     if unknown := sorted(set(args) - set(MODEL_ARGS)):
@@ -55,8 +56,34 @@ def from_model_args(cls, args: dict[str, Any]):
         device = "cpu"
     run = open_trained(spec, ckpt, device)
     tokenizer = load_tokenizer(run.tokenizer_path)
-    check_vocab(run.model, tokenizer, run.tokenizer_path)
+    check_model_embeds_tokenizer(run.model, tokenizer, run.tokenizer_path)
     batch = str(args.get("batch_size", ""))
     return cls(run.model, tokenizer, max_length=int(args.get("max_length") or model_max_length(run.model, None)),
                batch_size=int(batch) if batch.isdigit() else spec.config.eval.batch_size, device=device,
                eos_token=run_eos_token(spec, run.tokenizer_path))
+
+
+def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
+    if max_length is not None:
+        return max_length
+    config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if config_max is None:
+        raise StudyError(
+            "max_length",
+            f"{type(model).__name__} has no cfg.max_seq_len to take the context length from",
+            "pass max_length=<the context length the model was trained with>",
+        )
+    return int(config_max)
+
+
+def check_model_embeds_tokenizer(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
+    """The model's embedding has a row for every id the tokenizer emits."""
+    from study.data.tokenizer import id_bound
+
+    model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if model_vocab is not None and id_bound(tokenizer) > model_vocab:
+        raise StudyError(
+            "tokenizer_path",
+            f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model embeds only {model_vocab}",
+            "pass the tokenizer.json the model was trained with",
+        )

@@ -1,6 +1,6 @@
-"""Export: a trained run as files other tools read (transformers / lm-eval / vLLM, or the study format)."""
+"""Export formats: our Transformer as a transformers model (`hf`) and the study format for models no transformers
+class computes (`native`). Writing a trained run out is the export job, `study.jobs.export`."""
 
 from study.export.native import load
-from study.export.stage import export_run
 
-__all__ = ["export_run", "load"]
+__all__ = ["load"]

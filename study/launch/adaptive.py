@@ -34,8 +34,8 @@ class Adaptive:
 
     def run(self, echo=print):
         """Run the loop here and now; returns the :class:`analysis.sequential.Outcome`."""
-        from analysis.runs import client as store_client
-        from analysis.runs import experiment_id, read_runs
+        from study.track.query import open_store
+        from analysis.run_table import experiment_id, read_runs
         from analysis.sequential import Caps, log_look, until_decided
         from study.config.decision import DecisionRule
         from study.launch.status import experiment_status
@@ -75,7 +75,7 @@ class Adaptive:
 
         def record(look):
             state["looks"].append(look)
-            client = store_client(uri)
+            client = open_store(uri, required=True)
             state["run_id"] = log_look(client, experiment_id(client, self.experiment), state["run_id"], look,
                                        state["looks"])
             counts = ", ".join(f"{n} {v}" for v, n in sorted(look["verdicts"].items()))

@@ -42,8 +42,8 @@ def calibration_specs(experiment: str, overrides: list[str], steps: int) -> list
     out = []
     for key, run in shapes.items():
         cfg = run.config
-        train = replace(cfg.train, max_steps=steps, log_interval=1, eval_interval=steps, ckpt_interval=steps,
-                        keep_last=1, eval_batches=1)
+        train = replace(cfg.train, max_steps=steps, log_interval=1, val_interval=steps, ckpt_interval=steps,
+                        keep_last=1, val_batches=1)
         config = replace(cfg, experiment=CALIBRATION_EXPERIMENT, stage="calibrate", seed=0, train=train,
                          eval=replace(cfg.eval, after_train=False))
         name = f"{cfg.variant}-{cfg.scale}-{cfg.cluster.name}"
@@ -70,7 +70,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
             figure = done[shape_key(spec)][cluster.name]
             echo(f"  calibrated  {spec.name}: {figure.tokens_per_s_per_device:,.0f} tokens/s per device")
     if todo:
-        from study.launch.jobs import TrainJob
+        from study.launch.callables import TrainJob
         from study.schema import submitit_dir
 
         for spec in todo:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from study.config.spec import RunSpec
-from study.launch.board import DONE, FAILED, RUNNING, RunBoard
+from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.stages import Queue, Stage, say_skipped, stage_lines, submit_stage
 from study.plan.planner import Plan
 
@@ -33,7 +33,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        with RunBoard([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
+        with LiveTable([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
             for stage in stages:
                 what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
                 echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")

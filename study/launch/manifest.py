@@ -21,7 +21,7 @@ def manifest_path(runs_root: str | Path, experiment: str) -> Path:
 
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
                    tracking_uri: str = "", extra_seeds: dict | None = None) -> dict:
-    from study.track.params import redact
+    from study.config.secrets import redact
 
     # the masked form, here and in the MLflow tags: an override may carry a secret (`cluster.setup=[...--token X]`)
     entry = {"experiment": experiment, "overrides": redact(list(overrides)), "keys": list(keys), "time": time.time()}

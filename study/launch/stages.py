@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from study.config.spec import RunSpec
-from study.data.stage import PREPARE, DataGroup, missing_groups, shards_id
+from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name
 from study.launch.scheduler import ACTIVE, STUCK, active, job_states, journal, outside_allocation, record
@@ -124,7 +124,7 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
 
 
 def submit_stage(plan: Plan, stage: Stage) -> list:
-    from study.launch.jobs import PrepareJob, ProfileJob, TrainJob
+    from study.launch.callables import PrepareJob, ProfileJob, TrainJob
 
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"

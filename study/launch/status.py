@@ -99,7 +99,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
 
 
 def print_status(rows: list[RunStatus], title: str) -> None:
-    from study.term import console
+    from study.console import console
     from rich.table import Table
 
     table = Table(title=title)

@@ -34,7 +34,7 @@ from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
 from study.schema import submitit_dir
 from study.track.groups import ensure_parents
-from study.track.params import mask_text, redact
+from study.config.secrets import mask_text, redact
 
 __all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 

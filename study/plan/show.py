@@ -39,19 +39,6 @@ def fmt_heads(heads: list[int]) -> str:
     return " ".join(f"{h}x{n}" if n > 1 else str(h) for h, n in runs)
 
 
-def plan_power_rows(plan: Plan) -> tuple[list, str]:
-    """Power rows (analysis.power) when the experiment declares a decision margin, and where the noise came from."""
-    exp = plan.experiment
-    if not exp.decision.get("margin") or not plan.runs:
-        return [], "no decision.margin declared: no power analysis"
-    from analysis.power import measured_noise, plan_power
-    from study.config.decision import DecisionRule
-
-    rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
-    measured, note = measured_noise(exp.name, exp.baseline, rule, plan.runs[0].config.tracking.uri)
-    return plan_power(plan, rule, measured), note
-
-
 def estimates(plan: Plan) -> dict:
     """run key -> its GPU-hour `Estimate` (measured by `study calibrate` where its shape was, else assumed)."""
     from study.plan.throughput import estimate, measured
@@ -61,7 +48,7 @@ def estimates(plan: Plan) -> dict:
 
 
 def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
-    from study import term
+    from study.console import console as terminal
     from rich.table import Table
 
     cost = cost if cost is not None else estimates(plan)
@@ -100,7 +87,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
         )
-    console = term.console()
+    console = terminal()
     console.print(table)
     n_measured = sum(e.tokens_per_s is not None for e in cost.values())
     sources = sorted({e.source for e in cost.values() if e.tokens_per_s is not None})

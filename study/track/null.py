@@ -1,16 +1,37 @@
-"""The tracker of ranks other than 0: every call of `Tracker`, doing nothing."""
+"""What training code may call on a run's tracker (`RunTracker`), and the tracker of ranks other than 0, which
+satisfies it by doing nothing. Which rank gets which is the caller's decision (`study.train.tracking`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
-
-from study.track.tracker import Tracker
+from typing import Any, Protocol
 
 
-class NullTracker(Tracker):
-    """What ranks other than 0 get: the same calls, doing nothing."""
+class RunTracker(Protocol):
+    """The calls a training run makes on its tracker; `study.track.tracker.Tracker` talks to MLflow."""
+
+    run_id: str | None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def log_artifact(self, source: Path | str, name: str) -> None: ...
+
+    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any: ...
+
+    def sync(self) -> None: ...
+
+    def pending(self) -> int: ...
+
+    def dropped(self) -> int: ...
+
+    def flush(self, timeout_s: float = 30.0) -> bool: ...
+
+    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int: ...
+
+
+class NullTracker:
+    """What ranks other than 0 hold: the same calls, doing nothing."""
 
     def __init__(self) -> None:
         self.run_id = None

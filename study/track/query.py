@@ -22,11 +22,18 @@ KEYS_PER_TAG = 300
 """Run keys per experiment tag: 300 x 13 characters stays under MLflow's 5,000-character tag values."""
 
 
-def open_store(tracking_uri: str = ""):
-    """A client on the store, or None when it is an SQLite file that does not exist (reading never creates one)."""
+def open_store(tracking_uri: str = "", required: bool = False):
+    """A client on the store (argument, else ``MLFLOW_TRACKING_URI``, else ./mlflow.db), waited for while busy.
+
+    Reading never creates a store: an SQLite file that does not exist gives None, or, when the caller needs the
+    store to hold something (`required`: a report, a decision), a StudyError naming the path and the fix."""
     uri = resolve_tracking_uri(tracking_uri)
     db = sqlite_path(uri)
     if db is not None and not db.exists():
+        if required:
+            raise StudyError("tracking_uri", f"no MLflow store at {db}",
+                             "run the experiment first, or point MLFLOW_TRACKING_URI (or tracking_uri) at the store "
+                             "that holds it")
         return None
     return read(lambda: mlflow_client(uri), uri, "connect")
 

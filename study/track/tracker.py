@@ -56,8 +56,8 @@ _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
 class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
-    Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 talks
-    to MLflow; other ranks get a `NullTracker`. Uses `MlflowClient`, never the fluent global run, so several trackers
+    Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 opens
+    one; other ranks hold a `NullTracker` (both satisfy `study.track.null.RunTracker`). Uses `MlflowClient`, never the fluent global run, so several trackers
     coexist in one process. Usable as a context manager: an exception closes the run FAILED with its message.
     """
 
@@ -96,7 +96,6 @@ class Tracker:
         run_name: str,
         tags: Mapping[str, str] | None = None,
         params: Mapping[str, Any] | None = None,
-        rank: int = 0,
         cfg: TrackingConfig | None = None,
         log_path: Path | None = None,
         system_metrics: bool = False,
@@ -110,10 +109,6 @@ class Tracker:
         log is sent again now. `check(client, run)` sees the key's existing run before anything about it changes,
         and refuses to resume it by raising StudyError.
         """
-        if rank != 0:
-            from study.track.null import NullTracker
-
-            return NullTracker()
         cfg = cfg or TrackingConfig()
 
         def start(client, experiment_id, deadline):
@@ -145,13 +140,9 @@ class Tracker:
         return tracker
 
     @classmethod
-    def attach(cls, run_key: str, experiment: str, rank: int = 0, cfg: TrackingConfig | None = None) -> Tracker:
+    def attach(cls, run_key: str, experiment: str, cfg: TrackingConfig | None = None) -> Tracker:
         """The existing run for `run_key`, to add results (`study eval`): its status, tags and params stay as they
         are, and `close` only flushes. Raises StudyError when no such run exists."""
-        if rank != 0:
-            from study.track.null import NullTracker
-
-            return NullTracker()
         cfg = cfg or TrackingConfig()
 
         def find(client, experiment_id, deadline):

@@ -75,7 +75,7 @@ def layout(spec: RunSpec, d: Dist) -> tuple[int, int]:
     return batch_layout(r.global_batch, spec.config.train.micro_batch, d.world_size, "world size")
 
 
-def evaluate(model, data, cfg: RunConfig, d: Dist, micro: int) -> float:
+def validate(model, data, cfg: RunConfig, d: Dist, micro: int) -> float:
     import torch
 
     from study.data import val_batches
@@ -83,7 +83,7 @@ def evaluate(model, data, cfg: RunConfig, d: Dist, micro: int) -> float:
     total, n = torch.zeros((), dtype=torch.float64, device=d.device), 0
     model.eval()
     with torch.no_grad():
-        for x, y in val_batches(data.val, data.seq_len, micro * d.world_size, cfg.train.eval_batches, d.rank, d.world_size):
+        for x, y in val_batches(data.val, data.seq_len, micro * d.world_size, cfg.train.val_batches, d.rank, d.world_size):
             logits = model(x.to(d.device))
             total += cross_entropy(logits, y.to(d.device), 0.0).double()
             n += 1
@@ -267,8 +267,8 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
                                                                              * d.world_size)
                 tracker.log_metrics(metrics, step)
                 progress.update(step, mean_loss, tps)
-            if step % cfg.train.eval_interval == 0 or step == max_steps:
-                state.val_loss = evaluate(step_model, data, cfg, d, micro)
+            if step % cfg.train.val_interval == 0 or step == max_steps:
+                state.val_loss = validate(step_model, data, cfg, d, micro)
                 if not math.isfinite(state.val_loss):
                     raise Diverged(f"validation loss is {state.val_loss} at step {step}")
                 tracker.log_metrics({schema.VAL_LOSS: state.val_loss,

@@ -24,8 +24,10 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     from study.config.identity import KEY, SCHEDULED, placement
     from study.track import lineage
     from study.track.groups import parent_for
-    from study.track.params import flatten, redact
+    from study.config.secrets import redact
+    from study.track.params import flatten
     from study.track.tags import run_tags
+    from study.track.null import NullTracker
     from study.track.tracker import Tracker
 
     cfg, m = spec.config, spec.model
@@ -42,29 +44,29 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     params["params"] = spec.params
     tags = {**run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
             lineage.DESCRIPTION: lineage.description(spec)}
-    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), rank=d.rank,
-                           cfg=cfg.tracking, log_path=spec.run_dir.metrics,
-                           system_metrics=cfg.tracking.system_metrics_s > 0,
+    if not d.is_main:  # only rank 0 talks to MLflow
+        return NullTracker()
+    tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), cfg=cfg.tracking,
+                           log_path=spec.run_dir.metrics, system_metrics=cfg.tracking.system_metrics_s > 0,
                            check=lambda client, run: finished_elsewhere(spec, start, client, run))
-    if d.is_main:
-        import yaml
+    import yaml
 
-        def lineage_records(client, run_id):
-            run = client.get_run(run_id)
-            if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
-                client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
-            dataset = lineage.dataset_input(data, cfg.data)
-            if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
-                client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
+    def lineage_records(client, run_id):
+        run = client.get_run(run_id)
+        if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
+            client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
+        dataset = lineage.dataset_input(data, cfg.data)
+        if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
+            client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
 
-        tracker.record("lineage", lineage_records)
-        tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
+    tracker.record("lineage", lineage_records)
+    tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
 
-        tracker.log_dict(redact(asdict(cfg)), "config.yaml")
-        tracker.log_dict(redact(spec.as_dict()), "run.json")
-        tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
-                          "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
-        spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
+    tracker.log_dict(redact(asdict(cfg)), "config.yaml")
+    tracker.log_dict(redact(spec.as_dict()), "run.json")
+    tracker.log_dict({"run_key": spec.key, "budget": spec.budget, "mismatch": spec.mismatch,
+                      "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
+    spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
     return tracker
 
 

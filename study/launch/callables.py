@@ -71,7 +71,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         if outcome.status == "FAILED":
             raise RuntimeError(f"run {spec.key} failed: {outcome.reason}")
         if spec.config.eval.after_train and _is_rank0():
-            from study.evaluate.stage import evaluate_run
+            from study.jobs.evaluate import evaluate_run
 
             evaluate_run(spec)
         return {"run_key": spec.key, "val_loss": outcome.val_loss, "step": outcome.step}
@@ -88,7 +88,7 @@ class PrepareJob(submitit.helpers.Checkpointable):
     """The smallest model.vocab_size of the group, checked against the tokenizer before tokenising."""
 
     def __call__(self) -> str:
-        from study.data.stage import DataGroup, prepare_group, shards_id
+        from study.jobs.prepare import DataGroup, prepare_group, shards_id
 
         spec = read_spec(self.run_dir)
         data = spec.config.data
@@ -103,7 +103,7 @@ class ProfileJob(submitit.helpers.Checkpointable):
     run_dir: str
 
     def __call__(self) -> str:
-        from study.geometry.run_profile import profile_run
+        from study.jobs.profile import profile_run
 
         return str(profile_run(read_spec(self.run_dir)))
 

@@ -24,7 +24,7 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-class RunBoard:
+class LiveTable:
     """The table for `runs`; `mark(key, state)` records what the launcher knows (running, done, FAILED)."""
 
     def __init__(self, runs: Iterable[RunSpec]):
@@ -60,7 +60,7 @@ class RunBoard:
             table.add_row(*row)
         return table
 
-    def __enter__(self) -> RunBoard:
+    def __enter__(self) -> LiveTable:
         from rich.console import Console
         from rich.live import Live
 

@@ -174,7 +174,7 @@ def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int)
 
 
 def _write_manifest(out: Path, spec: RunSpec, exported: Exported, checkpoint: str, eos: str) -> None:
-    from study.track.params import redact
+    from study.config.secrets import redact
 
     record = {"format": exported.format, "architecture": exported.architecture, "why_study": exported.why_study,
               "loader": "transformers.AutoModelForCausalLM" if exported.architecture else "study.export.load",

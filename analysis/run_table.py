@@ -18,9 +18,9 @@ import pandas as pd
 from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.schema import TAG_KEY_SCHEMA
-from study.track.store import mlflow_client, sqlite_path
+
 from study.track.groups import GROUP_STAGE, TUNE_STAGE
-from study.track.query import all_runs, read, read_manifest_tags
+from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
 if TYPE_CHECKING:
@@ -34,22 +34,6 @@ FINISHED = "FINISHED"
 
 _REQUIRED_TAGS = ("study.variant", "study.scale", "study.seed")
 _SCALE_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def client(uri: str | None = None) -> MlflowClient:
-    """An MlflowClient on the store training uses (argument, else ``MLFLOW_TRACKING_URI``, else ./mlflow.db).
-
-    Reading must not create an empty SQLite store at a mistyped path, so a missing database file is an error.
-    """
-    resolved = resolve_tracking_uri(uri or "")
-    db = sqlite_path(resolved)
-    if db is not None and not db.exists():
-        raise StudyError(
-            "tracking_uri",
-            f"no MLflow store at {db}",
-            "run the experiment first, or point MLFLOW_TRACKING_URI (or tracking_uri) at the store that holds it",
-        )
-    return read(lambda: mlflow_client(resolved), resolved, "connect")  # a busy store is waited for
 
 
 def experiment_id(store: MlflowClient, experiment: str) -> str:
@@ -114,7 +98,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     scale) cells of the decided runs that hold no run. When every decided run FAILED there is nothing to report, and
     the StudyError says so.
     """
-    store = client(tracking_uri)
+    store = open_store(tracking_uri, required=True)
     exp_id = experiment_id(store, experiment)
     listed = read(lambda: list(all_runs(store, exp_id)), resolve_tracking_uri(tracking_uri or ""), "runs")
     rows = [row for row in map(_row, listed) if row is not None]
@@ -233,7 +217,7 @@ def read_curves(
 
     A few threads overlap the per-run round trips, which matters against a tracking server over HTTP.
     """
-    store = client(tracking_uri)
+    store = open_store(tracking_uri, required=True)
     ids = list(run_ids)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         histories = list(pool.map(lambda rid: store.get_metric_history(rid, metric), ids))
