@@ -119,6 +119,19 @@ class RunSpec:
         return asdict(self)
 
 
+def held_spec(spec: RunSpec) -> RunSpec | None:
+    """The spec the run's directory already holds (None when it holds none), refusing one of another run: a run
+    directory belongs to one run key for good. A spec of another schema version is named, never overwritten."""
+    path = spec.run_dir.spec
+    if not path.is_file():
+        return None
+    held = read_spec(path)
+    if held.key != spec.key:
+        raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {held.key}, not {spec.key}",
+                         "leave run directories as the launcher made them; move the foreign run.json away")
+    return held
+
+
 def write_spec(spec: RunSpec) -> Path:
     """Write the spec atomically into its run directory (a job never reads a half-written spec); secrets in
     setup lines are masked (no job reads them)."""

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from study.config.sections import ClusterConfig
-from study.config.spec import read_spec, write_spec
+from study.config.spec import held_spec, write_spec
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.local import LaunchFailed, run_local
@@ -42,14 +42,9 @@ __all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 def write_specs(plan: Plan) -> None:
     """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths."""
     for spec in plan.runs:
-        path = spec.run_dir.spec
-        if path.is_file():
-            done = read_spec(path)  # a spec of another schema version is named, never overwritten
-            if done.key != spec.key:
-                raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {done.key}, not {spec.key}",
-                                 "leave run directories as the launcher made them; move the foreign run.json away")
-            if spec.pending is not None and done.pending is None and not spec.awaits_tuning:
-                spec = replace(done, config=replace(spec.config, model=done.model))
+        done = held_spec(spec)
+        if done is not None and spec.pending is not None and done.pending is None and not spec.awaits_tuning:
+            spec = replace(done, config=replace(spec.config, model=done.model))
         write_spec(spec)
     for t in plan.tunings.values():
         if t.choices is not None and not t.recorded:  # the choice is made once: later launches read it back

@@ -24,7 +24,7 @@ from pathlib import Path
 from study import schema
 from study.config.recipe import batch_layout
 from study.config.run import RunConfig
-from study.config.spec import RunSpec, read_spec, write_spec
+from study.config.spec import RunSpec, held_spec, write_spec
 from study.errors import StudyError
 from study.train import checkpoint
 from study.train.distributed import Dist, all_reduce_max, all_reduce_mean, barrier, setup
@@ -166,12 +166,7 @@ def _no_space(spec: RunSpec, err: OSError) -> StudyError:
 
 def _claim(spec: RunSpec) -> None:
     """The run directory holds this run's spec, never another's."""
-    path = spec.run_dir.spec
-    if path.is_file():
-        held = read_spec(path)
-        if held.key != spec.key:
-            raise StudyError("paths.runs", f"{spec.run_dir.path} holds run {held.key}, not {spec.key}",
-                             "leave run directories as the launcher made them; move the foreign run.json away")
+    held_spec(spec)
     write_spec(spec)  # the run directory always holds the spec that trained it
 
 
