@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from study.config.sections import BudgetConfig
+from study.config.budget import BudgetConfig
 from study.plan.budget import match, reference_budget
 from study.config.model import FFNConfig, ModelConfig
 
@@ -94,7 +94,7 @@ def batch(shape: Shape, device: str = "cpu", seed: int = 0):
 def train_step(model, forward: Callable, x, y, vocab_size: int) -> Callable[..., None]:
     """One optimizer step of `model` on (x, y), or on the (x, y) passed to the call; `forward(x)` returns the
     logits (`vocab_size` columns)."""
-    from study.config.sections import TrainConfig
+    from study.config.training import TrainConfig
     from study.train.optim import build_optimizer
     from study.train.step import train_step as step_once
 

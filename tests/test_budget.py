@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from study.config.sections import BudgetConfig
+from study.config.budget import BudgetConfig
 from study.plan.budget import count_params, match, reference_budget, round_widths
 from study.errors import StudyError
 from study.config.model import FFNConfig, ModelConfig

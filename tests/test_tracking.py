@@ -377,7 +377,7 @@ def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_s
     the run's next start sends it: the run page ends up with it, and the outbox is gone."""
     from mlflow import MlflowClient
 
-    from study.config.sections import TrackingConfig
+    from study.config.tracking import TrackingConfig
     from study.track.outbox import ARTIFACT_OUTBOX
     from study.track.tracker import Tracker
 

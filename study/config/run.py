@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from study.config.budget import BudgetConfig
+from study.config.cluster import ClusterConfig, PathsConfig
 from study.config.data import DataConfig
+from study.config.evaluation import EvalConfig
+from study.config.faults import FaultsConfig
 from study.config.geometry import AllocationConfig
 from study.config.model import ModelConfig
-from study.config.sections import (
-    BudgetConfig,
-    ClusterConfig,
-    EvalConfig,
-    FaultsConfig,
-    PathsConfig,
-    TrackingConfig,
-    TrainConfig,
-)
+from study.config.tracking import TrackingConfig
+from study.config.training import TrainConfig
 
 
 @dataclass

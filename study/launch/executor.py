@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from study.config.sections import ClusterConfig
+from study.config.cluster import ClusterConfig
 from study.schema import submitit_dir
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, replace
 
-from study.config.sections import ClusterConfig
+from study.config.cluster import ClusterConfig
 from study.config.spec import held_spec, write_spec
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name, sbatch_preview

@@ -38,7 +38,7 @@ import copy
 import math
 from dataclasses import asdict, dataclass, replace
 
-from study.config.sections import BudgetConfig
+from study.config.budget import BudgetConfig
 from study.errors import StudyError
 from study.config.model import BLOCKS, FFN_KINDS, INITS, ModelConfig
 from study.plan.widths import FIELD, schedule_shape

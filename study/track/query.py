@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from study import schema
-from study.config.sections import TrackingConfig
+from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 from study.track.store import call_with_retries, is_locked, mlflow_client, short, sqlite_path
 from study.track.store import resolve_tracking_uri

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from study.config.sections import TrackingConfig
+from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 
 log = logging.getLogger(__name__)

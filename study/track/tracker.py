@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from study.config.sections import TrackingConfig
+from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
 from study.track.outbox import ARTIFACT_OUTBOX, stage, waiting

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from study.config.sections import FaultsConfig
+from study.config.faults import FaultsConfig
 
 
 class FaultHooks:

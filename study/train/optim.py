@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from study.config.recipe import Recipe
-from study.config.sections import TrainConfig
+from study.config.training import TrainConfig
 
 
 QK_NORMS = (".q_norm.weight", ".k_norm.weight")

@@ -1,0 +1,55 @@
+"""Where jobs run (cluster resources) and where run directories live.
+
+Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    """Profile name; `local` runs jobs without SLURM (submitit's local executor)."""
+    partition: str = ""
+    """SLURM partition."""
+    account: str = ""
+    """SLURM account."""
+    qos: str = ""
+    """SLURM quality of service."""
+    constraint: str = ""
+    """SLURM node constraint."""
+    nodes: int = 1
+    """Nodes per run."""
+    gpus_per_node: int = 0
+    """GPUs per node; each GPU is one task (rank). 0 means CPU ranks."""
+    tasks_per_node: int = 1
+    """Ranks per node when gpus_per_node is 0 (CPU FSDP over gloo)."""
+    cpus_per_task: int = 1
+    """CPUs per rank."""
+    mem_gb: int = 0
+    """Memory per node in GB; 0 leaves it to the cluster's default."""
+    time_min: int = 60
+    """Wall-clock limit per job in minutes."""
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which SLURM sends USR2 (checkpoint, then requeue)."""
+    max_requeues: int = 5
+    """Requeues allowed per run after preemption or timeout."""
+    array_parallelism: int = 16
+    """Array tasks running at once."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before each job (module loads, environment activation)."""
+    prepare_partition: str = ""
+    """Partition of the CPU-only data-preparation job that tokenises missing shards before training; empty means
+    `partition`."""
+    prepare_cpus: int = 0
+    """CPUs of the data-preparation job (the tokenizer uses them all); 0 means `cpus_per_task`."""
+
+
+@dataclass
+class PathsConfig:
+    runs: str = "runs"
+    """Root of run directories (<runs>/<experiment>/<run_key>): checkpoints, logs, profiles."""
+    profile: str = ""
+    """Geometry profile a scheduled run takes its widths from (set by the planner from the reference run)."""

@@ -1,0 +1,76 @@
+"""Optimisation and the training loop's settings.
+
+Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    micro_batch: int = 8
+    """Most sequences per rank per forward/backward (a memory setting: the planner splits the global batch into the
+    largest micro batch up to this that divides each rank's share)."""
+    grad_accum: int = 1
+    """With global_batch 0: the global batch is micro_batch * grad_accum sequences, split over however many ranks run."""
+    global_batch: int = 0
+    """When > 0, the global batch in sequences (paired runs see the same batches whatever their resources)."""
+    max_steps: int = 0
+    """Optimizer steps (a fixed iteration count, as a release states it); 0 derives them from tokens_per_param and
+    the scale's budget, the same for every arm."""
+    tokens_per_param: float = 20.0
+    """Training tokens per parameter of the scale's budget when max_steps is 0 (Chinchilla, Hoffmann et al. 2022:
+    about 20)."""
+    lr: float = 0.0
+    """Peak learning rate; 0 applies the OLMo model-ladder rule lr = 0.0047 * (N / 108e6) ** (-1/3) at the scale's
+    budget N (the same for every arm)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak, unless final_lr sets it."""
+    final_lr: float = 0.0
+    """Absolute final learning rate (the hourglass release: 6e-5); 0 means min_lr_ratio x the peak."""
+    warmup_steps: int = 0
+    """Linear warm-up steps; 0 means 2 % of max_steps (at least 1)."""
+    lr_schedule: str = "cosine"
+    """Learning-rate schedule: `cosine` decay after warm-up, or `wsd` (warm-up, stable, linear decay over the last decay_fraction)."""
+    decay_fraction: float = 0.2
+    """WSD: share of steps spent decaying."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices only (never on embeddings; on norms only as qk_norm_decay says)."""
+    qk_norm_decay: bool = False
+    """Weight decay on the QK-norm gains too (Megatron's apply_wd_to_qk_layernorm, which the hourglass release sets);
+    other norm gains never decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    z_loss: float = 0.0
+    """z-loss coefficient (OLMo-2: 1e-5): adds coef * mean(logsumexp(logits)^2)."""
+    val_interval: int = 50
+    """Steps between validation passes (and always at the last step)."""
+    val_batches: int = 4
+    """Validation batches per pass (fixed windows: every pass sees the same tokens)."""
+    ckpt_interval: int = 50
+    """Steps between checkpoints (and always at the last step)."""
+    keep_last: int = 2
+    """Complete checkpoints kept per run."""
+    log_interval: int = 1
+    """Steps between logged training metrics."""
+    device: str = "auto"
+    """`auto` (CUDA when present), `cpu` or `cuda`."""
+    precision: str = "auto"
+    """`auto` (bf16 mixed precision on CUDA, fp32 on CPU), `fp32` or `bf16`."""
+    compile: bool | None = None
+    """torch.compile the model: None (the default) compiles on CUDA and not on CPU (no speed-up there); true or
+    false decides outright (`train.compile=false` when a model does not compile)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (GPU memory switch)."""
+    gpu_peak_tflops: float = 989.0
+    """Peak dense bf16 TFLOP/s per GPU for MFU and GPU-hour estimates (H100 SXM datasheet)."""
+    assumed_mfu: float = 0.4
+    """MFU assumed by `study plan` when estimating GPU-hours."""
