@@ -66,8 +66,8 @@ class Adaptive:
             wanted = {f"{v}-{scale}-s{seed}" for v, scale, seed in runs}
             rows = experiment_status(self.experiment, self.overrides, plan_experiment(self.experiment,
                                                                                       self.overrides, seeds))
-            unfinished = [f"{r.name} ({r.key}): {r.verdict}" for r in rows if r.name in wanted
-                          and r.verdict != "finished"]
+            # a run is finished when its state says it needs nothing (study.launch.run_state), as for a launch
+            unfinished = [f"{r.name} ({r.key}): {r.verdict}" for r in rows if r.name in wanted and not r.state.done]
             if unfinished:
                 raise LaunchFailed(f"{len(unfinished)} runs of this round did not finish: {'; '.join(unfinished)}. "
                                    f"`study status {self.experiment}` says why; the same command again resumes "

@@ -1,5 +1,6 @@
-"""Laptop mode: a launch's stages as local processes, one stage after the other, `array_parallelism` at a time;
-a signal to the launcher stops its jobs first (each run checkpoints and stops)."""
+"""The launcher's watch over the jobs it submitted. Laptop mode: a launch's stages as local processes, one stage after
+the other, `array_parallelism` at a time; a signal to the launcher stops its jobs first (each run checkpoints and
+stops). On SLURM, `--wait`: the launch's jobs followed until none is pending or running."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import time
 
 from study.config.spec import RunSpec
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
-from study.launch.stages import Queue, Stage, say_skipped, stage_lines, submit_stage
+from study.launch.scheduler import ACTIVE, job_states, journal
+from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
 from study.plan.planner import Plan
+
 
 class LaunchFailed(Exception):
     """Some runs of a local launch failed; the message lists each with its reason."""
@@ -102,3 +105,22 @@ def stop_jobs(jobs: list, grace_s: float = 120.0) -> None:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
+    """Wait until no submitted job of the experiment is pending or running, showing counts by state."""
+    from rich.live import Live
+
+    with Live(refresh_per_second=1, transient=False) as live:
+        while True:
+            jobs = journal(runs_root(plan), plan.experiment.name)
+            ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
+            states = job_states(jobs)
+            counts: dict[str, int] = {}
+            for j in ids:
+                st = states.get(j, "VANISHED")
+                counts[st] = counts.get(st, 0) + 1
+            live.update(" ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+            if not any(states.get(j) in ACTIVE for j in ids):
+                break
+            time.sleep(poll_s)

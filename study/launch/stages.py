@@ -11,11 +11,10 @@ from study.config.spec import RunSpec
 from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name
-from study.launch.scheduler import ACTIVE, STUCK, active, job_states, journal, outside_allocation, record
+from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
+from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record
 from study.plan.planner import Plan
 from study.schema import submitit_dir
-from study.track.query import status_by_key
-from study.train.lease import held_by
 
 RUN_STAGES = ("tune", "train", "profile", "scheduled")
 """Stages whose jobs belong to one run each (journal key `<run key>`, or `profile:<run key>`)."""
@@ -45,33 +44,45 @@ def runs_root(plan: Plan) -> str:
     return plan.runs[0].config.paths.runs
 
 
-class Queue:
-    """The experiment's job journal and what the schedulers say of its jobs now, read once."""
+class Queue(Sources):
+    """The experiment's job journal and what the schedulers say of its jobs now, read once (MLflow's runs when first
+    asked), and what a launch says of the runs it passes over."""
 
     def __init__(self, plan: Plan):
-        self.jobs = journal(runs_root(plan), plan.experiment.name)
-        self.states = job_states(self.jobs)
+        super().__init__(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
         self.on_slurm = plan.runs[0].config.cluster.name != "local"
         self.planned = {r.key for r in plan.runs}
         self.elsewhere: dict[str, tuple[str, str]] = {}
-        """(name, why) per key `busy` found taken outside this launch's own SLURM queue: the launch says so."""
+        """(name, why) per key found taken outside this launch's own SLURM queue: the launch says so."""
+        self.disagree: dict[str, tuple[str, str]] = {}
+        """(name, what MLflow says otherwise and what the run's job does) per run submitted where MLflow and its run
+        directory disagree: the launch names it."""
 
     def busy(self, key: str, run: RunSpec | None = None) -> bool:
         """The key's latest job may still run (a SLURM job queued or running, a local job's live process), or, for a
         run, a live process holds its run directory's lease (a local launch, `study train`, a job this journal does
         not know)."""
-        entry = self.jobs.get(key)
-        if entry is not None and active(entry, self.states):
-            name = entry.get("name", key)
-            if entry.get("scheduler") != "slurm":
-                self.elsewhere[key] = name, f"local process {entry['job_id']} on {entry['host']} runs it"
-            elif not self.on_slurm:  # a SLURM relaunch passes over its own queue silently: that is its idempotence
-                self.elsewhere[key] = name, f"SLURM job {entry['job_id']} is {self.states[entry['job_id']]}"
-            return True
-        holder = held_by(run.run_dir.path) if run is not None else None
-        if holder is not None:
-            self.elsewhere[key] = run.name, f"a live process ({holder}) holds its run directory's lease"
-        return holder is not None
+        return self.taken(key, run.name if run else self.jobs.get(key, {}).get("name", key),
+                          worker_of(run, self) if run is not None else self.job(key))
+
+    def taken(self, key: str, name: str, worker: Worker) -> bool:
+        """Whether `worker` takes the key, noting who unless it is this launch's own SLURM queue (a SLURM relaunch
+        passes over its own queue silently: that is its idempotence)."""
+        if worker.what not in (RUNNING, QUEUED):
+            return False
+        if worker.source != SLURM or not self.on_slurm:
+            self.elsewhere[key] = name, worker.by
+        return True
+
+    def wanted(self, run: RunSpec) -> bool:
+        """Whether a launch submits the run (:func:`study.launch.run_state.state_of`): it needs something and nothing
+        works on it."""
+        state = state_of(run, self)
+        if state.done or self.taken(run.key, run.name, state.worker):
+            return False
+        if state.disagreement:
+            self.disagree[run.key] = run.name, f"{state.disagreement}; the run directory wins: {JOB_DOES[state.needs]}"
+        return True
 
     def live(self) -> dict[str, str]:
         """SLURM job id per key whose job is queued or running: what new jobs wait for (afterok). A finished job
@@ -97,29 +108,20 @@ class Queue:
 
 
 def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec]]:
-    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job."""
-    cfg0 = plan.runs[0].config
-    status = status_by_key(plan.experiment.name, cfg0.tracking.uri)
-    busy = queue.busy
-
-    def done(r: RunSpec) -> bool:
-        """Trained, and evaluated when it is to be: a run whose evaluation failed is submitted again (training
-        resumes at its last checkpoint, so only the evaluation runs)."""
-        if status.get(r.key) != "FINISHED":
-            return False
-        from study.evaluate.records import evaluated
-
-        return not r.config.eval.after_train or evaluated(r)
-
-    tune = [r for r in plan.runs if r.stage == "tune" and not done(r) and not busy(r.key, r)]
+    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job. A run is
+    submitted when its state (:func:`study.launch.run_state.state_of`) says it needs something and nothing works on
+    it: a run whose evaluation failed is submitted again (training resumes at its last checkpoint, so only the
+    evaluation runs)."""
+    wanted = queue.wanted
+    tune = [r for r in plan.runs if r.stage == "tune" and wanted(r)]
     # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
     ready = [r for r in plan.runs if not r.awaits_tuning]
-    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and not done(r) and not busy(r.key, r)]
+    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and wanted(r)]
     refs = {d for r in ready if r.stage == "scheduled" for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
-               and not busy(f"profile:{r.key}")]
-    scheduled = [r for r in ready if r.stage == "scheduled" and not done(r) and not busy(r.key, r)]
-    prepare = [g for g in missing_groups(train + scheduled) if not busy(g.key)]
+               and not queue.busy(f"profile:{r.key}")]
+    scheduled = [r for r in ready if r.stage == "scheduled" and wanted(r)]
+    prepare = [g for g in missing_groups(train + scheduled) if not queue.busy(g.key)]
     return prepare, train, profile, scheduled
 
 
@@ -197,8 +199,11 @@ def _upstream(stage: str, run: RunSpec) -> list[str]:
 
 
 def say_skipped(queue: Queue, echo) -> None:
+    """Name each run passed over because something else works on it, and each submitted against MLflow's word."""
     for key, (name, why) in queue.elsewhere.items():
         echo(f"skipped {name} ({key}): {why}; it is not submitted twice")
+    for key, (name, why) in queue.disagree.items():
+        echo(f"{name} ({key}): {why}")
 
 
 def stage_lines(stage: Stage) -> list[str]:

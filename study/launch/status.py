@@ -1,4 +1,6 @@
-"""`study status`: every launched run of an experiment with its MLflow state and its scheduler's view of it.
+"""`study status`: every launched run of an experiment with its MLflow state, its scheduler's view of it, and the one
+word to act on, from the run's state (:func:`study.launch.run_state.state_of`: the run directory decides, MLflow's
+disagreement is named).
 
 Without overrides the runs are those of the experiment's last launch (its manifest), so a sweep launched with
 `train.lr=...` or `cluster=h100` shows as launched without repeating them.
@@ -10,9 +12,10 @@ from dataclasses import dataclass
 
 from study import schema
 from study.launch.manifest import latest_manifest
-from study.launch.scheduler import ACTIVE, DEAD, STUCK, job_states, journal
+from study.launch.run_state import EVALUATION, LEASE, MIRROR, NOTHING, QUEUED, RUNNING, STUCK, RunState, Sources, \
+    state_of
+from study.launch.scheduler import DEAD
 from study.plan.planner import Plan, plan_experiment
-from study.track.query import runs_by_key
 from study.train import checkpoint
 
 
@@ -20,7 +23,7 @@ LOCAL = "local process"
 COLUMNS = ("run key", "run", "stage", "MLflow status", "job id", "scheduler state", "checkpoint step",
            "val/loss (last)", "restarts", "state")
 """`study status` columns: `scheduler state` is SLURM's view of the job (or `local process`), `state` the one word
-to act on, from MLflow and the scheduler together."""
+to act on, from the run's state: its run directory, the lease and the scheduler (MLflow's disagreement named)."""
 
 
 @dataclass
@@ -40,24 +43,37 @@ class RunStatus:
     val_loss: float | None
     restarts: int
     verdict: str
-    """One word a person acts on: finished, running, queued, stuck, failed, died, not submitted, waiting for its
-    tuning."""
+    """One word a person acts on (details in parentheses): finished, running, queued, stuck, not evaluated, MLflow
+    behind, failed, died, not finished, not submitted, waiting for its tuning."""
+    state: RunState
+    """The run's one answer: what it still needs and what works on it."""
 
 
-def _verdict(mlflow: str, job_state: str, submitted: bool) -> str:
-    if mlflow == "FINISHED":
-        return "finished"
-    if job_state == STUCK:
-        return "stuck (a job it waits for failed or was cancelled, so it never starts; `study launch` resubmits it)"
-    if job_state in ACTIVE:
-        return "queued" if job_state == "PENDING" else "running"
-    if mlflow == "FAILED":
-        return "failed"
-    if mlflow == "RUNNING" and job_state in DEAD:
-        return f"died ({job_state.lower()}, no word from the run)"
-    if submitted and job_state in DEAD:
-        return f"died ({job_state.lower()})"
-    return "not submitted" if not submitted else (mlflow.lower() if mlflow != "-" else "not started")
+def _verdict(state: RunState, job_state: str, submitted: bool) -> str:
+    word, details = _word(state, job_state, submitted)
+    if state.disagreement:
+        details.append(f"{state.disagreement}: the run directory wins")
+    return f"{word} ({'; '.join(details)})" if details else word
+
+
+def _word(state: RunState, job_state: str, submitted: bool) -> tuple[str, list[str]]:
+    if state.needs == NOTHING:
+        return "finished", []
+    if state.worker.what == STUCK:
+        return "stuck", ["a job it waits for failed or was cancelled, so it never starts; `study launch` resubmits it"]
+    if state.worker.what in (QUEUED, RUNNING):
+        return state.worker.what, [state.worker.by] if state.worker.source == LEASE else []
+    if state.needs == MIRROR:
+        return "MLflow behind", ["`study launch` brings MLflow the result"]
+    if state.needs == EVALUATION:
+        return "not evaluated", ["trained; `study launch` evaluates its final checkpoint"]
+    if state.mlflow == "FAILED":
+        return "failed", []
+    if state.mlflow == "RUNNING" or (submitted and job_state in DEAD):  # MLflow RUNNING, nothing on it: it stopped without a word
+        return "died", [job_state.lower()] if job_state in DEAD else []
+    if not submitted:
+        return "not submitted", []
+    return ("not finished" if state.mlflow in ("-", "FINISHED") else state.mlflow.lower()), []
 
 
 def launched_plan(experiment: str, overrides: list[str]) -> Plan:
@@ -75,25 +91,23 @@ def launched_plan(experiment: str, overrides: list[str]) -> Plan:
 def experiment_status(experiment: str, overrides: list[str], plan: Plan | None = None) -> list[RunStatus]:
     plan = plan or launched_plan(experiment, overrides)
     cfg0 = plan.runs[0].config
-    runs = runs_by_key(experiment, cfg0.tracking.uri)
-    jobs = journal(cfg0.paths.runs, experiment)
-    states = job_states(jobs)
+    sources = Sources(cfg0.paths.runs, experiment, cfg0.tracking.uri)
     out = []
     for planned in plan.runs:
-        r = runs.get(planned.key)
-        entry = jobs.get(planned.key, {})
+        r = sources.mlflow.get(planned.key)
+        entry = sources.jobs.get(planned.key, {})
         job_id = r.data.tags.get(schema.TAG_SLURM_JOB, entry.get("job_id", "-")) if r else entry.get("job_id", "-")
-        job_state = states.get(entry.get("job_id", ""), "-") if entry.get("scheduler") == "slurm" else (
+        job_state = sources.states.get(entry.get("job_id", ""), "-") if entry.get("scheduler") == "slurm" else (
             LOCAL if entry else "-")
         latest = checkpoint.latest(planned.run_dir.path)
-        mlflow = r.info.status if r else "-"
+        state = state_of(planned, sources)
         out.append(RunStatus(
-            planned.key, planned.name, planned.stage, mlflow, job_id, job_state,
+            planned.key, planned.name, planned.stage, state.mlflow, job_id, job_state,
             int(latest.name.split("_")[-1]) if latest else None,
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
-            "waiting for its tuning" if planned.awaits_tuning and not entry
-            else _verdict(mlflow, job_state, bool(entry)),
+            "waiting for its tuning" if planned.awaits_tuning and not entry and not state.done
+            else _verdict(state, job_state, bool(entry)), state,
         ))
     return out
 

@@ -6,12 +6,15 @@ finished references -> runs scheduled from those profiles, chained with `afterok
 variant's tuning are submitted by the launch that finds it decided: a local launch launches again when its tune runs
 are done, a SLURM launch leaves a small relaunch job after the tune array (study.plan.tune). Before anything is
 submitted every run's spec is written to its run directory (`run.json`) and the launch manifest is recorded; each
-job reads its spec and nothing else. A run whose key is FINISHED in MLflow is skipped, and so is one whose job is
-still pending or running, or that a live process trains (its run directory's lease is held: a local launch beside a
-SLURM one, `study train` by hand), saying so; a failed or vanished run is submitted again and resumes from its
-checkpoint. A job that can never start (a job it waits for failed or was cancelled) is cancelled and its run
-submitted again, and so are queued jobs of runs the plan no longer has (an edited experiment file). A relaunch whose
-overrides change run identities names the new runs and asks for `--new-runs` instead of training them silently.
+job reads its spec and nothing else. What each run still needs is its state (study.launch.run_state): a run its run
+directory holds finished (result.json, and its evaluation of record when it is to be evaluated) and MLflow FINISHED is
+skipped, and so is one whose job is still pending or running, or that a live process trains (its run directory's lease
+is held: a local launch beside a SLURM one, `study train` by hand), saying so; a failed or vanished run is submitted
+again and resumes from its checkpoint, and where MLflow and the run directory disagree the run directory wins and the
+launch names the disagreement. A job that can never start (a job it waits for failed or was cancelled) is cancelled
+and its run submitted again, and so are queued jobs of runs the plan no longer has (an edited experiment file). A
+relaunch whose overrides change run identities names the new runs and asks for `--new-runs` instead of training them
+silently. This module decides what to submit; study.launch.local watches the local processes and `--wait`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from study.config.cluster import ClusterConfig
 from study.config.spec import held_spec, write_spec
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name, sbatch_preview
-from study.launch.local import LaunchFailed, run_local
+from study.launch.local import LaunchFailed, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
-from study.launch.scheduler import ACTIVE, cancel, check_slurm, job_states, journal, outside_allocation, record
+from study.launch.scheduler import cancel, check_slurm, outside_allocation, record
 from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_root, say_skipped, stage_lines, \
     submit_stage
 from study.plan.planner import Plan, plan_experiment
@@ -203,22 +206,3 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after)) if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
-
-
-def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
-    """Wait until no submitted job of the experiment is pending or running, showing counts by state."""
-    from rich.live import Live
-
-    with Live(refresh_per_second=1, transient=False) as live:
-        while True:
-            jobs = journal(runs_root(plan), plan.experiment.name)
-            ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
-            states = job_states(jobs)
-            counts: dict[str, int] = {}
-            for j in ids:
-                st = states.get(j, "VANISHED")
-                counts[st] = counts.get(st, 0) + 1
-            live.update(" ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
-            if not any(states.get(j) in ACTIVE for j in ids):
-                break
-            time.sleep(poll_s)

@@ -1,0 +1,163 @@
+"""What a run still needs, in one answer (:func:`state_of`): nothing, its evaluation of record, training, or MLflow's
+copy of its result; and whether something already works on it (running, queued, or stuck).
+
+Each fact has one source. The run directory says what is done: `result.json`, which the trainer writes when training
+finished, for training; the records under `evals/` for the evaluation of record of the final checkpoint. It also says
+who trains the run now: a live process holds its lease. MLflow mirrors the run directory: where the two disagree the
+run directory wins and the disagreement is named. The scheduler (the job journal, SLURM) says what is queued, running
+on a node, or can never start. `study launch` (what to submit), `study status` (its `state` column) and
+`--until-decided` (whether a round finished) all ask this module, so they cannot answer differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from study.config.spec import RunSpec
+from study.evaluate.records import evaluated, final_step
+from study.launch.scheduler import ACTIVE, STUCK as NEVER_STARTS, job_states, journal, local_alive
+from study.track.query import runs_by_key
+from study.train.lease import held_by
+
+# What a run still needs
+NOTHING = "nothing"
+"""Trained, and evaluated when it is to be, and MLflow holds it FINISHED."""
+EVALUATION = "evaluation"
+"""Trained, but its evaluation of record is missing (`eval.after_train`): its job resumes at the final checkpoint, so
+only the evaluation runs."""
+TRAINING = "training"
+"""Not trained: its run directory holds no result.json of its key."""
+MIRROR = "mirror"
+"""Trained and evaluated as its run directory says, but MLflow does not hold it FINISHED (a store swapped, emptied, or
+unreachable when the run closed): its job resumes at the final checkpoint and brings MLflow every point."""
+
+JOB_DOES = {TRAINING: "its job trains it", EVALUATION: "its job evaluates its final checkpoint",
+            MIRROR: "its job brings MLflow the result", NOTHING: "it needs no job"}
+"""What a launch's job does for a run, by what the run needs (its job always resumes at the latest checkpoint)."""
+
+# What already works on it
+RUNNING, QUEUED, STUCK = "running", "queued", "stuck"
+"""A job or process trains it now; a SLURM job waits to start; a SLURM job can never start (a job it waits for
+failed or was cancelled), so a launch cancels it and submits the run again."""
+SLURM, LOCAL, LEASE = "slurm", "local", "lease"
+"""Who said so: SLURM of a journal's job, the live process of a local launch's job, the run directory's lease."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """What works on a key now, as the scheduler or the run directory says."""
+
+    what: str | None
+    """RUNNING, QUEUED, STUCK, or None when nothing does."""
+    by: str = ""
+    """Who, in words: `SLURM job 12_0 is PENDING`, `local process 4242 on host runs it`, `a live process (host pid)
+    holds its run directory's lease`."""
+    source: str = ""
+    """SLURM, LOCAL or LEASE."""
+
+
+NOBODY = Worker(None)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The one answer for a run: what it still needs and what works on it."""
+
+    key: str
+    needs: str
+    """NOTHING, EVALUATION, TRAINING or MIRROR."""
+    worker: Worker
+    mlflow: str
+    """MLflow's status of the run (`-` when MLflow holds no run of its key): a mirror, never the answer."""
+    disagreement: str = ""
+    """Where MLflow says otherwise than the run directory, in words (the run directory wins); empty when they agree."""
+
+    @property
+    def done(self) -> bool:
+        return self.needs == NOTHING
+
+    @property
+    def taken(self) -> bool:
+        """A job queued or running, or a live process, works on it: a launch does not submit it twice."""
+        return self.worker.what in (RUNNING, QUEUED)
+
+    @property
+    def to_submit(self) -> bool:
+        """Whether a launch submits it: it needs something and nothing works on it (a stuck job is replaced)."""
+        return not self.done and not self.taken
+
+
+class Sources:
+    """What the scheduler says of an experiment's jobs (the job journal and SLURM's states now), read once, and MLflow's
+    runs of it, read once when first asked."""
+
+    def __init__(self, runs_root: str | Path, experiment: str, tracking_uri: str):
+        self.jobs = journal(runs_root, experiment)
+        self.states = job_states(self.jobs)
+        self._store = experiment, tracking_uri
+        self._mlflow: dict[str, object] | None = None
+
+    @property
+    def mlflow(self) -> dict[str, object]:
+        """The MLflow run of each run key."""
+        if self._mlflow is None:
+            self._mlflow = runs_by_key(*self._store)
+        return self._mlflow
+
+    def mlflow_status(self, key: str) -> str:
+        run = self.mlflow.get(key)
+        return run.info.status if run is not None else "-"
+
+    def job(self, key: str) -> Worker:
+        """What the journal's latest job of `key` (a run key, `profile:<key>`, `prepare:<shards>`) is doing now."""
+        entry = self.jobs.get(key)
+        if entry is None:
+            return NOBODY
+        if entry.get("scheduler") != "slurm":
+            alive = local_alive(entry)
+            return Worker(RUNNING, f"local process {entry['job_id']} on {entry['host']} runs it", LOCAL) if alive \
+                else NOBODY
+        state = self.states.get(entry["job_id"], "VANISHED")
+        by = f"SLURM job {entry['job_id']} is {state}"
+        if state == NEVER_STARTS:
+            return Worker(STUCK, by, SLURM)
+        if state in ACTIVE:
+            return Worker(QUEUED if state == "PENDING" else RUNNING, by, SLURM)
+        return NOBODY
+
+
+def worker_of(spec: RunSpec, sources: Sources) -> Worker:
+    """What works on the run now: its latest job while it is queued or running, else a live process holding its run
+    directory's lease (a local launch, `study train` by hand, a job no journal knows), else its stuck job, if any."""
+    job = sources.job(spec.key)
+    if job.what in (RUNNING, QUEUED):
+        return job
+    holder = held_by(spec.run_dir.path)
+    if holder is not None:
+        return Worker(RUNNING, f"a live process ({holder}) holds its run directory's lease", LEASE)
+    return job
+
+
+def state_of(spec: RunSpec, sources: Sources) -> RunState:
+    """What the run still needs and what works on it: the run directory decides what is done, the scheduler and the
+    lease what works on it; MLflow's status is compared with the run directory and any disagreement named."""
+    trained = final_step(spec) is not None
+    if not trained:
+        needs = TRAINING
+    elif spec.config.eval.after_train and not evaluated(spec):
+        needs = EVALUATION
+    else:
+        needs = NOTHING
+    worker = worker_of(spec, sources)
+    mlflow = sources.mlflow_status(spec.key)
+    disagreement = ""
+    if trained and mlflow != "FINISHED":
+        said = "holds no run of it" if mlflow == "-" else f"says {mlflow}"
+        disagreement = f"its run directory holds its result.json, yet MLflow {said}"
+        needs = MIRROR if needs == NOTHING else needs
+    elif mlflow == "FINISHED" and not trained:
+        disagreement = "MLflow says FINISHED, yet its run directory holds no result.json"
+    elif mlflow == "RUNNING" and worker.what is None:
+        disagreement = "MLflow says RUNNING, yet no job runs it and no live process holds its run directory's lease"
+    return RunState(spec.key, needs, worker, mlflow, disagreement)
