@@ -128,3 +128,45 @@ def test_a_validation_split_smaller_than_one_batch_is_refused_before_the_first_s
         train(spec)
     assert err.value.field == "data.val_fraction" and "fewer than one validation batch of 64" in err.value.problem
     assert not (spec.run_dir.path / "checkpoints").exists() and not (workdir / "mlflow.db").exists()
+
+
+def test_callbacks_see_the_loss_then_validation_then_the_stop_then_the_checkpoint_of_a_step(workdir, monkeypatch):
+    """The loop's fixed callback order, seen by the fault callback: at step 6 the training loss is logged, then the
+    validation loss, then the injected stop is asked for, then the checkpoint of step 6 is about to be saved (step 3's
+    is the only one complete), and the run stops there. The values a callback sees are the ones MLflow holds."""
+    from mlflow import MlflowClient
+
+    from study.train import checkpoint
+    from study.train.faults import FaultHooks
+
+    spec = cfg_for("train.max_steps=12", "train.log_interval=2", "train.val_interval=3", "train.ckpt_interval=3",
+                   "faults.stop_at_step=6")
+    events = []
+
+    def saved():
+        return [int(p.name.split("_")[1]) for p in checkpoint.complete_checkpoints(spec.run_dir.path)]
+
+    inject = FaultHooks.before_stop  # the injected stop itself, recorded after it acts
+
+    def before_stop(self, step, stop):
+        inject(self, step, stop)
+        events.append(("stop", step, stop.requested))
+
+    monkeypatch.setattr(FaultHooks, "before_stop", before_stop)
+    monkeypatch.setattr(FaultHooks, "on_log", lambda self, step, loss, tps: events.append(("log", step, loss)))
+    monkeypatch.setattr(FaultHooks, "on_validation", lambda self, step, loss: events.append(("validation", step, loss)))
+    monkeypatch.setattr(FaultHooks, "before_checkpoint", lambda self, step: events.append(("checkpoint", step, saved())))
+    out = train(spec)
+    assert out.status == "PREEMPTED" and out.step == 6 and sorted(out.losses) == [2, 4, 6]
+    run_id = mlflow_runs()[0].info.run_id
+    val = {m.step: m.value for m in MlflowClient().get_metric_history(run_id, "val/loss")}
+    loss = {m.step: m.value for m in MlflowClient().get_metric_history(run_id, "train/loss")}
+    assert sorted(val) == [3, 6] and sorted(loss) == [2, 4, 6]
+    assert events == [("stop", 1, False),
+                      ("log", 2, loss[2]), ("stop", 2, False),
+                      ("validation", 3, val[3]), ("stop", 3, False), ("checkpoint", 3, []),
+                      ("log", 4, loss[4]), ("stop", 4, False),
+                      ("stop", 5, False),
+                      ("log", 6, loss[6]), ("validation", 6, val[6]), ("stop", 6, True), ("checkpoint", 6, [3])]
+    assert [loss[s] for s in (2, 4, 6)] == [out.losses[s] for s in (2, 4, 6)]
+    assert saved() == [3, 6]

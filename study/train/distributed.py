@@ -1,4 +1,5 @@
-"""Process-group set-up for one run: a single process, torchrun, `study train --nproc N`, or SLURM tasks."""
+"""Process set-up for one run: its process group (a single process, torchrun, `study train --nproc N`, or SLURM
+tasks), its device, and the CPU allocator's settings."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def setup(device: str = "auto") -> Dist:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=os.environ.get("STUDY_INIT_METHOD"),
                                 rank=rank, world_size=world)
     return Dist(rank, world, local_rank, dev)
+
+
+def keep_freed_memory() -> None:
+    """glibc returns large freed blocks to the OS and faults them back in every step (about 10x the page faults);
+    keeping them made the CPU step 7-15 % faster (benchmarks `malloc` figure). Same as MALLOC_MMAP_THRESHOLD_=32MiB,
+    MALLOC_TRIM_THRESHOLD_=1GiB, set from inside the process."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt"):
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def teardown() -> None:

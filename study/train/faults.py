@@ -1,14 +1,15 @@
-"""Fault injection for the fault suite (`faults.*` settings), kept out of the training step: the loop asks these
-hooks at fixed points and they do nothing unless a test set them."""
+"""Fault injection for the fault suite (`faults.*` settings), kept out of the training step: a callback of the loop
+(study.train.callbacks) and the training-loss filter of its metrics; they do nothing unless a test set them."""
 
 from __future__ import annotations
 
 import time
 
 from study.config.faults import FaultsConfig
+from study.train.callbacks import Callback
 
 
-class FaultHooks:
+class FaultHooks(Callback):
     def __init__(self, cfg: FaultsConfig):
         self.cfg = cfg
 
@@ -16,7 +17,7 @@ class FaultHooks:
         """The logged loss, made NaN at `nan_at_step`."""
         return float("nan") if step == self.cfg.nan_at_step else value
 
-    def after_step(self, step: int, stop) -> None:
+    def before_stop(self, step: int, stop) -> None:
         """Sleep (so signals land mid-run) and, at `stop_at_step`, behave as if SIGUSR2 arrived."""
         if self.cfg.sleep_per_step:
             time.sleep(self.cfg.sleep_per_step)

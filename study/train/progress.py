@@ -7,12 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+from study.train.callbacks import Callback
 from study.train.distributed import Dist
 
 
-class Progress:
+class Progress(Callback):
     """One progress line on rank 0 (step, loss, tokens/s, ETA), and the same figures in the run directory's
-    progress.json for whoever watches several runs at once (`study launch` on this machine, `study demo`)."""
+    progress.json for whoever watches several runs at once (`study launch` on this machine, `study demo`). A callback
+    of the loop: it moves on whenever the training loss is logged."""
 
     def __init__(self, d: Dist, start: int, total: int, name: str, path: Path | None = None):
         self.bar, self.path = None, path if d.is_main else None
@@ -24,7 +26,7 @@ class Progress:
                             mininterval=0.5 if sys.stderr.isatty() else 10.0)
         self.last = start
 
-    def update(self, step: int, loss: float, tps: float) -> None:
+    def on_log(self, step: int, loss: float, tps: float) -> None:
         if self.bar is not None:
             self.bar.update(step - self.last)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)

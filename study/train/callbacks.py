@@ -1,0 +1,218 @@
+"""The training loop's seams: the hooks it calls at fixed points of every step, and the callbacks that log, validate
+and checkpoint there. The loop trains; everything else a step does happens in a callback.
+
+At every step the loop runs the optimizer step, then calls each hook on every callback, in list order:
+
+    on_step(step, out)             after the optimizer step
+        Metrics        at log steps and the last step: the training loss, agreed across ranks (non-finite ->
+                       Diverged), with LR, grad norm, tokens/s (and MFU on CUDA) to the tracker; then
+                       on_log(step, loss, tokens_per_s) to every callback (Progress: the progress line and
+                       progress.json)
+        Validation     at val steps and the last step: the validation loss (non-finite -> Diverged) and perplexity
+                       to the tracker; then on_validation(step, loss) to every callback
+    before_stop(step, stop)        before the ranks agree on whether to stop: the last moment a stop can be asked for
+                                   and still be acted on at this step (FaultHooks: the injected sleep and stop)
+    on_step_end(step, stopping)    the state holds this step and the ranks have agreed on `stopping`
+        Checkpointing  at checkpoint steps, the last step, or when stopping: before_checkpoint(step) to every
+                       callback, the tracker synced and flushed, then the checkpoint saved
+    close()                        once, when the loop ends, however it ends
+
+So at a step where all of them happen, the tracker sees the training loss, then the validation loss, then the
+checkpoint; a run stopped at a step checkpoints that step before it stops.
+
+To add a callback: subclass `Callback`, override the hooks it needs, and add it where `loop._train` builds its
+list; its place in the list orders it among the others at the same hook. A callback that raises `Diverged` fails the
+run (FAILED, with the message as its reason); any other exception fails it and propagates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from study import schema
+from study.config.spec import RunSpec
+from study.track.null import RunTracker
+from study.train import checkpoint
+from study.train.distributed import Dist, all_reduce_mean
+from study.train.signals import StopRequest
+from study.train.state import TrainState
+from study.train.step import cross_entropy
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step returns, as tensors still on the device (read back only where a callback needs it)."""
+
+    loss_sum: object
+    """The micro-batches' losses, summed."""
+    micro_batches: int
+    grad_norm: object
+    """The global gradient norm before clipping."""
+
+
+class Callback:
+    """Every hook does nothing; a callback overrides the ones it needs (the module docstring gives their order)."""
+
+    def on_step(self, step: int, out: StepOutput) -> None:
+        """After the optimizer step of `step`."""
+
+    def on_log(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """The training loss of `step` (mean over ranks) has been logged."""
+
+    def on_validation(self, step: int, loss: float) -> None:
+        """The validation loss at `step` has been logged."""
+
+    def before_stop(self, step: int, stop: StopRequest) -> None:
+        """Before the ranks agree on whether to stop after `step`."""
+
+    def on_step_end(self, step: int, stopping: bool) -> None:
+        """`step` is the state's; `stopping` is what every rank agreed."""
+
+    def before_checkpoint(self, step: int) -> None:
+        """The checkpoint of `step` is about to be saved: what is logged here is durable before it counts."""
+
+    def close(self) -> None:
+        """The loop has ended (finished, stopped, diverged or failed)."""
+
+
+class Callbacks(Callback):
+    """The run's callbacks, each hook called on each of them in list order."""
+
+    def __init__(self) -> None:
+        self.members: list[Callback] = []
+
+    def on_step(self, step, out):
+        for cb in self.members:
+            cb.on_step(step, out)
+
+    def on_log(self, step, loss, tokens_per_s):
+        for cb in self.members:
+            cb.on_log(step, loss, tokens_per_s)
+
+    def on_validation(self, step, loss):
+        for cb in self.members:
+            cb.on_validation(step, loss)
+
+    def before_stop(self, step, stop):
+        for cb in self.members:
+            cb.before_stop(step, stop)
+
+    def on_step_end(self, step, stopping):
+        for cb in self.members:
+            cb.on_step_end(step, stopping)
+
+    def before_checkpoint(self, step):
+        for cb in self.members:
+            cb.before_checkpoint(step)
+
+    def close(self):
+        for cb in self.members:
+            cb.close()
+
+
+@dataclass
+class Run:
+    """What the callbacks share: the spec, this process's place, the tracker, the resume state, and the callbacks
+    themselves (to tell the others what happened)."""
+
+    spec: RunSpec
+    d: Dist
+    tracker: RunTracker
+    state: TrainState
+    callbacks: Callbacks
+
+    def due(self, step: int, interval: int) -> bool:
+        """Every `interval` steps, and always at the last one."""
+        return step % interval == 0 or step == self.spec.planned.max_steps
+
+
+class Metrics(Callback):
+    """The training loss, LR, grad norm, throughput (and MFU on CUDA) to the tracker at log steps; the losses
+    computed in this process kept for the outcome."""
+
+    def __init__(self, run: Run, scheduler, tokens_per_step: int, inject):
+        self.run, self.scheduler, self.tokens_per_step = run, scheduler, tokens_per_step
+        self.inject = inject  # the fault suite's NaN (FaultHooks.loss)
+        self.losses: dict[int, float] = {}
+        self.t_last, self.steps_since = time.perf_counter(), 0
+
+    def on_step(self, step, out):
+        run, train = self.run, self.run.spec.config.train
+        self.steps_since += 1
+        if not run.due(step, train.log_interval):
+            return
+        mean_loss = self.inject(step, float(all_reduce_mean(out.loss_sum / out.micro_batches, run.d).item()))
+        if not math.isfinite(mean_loss):
+            raise Diverged(f"training loss is {mean_loss} at step {step}")
+        self.losses[step] = mean_loss
+        now = time.perf_counter()
+        tps = self.tokens_per_step * self.steps_since / (now - self.t_last)
+        self.t_last, self.steps_since = now, 0
+        metrics = {schema.TRAIN_LOSS: mean_loss, schema.TRAIN_LR: self.scheduler.get_last_lr()[0],
+                   schema.TRAIN_GRAD_NORM: float(out.grad_norm.item()), schema.TRAIN_TOKENS_PER_S: tps}
+        if run.d.device.startswith("cuda"):
+            metrics[schema.TRAIN_MFU] = run.spec.flops_per_token * tps / (train.gpu_peak_tflops * 1e12
+                                                                          * run.d.world_size)
+        run.tracker.log_metrics(metrics, step)
+        run.callbacks.on_log(step, mean_loss, tps)
+
+
+class Validation(Callback):
+    """The validation loss and perplexity at val steps; the state keeps the latest (the run's result when it
+    finishes)."""
+
+    def __init__(self, run: Run, model, data, micro: int):
+        self.run, self.model, self.data, self.micro = run, model, data, micro
+
+    def on_step(self, step, out):
+        run = self.run
+        if not run.due(step, run.spec.config.train.val_interval):
+            return
+        run.state.val_loss = loss = validate(self.model, self.data, run.spec.config.train.val_batches, run.d,
+                                             self.micro)
+        if not math.isfinite(loss):
+            raise Diverged(f"validation loss is {loss} at step {step}")
+        run.tracker.log_metrics({schema.VAL_LOSS: loss, schema.VAL_PPL: math.exp(min(loss, 50.0))}, step)
+        run.callbacks.on_validation(step, loss)
+
+
+class Checkpointing(Callback):
+    """A checkpoint at checkpoint steps, the last step, and the step a run stops at."""
+
+    def __init__(self, run: Run, model, optimizer):
+        self.run, self.model, self.optimizer = run, model, optimizer
+
+    def on_step_end(self, step, stopping):
+        run, cfg = self.run, self.run.spec.config
+        if not (stopping or run.due(step, cfg.train.ckpt_interval)):
+            return
+        run.callbacks.before_checkpoint(step)
+        # points up to the checkpoint are durable in the run directory before it counts (a resumed run never
+        # recomputes them); the flush only makes them land in MLflow sooner
+        run.tracker.sync()
+        run.tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
+        checkpoint.save(run.spec.run_dir.path, self.model, self.optimizer, run.state, run.d, cfg.train.keep_last)
+
+
+def validate(model, data, val_batches: int, d: Dist, micro: int) -> float:
+    """The mean loss over the first `val_batches` validation batches of `micro` sequences per rank, over all
+    ranks."""
+    import torch
+
+    from study.data import val_batches as batches
+
+    total, n = torch.zeros((), dtype=torch.float64, device=d.device), 0
+    model.eval()
+    with torch.no_grad():
+        for x, y in batches(data.val, data.seq_len, micro * d.world_size, val_batches, d.rank, d.world_size):
+            logits = model(x.to(d.device))
+            total += cross_entropy(logits, y.to(d.device), 0.0).double()
+            n += 1
+    model.train()
+    return float(all_reduce_mean(total / max(n, 1), d).item())
