@@ -127,3 +127,49 @@ def test_a_fit_against_compute_reads_its_size_from_the_named_column():
     # L = E + A N^-alpha with C = 120 N^2 is E + A (C / 120)^(-alpha / 2)
     assert fit.size == "compute" and fit.alpha == pytest.approx(0.15, abs=0.015)
     assert fit.solve(fit.predict(1e18)) == pytest.approx(1e18, rel=1e-9) and fit.solve(fit.E) == math.inf
+
+
+def _huber_cost(theta, n, loss, log_ref):
+    """The fits' objective written out: Huber (delta 1e-3) of log residuals of E + exp(b - alpha (ln N - ln N_ref))."""
+    E, b, alpha = theta
+    r = np.log(E + np.exp(b - alpha * (np.log(n) - log_ref))) - np.log(loss)
+    return float(np.sum(np.where(np.abs(r) <= 1e-3, 0.5 * r**2, 1e-3 * np.abs(r) - 0.5e-6)))
+
+
+def _scipy_draw_fit(n, loss, log_ref):
+    """One draw fitted by scipy's least_squares alone (no project code), best of a grid of starts."""
+    from scipy.optimize import least_squares
+
+    x, floor, best = np.log(n) - log_ref, loss.min(), None
+    for e in (0.0, 0.5, 0.9):
+        for a in (0.1, 0.3, 0.6):
+            res = least_squares(lambda t: np.log(t[0] + np.exp(t[1] - t[2] * x)) - np.log(loss),
+                                [e * floor, math.log(loss.mean() - e * floor), a], loss="huber", f_scale=1e-3,
+                                bounds=([0, -50, 0], [floor * (1 - 1e-9), 50, 5]), x_scale="jac", ftol=1e-14,
+                                xtol=1e-14, gtol=1e-14, max_nfev=20000)
+            best = res if best is None or res.cost < best.cost else best
+    return best.x
+
+
+@pytest.mark.parametrize("E", [1.8, 0.0], ids=["saturating", "E at its bound"])
+def test_batched_bootstrap_reaches_each_draws_own_minimum_and_its_intervals_match_separate_fits(E):
+    points = law_points(SIZES[:5], seeds=4, E=E, noise=0.004, rng_seed=7)
+    fit = fit_variant(points, "base", "val/loss", n_boot=20, seed=5)
+    rng = np.random.default_rng(5)  # the fit's draws, replayed
+    n, loss = points["params_counted"].to_numpy(float), points["val/loss"].to_numpy(float)
+    separate = []
+    for drawn in fit.boots:
+        rows = np.concatenate([np.flatnonzero(points["seed"].to_numpy() == k) for k in rng.integers(0, 4, 4)])
+        alone = _scipy_draw_fit(n[rows], loss[rows], fit.log_ref)
+        separate.append(alone)
+        # never a worse minimum than scipy run to tight tolerances, and the same one
+        assert _huber_cost(drawn, n[rows], loss[rows], fit.log_ref) <= (
+            _huber_cost(alone, n[rows], loss[rows], fit.log_ref) * (1 + 1e-9) + 1e-15)
+        assert drawn[2] == pytest.approx(alone[2], rel=1e-3, abs=1e-6)
+        assert drawn[0] == pytest.approx(alone[0], rel=1e-3, abs=1e-6)
+    separate = np.array(separate)
+    assert fit.boot_fits == 20
+    assert fit.alpha_boot == pytest.approx(tuple(np.quantile(separate[:, 2], [0.025, 0.975])), rel=1e-3)
+    assert fit.E_boot == pytest.approx(tuple(np.quantile(separate[:, 0], [0.025, 0.975])), rel=1e-3, abs=1e-6)
+    if E == 0.0:
+        assert np.sum(separate[:, 0] < 1e-9) > 0  # the bound is really reached in some draws
