@@ -345,3 +345,44 @@ def test_model_args_the_study_model_does_not_take_are_refused_by_name():
     with pytest.raises(StudyError, match=r"no argument\(s\) \['pretrained'\]") as error:
         StudyLM.create_from_arg_string("pretrained=gpt2")
     assert error.value.field == "model_args" and "run (a run key)" in error.value.fix
+
+
+def test_the_study_model_is_an_lm_eval_plugin_entry_point_which_this_lm_eval_release_does_not_read():
+    """pyproject.toml registers `study` under lm-eval's `lm_eval.models` entry-point group. lm-eval 0.4.13 looks
+    models up in its own table only: a fresh process that has not imported study answers "no model for this name"
+    (hence `python -m study.evaluate`). Its registry does take lazy placeholders: the entry point's value as a
+    "module:attr" string resolves to StudyLM, while the EntryPoint object itself breaks when the decorated class
+    registers over it (the upgrade lm-eval's plugin support added after 0.4.13)."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points, version
+
+    (found,) = [e for e in entry_points(group="lm_eval.models") if e.name == "study"]
+    assert found.value == "study.evaluate.harness:StudyLM" and found.load() is StudyLM
+    probe = """
+import sys
+from importlib.metadata import entry_points
+from lm_eval.api.registry import get_model, model_registry
+
+def outcome(target):
+    try:
+        get_model("study")
+        return "resolved"
+    except ValueError:
+        return "unknown"
+    except AttributeError:
+        return "broke"
+
+print(outcome(None), "study.evaluate.harness" in sys.modules)
+(ep,) = [e for e in entry_points(group="lm_eval.models") if e.name == "study"]
+model_registry.register("study", target=ep)
+print(outcome(ep))
+model_registry._objs.pop("study", None)
+sys.modules.pop("study.evaluate.harness", None)
+model_registry.register("study", target=ep.value)
+cls = get_model("study")
+print(cls.__module__ + ":" + cls.__qualname__)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert version("lm_eval") == "0.4.13"  # a release that reads the group turns the first line into "resolved"
+    assert out == ["unknown", "False", "broke", "study.evaluate.harness:StudyLM"]

@@ -1,8 +1,9 @@
 """`python -m study.evaluate ARGS`: lm-eval's own command line with the `study` model registered.
 
-lm-eval 0.4 finds models only in its own table or among classes already registered in the process (it reads no
-entry points), so `lm_eval --model study` alone answers "Unknown model 'study'". This imports the registration,
-then hands the same arguments to lm-eval's CLI:
+The package registers `study` under lm-eval's `lm_eval.models` entry-point group (pyproject.toml), which lm-eval
+releases that read plugins use for `lm_eval --model study`. lm-eval 0.4.13 and older find models only in their own
+table or among classes already registered in the process, so there `lm_eval --model study` alone answers
+"Unknown model 'study'". This imports the registration, then hands the same arguments to lm-eval's CLI:
 
     python -m study.evaluate --model study --model_args run=KEY,tracking_uri=sqlite:///path/mlflow.db \\
         --tasks arc_easy_local --include_path study/evaluate/tasks --limit 20
