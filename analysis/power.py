@@ -122,8 +122,8 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
 def plan_power_rows(plan) -> tuple[list, str]:
     """Power rows of a plan (study.plan.planner.Plan) when the experiment declares a decision margin, and where the noise came from."""
     exp = plan.experiment
-    if not exp.decision.get("margin") or not plan.runs:
+    rule = exp.decision
+    if rule.margin is None or not plan.runs:
         return [], "no decision.margin declared: no power analysis"
-    rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
     measured, note = measured_noise(exp.name, exp.baseline, rule, plan.runs[0].config.tracking.uri)
     return plan_power(plan, rule, measured), note

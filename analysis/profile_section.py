@@ -23,6 +23,7 @@ from analysis.render import Block, Heading, Paragraph, Plot, Table
 from study.config.geometry import GEOMETRIES, STATISTICS
 from study.track.query import open_store
 from study.config.model import LEGACY_KEYS
+from study.config.run import Role
 from study.geometry.allocate import anti_profile
 from study.geometry.direction import BALANCED, depth_centre, direction
 
@@ -32,8 +33,6 @@ PROFILE_ARTIFACT = "geometry/profile.json"
 FIGURE = "reference_profile.png"
 """The section's figure, beside report.md."""
 
-REFERENCE, SCHEDULED = "reference", "scheduled"
-"""`study.stage` of the profiled reference runs and of the runs whose widths come from a profile."""
 
 REVERSE = "model.ffn.schedule.reverse"
 _LEGACY_REVERSE = next(old for old, new in LEGACY_KEYS.items() if new == REVERSE)
@@ -73,13 +72,13 @@ class ProfileSection:
 def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> ProfileSection:
     """The section for the experiment whose training runs are `runs` (analysis.run_table.read_runs), its figure written
     to `out`; no blocks when no reference run was trained."""
-    if "stage" not in runs.columns or not (runs["stage"] == REFERENCE).any():
+    if "role" not in runs.columns or not (runs["role"] == Role.reference).any():
         return ProfileSection([], [], [])
     client = open_store(uri, required=True)
     profiles = _reference_profiles(client, runs)
     arms = _arms(client, runs)
     blocks: list[Block] = [Heading("Reference work profile"), Paragraph(_INTRO)]
-    missing = sorted(set(runs.loc[runs["stage"] == REFERENCE, "scale"]) - set(profiles), key=_scale_key(runs))
+    missing = sorted(set(runs.loc[runs["role"] == Role.reference, "scale"]) - set(profiles), key=_scale_key(runs))
     if missing:
         blocks.append(Paragraph(f"No profile on the reference run of {', '.join(missing)} yet ({PROFILE_ARTIFACT} "
                                 "is logged by `study profile RUN_KEY`, which `study launch` runs after the reference "
@@ -122,7 +121,7 @@ def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> Profil
 def _reference_profiles(client, runs: pd.DataFrame) -> dict[str, dict]:
     """scale -> the profile of that scale's newest reference run that has one, smallest scale first."""
     out: dict[str, dict] = {}
-    refs = runs[runs["stage"] == REFERENCE].sort_values("start_time", ascending=False)
+    refs = runs[runs["role"] == Role.reference].sort_values("start_time", ascending=False)
     with tempfile.TemporaryDirectory() as tmp:
         for row in refs.itertuples():
             if row.scale in out:
@@ -140,7 +139,7 @@ def _reference_profiles(client, runs: pd.DataFrame) -> dict[str, dict]:
 
 def _arms(client, runs: pd.DataFrame) -> list[Arm]:
     """The newest run of each scheduled (scale, variant), read back from its params."""
-    newest = (runs[runs["stage"] == SCHEDULED].sort_values("start_time", ascending=False)
+    newest = (runs[runs["role"] == Role.scheduled].sort_values("start_time", ascending=False)
               .drop_duplicates(["scale", "variant"]))
     order = _scale_key(runs)
     arms = []

@@ -164,10 +164,9 @@ def decision_rule(experiment: str) -> DecisionRule:
     from study.plan.experiment import load_experiment
 
     try:
-        raw = load_experiment(experiment).decision
+        return load_experiment(experiment).decision
     except StudyError:
         return DecisionRule(metric=HEADLINE)
-    return DecisionRule.from_mapping(raw, f"{experiment}.yaml: decision")
 
 
 def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) -> dict:

@@ -17,17 +17,16 @@ import pandas as pd
 
 from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
-from study.schema import TAG_KEY_SCHEMA
-
-from study.track.groups import GROUP_STAGE, TUNE_STAGE
+from study.config.run import Role
+from study.schema import NOT_TRAINING, STAGE_REPORT, TAG_KEY_SCHEMA, TAG_STAGE
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-REPORT_STAGE = "report"
-"""Value of the ``study.stage`` tag that marks experiment-level report runs (not training runs)."""
+REPORT_STAGE = STAGE_REPORT
+"""Value of the ``study.stage`` tag that marks experiment-level report runs (study.schema.STAGE_REPORT)."""
 
 FINISHED = "FINISHED"
 """MLflow status of a run that ended normally; only these enter the statistics."""
@@ -83,9 +82,9 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
 def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     """Every training run of ``experiment``, unfinished ones included with their status, from one paged query.
 
-    Columns: run_id, run_name, run_key, variant, scale, seed (int), stage, baseline, status, failure_reason,
-    start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR trained at),
-    tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), then one column per final
+    Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.stage`` tag), baseline, status,
+    failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
+    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), then one column per final
     metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
     Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's
     variant/scale/seed tags are not training runs and are left out. Runs split three ways: tune runs, main runs at
@@ -128,7 +127,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
         mine = kind["run_key"].isin(launched)
         return kind[mine].reset_index(drop=True) if mine.any() else kind.reset_index(drop=True)
 
-    tune_runs = frame["stage"] == TUNE_STAGE
+    tune_runs = frame["role"] == Role.tune
     tuned = latest(frame[~tune_runs & (frame["lr_source"] == TUNED)])
     shared = latest(frame[~tune_runs & (frame["lr_source"] != TUNED)])
     tune = latest(frame[tune_runs])
@@ -157,10 +156,10 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
 
 def _row(run) -> dict | None:
     tags, params = run.data.tags, run.data.params
-    if tags.get("study.stage") in (REPORT_STAGE, GROUP_STAGE) or any(t not in tags for t in _REQUIRED_TAGS):
+    if tags.get(TAG_STAGE) in NOT_TRAINING or any(t not in tags for t in _REQUIRED_TAGS):
         return None
     counted = _number(params, "params.counted")
-    tune = tags.get("study.stage") == TUNE_STAGE
+    tune = tags.get(TAG_STAGE) == Role.tune
     batch = _first(params, "recipe.global_batch", "train.global_batch")
     row = {
         "run_id": run.info.run_id,
@@ -170,7 +169,7 @@ def _row(run) -> dict | None:
         "variant": tags["study.variant"],
         "scale": tags["study.scale"],
         "seed": int(tags["study.seed"]),
-        "stage": tags.get("study.stage"),
+        "role": tags.get(TAG_STAGE),  # a training run's study.stage is its role
         "baseline": tags.get("study.baseline"),
         "status": run.info.status,
         "failure_reason": tags.get("study.failure_reason"),

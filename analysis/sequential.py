@@ -30,9 +30,7 @@ from analysis.decide import Decision, decide
 from analysis.paired import paired_deltas
 from study.config.decision import DecisionRule
 from study.errors import StudyError
-
-SEQUENTIAL_STAGE = "sequential"
-"""``study.stage`` of the experiment-level MLflow run that records every look."""
+from study.schema import STAGE_SEQUENTIAL, TAG_STAGE
 
 LOOKS_ARTIFACT = "looks.json"
 """Artifact of that run holding every look with its full decision rows."""
@@ -195,7 +193,7 @@ def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: 
 
     if run_id is None:
         run_id = client.create_run(experiment_id, run_name="until-decided",
-                                   tags={"study.stage": SEQUENTIAL_STAGE}).info.run_id
+                                   tags={TAG_STAGE: STAGE_SEQUENTIAL}).info.run_id
     step = look["round"]
     metrics = [Metric("look/alpha", look["alpha"], 0, step), Metric("look/alpha_spent", look["alpha_spent"], 0, step),
                Metric("look/n", look["n"], 0, step)]
@@ -218,7 +216,7 @@ def read_looks(client, experiment_id: str) -> list[dict]:
     """The looks of the experiment's latest sequential run; [] when it was never run adaptively."""
     import tempfile
 
-    found = client.search_runs([experiment_id], filter_string=f"tags.`study.stage` = '{SEQUENTIAL_STAGE}'",
+    found = client.search_runs([experiment_id], filter_string=f"tags.`study.stage` = '{STAGE_SEQUENTIAL}'",
                                order_by=["attributes.start_time DESC"], max_results=1)
     if not found:
         return []

@@ -1,5 +1,5 @@
-"""Names other tools rely on, in one place: MLflow tags and metric names (DESIGN.md's schema) and the layout of a
-run directory and of an experiment's launch folder."""
+"""Names other tools rely on, in one place: MLflow tags and metric names (the study's tracking schema) and the layout
+of a run directory and of an experiment's launch folder."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ TAG_VARIANT = "study.variant"
 TAG_SCALE = "study.scale"
 TAG_SEED = "study.seed"
 TAG_STAGE = "study.stage"
+"""What a run is in the study. A training run's value is its role (`study.config.run.Role`: train, reference,
+scheduled, tune, calibrate); runs that train nothing carry one of the `STAGE_*` values below. The tag keeps this name
+(users' filters and stored runs use it) though the config field is `role`."""
+STAGE_REPORT = "report"
+"""`study.stage` of an experiment's report run (`study report`: the report's files)."""
+STAGE_GROUP = "group"
+"""`study.stage` of a parent run: one per (variant, scale), its seed runs nested under it (study.track.groups)."""
+STAGE_SEQUENTIAL = "sequential"
+"""`study.stage` of the experiment-level run that records every look of an adaptive launch (analysis.sequential)."""
+NOT_TRAINING = (STAGE_REPORT, STAGE_GROUP, STAGE_SEQUENTIAL)
+"""`study.stage` values of runs that trained nothing: never read as training runs."""
 TAG_BASELINE = "study.baseline"
 TAG_SLURM_JOB = "study.slurm_job_id"
 TAG_SLURM_RESTARTS = "study.slurm_restart_count"

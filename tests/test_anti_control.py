@@ -42,13 +42,13 @@ def scheduled(tmp_path_factory) -> dict:
     runs = tmp_path_factory.mktemp("runs")
     overrides = [f"paths.runs={runs}"]
     before = plan_experiment("geometry", overrides)
-    reference = next(r for r in before.runs if r.stage == "reference" and r.config.scale == SCALE)
+    reference = next(r for r in before.runs if r.role == "reference" and r.config.scale == SCALE)
     reference.run_dir.profile.parent.mkdir(parents=True, exist_ok=True)
     reference.run_dir.profile.write_text(json.dumps(rising_raw_falling_normalised_profile()))
     after = {(r.config.variant, r.config.seed): r for r in plan_experiment("geometry", overrides).runs
              if r.config.scale == SCALE}
     return {r.config.variant: (r, after[r.config.variant, r.config.seed]) for r in before.runs
-            if r.config.scale == SCALE and r.config.seed == 0 and r.stage == "scheduled"}
+            if r.config.scale == SCALE and r.config.seed == 0 and r.role == "scheduled"}
 
 
 def allocated(spec) -> np.ndarray:

@@ -116,6 +116,8 @@ CASES = [
     (["plan", "demo", "seed=5"], "seed"),
     (["plan", "demo", "experiment=other"], "experiment"),
     (["plan", "demo", "stage=scheduled"], "stage"),
+    (["plan", "demo", "role=scheduled"], "role"),
+    (["plan", "demo", "variants.hourglass.stage=tune"], "variants.hourglass.stage"),
     (["plan", "demo", "variants.nosuch.model.ffn.k=8"], "variants.nosuch.model.ffn.k"),
     (["plan", "demo", "variants.hourglass.seed=3"], "variants.hourglass.seed"),
     (["plan", "demo", "+train.foo=1"], "train.foo"),
@@ -190,6 +192,8 @@ CASES = [
     (["launch", "demo", "cluster=slurm"], "cluster"),  # with SLURM_CONF pointing nowhere
     (["train", "experiment=demo", "variant=nosuch"], "variant/scale/seed"),
     (["train", "scale=tiny", "train.lr_schedule=linear"], "train.lr_schedule"),
+    (["train", "scale=tiny", "role=finetune"], "role"),
+    (["train", "scale=tiny", "stage=finetune"], "role"),
     (["train", "scale=tiny", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
     (["eval", "nosuchkey"], "RUN_KEY"),
     (["eval", "nosuchkey", "shots=5"], "shots"),

@@ -62,7 +62,7 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
     # the paper's best 113M model: 66M attention and 47M FFN
     assert abs(attn["params"]["attention"] - 66e6) < 2e6 and abs(attn["params"]["ffn"] - 47e6) < 2e6
     assert len({r["run_key"] for r in runs}) == 125
-    keys = {"run_key", "variant", "scale", "seed", "stage", "model", "params", "budget", "mismatch", "mismatch_total"}
+    keys = {"run_key", "variant", "scale", "seed", "role", "model", "params", "budget", "mismatch", "mismatch_total"}
     assert keys <= set(runs[0]) and set(runs[0]["params"]) == {"embedding", "attention", "ffn", "norm", "total", "counted"}
     assert set(runs[0]["model"]) >= {"block", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                      "vocab_size", "tie_embeddings", "ffn"}
@@ -101,9 +101,9 @@ def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
     runs = plan_json(capsys, "geometry")["runs"]
     seeds = Counter(r["scale"] for r in runs if r["variant"] == "uniform")
     assert seeds == {"128M": 3, "256M": 3, "440M": 5}
-    assert Counter(r["stage"] for r in runs) == {"reference": 3, "train": 19, "scheduled": 22}
+    assert Counter(r["role"] for r in runs) == {"reference": 3, "train": 19, "scheduled": 22}
     for r in runs:
-        if r["stage"] == "scheduled":
+        if r["role"] == "scheduled":
             assert r["model"]["ffn"]["widths"] is None and "profile of reference run" in r["pending"]
             assert r["params"] is None and r["depends_on"]
         else:

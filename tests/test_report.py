@@ -44,7 +44,7 @@ def test_runs_are_read_one_row_per_training_run_with_finals_and_status(store, fi
     assert len(runs) == len(VARIANTS) * len(SCALES) * 3 - 1  # one MISSING; the report run is not a training run
     assert runs["seed"].dtype.kind == "i" and runs["params_counted"].dtype.kind == "i"
     assert set(runs["status"]) == {"FINISHED", "FAILED", "RUNNING"}
-    assert set(runs["baseline"]) == {"conventional"} and set(runs["stage"]) == {"train"}
+    assert set(runs["baseline"]) == {"conventional"} and set(runs["role"]) == {"train"}
     assert {"val/loss", "val/ppl", "train/loss", "eval/arc_easy/acc", "eval/piqa/acc_norm"} <= set(runs.columns)
     finished = runs[runs["status"] == "FINISHED"]
     assert finished[["val/loss", "eval/piqa/acc"]].notna().all().all()

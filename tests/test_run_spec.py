@@ -268,3 +268,23 @@ def test_status_and_report_find_a_launch_without_its_overrides(tiny_experiment, 
     seen = []
     assert launch("specx", ["cluster=local", "train.lr=2e-3"], echo=seen.append) == []
     assert "nothing to submit" in seen[-1]
+
+
+def test_the_role_is_declared_checked_and_read_under_its_old_name():
+    """`role` holds one of `Role`'s values (calibrate included); a config built in code with another is refused by
+    name, and an override or file saying `stage` (the field's former name) still sets it, without moving the key."""
+    from dataclasses import replace
+
+    from study.config.compose import compose
+    from study.config.run import Role, RunConfig
+    from study.config.validate import validate_run
+
+    assert [r.value for r in Role] == ["train", "reference", "scheduled", "tune", "calibrate"]
+    old = compose(overrides=["scale=tiny", "stage=reference"])
+    new = compose(overrides=["scale=tiny", "role=reference"])
+    assert old.role == new.role == Role.reference
+    assert run_key(old) == run_key(new) == run_key(compose(overrides=["scale=tiny"]))
+    validate_run(replace(new, role=Role.calibrate))
+    with pytest.raises(StudyError) as err:
+        validate_run(replace(RunConfig(), role="finetune"))
+    assert err.value.field == "role" and "calibrate" in err.value.fix

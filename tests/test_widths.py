@@ -134,9 +134,9 @@ def test_the_widths_experiment_plans_every_family_and_shows_widths_and_heads(cap
     families = {r["variant"]: r["model"]["ffn"]["width_schedule"]["family"] for r in runs}
     assert set(families.values()) == {"uniform", "explicit", "geometry", "linear", "cosine", "sigmoid", "layerwise"}
     geometry = plan_experiment("geometry")
-    ref_keys = {r.key for r in geometry.runs if r.stage == "reference" and r.config.scale in ("128M", "256M")}
+    ref_keys = {r.key for r in geometry.runs if r.role == "reference" and r.config.scale in ("128M", "256M")}
     for r in runs:
-        if r["stage"] == "scheduled":  # the geometry study's own reference run, profiled once
+        if r["role"] == "scheduled":  # the geometry study's own reference run, profiled once
             assert r["pending"] and set(r["depends_on"]) <= ref_keys
             continue
         m = r["model"]
@@ -199,6 +199,7 @@ def test_a_run_spec_of_key_schema_3_is_refused_by_name_and_its_config_still_upgr
     assert upgraded["family"] == raw["model"]["ffn"]["schedule"]
     assert upgraded["start"] == raw["model"]["ffn"]["cosine_start"]
     assert upgraded.get("reverse", False) == raw["geometry"]["anti"]
+    assert upgrade_legacy(raw)["role"] == raw["stage"] and "stage" not in upgrade_legacy(raw)
 
 
 @pytest.mark.parametrize("override,field", [

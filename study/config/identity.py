@@ -34,7 +34,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "experiment": (OUT, "a label: the experiment's runs share its run-directory root and MLflow experiment"),
     "variant": (OUT, "a label for reports; the model fields say what the run computes"),
     "baseline": (OUT, "which variant the report pairs against"),
-    "stage": (OUT, "a role in the pipeline (a reference is an ordinary trained run)"),
+    "role": (OUT, "a role in the pipeline (a reference is an ordinary trained run)"),
     "scale": (OUT, "a label; the shape it selects is hashed through the model fields"),
     "seed": (KEY, "initialisation and data order"),
     "init_seed": (KEY, "the initial weights"),

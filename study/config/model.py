@@ -209,10 +209,12 @@ class ModelConfig:
 
 LEGACY_KEYS = {"model.ffn.cosine_start": "model.ffn.schedule.start", "model.ffn.cosine_end": "model.ffn.schedule.end",
                "geometry.anti": "model.ffn.schedule.reverse",
-               "train.eval_interval": "train.val_interval", "train.eval_batches": "train.val_batches"}
+               "train.eval_interval": "train.val_interval", "train.eval_batches": "train.val_batches",
+               "stage": "role"}
 """Fields that moved or were renamed, by dotted name, old -> new: those of the first config (key schema 3) that now
-live in the `WidthSchedule`, and the validation cadence (`val_*`: `eval` is lm-eval's word). Old names keep working
-in overrides, users' files and stored run specs."""
+live in the `WidthSchedule`, the validation cadence (`val_*`: `eval` is lm-eval's word) and the run's role (`stage`:
+a stage is a step of the pipeline, a role what a run is in it). Old names keep working in overrides, users' files and
+stored run specs."""
 
 
 def _pop(node: dict, dotted: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from study.config.budget import BudgetConfig
 from study.config.cluster import ClusterConfig, PathsConfig
@@ -15,6 +16,23 @@ from study.config.tracking import TrackingConfig
 from study.config.training import TrainConfig
 
 
+class Role(StrEnum):
+    """A run's role in the pipeline (`RunConfig.role`; MLflow tag `study.stage`). It never changes the run key.
+
+    Members are named as their values: OmegaConf reads a config's string into the member of that name."""
+
+    train = "train"
+    """An ordinary trained run of a comparison (paired by seed with its baseline)."""
+    reference = "reference"
+    """A trained run whose geometry work profile scheduled runs take their widths from (also paired as a train run)."""
+    scheduled = "scheduled"
+    """A run whose FFN widths come from its reference's profile (pending until the profile exists)."""
+    tune = "tune"
+    """A point of a tuning stage's LR grid: never paired, decided on or fitted in the report."""
+    calibrate = "calibrate"
+    """A short throughput measurement of one shape (`study calibrate`): no seeds to group, never analysed."""
+
+
 @dataclass
 class RunConfig:
     experiment: str = "adhoc"
@@ -23,9 +41,9 @@ class RunConfig:
     """Variant name within the experiment."""
     baseline: str = "conventional"
     """Variant this run is paired against in the report."""
-    stage: str = "train"
-    """`train`, `reference` (trains the model a geometry profile is measured on), `scheduled` (widths from it) or
-    `tune` (a point of a tuning stage's LR grid: never paired in the report)."""
+    role: Role = Role.train
+    """The run's role in the pipeline, one of `Role` (train, reference, scheduled, tune, calibrate); set by the
+    planner for an experiment's runs. Older files and overrides may say `stage` (study.config.model.LEGACY_KEYS)."""
     scale: str = "tiny"
     """Scale preset name."""
     seed: int = 0
@@ -82,5 +100,5 @@ def leaves(node, prefix: str = "", into_lists: bool = False) -> dict:
 
 
 def run_name(cfg: RunConfig) -> str:
-    """The MLflow run name (DESIGN schema): `<variant>-<scale>-s<seed>`."""
+    """The MLflow run name (study.schema): `<variant>-<scale>-s<seed>`."""
     return f"{cfg.variant}-{cfg.scale}-s{cfg.seed}"

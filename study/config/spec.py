@@ -1,7 +1,7 @@
 """The run spec: one run, resolved once by the planner, frozen, and read by every job that touches the run.
 
 Life of a spec: planned (`study plan` builds it: composed config, matched shape with every per-layer width,
-parameter breakdown, stage, upstream runs, key) -> written (`study launch` or `study train` puts it at
+parameter breakdown, role, upstream runs, key) -> written (`study launch` or `study train` puts it at
 `<run dir>/run.json` before anything runs) -> consumed (training, evaluation and profiling build their model from
 it alone, never from `sweeps/`) -> completed (a geometry-scheduled run's spec is pending until its reference's
 profile exists; the scheduled run's job fills in the widths once and writes it back before training starts).
@@ -18,7 +18,7 @@ from typing import Any
 from study.config.identity import SCHEMA_VERSION
 from study.config.model import upgrade_legacy
 from study.config.recipe import PENDING, Recipe, Tuned
-from study.config.run import RunConfig
+from study.config.run import Role, RunConfig
 from study.errors import StudyError
 from study.schema import RunDir
 
@@ -67,8 +67,13 @@ class RunSpec:
         return self.config.model
 
     @property
-    def stage(self) -> str:
-        return self.config.stage
+    def role(self) -> Role:
+        return self.config.role
+
+    @property
+    def stage(self) -> Role:
+        """The run's role under the field's former name, for callers not yet moved to `role`."""
+        return self.config.role
 
     @property
     def run_dir(self) -> RunDir:

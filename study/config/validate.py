@@ -10,14 +10,14 @@ from dataclasses import asdict
 
 from study.config.data import validate_data
 from study.config.recipe import batch_layout
-from study.config.run import RunConfig, leaves
+from study.config.run import Role, RunConfig, leaves
 from study.errors import StudyError
 
 CHOICES = {
     "train.lr_schedule": ("cosine", "wsd"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "stage": ("train", "reference", "scheduled", "tune"),
+    "role": tuple(Role),
 }
 POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "train.val_batches",
             "train.ckpt_interval", "train.keep_last", "train.log_interval", "train.eps", "train.gpu_peak_tflops",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
+from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
@@ -76,9 +77,9 @@ class Experiment:
     """The papers' reported figures (the `published:` block); the report compares their deltas with ours."""
     tuning: Tuning | None = None
     """The declared tuning stage (`tune:`): each variant's peak LR chosen from tune runs (study.plan.tune)."""
-    decision: dict[str, Any] = field(default_factory=dict)
-    """How the report decides (analysis.decide.DecisionRule): primary metric, equivalence margin, alpha, power,
-    prior sd of paired deltas for planning."""
+    decision: DecisionRule = field(default_factory=DecisionRule)
+    """How the report decides (the `decision:` block, checked once here): primary metric, equivalence margin,
+    alpha, power, prior sd of paired deltas for planning. Every reader (report, power, adaptive launch) uses it."""
 
 
 _PUBLISHED_KEYS = ("metric", "values", "source")
@@ -273,10 +274,9 @@ def load_experiment(name: str) -> Experiment:
     per_scale = _per_scale(OmegaConf.to_container(raw.at) if raw.get("at") else None, f"{name}.yaml: at", scales)
     published = (_published(name, OmegaConf.to_container(raw.published), raw.baseline, scales, names)
                  if raw.get("published") else None)
-    decision = OmegaConf.to_container(raw.decision) if raw.get("decision") else {}
-    from study.config.decision import DecisionRule
-
-    DecisionRule.from_mapping(decision, f"{name}.yaml: decision")  # refused here, before anything is planned
+    # refused here, before anything is planned
+    decision = DecisionRule.from_mapping(OmegaConf.to_container(raw.decision) if raw.get("decision") else None,
+                                         f"{name}.yaml: decision")
     tuning = (parse_tuning(OmegaConf.to_container(raw.tune), f"{name}.yaml: tune", lambda s: group_file("scale", s))
               if raw.get("tune") is not None else None)
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,

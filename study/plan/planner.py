@@ -1,6 +1,6 @@
 """Expand an experiment (or one ad-hoc run) into run specs: composed configs, keys, matched shapes, budgets.
 
-The experiment file owns `experiment`, `variant`, `scale`, `seed` (and `baseline`, `stage`): command-line overrides
+The experiment file owns `experiment`, `variant`, `scale`, `seed` (and `baseline`, `role`): command-line overrides
 apply to every run, `variants.<name>.<key>=value` to one variant's runs. A (variant, scale) is composed and matched
 once; its seeds differ in the seed only.
 """
@@ -14,7 +14,8 @@ from typing import Any
 
 from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
 from study.config.identity import run_key
-from study.config.run import RunConfig, run_name
+from study.config.model import LEGACY_KEYS
+from study.config.run import Role, RunConfig, run_name
 from study.config.recipe import PENDING, Tuned
 from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
@@ -25,8 +26,8 @@ from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, choose, gri
     record_path, transfer
 from study.schema import RunDir
 
-OWNED = ("experiment", "variant", "scale", "seed", "baseline", "stage")
-"""Fields an experiment file sets for each of its runs."""
+OWNED = ("experiment", "variant", "scale", "seed", "baseline", "role")
+"""Fields an experiment file sets for each of its runs (under their current names: `stage` is `role`)."""
 
 
 @dataclass
@@ -73,7 +74,7 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
     m, cfg = spec.model, spec.config
     return {
         "run_key": spec.key, "name": spec.name, "variant": cfg.variant, "scale": cfg.scale, "seed": cfg.seed,
-        "stage": cfg.stage, "baseline": cfg.baseline,
+        "role": cfg.role, "baseline": cfg.baseline,
         "model": {
             "block": m.block, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
             "n_kv_heads": m.kv_heads, "head_dim": m.dim_head, "vocab_size": m.vocab_size,
@@ -105,7 +106,7 @@ def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, 
     """Overrides for every run, and per-variant ones (`variants.hourglass.model.ffn.k=8`)."""
     ov = parse_overrides(items)
     for key in ov.keys():
-        if key.split(".")[0] in OWNED:
+        if LEGACY_KEYS.get(key, key).split(".")[0] in OWNED:
             raise StudyError(key, f"is set by the experiment file {exp.name}.yaml for each of its runs",
                              "select runs with --variant/--scale/--seed (study plan, status), change the experiment "
                              "file, or set a variant's own value with variants.<name>.<key>=value, "
@@ -117,7 +118,7 @@ def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, 
         if len(parts) < 3 or parts[1] not in names:
             raise StudyError(key, f"names no variant of {exp.name}" if len(parts) == 3 else "sets no field",
                              f"write variants.<name>.<key>=value with a name from {', '.join(names)}")
-        if parts[2].split(".")[0] in OWNED:
+        if LEGACY_KEYS.get(parts[2], parts[2]).split(".")[0] in OWNED:
             raise StudyError(key, "sets a field the experiment file owns", "change the experiment file instead")
         per_variant.setdefault(parts[1], {})[parts[2]] = ov.values.pop(key)
     return ov, per_variant
@@ -199,7 +200,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
         if exp.reference:
             ref_variant = next(v for v in exp.variants if v.name == exp.reference[0])
             ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, ov, per_variant.get(ref_variant.name)),
-                                          reference), seed=exp.reference[1], stage="reference")
+                                          reference), seed=exp.reference[1], role=Role.reference)
             ref_key = run_key(ref_cfg)
         for variant in exp.variants:
             base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
@@ -211,7 +212,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             added = [s for s in (extra_seeds or {}).get(scale, {}).get(variant.name, []) if s not in exp.seeds[scale]]
             for seed in [*exp.seeds[scale], *added]:
                 is_ref = exp.reference == (variant.name, seed)
-                cfg = replace(base, seed=seed, stage="reference" if is_ref else ("scheduled" if scheduled else "train"))
+                cfg = replace(base, seed=seed, role=Role.reference if is_ref else (Role.scheduled if scheduled else Role.train))
                 if not scheduled:
                     runs.append(make_spec(cfg, run_key(cfg, tuning=tuning_id), matched, reference))
                     continue
@@ -253,7 +254,7 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
             specs: dict[tuple[float, int], RunSpec] = {}
 
             def tune_spec(multiple: float, seed: int, extension: bool) -> RunSpec:
-                cfg = replace(base, seed=seed, stage="tune", eval=replace(base.eval, after_train=False),
+                cfg = replace(base, seed=seed, role=Role.tune, eval=replace(base.eval, after_train=False),
                               train=replace(base.train, lr=float(f"{multiple * rule.lr:.6g}")))
                 spec = make_spec(cfg, run_key(cfg), matched, reference)
                 return replace(spec, name=f"{spec.name}-lr{multiple:g}",
@@ -288,7 +289,7 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
 
 def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTuning]) -> RunSpec:
     """A main run with the peak LR its variant's tuning chose, or marked as waiting for it."""
-    t = tunings[_tuned_variant(exp, spec.config.variant, spec.stage == "scheduled")]
+    t = tunings[_tuned_variant(exp, spec.config.variant, spec.role == Role.scheduled)]
     if t.choices is None:
         done = sum(finished_loss(r) is not None for r in t.runs)
         return replace(spec, tuned=Tuned(0.0, PENDING, str(t.record)),
@@ -340,7 +341,7 @@ def select_run(items: list[str]) -> RunSpec:
     plan = plan_experiment(name, rest)
     wanted = {k: v for k, v in picked.items() if k != "experiment"}
     # tune runs share their variant, scale and seed with a main run: launches train them, never `study train`
-    found = [r for r in plan.runs if r.stage != "tune" and all(str(getattr(r.config, k)) == v
+    found = [r for r in plan.runs if r.role != Role.tune and all(str(getattr(r.config, k)) == v
                                                               for k, v in wanted.items())]
     if len(found) != 1:
         choices = sorted({f"variant={r.config.variant} scale={r.config.scale} seed={r.config.seed}" for r in plan.runs})

@@ -57,11 +57,11 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
     table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
     # heads per layer get a column only in a plan where some run's vary
     per_layer = any(r.model.layer_heads is not None and len(set(r.model.layer_heads)) > 1 for r in plan.runs)
-    cols = ("run key", "variant", "scale", "seed", "stage", "shape", "d/L", "FFN widths",
+    cols = ("run key", "variant", "scale", "seed", "role", "shape", "d/L", "FFN widths",
             *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
             "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h")
     for col in cols:
-        table.add_column(col, justify="right" if col not in ("variant", "stage", "shape", "FFN widths",
+        table.add_column(col, justify="right" if col not in ("variant", "role", "shape", "FFN widths",
                                                              "heads/layer") else "left")
     total_hours = 0.0
     for run in plan.runs:
@@ -73,7 +73,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
         hours = est.gpu_hours
         total_hours += hours or 0.0
         table.add_row(
-            run.key, run.config.variant, run.config.scale, str(run.config.seed), run.stage, shape,
+            run.key, run.config.variant, run.config.scale, str(run.config.seed), run.role, shape,
             f"{m.d_model / m.n_layers:.0f}", fmt_widths(m.ffn.widths),
             *((fmt_heads([m.q_heads(l) for l in range(m.n_layers)]),) if per_layer else ()),
             f"{p['counted']:,}" if p else "pending",
@@ -115,8 +115,8 @@ def _power_table(plan: Plan, power: list, note: str):
 
     d = plan.experiment.decision
     m = len(power)
-    table = Table(title=f"Seeds to resolve |Δ {d.get('metric', 'val/loss')}| = {d['margin']:g} either way at "
-                        f"{d.get('power', 0.8):.0%} power, α = {d.get('alpha', 0.05):g}/{m} (noise: {note})")
+    table = Table(title=f"Seeds to resolve |Δ {d.metric}| = {d.margin:g} either way at "
+                        f"{d.power:.0%} power, α = {d.alpha:g}/{m} (noise: {note})")
     for col in ("scale", "variant", "sd of paired Δ", "from", "to find Δ = margin", "to show equivalence",
                 "seeds needed", "planned", "GPU-h for them"):
         table.add_column(col, justify="left" if col in ("scale", "variant", "from") else "right")

@@ -1,4 +1,4 @@
-"""The MLflow tags of a training run (DESIGN schema), from its spec and the SLURM environment."""
+"""The MLflow tags of a training run (names in study.schema), from its spec and the SLURM environment."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ import os
 
 from study import schema
 from study.config.identity import SCHEMA_VERSION
+from study.config.run import Role
 from study.config.spec import RunSpec
 
 
 def run_tags(spec: RunSpec) -> dict[str, str]:
-    """The DESIGN schema's tags; the SLURM job id when the run is a SLURM job."""
+    """The run's study.schema tags; the SLURM job id when the run is a SLURM job."""
     cfg = spec.config
     tags = {schema.TAG_RUN_KEY: spec.key, schema.TAG_EXPERIMENT: cfg.experiment, schema.TAG_VARIANT: cfg.variant,
-            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_STAGE: cfg.stage,
+            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_STAGE: cfg.role,
             schema.TAG_BASELINE: cfg.baseline, schema.TAG_KEY_SCHEMA: str(SCHEMA_VERSION)}
     tags[schema.TAG_LR_SOURCE] = "tune" if spec.tuned is not None else "recipe"
     if spec.tuned is not None:
         tags[schema.TAG_TUNE_MULTIPLE] = f"{spec.tuned.multiple:g}"
-        if cfg.stage != "tune":
+        if cfg.role != Role.tune:
             tags[schema.TAG_TUNE_STATUS] = spec.tuned.status
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
