@@ -24,7 +24,7 @@ from study.config.geometry import GEOMETRIES, STATISTICS
 from study.track.query import open_store
 from study.config.model import LEGACY_KEYS
 from study.config.run import Role
-from study.geometry.allocate import anti_profile
+from study.geometry.allocate import reversed_profile
 from study.geometry.direction import BALANCED, depth_centre, direction
 
 PROFILE_ARTIFACT = "geometry/profile.json"
@@ -101,7 +101,7 @@ def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> Profil
         if profile is None:
             continue
         work = profile["stats"][arm.statistic][arm.geometry]
-        followed = anti_profile(work) if arm.reverse else work
+        followed = reversed_profile(work) if arm.reverse else work
         trained = _described(arm.widths) if arm.widths else "not logged yet"
         rows.append([arm.scale, arm.variant, arm.curve, _described(followed), trained])
         summary.append({"scale": arm.scale, "variant": arm.variant, "statistic": arm.statistic,

@@ -262,11 +262,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_allocate(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from study.config.compose import parse_overrides
-    from study.geometry.allocate import geometry_widths, read_profile
-    from study.plan.budget import match, target_width
+    from study.geometry.allocate import read_profile
+    from study.plan.complete import allocated
     from study.plan.experiment import Variant, load_experiment
     from study.plan.planner import compose_run, with_budget
 
@@ -277,21 +275,18 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     if scale not in exp.scales:
         raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
     settings = parse_overrides([f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}",
-                                f"model.ffn.schedule.reverse={args.anti}"])
+                                f"model.ffn.schedule.reverse={args.reverse}"])
     reference = compose_run(exp, Variant("reference", "conventional"), scale, parse_overrides([]))
     cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
-    profile = read_profile(args.profile)
     budget = cfg.budget.target
-    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
-                             anti=args.anti)
-    m = match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
-    out = {"statistic": args.statistic, "geometry": args.geometry, "anti": args.anti, "scale": scale,
+    widths, m = allocated(cfg, read_profile(args.profile), budget)
+    out = {"statistic": args.statistic, "geometry": args.geometry, "reverse": args.reverse, "scale": scale,
            "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
            "params": m.params.as_dict(), "budget": budget, "mismatch": m.mismatch}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{scale} {args.statistic}/{args.geometry}{' anti' if args.anti else ''}: widths {m.model.ffn.widths}")
+        print(f"{scale} {args.statistic}/{args.geometry}{' reversed' if args.reverse else ''}: widths {m.model.ffn.widths}")
         print(f"counted {m.params.counted:,} vs budget {budget:,} ({cfg.budget.mode}): mismatch {m.mismatch:+.2e}")
     return 0
 

@@ -10,7 +10,7 @@ from study.geometry.allocate import (
     AllocationConfig,
     allocate_from_profile,
     allocate_widths,
-    anti_profile,
+    reversed_profile,
     smooth_profile,
 )
 
@@ -79,10 +79,10 @@ def test_equal_exponents_give_widths_proportional_to_cost_to_the_one_over_one_pl
 def test_anti_reverses_the_order_of_widths():
     cost = smooth_profile([9.0, 7.5, 6.0, 3.0, 2.5, 2.0, 1.2, 1.0], "gaussian", 1.0)
     w = allocate_widths(cost, 8 * 100.0, 10.0, 0.5)
-    anti = allocate_widths(anti_profile(cost), 8 * 100.0, 10.0, 0.5)
+    anti = allocate_widths(reversed_profile(cost), 8 * 100.0, 10.0, 0.5)
     assert np.all(np.diff(w) < 0) and np.all(np.diff(anti) > 0)
     np.testing.assert_array_equal(np.argsort(anti), np.argsort(w)[::-1])
-    np.testing.assert_allclose(anti_profile(cost)[::-1].min(), cost.min())
+    np.testing.assert_allclose(reversed_profile(cost)[::-1].min(), cost.min())
 
 
 def test_smoothing_keeps_a_flat_profile_and_averages_neighbours():

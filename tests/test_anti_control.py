@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import spearmanr
 
 from study.config.geometry import AllocationConfig
-from study.geometry.allocate import anti_profile, geometry_widths, read_profile, smooth_profile
+from study.geometry.allocate import reversed_profile, geometry_widths, read_profile, smooth_profile
 from study.plan.budget import target_width
 from study.plan.complete import complete_spec
 from study.plan.planner import plan_experiment
@@ -55,7 +55,7 @@ def allocated(spec) -> np.ndarray:
     """The real-valued widths complete_spec allocates for a pending spec, before the matcher rounds them."""
     cfg = spec.config
     return np.array(geometry_widths(read_profile(spec.profile), target_width(cfg.model) * cfg.model.ffn.k,
-                                    cfg.model.n_layers, cfg.geometry, anti=cfg.model.ffn.schedule.reverse))
+                                    cfg.model.n_layers, cfg.geometry, reverse=cfg.model.ffn.schedule.reverse))
 
 
 def test_the_profile_runs_one_way_raw_and_the_other_way_normalised():
@@ -119,7 +119,7 @@ def test_reflecting_the_raw_work_instead_runs_with_geometry_and_the_anti_no_long
     pending = scheduled["geometry"][0]
     cfg, profile = pending.config, read_profile(pending.profile)
     raw = smooth_profile(profile["stats"]["topo"]["raw"], cfg.geometry.smoothing, cfg.geometry.smoothing_width)
-    profile["stats"]["topo"]["raw"] = anti_profile(raw).tolist()
+    profile["stats"]["topo"]["raw"] = reversed_profile(raw).tolist()
     former = geometry_widths(profile, target_width(cfg.model), LAYERS,
                              replace(cfg.geometry, geometry="raw", smoothing="none"))
     geo, anti = (scheduled[v][1].model.ffn.widths for v in ("geometry", "anti"))
@@ -130,7 +130,7 @@ def test_reflecting_the_raw_work_instead_runs_with_geometry_and_the_anti_no_long
 def test_with_every_layer_on_its_bound_the_anti_is_the_uniform_allocation():
     flat = AllocationConfig(w_min_fraction=1.0)
     profile = rising_raw_falling_normalised_profile()
-    assert geometry_widths(profile, 3840.0, LAYERS, flat, anti=True) == [3840.0] * LAYERS
+    assert geometry_widths(profile, 3840.0, LAYERS, flat, reverse=True) == [3840.0] * LAYERS
 
 
 def linear_profile() -> dict:
@@ -168,7 +168,7 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
     client.set_tag(runs["uniform", 0], "study.stage", "reference")
     client.log_artifact(runs["uniform", 0], str(root / "geometry" / "profile.json"), "geometry")
     for variant, reverse in (("geometry", False), ("anti", True)):
-        widths = [round(w) for w in geometry_widths(profile, 3840.0, LAYERS, AllocationConfig(), anti=reverse)]
+        widths = [round(w) for w in geometry_widths(profile, 3840.0, LAYERS, AllocationConfig(), reverse=reverse)]
         for seed in (0, 1):
             client.set_tag(runs[variant, seed], "study.stage", "scheduled")
             for key, value in {"geometry.statistic": "topo", "geometry.geometry": "hyperbolic",

@@ -17,12 +17,12 @@ network approximates a C^2 function on a d-dimensional manifold with error O(w^(
 rates), so the error exponent is smoothness over dimension with smoothness 2. `exponent="constant"` uses one a for
 all layers instead, which makes w_l proportional to (lambda_l c_l)^(1 / (1 + a)) away from the bound.
 
-The anti control (the geometry schedule's `reverse`) runs against the direction of the allocation it controls: the
-widths are allocated as above, from the same statistic and geometry, and then reflected. With x_l = w_l / u the
-fractions of the uniform width and f the lower bound, the width each layer holds above the bound, e_l = x_l - f,
-is reflected about its midrange and scaled to the same total:
+The geometry schedule's `reverse` (the setting of the anti control) runs against the direction of the allocation it
+controls: the widths are allocated as above, from the same statistic and geometry, and then reflected. With
+x_l = w_l / u the fractions of the uniform width and f the lower bound, the width each layer holds above the bound,
+e_l = x_l - f, is reflected about its midrange and scaled to the same total:
 
-    anti_l = f + s (max e + min e - e_l),   s = sum_l e_l / sum_l (max e + min e - e_l).
+    r_l = f + s (max e + min e - e_l),   s = sum_l e_l / sum_l (max e + min e - e_l).
 
 The layer that got the most width gets the least and the reverse, in exactly the opposite order; every layer stays
 at or above the bound and the total is the budget. The reflection acts on the widths, not on the work: the widths
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from study.errors import StudyError
 from study.config.geometry import SMOOTHING, AllocationConfig, one_of
+from study.errors import StudyError
+
 # Smoothness of the function an FFN approximates, in the error rate w^(-smoothness / intrinsic dimension).
 SMOOTHNESS = 2.0
 
@@ -55,7 +56,7 @@ def smooth_profile(work, method: str = "gaussian", width: float = 1.0) -> np.nda
     return work.copy()
 
 
-def anti_profile(values) -> np.ndarray:
+def reversed_profile(values) -> np.ndarray:
     """Values reflected about their midrange, v -> max v + min v - v: same range and spacing, opposite order (the
     `reverse` operator of study.plan.widths.reflect, on arrays)."""
     values = np.asarray(values, dtype=np.float64)
@@ -63,10 +64,10 @@ def anti_profile(values) -> np.ndarray:
 
 
 def reflect_allocation(fractions, w_min: float) -> np.ndarray:
-    """The anti control's widths: each layer's width above the bound `w_min` reflected about its midrange and scaled
+    """Reversed widths (the schedule's `reverse`): each layer's width above the bound `w_min` reflected about its midrange and scaled
     to the same total, so the order is exactly reversed, the bound holds and the budget is unchanged."""
     excess = np.asarray(fractions, dtype=np.float64) - w_min
-    mirrored = anti_profile(excess)
+    mirrored = reversed_profile(excess)
     if not mirrored.sum() > 0:  # every layer sits on its bound: there is no direction to reverse
         return excess + w_min
     return w_min + mirrored * (excess.sum() / mirrored.sum())
@@ -127,10 +128,9 @@ def profile_cost(profile: dict, cfg: AllocationConfig) -> np.ndarray:
 
 
 def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig,
-                          anti: bool = False) -> list[float]:
+                          reverse: bool = False) -> list[float]:
     """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer;
-    `anti` (the geometry schedule's `reverse`) reflects them against the allocation's direction
-    (`reflect_allocation`)."""
+    `reverse` (the geometry schedule's) reflects them against the allocation's direction (`reflect_allocation`)."""
     layers = int(profile["layers"])
     cost = profile_cost(profile, cfg)
     if cfg.exponent == "intrinsic":
@@ -150,7 +150,7 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     # The work was measured on the reference at its uniform width u, so layer l's error is c_l (w / u)^(-a_l):
     # solve for the fractions x = w / u (budget L, bound w_min_fraction), which no choice of unit can change.
     fractions = allocate_widths(cost, float(layers), cfg.w_min_fraction, exponents, weights)
-    if anti:
+    if reverse:
         fractions = reflect_allocation(fractions, cfg.w_min_fraction)
     return (uniform_width * fractions).tolist()
 
@@ -168,9 +168,9 @@ def read_profile(path) -> dict:
 
 
 def geometry_widths(profile: dict, uniform_width: float, n_layers: int, alloc: AllocationConfig,
-                    anti: bool = False) -> list[float]:
+                    reverse: bool = False) -> list[float]:
     """Real-valued per-layer widths with the total of `n_layers` uniform layers (the budget matcher rounds them)."""
     if int(profile["layers"]) != n_layers:
         raise StudyError("profile", f"the profile has {profile['layers']} layers, the model {n_layers}",
                          "profile a reference run with the same depth as the scheduled runs")
-    return allocate_from_profile(profile, uniform_width, alloc, anti)
+    return allocate_from_profile(profile, uniform_width, alloc, reverse)

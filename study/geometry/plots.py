@@ -71,7 +71,7 @@ def plot_reference_profiles(profiles: dict[str, dict], statistics: list[str], pa
 
 
 def plot_widths(widths_by_schedule: dict[str, list], path: str | Path) -> Path:
-    """FFN width per layer for each schedule (e.g. uniform, cosine taper, geometry-derived, anti)."""
+    """FFN width per layer for each schedule (e.g. uniform, cosine taper, geometry-derived, reversed)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 3.6))
     for name, widths in widths_by_schedule.items():

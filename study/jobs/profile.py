@@ -54,7 +54,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
     base = sum(uniform) / n
     schedules = {"uniform": uniform,
                  f"geometry ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, g),
-                 f"anti ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, g, anti=True)}
+                 f"reversed ({g.statistic}/{g.geometry})": geometry_widths(profile, base, n, g, reverse=True)}
     plot_widths(schedules, out / "widths.png")
 
     tracker = Tracker.attach(key, cfg.experiment, cfg=cfg.tracking)

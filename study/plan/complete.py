@@ -9,10 +9,20 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from study.config.run import RunConfig
 from study.config.spec import RunSpec
 from study.errors import StudyError
 from study.geometry.allocate import geometry_widths, read_profile
-from study.plan.budget import flops_per_token, match, target_width
+from study.plan.budget import Matched, flops_per_token, match, target_width
+
+
+def allocated(cfg: RunConfig, profile: dict, budget: int) -> tuple[list[float], Matched]:
+    """The real-valued widths the config's allocation settings take from a work profile (reflected when its
+    schedule says `reverse`), and the model with them matched to `budget` (the scheduled run's job and `study
+    allocate` alike)."""
+    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
+                             reverse=cfg.model.ffn.schedule.reverse)
+    return widths, match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
 
 
 def complete_spec(spec: RunSpec) -> RunSpec:
@@ -25,12 +35,8 @@ def complete_spec(spec: RunSpec) -> RunSpec:
                          + (f" at {path}" if path else ""),
                          "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
     cfg = spec.config
-    profile = read_profile(path)
-    widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
-                             anti=cfg.model.ffn.schedule.reverse)
-    model = replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths))
     try:
-        matched = match(model, spec.budget, cfg.budget)
+        _, matched = allocated(cfg, read_profile(path), spec.budget)
     except StudyError as err:
         raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
     return replace(spec, config=replace(cfg, model=matched.model), params=matched.params.as_dict(),
