@@ -1,5 +1,5 @@
-"""The command line's shape: every `study` command with its arguments and options (the public surface DESIGN.md
-fixes); `study/cli.py` runs them."""
+"""The command line's shape: every `study` command with its arguments and options (the public surface: command names
+never change); `study/cli.py` runs them."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="submit the runs of an experiment that are not finished yet")
     p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="cluster=local|slurm|<profile> and key=value overrides")
+    p.add_argument("overrides", nargs="*", help="cluster=local|slurm|<preset> and key=value overrides")
     p.add_argument("--dry-run", action="store_true", help="print arrays, dependencies and sbatch scripts only")
     p.add_argument("--wait", action="store_true", help="follow the jobs until none is pending or running")
     p.add_argument("--new-runs", action="store_true",
@@ -64,7 +64,7 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="one short job per distinct model shape: measured tokens/s and MFU for "
                        "`study plan`'s GPU-hours")
     p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="cluster=<profile> (the one the study will run on) and key=value")
+    p.add_argument("overrides", nargs="*", help="cluster=<preset> (the cluster the study will run on) and key=value")
     p.add_argument("--steps", type=int, default=40, help="training steps per job (the first quarter is warm-up)")
     p.add_argument("--again", action="store_true", help="measure shapes already calibrated on this profile anew")
     p.set_defaults(func=handlers["calibrate"])

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 @dataclass
 class ClusterConfig:
     name: str = "local"
-    """Profile name; `local` runs jobs without SLURM (submitit's local executor)."""
+    """Cluster preset name (the file `sweeps/cluster/<name>.yaml` chosen with `cluster=<name>`); `local` runs jobs
+    without SLURM (submitit's local executor)."""
     partition: str = ""
     """SLURM partition."""
     account: str = ""
@@ -52,4 +53,4 @@ class PathsConfig:
     runs: str = "runs"
     """Root of run directories (<runs>/<experiment>/<run_key>): checkpoints, logs, profiles."""
     profile: str = ""
-    """Geometry profile a scheduled run takes its widths from (set by the planner from the reference run)."""
+    """Geometry work profile a scheduled run takes its widths from (set by the planner from the reference run)."""

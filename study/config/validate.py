@@ -45,7 +45,7 @@ def _get(cfg: RunConfig, dotted: str):
 
 def _check_values(cfg: RunConfig) -> None:
     """Strings reach sbatch scripts, file names and shell lines: no control characters anywhere (a newline in a
-    profile string would be a shell line of its own). Numbers must be finite."""
+    cluster setting would be a shell line of its own). Numbers must be finite."""
     for dotted, value in leaves(asdict(cfg), into_lists=True).items():
         if isinstance(value, str) and CONTROL.search(value):
             raise StudyError(dotted, f"contains a control character ({CONTROL.search(value)[0]!r})",
