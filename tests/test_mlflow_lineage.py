@@ -58,6 +58,9 @@ def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spre
         assert parent.data.metrics["val/loss/sd"] == pytest.approx(abs(losses[0] - losses[1]) / 2 ** 0.5, rel=1e-9)
         assert parent.data.metrics["val/loss/n"] == 2
         assert [m.step for m in client.get_metric_history(parent.info.run_id, "val/loss")][-1] == 2
+        # the folded row names the shards its seed runs trained on (one corpus here: one dataset input)
+        assert [i.dataset.digest for i in parent.inputs.dataset_inputs] == sorted(
+            {i.dataset.digest for c in children for i in c.inputs.dataset_inputs})
     (conv,) = [p for p in parents if p.data.tags["study.variant"] == "conventional"]
     scores = [r.data.metrics["eval/arc_easy_local/acc"] for r in runs if r.data.tags["study.variant"] == "conventional"]
     assert conv.data.metrics["eval/arc_easy_local/acc"] == pytest.approx(statistics.fmean(scores), rel=1e-12)

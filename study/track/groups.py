@@ -4,7 +4,8 @@ MLflow's runs table folds nested runs under their parent (the `mlflow.parentRunI
 row per variant and scale. The parent carries the mean, the sample standard deviation and the count of its finished
 seed runs' final metrics, under the seed runs' own metric names (`val/loss`, `val/loss/sd`, `val/loss/n`): one
 column of the table compares variants. Its metric step is the number of finished seeds summarised, so the history
-shows how the mean moved as seeds arrived.
+shows how the mean moved as seeds arrived. It also carries its seed runs' dataset input (the token shards), so the
+folded row's Dataset column names what the cell trained on.
 
 A parent has no `study.seed` and no `study.run_key`, and `study.stage=group`: analysis, status and relaunch never
 take it for a training run. The summary is recomputed from the seed runs whenever one finishes or is evaluated, so
@@ -114,6 +115,7 @@ def refresh(client, run_id: str) -> dict[str, float]:
     manifest = read_manifest_tags(client, client.get_experiment(experiment_id).name)
     keys = set(manifest["keys"]) if manifest and manifest["keys"] else None
     metrics, n = summary(children, keys)
+    share_datasets(client, parent, children)
     if metrics:
         import time
 
@@ -122,6 +124,22 @@ def refresh(client, run_id: str) -> dict[str, float]:
         for i in range(0, len(points), 1000):
             client.log_batch(parent, metrics=points[i:i + 1000], synchronous=True)
     return metrics
+
+
+def share_datasets(client, parent_id: str, children: list) -> list[str]:
+    """Log on the parent every dataset input its seed runs carry and it lacks (one per digest); the digests added.
+
+    The runs table folds seed runs under their parent, so the folded row is the one read: its Dataset column shows
+    the shards the cell trained on, as each seed run's row does (`study.track.lineage.dataset_input`)."""
+    have = {i.dataset.digest for i in client.get_run(parent_id).inputs.dataset_inputs}
+    new = {}
+    for child in children:
+        for found in child.inputs.dataset_inputs:
+            if found.dataset.digest not in have:
+                new.setdefault(found.dataset.digest, found)
+    if new:
+        client.log_inputs(parent_id, datasets=list(new.values()))
+    return list(new)
 
 
 def refresh_quietly(client, run_id: str) -> None:

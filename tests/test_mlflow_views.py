@@ -1,0 +1,114 @@
+"""What the MLflow UI shows, read back from a real local store (SQLite): the report run's report.html opens from the
+artifact view on its own (the UI loads an .html artifact into a sandboxed iframe from a blob URL, where nothing
+relative to the page resolves), and a parent run carries its seed runs' dataset input like they do."""
+
+from __future__ import annotations
+
+import base64
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mlflow import MlflowClient
+
+from analysis.report import build_report
+from analysis.synthetic import synthetic_store
+from study import schema
+from study.track.groups import parent_for, refresh
+from study.track.lineage import DATASET_CONTEXT, PARENT, dataset_input
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+class _References(HTMLParser):
+    """Every URL-bearing attribute of a page, and the tags that could load something from elsewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls: list[tuple[str, str, str]] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        for name, value in attrs:
+            if name in ("src", "href", "srcset", "data", "action", "poster"):
+                self.urls.append((tag, name, value or ""))
+
+
+def test_report_html_artifact_is_the_page_written_with_every_figure_embedded_and_nothing_loaded_from_elsewhere(
+        tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    synthetic_store(uri, "view", ["base", "new"], ["20M", "40M", "80M", "160M"], seeds=3, steps=20, eval_tasks=(),
+                    effects={"new": -0.02}, rng_seed=2)
+    result = build_report("view", tracking_uri=uri, out_dir=tmp_path / "reports", n_resamples=99)
+    client = MlflowClient(uri)
+    run_id = result["report_run_id"]
+    root = {a.path: a for a in client.list_artifacts(run_id)}
+    # at the artifact root, named .html: the artifact view picks its HTML viewer by the extension
+    assert "report.html" in root and not root["report.html"].is_dir
+    page = Path(client.download_artifacts(run_id, "report.html", str(tmp_path / "down"))).read_bytes()
+    assert page == (tmp_path / "reports" / "view" / "report.html").read_bytes()
+    refs = _References()
+    refs.feed(page.decode("utf-8"))
+    assert not {"script", "link", "iframe", "object", "embed", "base"} & set(refs.tags)
+    images = [value for tag, _, value in refs.urls if tag == "img"]
+    assert all(value.startswith("data:image/png;base64,") for value in images)
+    assert all(tag == "img" for tag, _, _ in refs.urls)  # no link to a file beside the page
+    embedded = [base64.b64decode(value.split(",", 1)[1]) for value in images]
+    assert embedded and all(data.startswith(PNG) for data in embedded)
+    logged = {p: Path(client.download_artifacts(run_id, p, str(tmp_path / "pngs"))).read_bytes()
+              for p in root if p.endswith(".png")}
+    # each figure the page shows is byte for byte a PNG the run also holds as a file
+    assert sorted(embedded) == sorted(logged[p] for p in logged if logged[p] in embedded)
+    assert {"scaling.png", "loss_curves.png", "forest_val_loss.png"} <= {p for p in logged if logged[p] in embedded}
+
+
+def _shards(tmp_path: Path, text: str):
+    """What `dataset_input` reads of a run's data: shard metadata (checksums, split counts) and the data config."""
+    meta = {"sha256": {"train.bin": text}, "splits": {"train": {"tokens": 1000, "documents": 10}},
+            "vocab_size": 256, "dtype": "uint16"}
+    data = SimpleNamespace(meta=meta, shard_dir=tmp_path / text)
+    return dataset_input(data, SimpleNamespace(name="docstrings", config_name=None, tokens=None, val_tokens=None))
+
+
+def test_a_parent_run_carries_the_dataset_input_of_its_seed_runs_once_per_digest(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment_id = client.create_experiment("cells")
+    tags = {schema.TAG_EXPERIMENT: "cells", schema.TAG_VARIANT: "conventional", schema.TAG_SCALE: "tiny",
+            schema.TAG_STAGE: "main"}
+    parent = parent_for(client, experiment_id, tags)
+    same, other = _shards(tmp_path, "aaaa"), _shards(tmp_path, "bbbb")
+    seeds = []
+
+    def seed_run(seed: int, inputs: list) -> str:
+        run_id = client.create_run(experiment_id, tags={**tags, schema.TAG_SEED: str(seed), PARENT: parent}).info.run_id
+        client.log_inputs(run_id, datasets=inputs)
+        client.log_metric(run_id, schema.VAL_LOSS, 3.0 + seed, step=4)
+        seeds.append(run_id)
+        return run_id
+
+    seed_run(0, [same]), seed_run(1, [same])
+    client.set_terminated(seeds[0], "FINISHED")
+    refresh(client, seeds[0])
+    refresh(client, seeds[0])  # a second summary adds no second copy
+    (carried,) = client.get_run(parent).inputs.dataset_inputs
+    seed_input = client.get_run(seeds[0]).inputs.dataset_inputs[0]
+    assert carried.dataset.digest == same.dataset.digest == seed_input.dataset.digest
+    assert (carried.dataset.name, carried.dataset.source, carried.dataset.profile) == (
+        seed_input.dataset.name, seed_input.dataset.source, seed_input.dataset.profile)
+    assert json.loads(carried.dataset.profile)["train_tokens"] == 1000
+    assert [(t.key, t.value) for t in carried.tags] == [(DATASET_CONTEXT, "training")]
+    # a seed run on other shards (another tokenizer, say) adds its own when the summary next runs
+    client.set_terminated(seed_run(2, [other]), "FINISHED")
+    refresh(client, seeds[2])
+    digests = sorted(i.dataset.digest for i in client.get_run(parent).inputs.dataset_inputs)
+    assert digests == sorted([same.dataset.digest, other.dataset.digest])
+    listed = client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_STAGE}` = 'group'")
+    assert [r.info.run_id for r in listed] == [parent] and len(listed[0].inputs.dataset_inputs) == 2
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
