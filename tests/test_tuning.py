@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from study.config.run import Role
 from study.errors import StudyError
 from study.plan.tune import EDGE, EXTENDED, INTERIOR, Point, Tuning, choose, grid_with_extensions, parse_tuning, \
     transfer
@@ -101,11 +102,11 @@ def test_plan_lists_the_tune_runs_and_holds_the_main_runs_until_their_tuning_dec
 
     monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, "tuned", **TUNED)))
     plan = plan_experiment("tuned")
-    tune = [r for r in plan.runs if r.stage == "tune"]
+    tune = [r for r in plan.runs if r.role == Role.tune]
     assert sorted((r.config.variant, r.tuned.multiple) for r in tune) == [
         ("fast", 0.5), ("fast", 1.0), ("fast", 2.0), ("slow", 0.5), ("slow", 1.0), ("slow", 2.0)]
     assert {r.config.train.lr for r in tune if r.config.variant == "slow"} == {1.5e-4, 3e-4, 6e-4}
-    main = [r for r in plan.runs if r.stage != "tune"]
+    main = [r for r in plan.runs if r.role != Role.tune]
     assert all(r.awaits_tuning and "tuning of" in r.pending for r in main)
     private_sweeps(workdir, "untuned", **{k: v for k, v in TUNED.items() if k != "tune"})
     untuned = {r.name: r for r in plan_experiment("untuned").runs}  # the same runs at the shared LR rule
@@ -128,7 +129,7 @@ def test_a_local_launch_tunes_first_and_trains_each_variant_at_its_own_best_lr(w
     lines: list[str] = []
     launch("tuned", ["cluster=local"], echo=lines.append)
     plan = plan_experiment("tuned")
-    tune = [r for r in plan.runs if r.stage == "tune"]
+    tune = [r for r in plan.runs if r.role == Role.tune]
     results = {r.key: json.loads(r.run_dir.result.read_text())["val_loss"] for r in tune}  # every one finished
     slow = sorted((r.tuned.multiple, results[r.key]) for r in tune if r.config.variant == "slow")
     assert [m for m, _ in slow][:4] == [0.5, 1.0, 2.0, 4.0]  # the top edge grew
@@ -170,6 +171,6 @@ def test_seeds_an_adaptive_launch_adds_go_to_main_runs_never_to_tune_runs(workdi
     monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, "tuned", **TUNED)))
     plain = plan_experiment("tuned")
     more = plan_experiment("tuned", extra_seeds={"tiny": {"slow": [3, 4]}})
-    tune = sorted(r.key for r in plain.runs if r.stage == "tune")
-    assert sorted(r.key for r in more.runs if r.stage == "tune") == tune
-    assert sorted(r.config.seed for r in more.runs if r.stage != "tune" and r.config.variant == "slow") == [0, 3, 4]
+    tune = sorted(r.key for r in plain.runs if r.role == Role.tune)
+    assert sorted(r.key for r in more.runs if r.role == Role.tune) == tune
+    assert sorted(r.config.seed for r in more.runs if r.role != Role.tune and r.config.variant == "slow") == [0, 3, 4]

@@ -37,14 +37,13 @@ class Adaptive:
         from study.track.query import open_store
         from analysis.run_table import experiment_id, read_runs
         from analysis.sequential import Caps, log_look, until_decided
-        from study.config.decision import DecisionRule
         from study.launch.status import experiment_status
         from study.launch.submit import LaunchFailed, launch
         from study.plan.planner import plan_experiment
 
         plan = plan_experiment(self.experiment, self.overrides)
         exp = plan.experiment
-        rule = DecisionRule.from_mapping(exp.decision, f"{exp.name}.yaml: decision")
+        rule = exp.decision
         caps = Caps(self.max_seeds or max(len(s) for s in exp.seeds.values()) + 3, self.max_gpu_hours)
         uri = plan.runs[0].config.tracking.uri
         hours = {(r.config.variant, r.config.scale): r.gpu_hours() or 0.0 for r in plan.runs}
@@ -120,7 +119,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
         adaptive.run(echo)
         return 0
     check_slurm()
-    # The controller needs one CPU and no GPU, for as long as the cluster profile lets a job run; a requeue
+    # The controller needs one CPU and no GPU, for as long as the cluster preset lets a job run; a requeue
     # (time limit) replays it.
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
     ex = _executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j", _safe_name(f"{experiment}-until-decided"))

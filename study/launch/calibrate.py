@@ -1,5 +1,5 @@
 """`study calibrate EXPERIMENT cluster=...`: one short training job per distinct shape of the experiment, on the
-cluster profile the study will run on; the measured tokens/s (and MFU on GPUs) go to the tracking store, where
+cluster preset the study will run on; the measured tokens/s (and MFU on GPUs) go to the tracking store, where
 `study plan` reads them for its GPU-hours (study/plan/throughput.py).
 
 A calibration job is an ordinary training job of a copy of one run of that shape: same model, batch, precision and
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from study import schema
+from study.config.run import Role
 from study.config.spec import RunSpec, write_spec
 from study.errors import StudyError
 from study.plan.planner import plan_experiment
@@ -44,7 +45,7 @@ def calibration_specs(experiment: str, overrides: list[str], steps: int) -> list
         cfg = run.config
         train = replace(cfg.train, max_steps=steps, log_interval=1, val_interval=steps, ckpt_interval=steps,
                         keep_last=1, val_batches=1)
-        config = replace(cfg, experiment=CALIBRATION_EXPERIMENT, stage="calibrate", seed=0, train=train,
+        config = replace(cfg, experiment=CALIBRATION_EXPERIMENT, role=Role.calibrate, seed=0, train=train,
                          eval=replace(cfg.eval, after_train=False))
         name = f"{cfg.variant}-{cfg.scale}-{cfg.cluster.name}"
         rdir = RunDir.of(cfg.paths.runs, CALIBRATION_EXPERIMENT, f"{key}-{cfg.cluster.name}")

@@ -7,6 +7,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from study.config.run import Role
 from study.config.spec import RunSpec
 from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
@@ -113,14 +114,14 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     it: a run whose evaluation failed is submitted again (training resumes at its last checkpoint, so only the
     evaluation runs)."""
     wanted = queue.wanted
-    tune = [r for r in plan.runs if r.stage == "tune" and wanted(r)]
+    tune = [r for r in plan.runs if r.role == Role.tune and wanted(r)]
     # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
     ready = [r for r in plan.runs if not r.awaits_tuning]
-    train = tune + [r for r in ready if r.stage not in ("scheduled", "tune") and wanted(r)]
-    refs = {d for r in ready if r.stage == "scheduled" for d in r.depends_on}
+    train = tune + [r for r in ready if r.role not in (Role.scheduled, Role.tune) and wanted(r)]
+    refs = {d for r in ready if r.role == Role.scheduled for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not queue.busy(f"profile:{r.key}")]
-    scheduled = [r for r in ready if r.stage == "scheduled" and wanted(r)]
+    scheduled = [r for r in ready if r.role == Role.scheduled and wanted(r)]
     prepare = [g for g in missing_groups(train + scheduled) if not queue.busy(g.key)]
     return prepare, train, profile, scheduled
 
@@ -143,7 +144,7 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
             jobs = _submit_array(ex, callables)
     except Exception as err:  # sbatch's own message is the useful part
         raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
-                         "check the cluster profile (partition, account, qos, time limit) against `sinfo`") from None
+                         "check the cluster preset (partition, account, qos, time limit) against `sinfo`") from None
     ids = [j.job_id for j in jobs]
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
     names = [g.data.name for g in stage.groups] if stage.name == "prepare" else [r.name for r in stage.runs]
@@ -167,10 +168,10 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     stages = []
     if prepare:
         stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
-    tune = [r for r in train if r.stage == "tune"]
+    tune = [r for r in train if r.role == Role.tune]
     if tune:
         stages.append(Stage("tune", tune))
-    train = [r for r in train if r.stage != "tune"]
+    train = [r for r in train if r.role != Role.tune]
     if train:
         stages.append(Stage("train", train))
     if profile:

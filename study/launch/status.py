@@ -20,7 +20,7 @@ from study.train import checkpoint
 
 
 LOCAL = "local process"
-COLUMNS = ("run key", "run", "stage", "MLflow status", "job id", "scheduler state", "checkpoint step",
+COLUMNS = ("run key", "run", "role", "MLflow status", "job id", "scheduler state", "checkpoint step",
            "val/loss (last)", "restarts", "state")
 """`study status` columns: `scheduler state` is SLURM's view of the job (or `local process`), `state` the one word
 to act on, from the run's state: its run directory, the lease and the scheduler (MLflow's disagreement named)."""
@@ -30,7 +30,8 @@ to act on, from the run's state: its run directory, the lease and the scheduler 
 class RunStatus:
     key: str
     name: str
-    stage: str
+    role: str
+    """The run's role: train, reference, scheduled, tune (study.config.run.Role)."""
     mlflow: str
     """MLflow run status, or `-` when the run never started."""
     job_id: str
@@ -102,7 +103,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
         latest = checkpoint.latest(planned.run_dir.path)
         state = state_of(planned, sources)
         out.append(RunStatus(
-            planned.key, planned.name, planned.stage, state.mlflow, job_id, job_state,
+            planned.key, planned.name, planned.role.value, state.mlflow, job_id, job_state,
             int(latest.name.split("_")[-1]) if latest else None,
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
@@ -120,7 +121,7 @@ def print_status(rows: list[RunStatus], title: str) -> None:
     for col in COLUMNS:
         table.add_column(col)
     for s in rows:
-        table.add_row(s.key, s.name, s.stage, s.mlflow, s.job_id, s.job_state,
+        table.add_row(s.key, s.name, s.role, s.mlflow, s.job_id, s.job_state,
                       str(s.last_step) if s.last_step is not None else "-",
                       f"{s.val_loss:.4f}" if s.val_loss is not None else "-", str(s.restarts), s.verdict)
     console().print(table)

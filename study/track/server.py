@@ -1,6 +1,6 @@
 """A real `mlflow server` in its own process group: started on a free port, health-checked, stopped as a group.
 
-`mlflow server` runs uvicorn as a child process, and SIGTERM to the CLI alone leaves that child serving (STACK.md), so
+`mlflow server` runs uvicorn as a child process, and SIGTERM to the CLI alone leaves that child serving, so
 stopping signals the whole group, then SIGKILLs it after a grace period. The server's job runner (GenAI jobs: a pool of
 huey consumers that doubles start time on 2 cores) is off unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION says otherwise.
 

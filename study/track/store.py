@@ -1,6 +1,6 @@
 """The MLflow side of tracking: store URIs, SQLite first-use locking, retries, and finding or resuming a run.
 
-Everything here talks to MLflow synchronously; `study.tracking.Tracker` keeps it off the training step's path.
+Everything here talks to MLflow synchronously; `study.track.tracker.Tracker` keeps it off the training step's path.
 """
 
 from __future__ import annotations

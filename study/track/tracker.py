@@ -1,12 +1,12 @@
 """MLflow tracking for training runs: one run per run key, resumed on restart, logged off the training step's path.
 
-Schema (DESIGN.md): experiment = experiment file name; run name `<variant>-<scale>-s<seed>`; tags `study.*`; params =
+Schema (the MLflow names of study.schema): experiment = experiment file name; run name `<variant>-<scale>-s<seed>`; tags `study.*`; params =
 what the caller logs, flattened with dots (training logs the config fields the run key hashes, so a resume with other
 key-neutral settings is the same run); metrics `train/*`, `val/*`, `eval/<task>/<metric>`. A key's run is the oldest
 active one; `study.track.store.retire_runs` sets a key's runs aside when it is trained again from step 0.
 
 A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, while a `log_batch` of 1000 points costs 0.3 s
-(STACK.md), so `Tracker.log_metrics` only appends to a buffer and a background thread ships batches. A tracking outage
+(measured on this stack), so `Tracker.log_metrics` only appends to a buffer and a background thread ships batches. A tracking outage
 (server down, HTTP errors, SQLite "database is locked") keeps points buffered and retried with backoff; training never
 waits for MLflow. MLflow's HTTP client also retries inside each call (MLFLOW_HTTP_REQUEST_MAX_RETRIES, default 7:
 up to about 2 minutes in one call); the buffer makes that harmless, and a lower value lands points sooner after an
