@@ -225,7 +225,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Score `model` with lm-eval; returns {"lm_eval": lm-eval's results dict, "metrics": flatten_scores(...)}.
 
-    Local tasks (the YAML templates in `task_dir`, default `study/tasks/`) run offline; any other name is looked
+    Local tasks (the YAML templates in `task_dir`, default `study/evaluate/tasks/`) run offline; any other name is looked
     up among lm-eval's built-in tasks, which index slowly and fetch data from the Hugging Face Hub. `limit` caps
     the documents per task (a fraction below 1 is a share). The model is moved to `device` and put in eval mode
     for the call; its train/eval mode is restored afterwards.
