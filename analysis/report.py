@@ -29,6 +29,7 @@ from analysis.sequential import final_decisions, read_looks
 from analysis.time_to_target import TimeReport, time_to_target
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair, tune_curves, verdict_pairs
 from study.config.decision import DecisionRule
+from study import schema
 from study.errors import StudyError
 from study.track.query import open_store
 from study.track.store import resolve_tracking_uri
@@ -295,12 +296,12 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
     """
     mlflow_client = open_store(uri, required=True)
     exp_id = run_table.experiment_id(mlflow_client, experiment)
-    found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`study.stage` = '{run_table.REPORT_STAGE}'",
+    found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_REPORT}'",
                                       order_by=["attributes.start_time ASC"], max_results=1)
     if found:
         run_id = found[0].info.run_id
     else:
-        tags = {"study.stage": run_table.REPORT_STAGE, "study.experiment": experiment}
+        tags = {schema.TAG_STAGE: schema.STAGE_REPORT, schema.TAG_EXPERIMENT: experiment}
         run_id = mlflow_client.create_run(exp_id, run_name=REPORT_RUN_NAME, tags=tags).info.run_id
     from mlflow.entities import RunTag
 

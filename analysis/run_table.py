@@ -18,15 +18,13 @@ import pandas as pd
 from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
-from study.schema import NOT_TRAINING, STAGE_REPORT, TAG_KEY_SCHEMA, TAG_STAGE
+from study.schema import NOT_TRAINING, TAG_KEY_SCHEMA, TAG_STAGE
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-REPORT_STAGE = STAGE_REPORT
-"""Value of the ``study.stage`` tag that marks experiment-level report runs (study.schema.STAGE_REPORT)."""
 
 FINISHED = "FINISHED"
 """MLflow status of a run that ended normally; only these enter the statistics."""

@@ -17,7 +17,7 @@ def runs_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows in the shape analysis.run_table.read_runs returns; defaults fill what a test does not care about."""
     out = []
     for i, row in enumerate(rows):
-        base = {"run_id": f"r{i}", "run_name": None, "run_key": f"k{i}", "stage": "train", "baseline": "base",
+        base = {"run_id": f"r{i}", "run_name": None, "run_key": f"k{i}", "role": "train", "baseline": "base",
                 "status": "FINISHED", "start_time": i, "params_counted": 1_000_000}
         out.append({**base, **row})
     frame = pd.DataFrame(out)

@@ -71,11 +71,6 @@ class RunSpec:
         return self.config.role
 
     @property
-    def stage(self) -> Role:
-        """The run's role under the field's former name, for callers not yet moved to `role`."""
-        return self.config.role
-
-    @property
     def run_dir(self) -> RunDir:
         return RunDir(self.dir)
 

@@ -20,11 +20,12 @@ import statistics
 from collections.abc import Mapping
 
 from study import schema
+from study.config.run import Role
 from study.track.lineage import DESCRIPTION, PARENT
 
 logger = logging.getLogger(__name__)
-GROUP_STAGE = "group"
-TUNE_STAGE = "tune"
+GROUP_STAGE = schema.STAGE_GROUP
+TUNE_STAGE = Role.tune
 """`study.stage` of a tune run: a point of its variant's LR grid, nested under the variant's parent but never in its
 summary (a grid point at a poor LR is no sample of the variant's loss)."""
 TAG_GROUP = "study.group"

@@ -23,7 +23,8 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
     from study.config.identity import KEY, SCHEDULED, placement
     from study.track import lineage
-    from study.track.groups import parent_for
+    from study.config.run import Role
+    from study.track.groups import parent_for, share_datasets
     from study.config.secrets import redact
     from study.track.params import flatten
     from study.track.tags import run_tags
@@ -53,11 +54,15 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
 
     def lineage_records(client, run_id):
         run = client.get_run(run_id)
-        if spec.stage != "calibrate":  # a calibration measures a shape: it has no seeds to group
-            client.set_tag(run_id, lineage.PARENT, parent_for(client, run.info.experiment_id, run.data.tags))
+        parent = None
+        if spec.role != Role.calibrate:  # a calibration measures a shape: it has no seeds to group
+            parent = parent_for(client, run.info.experiment_id, run.data.tags)
+            client.set_tag(run_id, lineage.PARENT, parent)
         dataset = lineage.dataset_input(data, cfg.data)
         if all(i.dataset.digest != dataset.dataset.digest for i in run.inputs.dataset_inputs):
             client.log_inputs(run_id, datasets=[dataset])  # once: a resumed run trains on the same shards
+        if parent is not None:  # the parent shows the shards its cell trains on from the first seed's start
+            share_datasets(client, parent, [client.get_run(run_id)])
 
     tracker.record("lineage", lineage_records)
     tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
