@@ -2,7 +2,9 @@
 done (result.json, the evaluation records) and running (the lease), the scheduler says queued or stuck, MLflow only
 mirrors. `study launch` (to_submit), `study status` and `--until-decided` read that one answer, so they agree; where
 MLflow and the run directory disagree the run directory wins and the disagreement is named. Built from real run
-directories, real training and a real SQLite MLflow store; SLURM's answers come from a stand-in `squeue`."""
+directories, real training and a real SQLite MLflow store. SLURM's two answers here come from a stand-in `squeue`, so
+all five states sit in one plan without a cluster; the same states from real jobs on the local SLURM (a held job
+queued, a job stuck behind a cancelled one, status and relaunch reading them) are pinned in test_launch_slurm.py."""
 
 from __future__ import annotations
 
