@@ -105,7 +105,7 @@ def test_a_trained_run_to_be_evaluated_needs_its_evaluation_of_record(five_runs)
 
 
 def test_where_mlflow_and_the_run_directory_disagree_the_run_directory_wins_and_says_so(five_runs, workdir):
-    from mlflow import MlflowClient
+    from study.track.query import open_store
 
     plan = five_runs
     done = plan.runs[0]
@@ -120,7 +120,9 @@ def test_where_mlflow_and_the_run_directory_disagree_the_run_directory_wins_and_
 
     shutil.move(aside, done.run_dir.result)  # its result back, MLflow's run closed otherwise
     uri = done.config.tracking.uri
-    MlflowClient(uri).set_terminated(run_state.Sources("runs", "states", uri).mlflow[done.key].info.run_id, "KILLED")
+    # the store the run tracks to, as every reader opens it (not a tracking URI other tests set process-wide)
+    open_store(uri, required=True).set_terminated(run_state.Sources("runs", "states", uri).mlflow[done.key].info.run_id,
+                                                  "KILLED")
     states, submitted, _, rows = answers(plan)
     said = "its run directory holds its result.json, yet MLflow says KILLED"
     assert (states[done.name].needs, states[done.name].disagreement) == (MIRROR, said)
