@@ -270,3 +270,22 @@ def test_a_delta_tiny_against_its_spread_needs_no_reachable_number_of_seeds():
     assert seeds_for_equivalence(0.0, 1e-12, 0.02, 0.05, 0.8) is None
     assert seeds_for_difference(0.02, 0.02, 0.05, 0.8) == math.ceil(
         TTestPower().solve_power(effect_size=1.0, alpha=0.05, power=0.8))
+
+
+def test_deltas_equal_up_to_rounding_are_undecided_not_significant():
+    """Three seeds whose task accuracies on 48 items differ from the baseline's by one item each: the deltas are
+    -1/48 up to the last bit, so their computed sd is rounding noise and a t test would give p ~ 0."""
+    import pandas as pd
+
+    base, arm = [0.5, 0.5625, 0.4375], [0.5 - 1 / 48, 0.5625 - 1 / 48, 0.4375 - 1 / 48]
+    deltas = np.subtract(arm, base)
+    assert np.std(deltas, ddof=1) > 0 and stats.ttest_1samp(deltas, 0.0).pvalue < 1e-6  # what the t test alone says
+    df = pd.DataFrame([{"run_id": f"{v}{k}", "run_key": f"{v}{k}", "variant": v, "scale": "s", "seed": k,
+                        "status": "FINISHED", "start_time": 0, "failure_reason": None, "params_counted": 1000,
+                        "eval/task/acc": acc} for v, accs in (("base", base), ("arm", arm))
+                       for k, acc in enumerate(accs)])
+    (row,) = decide({"eval/task/acc": paired_deltas(df, "eval/task/acc", "base", n_resamples=0)},
+                    DecisionRule(metric="val/loss"))
+    assert (row.verdict, row.sd_delta, row.reason) == ("undecided", 0.0,
+                                                       "every delta is identical: no spread to test against")
+    assert row.mean_delta == pytest.approx(-1 / 48, abs=1e-15)
