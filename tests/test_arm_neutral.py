@@ -19,7 +19,7 @@ from study.plan.planner import plan_experiment, select_run
 
 COMPARISONS = ("demo", "hourglass", "hourglass_k", "search", "scaling", "hourglass_release", "geometry", "widths")
 ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "wu", "embed", "lm_head")
-RECIPE = ("max_steps", "tokens", "lr", "warmup_steps", "final_lr", "global_batch")
+RECIPE = ("max_steps", "tokens", "lr", "warmup_steps", "final_lr", "global_batch", "val_windows")
 
 
 def role_stds(model_cfg: ModelConfig) -> dict[str, set[float]]:

@@ -156,6 +156,22 @@ def test_validation_batches_are_fixed_and_split_across_ranks(small) -> None:
         next(val_batches(small.val, 32, batch_size=10_000))
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_validation_scores_the_same_windows_on_every_world_size_and_micro_batch(small, world_size, micro) -> None:
+    from study.data.batches import val_windows
+
+    count = 11  # not a multiple of any layout's batch: the shares and the last batches are uneven
+    expected = torch.from_numpy(np.stack([small.val[w * 32:w * 32 + 33] for w in range(count)]).astype(np.int64))
+    shares = [list(val_windows(small.val, 32, count, micro, rank=r, world_size=world_size)) for r in range(world_size)]
+    # every rank runs as many forwards as the largest share needs (a sharded forward is a collective)
+    assert len({len(batches) for batches in shares}) == 1
+    assert len(shares[0]) == -(-(-(-count // world_size)) // micro)
+    scored = [torch.cat([x[:real], y[:real, -1:]], dim=1) for batches in shares for x, y, real in batches if real]
+    assert torch.equal(torch.cat(scored), expected)  # each of the first 11 windows once, in order
+    assert sum(real for batches in shares for _, _, real in batches) == count
+
+
 def test_leftover_build_without_a_progress_record_is_rebuilt(small_cfg: DataConfig, small, tmp_path: Path) -> None:
     cfg = replace(small_cfg, cache_dir=str(tmp_path))
     entry = tmp_path / "shards" / small.shard_dir.name

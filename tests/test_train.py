@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, TINY, TRAINING_RUNS
@@ -170,3 +171,31 @@ def test_callbacks_see_the_loss_then_validation_then_the_stop_then_the_checkpoin
                       ("log", 6, loss[6]), ("validation", 6, val[6]), ("stop", 6, True), ("checkpoint", 6, [3])]
     assert [loss[s] for s in (2, 4, 6)] == [out.losses[s] for s in (2, 4, 6)]
     assert saved() == [3, 6]
+
+
+def test_validation_is_the_mean_over_a_fixed_set_of_windows_whatever_the_micro_batch(workdir):
+    """What a resume on another world size or a smaller micro batch scores is the same windows, so the same loss: the
+    mean of each of the first `val_windows` windows' own loss, computed here window by window."""
+    import torch
+    import torch.nn.functional as F
+
+    from study.data import prepare_data
+    from study.data.batches import gather_windows, to_tensors
+    from study.models.transformer import build_model
+    from study.train.callbacks import validate
+
+    spec = cfg_for()
+    data = prepare_data(spec.config.data, model_vocab=spec.model.vocab_size)
+    model = build_model(spec.model, "cpu", seed=0)
+    windows = 7
+    assert spec.planned.validation_windows(spec.config.train.val_batches) == spec.planned.val_windows > 0
+    with torch.no_grad():
+        own = []
+        for w in range(windows):
+            x, y = to_tensors(gather_windows(data.val, data.seq_len, np.array([w])))
+            own.append(F.cross_entropy(model(x)[0].float(), y[0]).item())
+    expected = sum(own) / windows
+    one = Dist(rank=0, world_size=1, local_rank=0, device="cpu")
+    got = [validate(model, data, windows, one, micro) for micro in (1, 3, 4, 7)]
+    assert got == pytest.approx([expected] * 4, rel=1e-6)
+    assert model.training  # validation hands the model back in training mode

@@ -34,6 +34,15 @@ class Recipe:
     """Learning rate at the last step: `train.final_lr`, else min_lr_ratio x lr."""
     lr_rule: str
     """Where `lr` came from, in words (shown by `study plan`)."""
+    val_windows: int = 0
+    """Held-out windows every validation pass scores: the first `val_windows` of the validation split,
+    `train.val_batches` x micro_batch x world_size at the planned layout. Fixed here, so every world size a run
+    trains or resumes on, and every micro batch it fits in, scores the same windows. 0 in specs written before the
+    field: the planned layout's count is taken (`validation_windows`)."""
+
+    def validation_windows(self, val_batches: int) -> int:
+        """Windows a validation pass scores (specs written before `val_windows`: `val_batches` planned batches)."""
+        return self.val_windows or val_batches * self.micro_batch * self.world_size
 
 
 PENDING = "pending"

@@ -54,7 +54,9 @@ class TrainConfig:
     val_interval: int = 50
     """Steps between validation passes (and always at the last step)."""
     val_batches: int = 4
-    """Validation batches per pass (fixed windows: every pass sees the same tokens)."""
+    """Validation batches per pass at the planned layout: the planner fixes the pass's windows at val_batches x
+    micro_batch x ranks (`Recipe.val_windows`), the first of the held-out split, so every pass, world size and micro
+    batch scores the same tokens."""
     ckpt_interval: int = 50
     """Steps between checkpoints (and always at the last step)."""
     keep_last: int = 2

@@ -88,6 +88,24 @@ def check_val_split(tokens, seq_len: int, batch_size: int, from_files: bool = Fa
     return windows // batch_size
 
 
+def val_windows(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, rank: int = 0,
+                world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Rank `rank`'s share of the first `count` held-out windows (all there are when fewer), `micro_batch` at a time,
+    as (inputs, targets, how many of the rows are windows of the share).
+
+    The windows scored are one set whatever the world size and micro batch: rank r takes the r-th of `world_size`
+    contiguous slices (np.array_split), so summing losses and window counts over ranks gives the one-process mean on
+    any layout. Every rank yields as many batches as the largest share needs (a sharded model's forward is a
+    collective): a rank whose share ran out scores window 0 and counts none of it."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    shares = np.array_split(np.arange(min(count, num_windows(len(tokens), seq_len))), world_size)
+    mine, batches = shares[rank], -(-len(shares[0]) // micro_batch)  # array_split puts the longest share first
+    for b in range(batches):
+        ids = mine[b * micro_batch:(b + 1) * micro_batch]
+        yield (*to_tensors(gather_windows(tokens, seq_len, ids if len(ids) else np.zeros(1, np.int64))), len(ids))
+
+
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int | None = None, rank: int = 0,
                 world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `num_batches` batches of consecutive held-out windows (all that fit when None), seed-independent.

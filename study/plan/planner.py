@@ -98,7 +98,7 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
 
 
 RECIPE_JSON = ("max_steps", "lr", "warmup_steps", "final_lr", "global_batch", "micro_batch", "grad_accum",
-               "world_size", "lr_rule")
+               "world_size", "lr_rule", "val_windows")
 """Recipe fields each run of `study plan --json` shows beside `tokens` (study/config/recipe.py)."""
 
 

@@ -38,7 +38,6 @@ from study.train import checkpoint
 from study.train.distributed import Dist, all_reduce_mean
 from study.train.signals import StopRequest
 from study.train.state import TrainState
-from study.train.step import cross_entropy
 
 
 class Diverged(RuntimeError):
@@ -174,8 +173,8 @@ class Validation(Callback):
         run = self.run
         if not run.due(step, run.spec.config.train.val_interval):
             return
-        run.state.val_loss = loss = validate(self.model, self.data, run.spec.config.train.val_batches, run.d,
-                                             self.micro)
+        windows = run.spec.planned.validation_windows(run.spec.config.train.val_batches)
+        run.state.val_loss = loss = validate(self.model, self.data, windows, run.d, self.micro)
         if not math.isfinite(loss):
             raise Diverged(f"validation loss is {loss} at step {step}")
         run.tracker.log_metrics({schema.VAL_LOSS: loss, schema.VAL_PPL: math.exp(min(loss, 50.0))}, step)
@@ -200,19 +199,22 @@ class Checkpointing(Callback):
         checkpoint.save(run.spec.run_dir.path, self.model, self.optimizer, run.state, run.d, cfg.train.keep_last)
 
 
-def validate(model, data, val_batches: int, d: Dist, micro: int) -> float:
-    """The mean loss over the first `val_batches` validation batches of `micro` sequences per rank, over all
-    ranks."""
+def validate(model, data, windows: int, d: Dist, micro: int) -> float:
+    """The mean loss per token over the first `windows` validation windows, each rank scoring its share `micro` at a
+    time: the same windows, so the same value up to rounding, on every world size and micro batch."""
     import torch
+    import torch.nn.functional as F
 
-    from study.data import val_batches as batches
+    from study.data.batches import val_windows
 
-    total, n = torch.zeros((), dtype=torch.float64, device=d.device), 0
+    sums = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss summed over windows, windows
     model.eval()
     with torch.no_grad():
-        for x, y in batches(data.val, data.seq_len, micro * d.world_size, val_batches, d.rank, d.world_size):
-            logits = model(x.to(d.device))
-            total += cross_entropy(logits, y.to(d.device), 0.0).double()
-            n += 1
+        for x, y, real in val_windows(data.val, data.seq_len, windows, micro, d.rank, d.world_size):
+            logits = model(x.to(d.device)).float()
+            per_token = F.cross_entropy(logits.flatten(0, 1), y.to(d.device).flatten(), reduction="none")
+            sums[0] += per_token.view(y.shape).mean(dim=1)[:real].double().sum()
+            sums[1] += real
     model.train()
-    return float(all_reduce_mean(total / max(n, 1), d).item())
+    total, n = all_reduce_mean(sums, d).tolist()  # means over ranks: their ratio is the ratio of the sums
+    return total / n if n else math.nan  # the split is checked to hold windows before training starts

@@ -40,8 +40,9 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
                           **({"layer_heads": m.layer_heads} if m.layer_heads is not None else {}),
                           "ffn_widths": m.ffn.widths, "flops_per_token": spec.flops_per_token}
     # the recipe as planned: a resume on another world size splits the same global batch, so its params stay valid
+    # validation's window count is no training setting: left out like the layout (and absent from older specs)
     params["recipe"] = {k: v for k, v in asdict(spec.planned).items() if k not in ("micro_batch", "grad_accum",
-                                                                                   "world_size")}
+                                                                                   "world_size", "val_windows")}
     params["params"] = spec.params
     tags = {**run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
             lineage.DESCRIPTION: lineage.description(spec)}
