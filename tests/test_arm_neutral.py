@@ -123,7 +123,8 @@ def test_qk_norm_on_a_llama_block_is_built_counted_and_decayed_when_the_recipe_s
     assert decays("layers.0.attn_sublayer.fn.q_norm.weight", 1, True)
     assert not decays("layers.0.attn_sublayer.fn.q_norm.weight", 1, False)
     assert not decays("layers.0.attn_sublayer.norm.weight", 1, True)  # other gains never decay
-    assert not decays("embed.weight", 2, True)
+    assert not decays("embed.weight", 2, True)  # OLMo-2 and LLaMA recipes: the embedding never decays
+    assert decays("embed.weight", 2, False, embedding_decay=True)  # Megatron's rule, which the release trains with
     from study.export.hf import hf_unsupported  # no transformers class normalises a llama block's q and k
 
     assert hf_unsupported(cfg) == "a llama block with QK-norm"
@@ -232,6 +233,7 @@ def test_the_release_plan_holds_the_six_released_shapes_and_their_recipe():
         assert (r.lr, r.warmup_steps, r.max_steps, r.final_lr, r.global_batch) == (lr, warmup, steps, 6e-5, 1024)
         assert run.config.data.seq_len == 4096 and r.tokens == steps * 1024 * 4096
         assert run.config.train.qk_norm_decay and run.config.train.weight_decay == 0.1
+        assert run.config.train.embedding_decay  # Megatron decays the (tied) embedding too
         assert run.config.budget.mode == "matrices"
         if arm == "hourglass":  # the release's own budgets: -0.10 % to +0.29 % off its baseline's matrices
             assert -0.0011 < run.mismatch < 0.003 and run.mismatch != 0
@@ -277,6 +279,16 @@ def test_the_release_recipe_trains_a_tiny_shape_on_cpu_from_flat_token_files(wor
     lrs = MlflowClient().get_metric_history(run.info.run_id, "train/lr")
     assert max(x.value for x in lrs) == pytest.approx(2.5e-4) and lrs[-1].value == pytest.approx(6e-5)
     assert run.data.params["model.qk_norm"] == "true" and run.data.params["train.qk_norm_decay"] == "true"
+    assert run.data.params["train.embedding_decay"] == "true"
+    from study.models.transformer import build_model
+    from study.train.optim import param_groups
+
+    model = build_model(m, "cpu", seed=0)
+    decayed, kept = ({id(p) for p in g["params"]} for g in param_groups(model, spec.config.train))
+    named = dict(model.named_parameters())
+    assert id(named["embed.weight"]) in decayed and "lm_head.weight" not in named  # tied: the one matrix decays
+    assert {n for n, p in named.items() if id(p) in kept} == {n for n, p in named.items() if p.ndim == 1
+                                                               and not n.endswith((".q_norm.weight", ".k_norm.weight"))}
 
 
 @pytest.mark.parametrize("experiment", ["scaling", "demo"])

@@ -71,6 +71,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.min_lr_ratio": (KEY, "the LR schedule"),
     "train.final_lr": (KEY, "the LR schedule"),
     "train.qk_norm_decay": (KEY, "the optimizer"),
+    "train.embedding_decay": (KEY, "the optimizer"),
     "train.warmup_steps": (KEY, "the LR schedule"),
     "train.lr_schedule": (KEY, "the LR schedule"),
     "train.decay_fraction": (KEY, "the LR schedule"),
@@ -117,7 +118,7 @@ FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
 ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data_seed", "model.init", "model.init_depth", "model.qk_norm",
-                   "train.final_lr", "train.qk_norm_decay",
+                   "train.final_lr", "train.qk_norm_decay", "train.embedding_decay",
                    *("model.rope_scaling." + f for f in ("factor", "low_freq_factor", "high_freq_factor",
                                                          "original_max_seq_len")),
                    "data.tokens", "data.val_tokens", "data.token_dtype",

@@ -37,10 +37,14 @@ class TrainConfig:
     decay_fraction: float = 0.2
     """WSD: share of steps spent decaying."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices only (never on embeddings; on norms only as qk_norm_decay says)."""
+    """AdamW decoupled weight decay on matrices (on the embedding only as embedding_decay says, on norm gains only as
+    qk_norm_decay says)."""
     qk_norm_decay: bool = False
     """Weight decay on the QK-norm gains too (Megatron's apply_wd_to_qk_layernorm, which the hourglass release sets);
     other norm gains never decay."""
+    embedding_decay: bool = False
+    """Weight decay on the token embedding too (and so on a tied output head). False follows the OLMo-2 and LLaMA
+    recipes; Megatron, which the hourglass release trains with, decays every parameter but biases and 1-D ones."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95

@@ -11,11 +11,11 @@ from study.config.training import TrainConfig
 QK_NORMS = (".q_norm.weight", ".k_norm.weight")
 
 
-def decays(name: str, ndim: int, qk_norm_decay: bool) -> bool:
-    """Matrices decay, embeddings never (OLMo-2 and LLaMA recipes); of the norm gains only the QK-norm's, when the
-    recipe says so (Megatron's apply_wd_to_qk_layernorm)."""
+def decays(name: str, ndim: int, qk_norm_decay: bool, embedding_decay: bool = False) -> bool:
+    """Matrices decay; the embedding only when the recipe says so (Megatron decays it, OLMo-2 and LLaMA recipes do
+    not); of the norm gains only the QK-norm's, when the recipe says so (Megatron's apply_wd_to_qk_layernorm)."""
     if name.startswith("embed."):
-        return False
+        return embedding_decay
     return ndim >= 2 or (qk_norm_decay and name.endswith(QK_NORMS))
 
 
@@ -23,7 +23,7 @@ def param_groups(model, t: TrainConfig) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if decays(name, p.ndim, t.qk_norm_decay) else no_decay).append(p)
+            (decay if decays(name, p.ndim, t.qk_norm_decay, t.embedding_decay) else no_decay).append(p)
     return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
