@@ -199,3 +199,26 @@ def test_validation_is_the_mean_over_a_fixed_set_of_windows_whatever_the_micro_b
     got = [validate(model, data, windows, one, micro) for micro in (1, 3, 4, 7)]
     assert got == pytest.approx([expected] * 4, rel=1e-6)
     assert model.training  # validation hands the model back in training mode
+
+
+def test_a_term_before_the_loop_takes_the_signals_stops_the_run_at_its_first_step_with_a_checkpoint(workdir):
+    """A local launch stopped while its jobs still set up (imports, data, model): the TERM is kept from the job's
+    first moment (what TrainJob does), so the run checkpoints its first step and stops instead of training on until
+    the launcher's grace period kills it; the next start resumes and finishes."""
+    import signal
+
+    from study.train import checkpoint
+    from study.train.signals import catch_early
+
+    spec = cfg_for("train.max_steps=6", "train.ckpt_interval=3")
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        catch_early()
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives before train() has built anything
+        stopped = train(spec)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (stopped.status, stopped.step, stopped.reason) == ("PREEMPTED", 1, "stopped by SIGTERM at step 1")
+    assert [p.name for p in checkpoint.complete_checkpoints(spec.run_dir.path)] == ["step_00000001"]
+    resumed = train(spec)
+    assert (resumed.status, resumed.step, sorted(resumed.losses)) == ("FINISHED", 6, [2, 3, 4, 5, 6])

@@ -50,6 +50,9 @@ class TrainJob(submitit.helpers.Checkpointable):
     run_dir: str
 
     def __call__(self) -> dict:
+        from study.train.signals import catch_early
+
+        catch_early()  # first: a TERM from here on stops the run at a checkpoint, never lost to submitit
         import torch
 
         from study.train.distributed import teardown
