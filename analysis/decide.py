@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from analysis.paired import PairedResult, json_ready
+from analysis.paired import PairedResult, json_ready, spread
 from study.config.decision import DecisionRule
 
 BOOTSTRAP_MIN_N = 8
@@ -154,11 +154,7 @@ def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean
 
     d = np.asarray(r.deltas, float)
     n = len(d)
-    sd = float(np.std(d, ddof=1)) if n >= 2 else math.nan
-    if n >= 2 and np.allclose(d, d[0], rtol=1e-9, atol=1e-12):
-        # equal up to rounding (an accuracy on the same items, one item apart in every pair): no spread to test
-        # against. The t test would read the rounding noise as the spread and call the difference significant.
-        sd = 0.0
+    sd = spread(d)
     mean = float(d.mean()) if n else math.nan
     row = dict(scale=r.scale, variant=r.variant, baseline=r.baseline, metric=r.metric,
                family="primary" if r.metric == rule.metric else "secondary", n=n, mean_delta=mean,

@@ -267,6 +267,16 @@ def _unpaired(run: pd.Series, reason: str, seed: int | None = None) -> UnpairedR
     )
 
 
+def spread(deltas: np.ndarray) -> float:
+    """The deltas' sample sd, 0 when they are equal up to rounding (an accuracy on the same items, one item apart in
+    every pair): a t test or interval would otherwise read the rounding noise as their spread. NaN below 2 pairs."""
+    if len(deltas) < 2:
+        return math.nan
+    if np.allclose(deltas, deltas[0], rtol=1e-9, atol=1e-12):
+        return 0.0
+    return float(np.std(deltas, ddof=1))
+
+
 def _summarise(
     scale: str, variant: str, baseline: str, metric: str, seeds: list[int], deltas: np.ndarray,
     unpaired: list[UnpairedRun], better_high: bool, n_resamples: int, seed: int,
@@ -275,7 +285,7 @@ def _summarise(
 
     n = len(deltas)
     mean = float(np.mean(deltas)) if n else math.nan
-    sd = float(np.std(deltas, ddof=1)) if n >= 2 else math.nan
+    sd = spread(deltas)
     if n < 2:
         ci = (math.nan, math.nan)
     elif sd == 0:
