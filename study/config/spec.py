@@ -180,11 +180,17 @@ def read_spec(path: Path | str) -> RunSpec:
     return spec
 
 
-def finished_loss(spec: RunSpec) -> float | None:
-    """A finished run's final validation loss, from its run directory's result.json (None until it finished)."""
-    path = spec.run_dir.result
+def finished_result(spec: RunSpec) -> dict | None:
+    """What the trainer wrote to the run directory's result.json when training finished (final `step`, `val_loss`),
+    None until it finished; a result of another run key is none of this run's."""
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(spec.run_dir.result.read_text())
     except (OSError, ValueError):
         return None
-    return float(result["val_loss"]) if result.get("run_key") == spec.key else None
+    return result if isinstance(result, dict) and result.get("run_key") == spec.key else None
+
+
+def finished_loss(spec: RunSpec) -> float | None:
+    """A finished run's final validation loss (None until it finished)."""
+    result = finished_result(spec)
+    return float(result["val_loss"]) if result is not None else None

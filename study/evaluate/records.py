@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from study.config.spec import RunSpec
+from study.config.spec import RunSpec, finished_result
 from study.schema import EVAL_PREFIX, EVAL_RECORD, EVAL_RESULTS, ITEMS_ARTIFACT, eval_artifact
 
 
@@ -55,12 +55,9 @@ def settings_for(spec: RunSpec, tasks: list[str], step: int, limit: int | None =
 
 
 def final_step(spec: RunSpec) -> int | None:
-    """The step the run finished training at, from its run directory's result.json (None until it finished)."""
-    try:
-        result = json.loads(spec.run_dir.result.read_text())
-    except (OSError, ValueError):
-        return None
-    return int(result["step"]) if result.get("run_key") == spec.key else None
+    """The step the run finished training at (None until it finished)."""
+    result = finished_result(spec)
+    return int(result["step"]) if result is not None else None
 
 
 def is_of_record(spec: RunSpec, settings: EvalSettings) -> bool:
