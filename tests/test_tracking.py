@@ -339,7 +339,7 @@ def a_store_with_one_run(folder) -> str:
 
 def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path):
     from analysis.run_table import read_runs
-    from study.track.query import status_by_key
+    from study.track.query import runs_by_key
 
     folder = tmp_path / "shelf"
     uri = a_store_with_one_run(folder)
@@ -347,7 +347,7 @@ def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path
         pytest.skip("a read-only bind mount needs root")
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
-        assert status_by_key("shelf", uri) == {"c" * 12: "FINISHED"}  # what `study status` reads
+        assert {k: r.info.status for k, r in runs_by_key("shelf", uri).items()} == {"c" * 12: "FINISHED"}  # status
         assert read_runs("shelf", uri)["run_key"].tolist() == ["c" * 12]  # what `study report` reads
         assert sorted(p.name for p in folder.iterdir()) == ["mlflow.db"]
     finally:
@@ -355,7 +355,7 @@ def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path
 
 
 def test_a_store_a_writer_holds_locked_is_read_once_it_lets_go(tmp_path):
-    from study.track.query import status_by_key
+    from study.track.query import runs_by_key
 
     uri = a_store_with_one_run(tmp_path / "busy")
     writer = sqlite3.connect(tmp_path / "busy" / "mlflow.db", check_same_thread=False)
@@ -364,7 +364,7 @@ def test_a_store_a_writer_holds_locked_is_read_once_it_lets_go(tmp_path):
     release.start()
     started = time.monotonic()
     try:
-        assert status_by_key("shelf", uri) == {"c" * 12: "FINISHED"}
+        assert {k: r.info.status for k, r in runs_by_key("shelf", uri).items()} == {"c" * 12: "FINISHED"}
     finally:
         release.join()
         writer.close()

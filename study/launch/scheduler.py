@@ -122,13 +122,6 @@ def local_alive(entry: dict) -> bool:
         return False
 
 
-def active(entry: dict, states: dict[str, str]) -> bool:
-    """The journal entry's job may still run: a SLURM job queued or running, or a local job whose process lives."""
-    if entry.get("scheduler") == "slurm":
-        return states.get(entry["job_id"], "VANISHED") in ACTIVE
-    return local_alive(entry)
-
-
 def cancel(job_ids: list[str]) -> None:
     _refuse_unless(["scancel", *job_ids], 30, f"scancel {' '.join(job_ids)} failed",
                    "check that SLURM is reachable (sinfo), then launch again",

@@ -93,11 +93,6 @@ def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
     return out
 
 
-def status_by_key(experiment: str, tracking_uri: str = "") -> dict[str, str]:
-    """MLflow status per run key."""
-    return {k: r.info.status for k, r in runs_by_key(experiment, tracking_uri).items()}
-
-
 def write_manifest_tags(client, experiment_id: str, entry: dict) -> None:
     """The latest launch in the experiment's tags: overrides and time in `study.launch`, keys in chunks."""
     keys = entry["keys"]

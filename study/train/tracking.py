@@ -21,14 +21,17 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     """The run's MLflow run, opened or resumed at step `start`, with its params, tags, lineage (parent run, dataset
     input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
+    from study.track.null import NullTracker
+
+    if not d.is_main:  # only rank 0 talks to MLflow: the others build nothing for it
+        return NullTracker()
     from study.config.identity import KEY, SCHEDULED, placement
-    from study.track import lineage
     from study.config.run import Role
-    from study.track.groups import parent_for, share_datasets
     from study.config.secrets import redact
+    from study.track import lineage
+    from study.track.groups import parent_for, share_datasets
     from study.track.params import flatten
     from study.track.tags import run_tags
-    from study.track.null import NullTracker
     from study.track.tracker import Tracker
 
     cfg, m = spec.config, spec.model
@@ -46,8 +49,6 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     params["params"] = spec.params
     tags = {**run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
             lineage.DESCRIPTION: lineage.description(spec)}
-    if not d.is_main:  # only rank 0 talks to MLflow
-        return NullTracker()
     tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), cfg=cfg.tracking,
                            log_path=spec.run_dir.metrics, system_metrics=cfg.tracking.system_metrics_s > 0,
                            check=lambda client, run: finished_elsewhere(spec, start, client, run))
