@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 
 from analysis import run_table
-from analysis.compute import EffectiveCompute, effective_compute
+from analysis.compute import effective_compute
 from analysis.decide import Decision, decide
 from analysis.document import document
-from analysis.result import HEADLINE, Analysis
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
 from analysis.published import published_deltas, published_figures
-from analysis.paired import JointResult, PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
+from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
 from analysis.render import Plot, to_html, to_markdown
-from analysis.scaling import ScalingReport, scaling_report
+from analysis.result import HEADLINE, Analysis
+from analysis.scaling import scaling_report
 from analysis.sequential import final_decisions, read_looks
-from analysis.time_to_target import TimeReport, time_to_target
-from analysis.tuning import TRANSFER, TuneCurve, VerdictPair, tune_curves, verdict_pairs
-from study.config.decision import DecisionRule
+from analysis.time_to_target import time_to_target
+from analysis.tuning import TRANSFER, tune_curves, verdict_pairs
 from study import schema
+from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store
 from study.track.store import resolve_tracking_uri
