@@ -7,6 +7,7 @@ tokens at the same LR schedule whatever its own count; `study plan` prints what 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from study.config.recipe import Recipe, batch_layout
 from study.config.run import RunConfig
@@ -35,6 +36,7 @@ def resolve_recipe(cfg: RunConfig, budget: int) -> Recipe:
         lr, rule = t.lr, "train.lr"
     else:
         lr, rule = scaled_lr(budget), f"0.0047 (N / 108e6)^(-1/3) at the budget N = {budget:,}"
-    return Recipe(global_batch=global_batch, micro_batch=micro, grad_accum=accum, world_size=world, max_steps=steps,
-                  tokens=steps * tokens_per_step, lr=lr, warmup_steps=t.warmup_steps or max(1, int(0.02 * steps)),
-                  final_lr=t.final_lr or t.min_lr_ratio * lr, lr_rule=rule, val_windows=t.val_batches * micro * world)
+    recipe = Recipe(global_batch=global_batch, micro_batch=micro, grad_accum=accum, world_size=world, max_steps=steps,
+                    tokens=steps * tokens_per_step, lr=lr, warmup_steps=t.warmup_steps or max(1, int(0.02 * steps)),
+                    final_lr=t.final_lr or t.min_lr_ratio * lr, lr_rule=rule)
+    return replace(recipe, val_windows=recipe.validation_windows(t.val_batches))  # fixed now, at the planned layout
