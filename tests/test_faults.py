@@ -150,7 +150,7 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
     variants = {"conventional": {"model": "conventional"},
                 # a variant of its own (fault settings alone would not make it another run)
                 "diverging": {"model": "conventional", "set": {"faults.nan_at_step": 5, "train.weight_decay": 0.05}}}
-    private_sweeps(workdir, "nan_sweep", variants=variants, seeds=[0, 1])
+    private_sweeps(workdir, "nan_sweep", variants=variants, seeds=[0, 1], compares=["train.weight_decay"])
     monkeypatch.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
     with pytest.raises(LaunchFailed) as failed:  # the launch says which runs failed, and why
         launch("nan_sweep", ["cluster=local"], echo=lambda m: None)

@@ -10,11 +10,12 @@ from typing import Any
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.config.decision import DecisionRule
 from study.errors import StudyError
+from study.plan.fairness import check_compares, check_owned
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
-        "decision", "tune")
+        "decision", "tune", "compares")
 
 
 @dataclass
@@ -80,6 +81,9 @@ class Experiment:
     decision: DecisionRule = field(default_factory=DecisionRule)
     """How the report decides (the `decision:` block, checked once here): primary metric, equivalence margin,
     alpha, power, prior sd of paired deltas for planning. Every reader (report, power, adaptive launch) uses it."""
+    compares: tuple[str, ...] = ()
+    """Shared fields the arms differ in on purpose (`compares: [train.lr]`): a variant may set them, and the report
+    says the arms differ in them (study.plan.fairness). Empty: the arms differ in their model only."""
 
 
 _PUBLISHED_KEYS = ("metric", "values", "source")
@@ -184,7 +188,7 @@ def _grid_variants(grid: Any) -> list[Variant]:
 
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
          "reference": (dict,), "grid": (dict,), "common": (dict,), "at": (dict,), "published": (dict,),
-         "decision": (dict,), "tune": (dict,)}
+         "decision": (dict,), "tune": (dict,), "compares": (list,)}
 
 
 def _check_types(name: str, raw: dict) -> None:
@@ -279,8 +283,17 @@ def load_experiment(name: str) -> Experiment:
                                          f"{name}.yaml: decision")
     tuning = (parse_tuning(OmegaConf.to_container(raw.tune), f"{name}.yaml: tune", lambda s: group_file("scale", s))
               if raw.get("tune") is not None else None)
+    compares = (check_compares(OmegaConf.to_container(raw.compares), f"{name}.yaml: compares")
+                if raw.get("compares") is not None else ())
+    check_owned(common if "common" in raw else {}, f"{name}.yaml: common")
+    for scale, settings in per_scale.items():
+        check_owned(settings, f"{name}.yaml: at.{scale}")
+    for v in variants:
+        check_owned(v.settings, f"{name}.yaml: variants.{v.name}.set")
+        for scale, settings in v.per_scale.items():
+            check_owned(settings, f"{name}.yaml: variants.{v.name}.at.{scale}")
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
-                      raw.get("description", ""), published, tuning, decision)
+                      raw.get("description", ""), published, tuning, decision, compares)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:

@@ -21,13 +21,12 @@ from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
+from study.plan.fairness import OWNED, check_arms
 from study.plan.recipe import resolve_recipe
 from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, choose, grid_with_extensions, read_record, \
     record_path, transfer
 from study.schema import RunDir
 
-OWNED = ("experiment", "variant", "scale", "seed", "baseline", "role")
-"""Fields an experiment file sets for each of its runs (under their current names: `stage` is `role`)."""
 
 
 @dataclass
@@ -202,8 +201,11 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, ov, per_variant.get(ref_variant.name)),
                                           reference), seed=exp.reference[1], role=Role.reference)
             ref_key = run_key(ref_cfg)
+        bases = {v.name: with_budget(compose_run(exp, v, scale, ov, per_variant.get(v.name)), reference)
+                 for v in exp.variants}
+        check_arms(name, scale, exp.baseline, bases, exp.compares)
         for variant in exp.variants:
-            base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
+            base = bases[variant.name]
             scheduled = base.model.ffn.schedule.family == "geometry"
             if scheduled and not exp.reference:
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
