@@ -35,6 +35,18 @@ def test_every_shipped_experiment_plans_to_its_recorded_run_keys(experiment, tmp
     assert planned_keys(experiment) == json.loads(GOLDEN.read_text())[experiment]
 
 
+@pytest.mark.parametrize("field", ["init_seed", "data_seed"])
+def test_a_seed_written_out_at_the_run_seed_plans_the_key_of_the_unset_seed(field, tmp_path, monkeypatch):
+    from study.plan.planner import plan_experiment
+
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    golden = json.loads(GOLDEN.read_text())["demo"]
+    written = {spec.name: spec.key for spec in plan_experiment("demo", [f"{field}=1"]).runs}
+    # seed 1 wrote out its own seed: the same model, the same key; seeds 0 and 2 now train on seed 1's draw
+    assert {n: k == golden[n] for n, k in written.items()} == {n: n.endswith("-s1") for n in golden}
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     print(json.dumps({e: planned_keys(e) for e in EXPERIMENTS}, indent=1, sort_keys=True))

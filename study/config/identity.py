@@ -124,6 +124,15 @@ ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data
                    "data.tokens", "data.val_tokens", "data.token_dtype",
                    *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends", "reverse"))})
 """Fields added since key schema 3."""
+WRITTEN_DEFAULTS = {"init_seed": "seed", "data_seed": "seed"}
+"""Fields whose default (None) means another field's value: written out at that value they are the default, so the
+same model keeps one key (`init_seed=0` for seed 0 hashes as if unset). The other fields whose default stands for a
+value are left as they are, each for a reason: `model.norm_eps` and `model.init` written at the llama block's default
+are hashed in shipped keys (the hourglass release writes both); `model.head_dim` = d_model / n_heads and
+`model.n_kv_heads` = n_heads are not the same model once the matcher solves d_model or the heads; `train.final_lr` =
+min_lr_ratio x lr is not once a tuning stage moves the LR; `model.rope_theta` and `model.qk_norm` are hashed as
+written in every existing key, so any run that wrote their default out would move (a written-out seed trained the
+same model as its unset twin under another key: those keys move on purpose)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,6 +168,8 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
     for dotted, value in leaves(asdict(cfg)).items():
+        if dotted in WRITTEN_DEFAULTS and value == getattr(cfg, WRITTEN_DEFAULTS[dotted]):
+            value = _defaults()[dotted]
         if placement(dotted)[0] in sides:
             name, hashed = _frozen(dotted, value, cfg, scheduled)
             if hashed:
