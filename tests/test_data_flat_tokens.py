@@ -235,3 +235,59 @@ def test_study_train_trains_on_flat_token_files(workdir, tokenizer):
     (dataset,) = [i.dataset for i in run.inputs.dataset_inputs]
     data = prepare_data(spec.config.data)
     assert dataset.name == "flat-test" and json.loads(dataset.profile)["train_tokens"] == len(data.train)
+
+
+def test_spot_digest_hashes_the_size_and_sixteen_evenly_spaced_blocks_of_a_large_file(tmp_path):
+    import hashlib
+
+    from study.data.flat import SPOT_BLOCK, spot_digest
+
+    path = tmp_path / "big.bin"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 3 * (1 << 20) + 5, dtype=np.uint8).tobytes())
+    path.write_bytes(bytes(data))
+    size = len(data)
+    starts = [i * (size - SPOT_BLOCK) // 15 for i in range(16)]
+    expected = hashlib.sha256(str(size).encode() + b"".join(data[s:s + SPOT_BLOCK] for s in starts)).hexdigest()
+    assert starts[0] == 0 and starts[-1] + SPOT_BLOCK == size and spot_digest(path) == expected
+    data[starts[7] + 100] ^= 0xFF  # inside a block: seen
+    path.write_bytes(bytes(data))
+    assert spot_digest(path) != expected
+    data[starts[7] + 100] ^= 0xFF
+    data[starts[7] + SPOT_BLOCK + 100] ^= 0xFF  # between two blocks: the documented blind spot
+    path.write_bytes(bytes(data))
+    assert spot_digest(path) == expected
+    small = tmp_path / "small.bin"
+    small.write_bytes(bytes(data[:1 << 20]))  # at most 1 MiB: hashed whole
+    assert spot_digest(small) == hashlib.sha256(str(1 << 20).encode() + bytes(data[:1 << 20])).hexdigest()
+
+
+def test_a_resume_on_a_token_file_rewritten_at_the_same_size_and_mtime_is_refused_naming_it(workdir, tokenizer,
+                                                                                          capsys):
+    import os
+
+    from study.cli import main
+    from study.plan.planner import select_run
+
+    part = workdir / "olmo" / "part-0-00000.npy"
+    write_raw(part, np.append(np.arange(300000) % (VOCAB - 2) + 2, 0).astype(np.uint32))
+    run = ["scale=tiny", "experiment=flatident", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
+           "model.ffn.width=128", "model.max_seq_len=32", f"model.vocab_size={VOCAB}", "data.name=flat-test",
+           f"data.tokens=[{part}]", f"data.tokenizer={tokenizer}", "data.seq_len=32", "data.val_fraction=0.2",
+           "train.micro_batch=4", "train.val_batches=2", "train.warmup_steps=2", "train.max_steps=8",
+           "train.ckpt_interval=4", "train.val_interval=4", "budget.tolerance=1e-2"]
+    spec = select_run(run)
+    assert main(["train", *run, "faults.stop_at_step=4"]) == 75
+    record = json.loads((spec.run_dir.path / "data.json").read_text())
+    assert list(record["files"]) == [str(part)]
+
+    before = part.stat()
+    with part.open("r+b") as f:  # other ids, the same bytes count, the same modification time
+        f.write(np.full(16, 5, dtype=np.uint32).tobytes())
+    os.utime(part, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (part.stat().st_size, part.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    capsys.readouterr()
+    assert main(["train", *run]) == 2
+    err = capsys.readouterr().err
+    assert "error in `data.tokens`" in err and f"run {spec.key} started on other data" in err
+    assert f"the bytes of {part} differ" in err and "--restart" in err
+    assert [p.name for p in spec.run_dir.checkpoints.iterdir()] == ["step_00000004"]

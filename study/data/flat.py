@@ -49,6 +49,8 @@ SCAN_CHUNK = 1 << 24
 """Ids read at a time while looking for the largest (64 MiB of uint32)."""
 SAMPLE = 1 << 20
 """Bytes at each end of a file that its content digest hashes."""
+SPOT_BLOCKS, SPOT_BLOCK = 16, 1 << 16
+"""A resume's check of a file's bytes (:func:`spot_digest`): 16 blocks of 64 KiB, a file of at most 1 MiB whole."""
 OPEN_MAPS = 64
 """Memory maps a stream keeps open: a release of thousands of files would otherwise hold as many descriptors."""
 SCANNED = "scanned.json"
@@ -149,15 +151,46 @@ def content_digest(path: Path) -> str:
     identify a file of a release (its shards differ in their first bytes; a truncated or re-downloaded file differs
     in size or tail), so the MLflow dataset digest made of these names the same content wherever it lives.
     """
+    return _sampled_sha256(path, 2, SAMPLE)
+
+
+def spot_digest(path: Path) -> str:
+    """SHA-256 of the file's size and SPOT_BLOCKS blocks of SPOT_BLOCK bytes at evenly spaced offsets, the first at
+    byte 0 and the last ending at the file's last byte (of the whole file when it is at most 1 MiB): what a resume
+    compares with the digests recorded when the run started (study.train.data_record).
+
+    The cache knows a file by its size and modification time, which a rewrite in place can keep (`cp -p`, `rsync -t`,
+    `os.utime`); these blocks catch another file of the same size and an edit that touches any of them, at 1 MiB
+    read per file. An edit confined to the bytes between the blocks of a larger file is not seen. Computed once per
+    file per process: the answer is kept until the file's size, modification or change time moves (a rewrite moves
+    the change time, which no user can set back)."""
+    stat = path.stat()
+    return _spot(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.cache
+def _spot(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    return _sampled_sha256(Path(path), SPOT_BLOCKS, SPOT_BLOCK)
+
+
+def spot_digests(paths: list[str], workers: int) -> dict[str, str]:
+    """:func:`spot_digest` of each file, `workers` at a time (the reads wait on the file system, not the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="spot") as pool:
+        return dict(zip(paths, pool.map(lambda p: spot_digest(Path(p)), paths)))
+
+
+def _sampled_sha256(path: Path, blocks: int, length: int) -> str:
+    """SHA-256 of the file's size and `blocks` (>= 2) blocks of `length` bytes, the first at byte 0 and the last
+    ending at the end, evenly spaced between (of the whole file when it is at most blocks x length bytes)."""
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
-        if size <= 2 * SAMPLE:
+        if size <= blocks * length:
             h.update(f.read())
         else:
-            h.update(f.read(SAMPLE))
-            f.seek(size - SAMPLE)
-            h.update(f.read(SAMPLE))
+            for i in range(blocks):
+                f.seek(i * (size - length) // (blocks - 1))
+                h.update(f.read(length))
     return h.hexdigest()
 
 

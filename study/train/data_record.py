@@ -6,6 +6,11 @@ which the shard cache notices (sizes and modification times) and tokenises again
 run trains its own. A checkpoint continued on those shards would read token ids that now mean other strings, and
 the run's tokenizer copy would be replaced under its checkpoints, so a start on other data is refused by name;
 `--restart` (study.train.restart) trains the run again from step 0 on the new data instead.
+
+Flat token files (`data.tokens`) are read in place, and the cache knows them by size and modification time, both of
+which a rewrite in place can keep: the record also holds each file's sampled content digest
+(study.data.flat.spot_digest: its size and 16 blocks of 64 KiB spread over it, a file of at most 1 MiB whole),
+computed again on every start. A record from before these digests gains them at the run's next start.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import json
 import os
 from pathlib import Path
 
+from study.config.data import tokenize_procs
 from study.config.spec import RunSpec
+from study.data.flat import spot_digests
 from study.errors import StudyError
 from study.schema import not_a_link
 
@@ -30,21 +37,44 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
     rank 0). A run directory from before the record existed has its tokenizer copy as the only witness."""
     path = record_path(spec)
     now = data.meta["sha256"]
+    files = _flat_files(spec, data)
     if path.is_file():
-        then = json.loads(path.read_text())["sha256"]
+        record = json.loads(path.read_text())
+        then = record["sha256"]
         changed = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
         if changed:
             _refuse(spec, data, f"{', '.join(changed)} of the prepared data ({data.shard_dir}) differ from the ones "
                     f"recorded in {path} when the run started")
+        if "files" in record:
+            moved = sorted(f for f in record["files"].keys() | files.keys() if record["files"].get(f) != files.get(f))
+            if moved:
+                _refuse(spec, data, f"the bytes of {', '.join(moved)} differ from the ones recorded in {path} when "
+                        "the run started (their sampled content digests, study.data.flat.spot_digest), whatever "
+                        "their size and modification time say")
+        elif files and write:
+            _write(path, {**record, "files": files})
         return
     copy = spec.run_dir.tokenizer
     if copy.is_file() and copy.read_bytes() != Path(data.tokenizer_path).read_bytes():
         _refuse(spec, data, f"its tokenizer {data.tokenizer_path} differs from the run's copy {copy}")
     if write:
         record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
-        tmp = path.with_name(f".{RECORD}.{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
+        _write(path, {**record, "files": files} if files else record)
+
+
+def _flat_files(spec: RunSpec, data) -> dict[str, str]:
+    """The sampled content digest of every flat token file the data reads in place; none for token shards, which
+    live in the cache and are checked by their SHA-256."""
+    if data.meta.get("kind") != "flat":
+        return {}
+    paths = [f["path"] for records in data.meta["files"].values() for f in records]
+    return spot_digests(paths, tokenize_procs(spec.config.data))
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{RECORD}.{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
 
 
 def _refuse(spec: RunSpec, data, what: str) -> None:
