@@ -13,7 +13,11 @@ needs 1.5 times the variant's compute to reach its loss. k is read at each scale
 there) and at the centre of the fitted range (the geometric mean of the variant's observed compute, where the fit
 is best determined). Its interval is the percentile interval of k over the paired bootstrap draws in which both fits
 converged; a draw whose baseline fit never comes down to the variant's loss (it lies below that fit's E) counts as an
-infinite k.
+infinite k. A 95 % interval needs seeds enough to resample: below :data:`analysis.decide.BOOTSTRAP_MIN_N` seeds
+(the rule the paired bootstrap follows: 2 seeds give 3 distinct resamples, 3 give 10) the interval is the range of k
+over the draws instead, labelled ``range``, with no coverage claimed. Either is taken out to k itself where it
+misses it (:func:`analysis.paired.enclosing`): k is a nonlinear function of two fits, so its draws need not surround
+it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.paired import CONFIDENCE, json_ready
+from analysis.decide import BOOTSTRAP_MIN_N
+from analysis.paired import CONFIDENCE, enclosing, json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant
 
@@ -34,6 +39,10 @@ FLOPS_TIMES_TOKENS = "resolved.flops_per_token x recipe.tokens"
 
 SIX_N_D = "6 N D"
 """Name of the fallback: 6 x counted parameters x training tokens."""
+
+PERCENTILE, RANGE = "95%", "range"
+"""What a multiplier's interval is: the percentile interval of its draws, or (below BOOTSTRAP_MIN_N seeds) their
+range."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +58,18 @@ class Multiplier:
     multiplier: float
     """k: the baseline needs k times this compute to reach the variant's fitted loss there (inf: never)."""
     ci_low: float
-    """Lower end of the percentile interval of k over paired bootstrap draws."""
+    """Lower end of the interval of k over paired bootstrap draws (`interval` says which), never above k."""
     ci_high: float
-    """Upper end of that interval (inf when more than the upper tail's share of draws never reach)."""
+    """Upper end of that interval, never below k (inf when more than the upper tail's share of draws never reach)."""
     draws: int
     """Bootstrap draws in which both fits converged."""
     fitted_range: bool = False
     """True for the row read at the centre of the fitted range rather than at one scale."""
+    interval: str = PERCENTILE
+    """``95%``: the percentile interval of k over the draws; ``range``: their lowest and highest k, when fewer than
+    BOOTSTRAP_MIN_N seeds leave too few distinct resamples for a 95 % interval (no coverage is claimed)."""
+    seeds: int = 0
+    """Seeds the bootstrap resamples: the fewer of the variant's and the baseline's."""
 
     def to_dict(self) -> dict:
         """JSON-ready dict; NaN and infinity become None."""
@@ -147,10 +161,11 @@ def effective_compute(runs: pd.DataFrame, baseline: str, metric: str = "val/loss
         if variant == baseline or fit.form == "none":
             continue
         pairs = [(v, b) for v, b in zip(fit.draws(), reference_draws) if v is not None and b is not None]
+        seeds = min(usable.loc[usable["variant"] == v, "seed"].nunique() for v in (variant, baseline))
         at_scale = usable[usable["variant"] == variant].groupby("scale")["compute"].median()
         present = [s for s in order if s in at_scale.index]
-        rows += [_multiplier(fit, reference, pairs, float(at_scale[s]), s) for s in present]
-        rows.append(_multiplier(fit, reference, pairs, math.exp(fit.log_ref), f"{present[0]}–{present[-1]}",
+        rows += [_multiplier(fit, reference, pairs, float(at_scale[s]), s, seeds) for s in present]
+        rows.append(_multiplier(fit, reference, pairs, math.exp(fit.log_ref), f"{present[0]}–{present[-1]}", seeds,
                                 fitted_range=True))
     return EffectiveCompute(**base, fits=fits, rows=rows)
 
@@ -176,12 +191,18 @@ def multiplier(variant: ScalingFit, baseline: ScalingFit, compute: float) -> flo
 
 
 def _multiplier(fit: ScalingFit, reference: ScalingFit, pairs: list[tuple[ScalingFit, ScalingFit]], compute: float,
-                scale: str, fitted_range: bool = False) -> Multiplier:
-    """k at ``compute`` from the point fits, its interval from the paired draws (variant fit, baseline fit)."""
+                scale: str, seeds: int, fitted_range: bool = False) -> Multiplier:
+    """k at ``compute`` from the point fits, its interval from the paired draws (variant fit, baseline fit): their
+    percentile interval from BOOTSTRAP_MIN_N seeds on, their range below, either one taken out to k."""
+    k = multiplier(fit, reference, compute)
     drawn = [multiplier(v, b, compute) for v, b in pairs]
-    # inverted_cdf picks drawn values, so draws with an infinite k stay infinite instead of interpolating to NaN
-    low, high = (np.quantile(drawn, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
-                 if drawn else (math.nan, math.nan))
-    return Multiplier(fit.variant, scale, compute, multiplier(fit, reference, compute), float(low), float(high),
-                      len(drawn), fitted_range)
-
+    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+    if not drawn:
+        low, high = math.nan, math.nan
+    elif kind == RANGE:
+        low, high = min(drawn), max(drawn)
+    else:
+        # inverted_cdf picks drawn values, so draws with an infinite k stay infinite instead of interpolating to NaN
+        low, high = np.quantile(drawn, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
+    low, high = enclosing(float(low), float(high), k)
+    return Multiplier(fit.variant, scale, compute, k, low, high, len(drawn), fitted_range, kind, seeds)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import pandas as pd
 
 from analysis import run_table
-from analysis.compute import EffectiveCompute, Multiplier
+from analysis.compute import RANGE, EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
 from analysis.result import Analysis
@@ -216,7 +216,7 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
     loss_like = metric.endswith("/loss")
     with_compute = compute is not None and bool(compute.rows)
     header = ["variant", "seeds", f"{metric} (mean ± sd)"] + (["PPL"] if loss_like else []) + [
-        "Δ vs " + baseline, "t 95% CI", "verdict"] + (["effective compute (95% CI)"] if with_compute else [])
+        "Δ vs " + baseline, "t 95% CI", "verdict"] + (["effective compute (interval)"] if with_compute else [])
     rows = []
     for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
         values = at_scale.loc[at_scale["variant"] == variant, metric]
@@ -332,8 +332,11 @@ def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
                   "training compute with the scaling fits below (the same form, Huber loss and seed-cluster "
                   "bootstrap, the same draws for every variant), and the baseline's fit inverted at the variant's "
                   "fitted loss. Read at each scale's median compute and at the centre of the fitted range (the "
-                  "geometric mean of the variant's compute). Interval: percentile interval over the paired bootstrap "
-                  "draws; 'never' where the baseline's fit does not come down to that loss. "
+                  f"geometric mean of the variant's compute). Interval: from {BOOTSTRAP_MIN_N} seeds, the 95% percentile "
+                  "interval over the paired bootstrap draws; with fewer, too few distinct resamples exist for a 95% "
+                  "interval (2 seeds give 3, 3 give 10), so the range of k over the draws is shown, marked 'range', "
+                  "with no coverage claimed; either is widened to hold k itself. 'never' where the baseline's fit does "
+                  "not come down to that loss. "
                   f"Compute: {compute.source}.")]
     if compute.fallback:
         blocks.append(Paragraph(f"Fallback to {compute.source}: {compute.fallback}."))
@@ -342,8 +345,9 @@ def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
     blocks.append(Paragraph("; ".join(f"{v}: {_multiplier(r, ' compute')} over {r.scale}"
                                       for v, r in compute.headline().items()) + "."))
     rows = [[r.variant, r.scale + (" (fitted range)" if r.fitted_range else ""), f"{r.compute:.3g}",
-             _times(r.multiplier), f"[{_bound(r.ci_low)}, {_bound(r.ci_high)}]", str(r.draws)] for r in compute.rows]
-    return [*blocks, Table(["variant", "scale", "compute (FLOPs)", "multiplier k", "95% bootstrap CI", "draws"],
+             _times(r.multiplier), f"[{_bound(r.ci_low)}, {_bound(r.ci_high)}] ({_interval(r)})", str(r.draws)]
+            for r in compute.rows]
+    return [*blocks, Table(["variant", "scale", "compute (FLOPs)", "multiplier k", "bootstrap interval", "draws"],
                            rows)]
 
 
@@ -431,8 +435,12 @@ def _bound(k: float) -> str:
 
 
 def _multiplier(k: Multiplier, what: str = "") -> str:
-    """``1.09x compute [1.02, 1.16]``."""
-    return f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}]"
+    """``1.09x compute [1.02, 1.16] (95% CI)``, or ``(range, 3 seeds)`` where too few seeds give no 95 % interval."""
+    return f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}] ({_interval(k)})"
+
+
+def _interval(k: Multiplier) -> str:
+    return f"range, {k.seeds} seeds" if k.interval == RANGE else "95% CI"
 
 
 def _p(p: float) -> str:

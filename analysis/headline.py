@@ -3,6 +3,8 @@ trained at, their worth in compute)."""
 
 from __future__ import annotations
 
+from analysis.compute import RANGE
+
 
 def print_headline(result: dict) -> None:
     """The report's decision table on the console (`study report`, `study demo`), then the effective compute of each
@@ -33,5 +35,6 @@ def print_headline(result: dict) -> None:
     # JSON has no infinity: a bound the baseline never reaches is None there
     for r in (result.get("effective_compute") or {}).get("rows", []):
         if r["fitted_range"]:
+            what = f"range, {r['seeds']} seeds" if r["interval"] == RANGE else "95% CI"
             out.print(f"{r['variant']}: {num(r['multiplier'], '.2f')}x compute [{num(r['ci_low'], '.2f')}, "
-                      f"{num(r['ci_high'], '.2f')}] over {r['scale']}")
+                      f"{num(r['ci_high'], '.2f')}] ({what}) over {r['scale']}")

@@ -68,7 +68,7 @@ class PairedResult:
     ci_high: float
     """Upper end of the paired t interval."""
     boot_ci_low: float
-    """Lower end of the bootstrap interval over seeds."""
+    """Lower end of the bootstrap interval over seeds (taken out to the mean where it misses it: `enclosing`)."""
     boot_ci_high: float
     """Upper end of the bootstrap interval over seeds."""
     p_wilcoxon: float
@@ -108,7 +108,7 @@ class JointResult:
     mean_delta: float
     """Mean over metrics of the mean delta."""
     boot_ci_low: float
-    """Lower end of the joint bootstrap interval."""
+    """Lower end of the joint bootstrap interval (taken out to the mean where it misses it: `enclosing`)."""
     boot_ci_high: float
     """Upper end of the joint bootstrap interval."""
     boot_method: str
@@ -197,6 +197,7 @@ def joint_bootstrap(
                 per_seed,
             )
             mean = float(per_seed.mean()) if len(per_seed) else math.nan
+            low, high = enclosing(low, high, mean)
             results.append(JointResult(scale, variant, baseline, metrics, len(per_seed), mean, low, high, method,
                                        paired["seed"].tolist()))
     return results
@@ -297,6 +298,7 @@ def _summarise(
                                   n_resamples=n_resamples, method=m, rng=seed),
         deltas,
     ) if n_resamples > 0 else (math.nan, math.nan, "none")
+    boot_low, boot_high = enclosing(boot_low, boot_high, mean)
     p = float(stats.wilcoxon(deltas).pvalue) if n >= 2 and np.any(deltas != 0) else math.nan
     wins = deltas > 0 if better_high else deltas < 0
     win_rate = float(np.mean(wins)) if n else math.nan
@@ -321,6 +323,15 @@ def _bootstrap(run, per_seed: np.ndarray) -> tuple[float, float, str]:
             return float(ci.low), float(ci.high), "BCa"
     ci = run("percentile").confidence_interval
     return float(ci.low), float(ci.high), "percentile"
+
+
+def enclosing(low: float, high: float, point: float) -> tuple[float, float]:
+    """[low, high] taken out to `point` where it misses it: a percentile or BCa interval of a statistic over few
+    resamples, or of a nonlinear one, need not hold the estimate it is the interval of, and a report that prints an
+    estimate outside its own interval says nothing readable. An interval not computed (NaN) stays as it is."""
+    if math.isnan(low) or math.isnan(high) or math.isnan(point):
+        return low, high
+    return min(low, point), max(high, point)
 
 
 def json_ready(value):

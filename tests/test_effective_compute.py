@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import numpy as np
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from scipy.optimize import brentq
@@ -91,15 +92,55 @@ def test_starting_the_compute_fits_from_the_parameter_fits_changes_no_multiplier
 def test_multipliers_are_printed_beside_the_deltas_in_every_format(planted):
     _, result, out = planted
     row = next(r for r in result["effective_compute"]["rows"] if r["variant"] == "planted" and r["fitted_range"])
-    line = f"planted: {row['multiplier']:.2f}x compute [{row['ci_low']:.2f}, {row['ci_high']:.2f}] over 20M–320M"
+    line = (f"planted: {row['multiplier']:.2f}x compute [{row['ci_low']:.2f}, {row['ci_high']:.2f}] "
+            "(range, 5 seeds) over 20M–320M")
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert line in md and line in page
     assert ("| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs base | t 95% CI | verdict | "
-            "effective compute (95% CI) |") in md
+            "effective compute (interval) |") in md
     at_80m = next(r for r in result["effective_compute"]["rows"] if (r["variant"], r["scale"]) == ("planted", "80M"))
-    assert f"| {at_80m['multiplier']:.2f}x [{at_80m['ci_low']:.2f}, {at_80m['ci_high']:.2f}] |" in md
+    assert f"| {at_80m['multiplier']:.2f}x [{at_80m['ci_low']:.2f}, {at_80m['ci_high']:.2f}] (range, 5 seeds) |" in md
     assert json.loads((out / "report.json").read_text())["effective_compute"]["rows"] == \
         result["effective_compute"]["rows"]
+
+
+def test_five_seeds_show_the_range_of_the_draws_and_eight_their_95_percent_interval_each_holding_k(planted):
+    from analysis.compute import multiplier
+
+    uri, result, _ = planted
+    runs = read_runs("compute", uri)
+    report = effective_compute(runs, "base", n_boot=60, seed=1)
+    rows = [r for r in report.rows if r.variant == "planted"]
+    pairs = [(v, b) for v, b in zip(report.fits["planted"].draws(), report.fits["base"].draws())
+             if v is not None and b is not None]
+    for r in rows:
+        drawn = [multiplier(v, b, r.compute) for v, b in pairs]
+        assert (r.interval, r.seeds, r.draws) == ("range", 5, len(pairs))
+        assert (r.ci_low, r.ci_high) == (min([*drawn, r.multiplier]), max([*drawn, r.multiplier]))
+    # eight seeds (three more of each arm's, renumbered from the first three) resample enough for a 95 % interval
+    extra = runs[runs["seed"] < 3].assign(seed=lambda f: f["seed"] + 5)
+    wide = effective_compute(pd.concat([runs, extra]), "base", n_boot=60, seed=1)
+    for r in wide.rows:
+        assert (r.interval, r.seeds) == ("95%", 8) and r.ci_low <= r.multiplier <= r.ci_high
+
+
+def test_two_seeds_give_three_resamples_and_no_95_percent_interval(tmp_path):
+    from analysis.compute import multiplier
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    synthetic_store(uri, "two", ["base", "planted"], SCALES[:3], seeds=2, steps=10, eval_tasks=(), effects={},
+                    compute_multipliers={"planted": 1.5}, flops_factors={"planted": 1.2}, rng_seed=4)
+    report = effective_compute(read_runs("two", uri), "base", n_boot=200)
+    pairs = [(v, b) for v, b in zip(report.fits["planted"].draws(), report.fits["base"].draws())
+             if v is not None and b is not None]
+    row = report.headline()["planted"]
+    drawn = {multiplier(v, b, row.compute) for v, b in pairs}
+    assert len(drawn) == 3 and (row.interval, row.seeds) == ("range", 2)
+    assert (row.ci_low, row.ci_high) == (min([*drawn, row.multiplier]), max([*drawn, row.multiplier]))
+    build_report("two", tracking_uri=uri, out_dir=tmp_path, n_resamples=99, log_to_mlflow=False)
+    md = (tmp_path / "two" / "report.md").read_text()
+    assert f"[{row.ci_low:.2f}, {row.ci_high:.2f}] (range, 2 seeds) over {row.scale}" in md
+    assert "95% bootstrap CI" not in md
 
 
 def test_without_flops_and_token_params_compute_is_6ND_for_every_run_and_the_report_says_so(tmp_path):
@@ -232,3 +273,13 @@ def test_a_calibrated_shape_sets_the_hours_of_its_runs(timed, tmp_path):
                                 per_device=12345.0)[0] for k in range(2)]
     assert devices(spec) == 1 and row.variant_hours == pytest.approx(np.mean(hours), rel=1e-9)
     assert sorted(report.devices_unknown) == ["base-20M-s0", "base-20M-s1"]
+
+
+def test_an_interval_that_misses_its_estimate_is_taken_out_to_it_and_one_not_computed_stays():
+    from analysis.paired import enclosing
+
+    assert enclosing(1.1, 1.3, 1.05) == (1.05, 1.3)
+    assert enclosing(1.1, 1.3, 1.2) == (1.1, 1.3)
+    assert enclosing(1.1, 1.3, math.inf) == (1.1, math.inf)
+    low, high = enclosing(math.nan, math.nan, 1.2)
+    assert math.isnan(low) and math.isnan(high)

@@ -159,5 +159,5 @@ def test_study_report_prints_the_flips_and_each_variants_compute_multiplier(full
         assert f"flip: hourglass at {scale} on val/loss: worse at the shared LR, better tuned" in out
     for r in result["effective_compute"]["rows"]:
         if r["fitted_range"]:
-            assert (f"{r['variant']}: {r['multiplier']:.2f}x compute [{r['ci_low']:.2f}, {r['ci_high']:.2f}] over "
-                    f"{r['scale']}") in out
+            assert (f"{r['variant']}: {r['multiplier']:.2f}x compute [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
+                    f"(range, {r['seeds']} seeds) over {r['scale']}") in out
