@@ -10,6 +10,7 @@ profile exists; the scheduled run's job fills in the widths once and writes it b
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -190,7 +191,19 @@ def finished_result(spec: RunSpec) -> dict | None:
     return result if isinstance(result, dict) and result.get("run_key") == spec.key else None
 
 
+DIVERGED = "diverged"
+"""result.json's field saying why a tune run's loss went non-finite: the run is settled, its loss the worst there is."""
+
+
 def finished_loss(spec: RunSpec) -> float | None:
-    """A finished run's final validation loss (None until it finished)."""
+    """A finished run's final validation loss (None until it finished; inf for a tune run that diverged)."""
     result = finished_result(spec)
-    return float(result["val_loss"]) if result is not None else None
+    if result is None:
+        return None
+    return math.inf if result.get(DIVERGED) else float(result["val_loss"])
+
+
+def diverged(spec: RunSpec) -> str | None:
+    """Why a settled tune run diverged (None when it did not, or has not settled)."""
+    result = finished_result(spec)
+    return str(result[DIVERGED]) if result is not None and result.get(DIVERGED) else None

@@ -73,6 +73,8 @@ class TrainJob(submitit.helpers.Checkpointable):
             raise RuntimeError(f"run {spec.key} was stopped ({outcome.reason}) and cannot be requeued")
         if outcome.status == "FAILED":
             raise RuntimeError(f"run {spec.key} failed: {outcome.reason}")
+        if outcome.status == "DIVERGED":  # a tune point's result: its LR is too high (the tuning reads it)
+            return {"run_key": spec.key, "diverged": outcome.reason, "step": outcome.step}
         if spec.config.eval.after_train and _is_rank0():
             from study.jobs.evaluate import evaluate_run
 

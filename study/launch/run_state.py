@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from study.config.spec import RunSpec
+from study.config.spec import RunSpec, diverged
 from study.evaluate.records import evaluated, final_step
 from study.launch.scheduler import ACTIVE, STUCK as NEVER_STARTS, job_states, journal, local_alive
 from study.track.query import runs_by_key
@@ -143,6 +143,8 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
     """What the run still needs and what works on it: the run directory decides what is done, the scheduler and the
     lease what works on it; MLflow's status is compared with the run directory and any disagreement named."""
     trained = final_step(spec) is not None
+    # a tune run that diverged is settled, and MLflow rightly holds it FAILED, with the reason
+    settled_as = "FAILED" if trained and diverged(spec) else "FINISHED"
     if not trained:
         needs = TRAINING
     elif spec.config.eval.after_train and not evaluated(spec):
@@ -152,7 +154,7 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
     worker = worker_of(spec, sources)
     mlflow = sources.mlflow_status(spec.key)
     disagreement = ""
-    if trained and mlflow != "FINISHED":
+    if trained and mlflow != settled_as:
         said = "holds no run of it" if mlflow == "-" else f"says {mlflow}"
         disagreement = f"its run directory holds its result.json, yet MLflow {said}"
         needs = MIRROR if needs == NOTHING else needs

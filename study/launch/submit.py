@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from study.config.cluster import ClusterConfig
 from study.config.spec import held_spec, write_spec
+from study.evaluate.records import final_step
 from study.errors import StudyError
 from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.local import LaunchFailed, follow, run_local
@@ -42,23 +43,36 @@ from study.config.secrets import mask_text, redact
 __all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 
 
-def write_specs(plan: Plan) -> None:
-    """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths."""
+def write_specs(plan: Plan, echo=print) -> None:
+    """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths; a
+    finished run keeps the spec it trained at (its LR included): where its tuning now says otherwise it is named."""
+    for t in plan.tunings.values():
+        if t.choices is not None and not t.recorded:  # the choice is made once: later launches read it back
+            write_record(t.record, plan.experiment.tuning, t.choices)
     for spec in plan.runs:
         done = held_spec(spec)
         if done is not None and spec.pending is not None and done.pending is None and not spec.awaits_tuning:
             spec = replace(done, config=replace(spec.config, model=done.model))
+        if done is not None and final_step(done) is not None and (
+                spec.awaits_tuning or (done.planned.lr, done.planned.final_lr) != (spec.planned.lr,
+                                                                                   spec.planned.final_lr)):
+            now = ("waits for its tuning" if spec.awaits_tuning
+                   else f"says {spec.planned.lr:.6g} ({spec.planned.lr_rule})")
+            echo(f"{spec.name} ({spec.key}) finished at peak LR {done.planned.lr:.6g} ({done.planned.lr_rule}); "
+                 f"the plan now {now}: kept as trained, its run.json unchanged; `study launch "
+                 f"{plan.experiment.name} --restart {spec.key}` trains it again at the plan's LR")
+            continue
         write_spec(spec)
-    for t in plan.tunings.values():
-        if t.choices is not None and not t.recorded:  # the choice is made once: later launches read it back
-            write_record(t.record, plan.experiment.tuning.identity(), t.choices)
 
 
 def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: bool = False, echo=print,
-           new: bool = False, extra_seeds: dict[str, dict[str, list[int]]] | None = None) -> list[Stage]:
+           new: bool = False, extra_seeds: dict[str, dict[str, list[int]]] | None = None,
+           tried: frozenset[str] = frozenset()) -> list[Stage]:
     """Submit every stage that still has work; returns the stages (with job ids unless dry_run). `new` allows runs
     the last launch of the experiment did not have (overrides that change run identities); `extra_seeds` adds seeds
-    per scale and variant (:func:`study.plan.planner.plan_experiment`)."""
+    per scale and variant (:func:`study.plan.planner.plan_experiment`). `tried` are the tune runs the launch that
+    relaunches itself after its tune runs (locally, or as a SLURM job) already trained: one that did not settle is
+    named and never submitted again by it, so a relaunch after tuning always ends."""
     plan = plan_experiment(experiment, overrides, extra_seeds)
     cluster = plan.runs[0].config.cluster
     if cluster.name != "local" and not dry_run:
@@ -72,12 +86,19 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     fresh = new_runs([r.key for r in plan.runs if not (r.tuned and r.tuned.status == "extension")], last)
     if fresh and not new and not dry_run:
         names = ", ".join(f"{r.name} ({r.key})" for r in plan.runs if r.key in fresh)
-        raise StudyError("overrides", f"{len(fresh)} of {len(plan.runs)} planned runs of {experiment} are not in its "
-                         f"last launch: the overrides change their identity, so they would train as new runs: {names}",
-                         "pass --new-runs to train them, or relaunch with the last launch's overrides "
-                         "(shown by `study status`)")
+        same = last.get("overrides") == redact(list(overrides))
+        why = ("the experiment file (or a preset under sweeps/) changed since, and changes their identity" if same
+               else "the overrides change their identity")
+        fix = ("pass --new-runs to train them, or restore the file as it was at the last launch" if same else
+               "pass --new-runs to train them, or relaunch with the last launch's overrides (shown by `study status`)")
+        raise StudyError("experiment" if same else "overrides", f"{len(fresh)} of {len(plan.runs)} planned runs of "
+                         f"{experiment} are not in its last launch: {why}, so they would train as new runs: {names}",
+                         fix)
     queue = Queue(plan)
-    stages = plan_stages(plan, queue)
+    stages = _without_tried(plan_stages(plan, queue), tried, queue, experiment, echo)
+    for t in plan.tunings.values():
+        if t.note and t.choices is None:
+            echo(f"tuning of {t.variant}: {t.note}")
     if dry_run:
         _act_on_stale(queue, echo, dry_run=True)
         _print_dry_run(plan, stages, cluster, echo)
@@ -87,7 +108,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     for data in {json.dumps(asdict(r.config.data), sort_keys=True): r.config.data for r in plan.runs}.values():
         validate_data(data)  # what every job would fail on is refused before anything is submitted
     _check_tasks(plan)
-    write_specs(plan)
+    write_specs(plan, echo)
     write_manifest(runs_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)
     ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
@@ -97,9 +118,11 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         return []
     if cluster.name == "local":
         done = run_local(plan, stages, echo)
-        if any(r.awaits_tuning for r in plan.runs) and any(s.name == "tune" for s in stages):
-            # the tune runs have finished: the next launch finds the choice (or the points beyond an edge)
-            return done + launch(experiment, overrides, echo=echo, new=True, extra_seeds=extra_seeds)
+        tuned = _tune_keys(stages)
+        if any(r.awaits_tuning for r in plan.runs) and tuned:
+            # the tune runs have settled: the next launch finds the choice (or the points beyond an edge)
+            return done + launch(experiment, overrides, echo=echo, new=True, extra_seeds=extra_seeds,
+                                 tried=tried | tuned)
         return done
     submitted = Queue(plan).live()  # read again: the jobs cancelled above are no one's dependency
     for stage in stages:
@@ -113,7 +136,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
             echo(f"  {job.job_id}  {line}")
     tune_jobs = [j for s in stages if s.name == "tune" for j in s.job_ids]
     if tune_jobs and any(r.awaits_tuning for r in plan.runs):
-        _relaunch_after(plan, overrides, tune_jobs, echo)
+        _relaunch_after(plan, overrides, tune_jobs, tried | _tune_keys(stages), echo)
     if wait:
         follow(plan, echo)
     return stages
@@ -128,13 +151,40 @@ class RelaunchJob:
     """Experiment name."""
     overrides: list[str]
     """The launch's overrides."""
+    tried: list[str] = field(default_factory=list)
+    """Tune runs the launches before it trained: never submitted again by it (a run that failed, or diverged
+    without settling, would otherwise be retried forever)."""
 
     def __call__(self) -> int:
-        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True)
+        launch(self.experiment, self.overrides, echo=lambda line: print(line, flush=True), new=True,
+               tried=frozenset(self.tried))
         return 0
 
 
-def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) -> None:
+def _tune_keys(stages: list[Stage]) -> frozenset[str]:
+    return frozenset(r.key for s in stages if s.name == "tune" for r in s.runs)
+
+
+def _without_tried(stages: list[Stage], tried: frozenset[str], queue: Queue, experiment: str, echo) -> list[Stage]:
+    """The stages less the tune runs this chain of relaunches already trained, each named with why it is unsettled."""
+    from study.schema import TAG_FAILURE_REASON
+
+    out = []
+    for stage in stages:
+        again = [r for r in stage.runs if r.key in tried] if stage.name == "tune" else []
+        for r in again:
+            run = queue.mlflow.get(r.key)
+            why = (run.data.tags.get(TAG_FAILURE_REASON) if run is not None else None) or "it left no result"
+            echo(f"not submitted again: tune run {r.name} ({r.key}) was trained after this launch began and did not "
+                 f"finish ({why}); its variant's main runs wait for it: fix the cause and run `study launch "
+                 f"{experiment}` again")
+        stage.runs = [r for r in stage.runs if r.key not in tried] if again else stage.runs
+        if stage.runs:
+            out.append(stage)
+    return out
+
+
+def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: frozenset[str], echo) -> None:
     cfg = plan.runs[0].config
     # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
@@ -142,7 +192,7 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], echo) ->
                    _safe_name(f"{cfg.experiment}-after-tuning"))
     ex.update_parameters(dependency="afterany:" + ":".join(after))
     with outside_allocation():
-        job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides)))
+        job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
     record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
                                                     "scheduler": "slurm", "name": "after tuning", "after": after,
                                                     "host": socket.gethostname(), "time": time.time()}])
@@ -206,3 +256,12 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after)) if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
+    held = [r for r in plan.runs if r.awaits_tuning]
+    if held:
+        echo(f"held: {len(held)} main runs wait for their variant's tuning; they are submitted by the launch that "
+             "finds it decided")
+        for r in held:
+            echo(f"  {r.key}  {r.name}: waits for the {r.pending}")
+    if held and any(s.name == "tune" for s in stages):
+        echo("stage relaunch: one CPU job (afterany on the tune array) runs `study launch` again once the tune runs "
+             "end" if cluster.name != "local" else "stage relaunch: this launch launches again once its tune runs end")

@@ -23,8 +23,8 @@ from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
 from study.plan.fairness import OWNED, check_arms
 from study.plan.recipe import resolve_recipe
-from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, choose, grid_with_extensions, read_record, \
-    record_path, transfer
+from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, all_diverged, choose, grid_with_extensions, \
+    read_record, record_path, transfer
 from study.schema import RunDir
 
 
@@ -66,6 +66,16 @@ class VariantTuning:
     """Tune scale -> its budget (for fitting the optimum against N)."""
     recorded: bool = False
     """The choices were read from the record (else a launch writes them there)."""
+    grid_keys: list[str] = field(default_factory=list)
+    """Keys of the declared grid's tune runs at every tune scale: a main run's key includes them, so a main run
+    trained at one tuning's choice is never taken for another's."""
+    note: str = ""
+    """Why the choice is not made or not read from the record (a grid that diverged everywhere, a stale record);
+    empty when nothing needs saying."""
+
+    def identity(self, tuning) -> dict[str, Any]:
+        """What a tuned main run's key hashes of its tuning: the tune block and the tune runs it declares."""
+        return {**tuning.identity(), "runs": self.grid_keys}
 
 
 def spec_json(spec: RunSpec) -> dict[str, Any]:
@@ -191,7 +201,6 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
     _check_unique(exp)
     ov, per_variant = experiment_overrides(exp, list(overrides or []))
     tunings = plan_tunings(exp, ov, per_variant) if exp.tuning else {}
-    tuning_id = exp.tuning.identity() if exp.tuning else None
     runs: list[RunSpec] = []
     for scale in exp.scales:
         reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
@@ -211,6 +220,8 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
                                  "add `reference: {variant: <uniform variant>, seed: 0}` to the experiment")
             matched = None if scheduled else match_run(base)
+            tuning_id = (tunings[_tuned_variant(exp, variant.name, scheduled)].identity(exp.tuning) if exp.tuning
+                         else None)
             added = [s for s in (extra_seeds or {}).get(scale, {}).get(variant.name, []) if s not in exp.seeds[scale]]
             for seed in [*exp.seeds[scale], *added]:
                 is_ref = exp.reference == (variant.name, seed)
@@ -235,7 +246,7 @@ def _tuned_variant(exp: Experiment, variant: str, scheduled: bool) -> str:
 
 
 def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str, Any]]) -> dict[str, VariantTuning]:
-    """Every tuned variant's tune runs, and its choice when they have all finished (or as recorded)."""
+    """Every tuned variant's tune runs, and its choice when they have all settled (or as recorded and checked)."""
     tuning = exp.tuning
     out: dict[str, VariantTuning] = {}
     for variant in exp.variants:
@@ -243,13 +254,16 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
         choices: dict[str, Choice] = {}
         rule_lr: dict[str, float] = {}
         budgets: dict[str, int] = {}
+        grid_keys: dict[str, dict[tuple[float, int], str]] = {}
+        losses: dict[str, RunSpec] = {}
+        blocked = ""
         record = None
         for scale in tuning.scales:
             reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
             base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
             if base.model.ffn.schedule.family == "geometry":
                 break  # it takes its reference variant's tuning (_tuned_variant)
-            record = tune_record(base.paths.runs, exp.name, variant.name)
+            record = record_path(base.paths.runs, exp.name, variant.name)
             matched = match_run(base)
             rule = resolve_recipe(base, base.budget.target)
             rule_lr[scale], budgets[scale] = rule.lr, base.budget.target
@@ -270,32 +284,42 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
                         if (p.multiple, seed) not in specs:
                             specs[p.multiple, seed] = tune_spec(p.multiple, seed, p.extension)
                         p.losses[i] = finished_loss(specs[p.multiple, seed])
+                    p.keys = [specs[p.multiple, seed].key for seed in tuning.seeds]
                 fresh = {p.multiple: p for p in points}
                 if decided or fresh.keys() == results.keys() and all(
                         fresh[m].losses == results[m].losses for m in fresh):
                     break
                 results = fresh
             tuned_runs += [specs[p.multiple, seed] for p in points for seed in tuning.seeds]
-            if decided:
+            grid_keys[scale] = {(m, seed): specs[m, seed].key for m in tuning.lr for seed in tuning.seeds}
+            losses.update({spec.key: spec for spec in specs.values()})
+            if decided and all_diverged(points):
+                blocked = (f"every tune point of {variant.name} at {scale} diverged (x{points[0].multiple:g} to "
+                           f"x{points[-1].multiple:g}): lower tune.lr (or raise tune.extend) so that some LR trains")
+            elif decided:
                 choices[scale] = choose(points, any(p.extension for p in points))
         if record is None:
             continue
-        recorded = read_record(record, tuning.identity())
+        recorded, stale = read_record(record, tuning, grid_keys,
+                                      lambda key: finished_loss(losses[key]) if key in losses else None)
         if recorded is not None:
-            choices = {s: Choice(c["multiple"], c["status"], c["best"]) for s, c in recorded["scales"].items()}
-        out[variant.name] = VariantTuning(variant.name, record, tuned_runs,
-                                          choices if len(choices) == len(tuning.scales) else None, rule_lr, budgets,
-                                          recorded is not None)
+            choices, blocked = recorded, ""
+        decided = not blocked and len(choices) == len(tuning.scales)
+        out[variant.name] = VariantTuning(variant.name, record, tuned_runs, choices if decided else None, rule_lr,
+                                          budgets, recorded is not None, sorted({k for g in grid_keys.values()
+                                                                                 for k in g.values()}),
+                                          blocked or stale)
     return out
 
 
 def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTuning]) -> RunSpec:
-    """A main run with the peak LR its variant's tuning chose, or marked as waiting for it."""
+    """A main run with the peak LR its variant's tuning chose, or marked as waiting for it (and why)."""
     t = tunings[_tuned_variant(exp, spec.config.variant, spec.role == Role.scheduled)]
     if t.choices is None:
         done = sum(finished_loss(r) is not None for r in t.runs)
+        why = f"tuning of {t.variant} ({done} of {len(t.runs)} tune runs finished)"
         return replace(spec, tuned=Tuned(0.0, PENDING, str(t.record)),
-                       pending=spec.pending or f"tuning of {t.variant} ({done} of {len(t.runs)} tune runs finished)")
+                       pending=spec.pending or (f"{why}; {t.note}" if t.note else why))
     tuned_lr = {s: (c.multiple, c.multiple * t.rule_lr[s]) for s, c in t.choices.items()}
     lr, how = transfer(tuned_lr, t.budgets, spec.config.scale, spec.planned.lr)
     statuses = {c.status for c in t.choices.values()}
@@ -303,10 +327,6 @@ def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTunin
     t_cfg = spec.config.train
     recipe = replace(spec.planned, lr=lr, final_lr=min(lr, t_cfg.final_lr or t_cfg.min_lr_ratio * lr), lr_rule=how)
     return replace(spec, recipe=recipe, tuned=Tuned(float(f"{lr / spec.planned.lr:.6g}"), status, str(t.record)))
-
-
-def tune_record(runs_root: str, experiment: str, variant: str) -> Path:
-    return record_path(runs_root, experiment, variant)
 
 
 def _check_distinct(name: str, runs: list[RunSpec]) -> None:

@@ -10,8 +10,15 @@ main run of the variant until its tune runs have finished. Then, per variant:
 - otherwise the chosen multiple is the minimum of the quadratic in log LR through the best point and its two
   neighbours (the best point itself when that parabola opens downward), inside their span.
 
-The choice is made once, recorded in `<runs>/<experiment>/_tune/<variant>.json`, and written into the variant's
-main-run specs; a record that exists is read, never recomputed. Other scales take the tuned multiple of the recipe's
+A tune point that diverged (its loss went non-finite) is a result, not a failure: its loss counts as the worst there
+is and the choice goes on; a grid whose every point diverged decides nothing, and the plan says to lower `tune.lr`.
+
+The choice is a result and is recorded as one, once, in `<runs>/<experiment>/_tune/<variant>.json`: the grid, every
+point's tune runs (keys) and their final losses, and the choice per tune scale. The record is used only while it
+names the tune runs the plan holds now (anything a tune run's numbers depend on changes their keys: the main runs
+then wait for the new tuning, and the plan says why), and only when its choice follows from its points and its
+losses from the runs' own results; a record damaged or edited by hand is refused, naming the file. A main run's key
+includes its tuning's grid and the keys of its declared tune runs. Other scales take the tuned multiple of the recipe's
 LR rule (the transfer assumption the report states); with two or more tune scales, log LR* is fitted linearly
 against log N (the scales' budgets) and read at each scale's budget instead.
 """
@@ -21,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +98,15 @@ class Point:
     multiple: float
     """LR multiple of the recipe's peak."""
     losses: list[float | None]
-    """Final validation loss per tune seed (None: not finished)."""
+    """Final validation loss per tune seed (None: not finished; inf: diverged)."""
     extension: bool = False
     """Added beyond an edge of the declared grid."""
+    keys: list[str] = field(default_factory=list)
+    """Run key of each tune seed's run (what the record names)."""
 
     @property
     def mean(self) -> float | None:
+        """Mean final loss over the tune seeds once all have settled; inf when any diverged (the worst loss)."""
         done = [x for x in self.losses if x is not None]
         return sum(done) / len(done) if len(done) == len(self.losses) and done else None
 
@@ -146,6 +156,8 @@ def choose(points: list[Point], extended: bool) -> Choice:
         return Choice(points[best].multiple, EDGE, points[best].multiple, points)
     x = [math.log(points[i].multiple) for i in (best - 1, best, best + 1)]
     y = [means[i] for i in (best - 1, best, best + 1)]
+    if not all(map(math.isfinite, y)):  # a diverged neighbour bounds the optimum but gives no curve: the best point
+        return Choice(points[best].multiple, EXTENDED if extended else INTERIOR, points[best].multiple, points)
     # the parabola through three points: its vertex, when it opens upward
     d1, d2 = (y[1] - y[0]) / (x[1] - x[0]), (y[2] - y[1]) / (x[2] - x[1])
     curvature = (d2 - d1) / (x[2] - x[0])
@@ -176,26 +188,146 @@ def transfer(choices: dict[str, tuple[float, float]], budgets: dict[str, int], s
     return lr, f"log LR* = {intercept:.3f} + {slope:.3f} log N fitted on {', '.join(choices)}"
 
 
+def all_diverged(points: list[Point]) -> bool:
+    """Every point of a decided grid diverged: no LR of it trains, so nothing can be chosen."""
+    return all(p.mean is not None and not math.isfinite(p.mean) for p in points)
+
+
+RECORD_VERSION = 2
+"""Version of `_tune/<variant>.json` (1 named no tune runs: such a record is recomputed, never trusted)."""
+_RECORD_KEYS = {"version", "identity", "scales"}
+_CHOICE_KEYS = {"multiple", "status", "best", "points"}
+_POINT_KEYS = {"multiple", "extension", "seeds", "keys", "losses"}
+DIVERGED_LOSS = "diverged"
+"""How the record writes a diverged tune run's loss (JSON has no infinity)."""
+
+
 def record_path(runs_root: str, experiment: str, variant: str) -> Path:
     return Path(runs_root) / experiment / "_tune" / f"{variant}.json"
 
 
-def read_record(path: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
-    """A variant's recorded choices, when recorded for this tuning (another grid's record is not this one's)."""
+def confined(path: Path) -> Path:
+    """The record's path, refused when its folder or the file is a symbolic link: nothing is read or written
+    through a link out of the runs folder."""
+    for p in (path.parent, path):
+        if p.is_symlink():
+            raise StudyError(str(p), "is a symbolic link: the tuning record is kept in the experiment's own runs "
+                             "folder, never written or read through a link", f"replace {p} with a plain "
+                             f"{'directory' if p == path.parent else 'file (or delete it)'}")
+    return path
+
+
+def _damaged(path: Path, problem: str) -> StudyError:
+    return StudyError(str(path), f"is not a tuning record this plan can use: {problem}",
+                      f"delete {path}: the next `study launch` recomputes it from the finished tune runs")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[float, int], str]],
+                result_of) -> tuple[dict[str, Choice] | None, str]:
+    """A variant's recorded choices per tune scale, checked; or (None, why it is not used).
+
+    `grid_keys[scale][(multiple, seed)]` are the keys of the declared grid's tune runs as planned now; a record that
+    names others was computed from other tune runs and is stale: not used (the caller waits for the current ones).
+    `result_of(key)` is a tune run's settled loss (inf: diverged; None: no result in its run directory). A record
+    whose shape, values, losses or choice do not hold is refused (StudyError naming the file and the fix)."""
+    path = confined(path)
     if not path.is_file():
-        return None
+        return None, ""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return record if record.get("identity") == identity else None
+        record = json.loads(path.read_text(), parse_constant=lambda c: math.nan)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _damaged(path, f"it does not read as JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise _damaged(path, "it is not a mapping")
+    if record.get("version") != RECORD_VERSION:
+        return None, f"{path} names no tune runs (an older record): it is recomputed from the current ones"
+    if set(record) != _RECORD_KEYS:
+        raise _damaged(path, f"its fields are {sorted(record)}, not {sorted(_RECORD_KEYS)}")
+    if record["identity"] != tuning.identity():
+        return None, f"{path} was recorded for another tune grid: it is recomputed from the current one"
+    scales = record["scales"]
+    if not isinstance(scales, dict) or set(scales) != set(tuning.scales):
+        found = sorted(scales) if isinstance(scales, dict) else scales
+        raise _damaged(path, f"it records scales {found}, the tuning is at {list(tuning.scales)}")
+    choices = {}
+    for scale in tuning.scales:
+        choice = _recorded_choice(path, scale, scales[scale], tuning)
+        recorded = {(p.multiple, seed): key for p in choice.points for seed, key in zip(tuning.seeds, p.keys)}
+        changed = sorted(k for k, key in grid_keys[scale].items() if recorded.get(k) != key)
+        if changed:
+            (m, seed) = changed[0]
+            return None, (f"{path} was computed from other tune runs than the plan's (at {scale}, x{m:g} seed {seed} "
+                          f"is {grid_keys[scale][m, seed]} now, {recorded.get((m, seed), 'absent')} in the record: "
+                          "the experiment changed what they train)")
+        for p in choice.points:
+            for key, loss in zip(p.keys, p.losses):
+                found = result_of(key)
+                if found is not None and found != loss:
+                    raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
+        again, decided = grid_with_extensions(tuning, {p.multiple: Point(p.multiple, list(p.losses))
+                                                       for p in choice.points})
+        if not decided or [p.multiple for p in again] != [p.multiple for p in choice.points] or all_diverged(again):
+            raise _damaged(path, f"its points at {scale} do not decide the grid they record")
+        expected = choose(again, any(p.extension for p in again))
+        if (expected.multiple, expected.status, expected.best) != (choice.multiple, choice.status, choice.best):
+            raise _damaged(path, f"its choice at {scale} (x{choice.multiple:g}, {choice.status}) does not follow "
+                                 f"from its points (x{expected.multiple:g}, {expected.status})")
+        choices[scale] = choice
+    return choices, ""
 
 
-def write_record(path: Path, identity: dict[str, Any], choices: dict[str, Choice]) -> dict[str, Any]:
-    """Record the choices once (atomically); returns the record."""
-    record = {"identity": identity, "scales": {s: asdict(c) for s, c in choices.items()}}
+def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice:
+    where = f"scales.{scale}"
+    if not isinstance(raw, dict) or set(raw) != _CHOICE_KEYS:
+        raise _damaged(path, f"{where} must hold exactly {sorted(_CHOICE_KEYS)}")
+    if not _number(raw["multiple"]) or not _number(raw["best"]):
+        raise _damaged(path, f"{where}: multiple {raw['multiple']!r} and best {raw['best']!r} must be positive "
+                             "finite numbers")
+    if raw["status"] not in (INTERIOR, EXTENDED, EDGE):
+        raise _damaged(path, f"{where}.status {raw['status']!r} is not one of {INTERIOR}, {EXTENDED}, {EDGE}")
+    if not isinstance(raw["points"], list) or not raw["points"]:
+        raise _damaged(path, f"{where}.points must list the grid's points")
+    points = []
+    for i, p in enumerate(raw["points"]):
+        at = f"{where}.points[{i}]"
+        if not isinstance(p, dict) or set(p) != _POINT_KEYS:
+            raise _damaged(path, f"{at} must hold exactly {sorted(_POINT_KEYS)}")
+        if not _number(p["multiple"]) or not isinstance(p["extension"], bool):
+            raise _damaged(path, f"{at}: multiple {p['multiple']!r} must be a positive finite number")
+        if p["seeds"] != list(tuning.seeds) or not isinstance(p["keys"], list) or not isinstance(p["losses"], list) \
+                or len(p["keys"]) != len(tuning.seeds) or len(p["losses"]) != len(tuning.seeds) \
+                or not all(isinstance(k, str) for k in p["keys"]):
+            raise _damaged(path, f"{at} must give a key and a loss for each tune seed {list(tuning.seeds)}")
+        losses = []
+        for loss in p["losses"]:
+            if loss == DIVERGED_LOSS:
+                losses.append(math.inf)
+            elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+                losses.append(float(loss))
+            else:
+                raise _damaged(path, f"{at}: loss {loss!r} is neither a finite number nor {DIVERGED_LOSS!r}")
+        points.append(Point(float(p["multiple"]), losses, p["extension"], list(p["keys"])))
+    return Choice(float(raw["multiple"]), raw["status"], float(raw["best"]), points)
+
+
+def write_record(path: Path, tuning: Tuning, choices: dict[str, Choice]) -> dict[str, Any]:
+    """Record the choices and the tune runs they read, once (atomically); returns the record."""
+    path = confined(path)
+
+    def point(p: Point) -> dict[str, Any]:
+        return {"multiple": p.multiple, "extension": p.extension, "seeds": list(tuning.seeds), "keys": list(p.keys),
+                "losses": [DIVERGED_LOSS if not math.isfinite(x) else x for x in p.losses]}
+
+    record = {"version": RECORD_VERSION, "identity": tuning.identity(),
+              "scales": {s: {"multiple": c.multiple, "status": c.status, "best": c.best,
+                             "points": [point(p) for p in c.points]} for s, c in choices.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
+    confined(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps(record, indent=1, allow_nan=False))
     os.replace(tmp, path)
     return record

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 
 from study import schema
 from study.config.recipe import batch_layout
-from study.config.spec import RunSpec
+from study.config.run import Role
+from study.config.spec import DIVERGED, RunSpec
 from study.errors import StudyError
 from study.train import checkpoint
 from study.train.callbacks import Callbacks, Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
@@ -42,7 +43,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved its state and wants to be star
 @dataclass
 class Outcome:
     status: str
-    """FINISHED, FAILED or PREEMPTED."""
+    """FINISHED, FAILED, PREEMPTED, or DIVERGED (a tune run whose loss went non-finite: its result)."""
     step: int
     """Last completed step."""
     val_loss: float | None
@@ -51,6 +52,12 @@ class Outcome:
     """Training loss per step computed in this process (for tests and the report)."""
     reason: str | None = None
     """Why the run did not finish."""
+
+    @property
+    def settled(self) -> bool:
+        """Whether the run's result is final: it finished, or it is a tune run that diverged, which is a result of
+        its LR (too high), recorded as such, never trained again (study.plan.tune)."""
+        return self.status == "FINISHED" or self.status == "DIVERGED"
 
 
 def batch_stream(spec: RunSpec, data, d: Dist, start: int):
@@ -172,7 +179,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
         else:
             outcome = Outcome("FINISHED", max_steps, state.val_loss, metrics.losses)
     except Diverged as err:
-        outcome = Outcome("FAILED", step, None, metrics.losses, str(err))
+        outcome = Outcome("DIVERGED" if spec.role == Role.tune else "FAILED", step, None, metrics.losses, str(err))
     except BaseException as err:
         log_job_output(tracker, spec)
         tracker.close("FAILED", f"{type(err).__name__}: {err}")
@@ -190,11 +197,13 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
         tracker.log_metrics({schema.TRAIN_PREEMPTED_AT: outcome.step}, outcome.step)
         tracker.close("KILLED", outcome.reason)
         return
-    if outcome.status == "FINISHED" and d.is_main:
-        spec.run_dir.result.write_text(json.dumps({"val_loss": outcome.val_loss, "step": outcome.step,
-                                                   "run_key": spec.key}))
+    if outcome.settled and d.is_main:
+        result = {"val_loss": outcome.val_loss, "step": outcome.step, "run_key": spec.key}
+        spec.run_dir.result.write_text(json.dumps(result | ({DIVERGED: outcome.reason}
+                                                            if outcome.status == "DIVERGED" else {})))
     log_job_output(tracker, spec)
-    tracker.close(outcome.status, outcome.reason)
+    # MLflow calls a diverged run FAILED, with the reason, whatever its role
+    tracker.close("FAILED" if outcome.status == "DIVERGED" else outcome.status, outcome.reason)
     if outcome.status == "FINISHED":
         from study.track.groups import refresh_quietly
 
