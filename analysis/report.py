@@ -119,7 +119,8 @@ def analyse(
     scaling = scaling_report(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed) if logged else None
     compute = (effective_compute(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed, by_params=scaling.fits)
                if logged else None)
-    finished = runs.loc[runs["status"] == run_table.FINISHED, "run_id"]
+    # a run whose final value was left out as infinite (run_table) keeps its curve out of the figures too
+    finished = runs.loc[(runs["status"] == run_table.FINISHED) & runs[HEADLINE].notna(), "run_id"] if logged else []
     curves = run_table.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
     decisions = decide(results, rule, _baseline_means(runs, results))
     looks = _looks(uri, experiment)

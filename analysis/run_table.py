@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+import numpy as np
 import pandas as pd
 
 from study.config.identity import SCHEMA_VERSION
@@ -88,7 +90,8 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     variant/scale/seed tags are not training runs and are left out. Runs split three ways: tune runs, main runs at
     a tuned LR, main runs at the shared LR. When `study launch` recorded a manifest, each of the three is the last
     launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
-    study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison.
+    study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison, every
+    one of them (the tuning launch names some as the tune points it reused, never as shared-LR runs it trained).
     A run key's run is its oldest active MLflow run, as tracking takes it (a later one is a duplicate a race
     left); runs tagged with another ``study.key_schema`` than this version's are left out and named in
     :attr:`StudyRuns.notes` (their keys hash other fields, so they are not the plan's runs); so are the (variant,
@@ -106,6 +109,8 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
                 + f"; relaunch the experiment (`study launch {experiment}`) to train them under the current keys."
                 if other else "")
     rows = [row for row in rows if row["key_schema"] in current]
+    unseeded = sorted((row for row in rows if row["seed"] is None), key=lambda row: str(row["run_name"]))
+    rows = [row for row in rows if row["seed"] is not None]
     if not rows:
         raise StudyError(
             "experiment",
@@ -113,7 +118,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
                                                                         else ""),
             f"launch it first (`study launch {experiment}`), then report",
         )
-    frame = pd.DataFrame(rows).drop(columns="key_schema").sort_values(["start_time", "run_id"])
+    frame = pd.DataFrame(rows).drop(columns=["key_schema", "seed_tag"]).sort_values(["start_time", "run_id"])
     frame = frame[frame["run_key"].isna() | ~frame.duplicated("run_key")]
     fixed = [c for c in frame.columns if "/" not in c]
     metrics = sorted(c for c in frame.columns if "/" in c)
@@ -127,7 +132,11 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
 
     tune_runs = frame["role"] == Role.tune
     tuned = latest(frame[~tune_runs & (frame["lr_source"] == TUNED)])
-    shared = latest(frame[~tune_runs & (frame["lr_source"] != TUNED)])
+    shared = frame[~tune_runs & (frame["lr_source"] != TUNED)]
+    # beside tuned runs, the shared-LR runs are an earlier launch's: a tuning launch trains none, and the shared-LR
+    # keys it names are tune points that found a finished run of the same key (multiple 1 at a main run's seed and
+    # scale), so narrowing to them would keep those seeds alone and drop every other shared seed
+    shared = shared.reset_index(drop=True) if len(tuned) else latest(shared)
     tune = latest(frame[tune_runs])
     runs = tuned if len(tuned) else shared
     if not len(runs):
@@ -145,11 +154,42 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
             "each run's reason is its MLflow tag study.failure_reason and its job output is among its artifacts "
             f"(`study status {experiment}` lists the runs); fix the cause and relaunch (`study launch {experiment}`)",
         )
+    runs, diverged = _without_infinite_finals(runs)
+    if len(tuned) and len(shared):
+        shared, also = _without_infinite_finals(shared)
+        diverged = " ".join(n for n in (diverged, also) if n)
     cells = set(zip(runs["variant"], runs["scale"]))
     missing = [f"{v} at {s}" for s in scale_order(runs) for v in sorted(set(runs["variant"])) if (v, s) not in cells]
-    notes = tuple(note for note in (left_out, "No run of " + ", ".join(missing) + ": these cells are in no comparison"
+    bad_seeds = (f"Left out {len(unseeded)} run(s) whose study.seed tag is not a whole number: "
+                 + ", ".join(f"{r['run_name']} (study.seed={r['seed_tag']!r})" for r in unseeded)
+                 + "; set the tag to the run's seed in MLflow, or delete the run" if unseeded else "")
+    notes = tuple(note for note in (left_out, bad_seeds, diverged,
+                                    "No run of " + ", ".join(missing) + ": these cells are in no comparison"
                                     if missing else "") if note)
     return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, notes)
+
+
+def _without_infinite_finals(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The runs with every infinite or NaN final metric taken as not logged, and the note naming them. A run that
+    diverged is left out of every comparison and figure on that metric (it is unpaired there, with its reason)
+    rather than decided as the worst outcome: no paired interval or fit can hold an infinite value. Leaving it out
+    favours its variant, which the note says."""
+    metrics = [c for c in runs.columns if "/" in c]
+    values = runs[metrics].apply(pd.to_numeric, errors="coerce")
+    # MLflow's SQL stores keep an infinity as the largest float
+    infinite = values.abs() >= sys.float_info.max
+    bad = runs[metrics].notna() & (infinite | values.isna())
+    if not bad.to_numpy().any():
+        return runs, ""
+    shown = values.mask(infinite, np.sign(values) * math.inf)
+    named = [f"{runs.at[i, 'run_name']} ({', '.join(f'{m} = {shown.at[i, m]}' for m in metrics if bad.at[i, m])})"
+             for i in runs.index[bad.any(axis=1)]]
+    note = (f"Left out of the comparisons and figures on those metrics, as not reached: {len(named)} run(s) whose "
+            f"final value is infinite or NaN (the run diverged): {'; '.join(named)}. Leaving a diverged seed out "
+            "favours its variant: look at its curve before trusting that variant's verdict")
+    runs = runs.copy()
+    runs[metrics] = runs[metrics].mask(bad)
+    return runs, note
 
 
 def _row(run) -> dict | None:
@@ -166,7 +206,8 @@ def _row(run) -> dict | None:
         "key_schema": tags.get(TAG_KEY_SCHEMA),
         "variant": tags["study.variant"],
         "scale": tags["study.scale"],
-        "seed": int(tags["study.seed"]),
+        "seed": int(tags["study.seed"]) if re.fullmatch(r"\d+", tags["study.seed"]) else None,
+        "seed_tag": tags["study.seed"],
         "role": tags.get(TAG_STAGE),  # a training run's study.stage is its role
         "baseline": tags.get("study.baseline"),
         "status": run.info.status,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from study.errors import StudyError
 from study.command_options import command_options, whole_option
@@ -193,9 +194,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     # the report is written to <out>/<experiment>/: one word keeps it inside --out (`study report ../../x`)
     check_name("EXPERIMENT", args.experiment, "an experiment name")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise StudyError("--out", f"{args.out} is a file", "give a folder (it is created; the report goes to "
-                         f"{args.out}/{args.experiment}/)")
+    _report_folder(Path(args.out), args.experiment)
     result = build_report(args.experiment, baseline=args.baseline, metrics=args.metric or None,
                           tracking_uri=args.tracking_uri, out_dir=Path(args.out))
     if args.json:
@@ -205,6 +204,21 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"report: {Path(args.out).resolve() / args.experiment / 'report.md'} (and report.html, report.json, "
               f"decisions.csv, pairs.csv, figures)")
     return 0
+
+
+def _report_folder(out: Path, experiment: str) -> None:
+    """Refuse an --out the report cannot be written under before anything is read or written: the nearest folder
+    that exists on the way to <out>/<experiment> must be a folder this process can write in (a read-only file
+    system answers no too), so no report is left half-written and no folder is made for one that is not."""
+    import os
+
+    target = out / experiment
+    found = next(p for p in (target, *target.parents) if p.exists() or p == Path(p.anchor))
+    fix = f"give a folder you can write to (it is created; the report goes to {out}/{experiment}/)"
+    if not found.is_dir():
+        raise StudyError("--out", f"{found} is a file, not a folder", fix)
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise StudyError("--out", f"cannot write in {found} (permission or a read-only file system)", fix)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

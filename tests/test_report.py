@@ -226,3 +226,71 @@ def test_the_papers_440m_geometry_deltas_are_shown_beside_ours_in_nats(tmp_path)
     text = (tmp_path / "reports" / "geometry" / "report.md").read_text()
     assert "Published figures beside ours, as deltas in nats" in text
     assert "| 440M | geometry | 3.449 → 3.430 (val/loss) | -0.0190 |" in text
+
+
+def test_a_malformed_seed_tag_and_an_infinite_final_loss_are_named_and_left_out(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from study.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = synthetic_store(uri, "faulty", ["conventional", "hourglass"], ["20M", "40M", "80M"], seeds=3, steps=20,
+                          eval_tasks=(), effects={"conventional": 0.0, "hourglass": -0.03})
+    client = MlflowClient(uri)
+    by_id = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("faulty").experiment_id])}
+    runs = {(r.data.tags["study.variant"], r.data.tags["study.scale"], r.data.tags["study.seed"]): r
+            for r in by_id.values() if r.info.run_id in ids}
+    tags = {("hourglass", "20M", "0"): "x", ("hourglass", "40M", "1"): "", ("conventional", "80M", "2"): "1.5"}
+    for cell, tag in tags.items():
+        client.set_tag(runs[cell].info.run_id, "study.seed", tag)
+    diverged = runs["hourglass", "80M", "0"]
+    client.log_metric(diverged.info.run_id, "val/loss", math.inf, step=10_000)
+    assert client.get_run(diverged.info.run_id).data.metrics["val/loss"] == 1.7976931348623157e+308  # SQL's inf
+
+    capsys.readouterr()
+    assert main(["report", "faulty", "--tracking-uri", uri, "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "faulty" / "report.json").read_text())
+    seeds_note, loss_note = result["run_notes"][:2]
+    assert seeds_note == ("Left out 3 run(s) whose study.seed tag is not a whole number: "
+                          + ", ".join(f"{runs[c].info.run_name} (study.seed={t!r})" for c, t in sorted(
+                              tags.items(), key=lambda item: str(runs[item[0]].info.run_name)))
+                          + "; set the tag to the run's seed in MLflow, or delete the run")
+    assert loss_note.startswith("Left out of the comparisons and figures on those metrics, as not reached: 1 run(s) "
+                                f"whose final value is infinite or NaN (the run diverged): {diverged.info.run_name} "
+                                "(val/loss = inf")
+    read = read_runs("faulty", uri)
+    assert len(read) == 18 - 3 and read.loc[read["run_id"] == diverged.info.run_id, "val/loss"].isna().all()
+    at_80m = next(r for r in result["results"] if (r["metric"], r["scale"], r["variant"]) == ("val/loss", "80M",
+                                                                                              "hourglass"))
+    assert at_80m["n"] == 1 and at_80m["seeds"] == [1]  # seed 0 diverged, seed 2's baseline lost its seed tag
+    md = (tmp_path / "out" / "faulty" / "report.md").read_text()
+    assert seeds_note in md and diverged.info.run_name in md
+    assert {"loss_curves.png", "scaling.png"} <= {p.name for p in (tmp_path / "out" / "faulty").glob("*.png")}
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_report_out_that_cannot_take_the_report_is_refused_naming_out_and_nothing_is_written(store, tmp_path, where,
+                                                                                             capsys):
+    import os
+
+    from study.cli import main
+
+    blocker = tmp_path / "blocker"
+    if where == "read-only":
+        blocker.mkdir()
+        os.chmod(blocker, 0o555)
+        out = blocker / "reports"
+    else:
+        blocker.write_text("not a folder")
+        out = blocker if where == "a file" else blocker / "reports"
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    try:
+        if where == "read-only" and os.access(blocker, os.W_OK):
+            pytest.skip("this user writes in read-only folders (root)")
+        capsys.readouterr()
+        assert main(["report", EXPERIMENT, "--tracking-uri", store, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "error in `--out`" in err and str(blocker) in err
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    finally:
+        os.chmod(blocker, 0o755) if blocker.is_dir() else None

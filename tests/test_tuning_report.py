@@ -147,6 +147,33 @@ def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missi
     assert again.shared_lr.set_index("run_id").loc[shared.info.run_id, "lr_source"] == "recipe"
 
 
+def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside_the_tuned_runs(tmp_path):
+    uri = _store(tmp_path, tune=True, shared=True)
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name("tuned").experiment_id
+    everything = client.search_runs([exp_id], max_results=1000)
+    # the tuning launch's keys: its tune points, its tuned main runs, and the seed-0 shared-LR runs at the tune
+    # scale, which its multiple-1 points found finished under the same keys and reused
+    reused = [r for r in everything if r.data.tags.get("study.lr_source") == "recipe"
+              and (r.data.tags["study.scale"], r.data.tags["study.seed"]) == ("20M", "0")]
+    launched = [r.data.tags["study.run_key"] for r in everything
+                if r.data.tags.get("study.lr_source") == "tune" or r.data.tags["study.stage"] == "tune"]
+    write_manifest_tags(client, exp_id, {"keys": launched + [r.data.tags["study.run_key"] for r in reused]})
+    assert len(reused) == len(VARIANTS)
+    study = read_study("tuned", uri)
+    assert sorted(set(zip(study.shared_lr["variant"], study.shared_lr["scale"], study.shared_lr["seed"]))) == \
+        sorted((v, s, k) for v in VARIANTS for s in SCALES for k in range(SEEDS))
+    result = build_report("tuned", tracking_uri=uri, out_dir=tmp_path / "r", n_resamples=99, log_to_mlflow=False)
+    shared = study.shared_lr.set_index(["variant", "scale", "seed"])["val/loss"]
+    pairs = {(p["metric"], p["scale"], p["variant"]): p for p in result["tuning"]["shared_vs_tuned"]}
+    for scale in SCALES:
+        p = pairs["val/loss", scale, "hourglass"]
+        delta = np.mean([shared["hourglass", scale, k] - shared["conventional", scale, k] for k in range(SEEDS)])
+        assert p["shared_delta"] == pytest.approx(delta, rel=1e-12)
+        assert (p["shared_verdict"], p["tuned_verdict"], p["flip"]) == ("worse", "better", True)
+    assert result["tuning"]["shared_runs"] == len(VARIANTS) * len(SCALES) * SEEDS
+
+
 def test_study_report_prints_the_flips_and_each_variants_compute_multiplier(full, capsys, tmp_path, monkeypatch):
     from study.cli import main
 
