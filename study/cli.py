@@ -45,7 +45,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise StudyError("--nproc", f"{args.nproc} processes", "use --nproc 1 or more (one rank per process)")
     if args.spec:
-        spec = read_spec(args.spec)
+        spec = _planned_here(read_spec(args.spec))
     else:
         from study.plan.planner import select_run
 
@@ -60,6 +60,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(redact(spec.as_dict()), sort_keys=False), end="")
         return 0
+    if not args.spec:
+        from study.track.store import check_answers, resolve_tracking_uri
+
+        # a person at a prompt hears at once that the server is down; a job (--spec) waits out an outage instead
+        check_answers(resolve_tracking_uri(spec.config.tracking.uri))
     if spec.pending is not None:
         from study.plan.complete import complete_spec
 
@@ -77,6 +82,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"{outcome.status} at step {outcome.step}: {outcome.reason}", file=sys.stderr)
     return EXIT_PREEMPTED if outcome.status == "PREEMPTED" else 1
+
+
+def _planned_here(spec):
+    """A spec handed to `study train --spec`, held to what the planner writes: its experiment is one name and its
+    `dir` the run directory its experiment and key give under its `paths.runs` (a relative root is the working
+    directory's, as when it was planned), so training writes nowhere else."""
+    from pathlib import Path
+
+    from study.schema import RunDir, check_name
+
+    check_name("experiment", spec.config.experiment, "a usable experiment name")
+    check_name("key", spec.key, "a run key")
+    planned = RunDir.of(spec.config.paths.runs, spec.config.experiment, spec.key).path
+    if Path(spec.dir) != planned:
+        raise StudyError("dir", f"the run spec's directory {spec.dir} is not {planned}, where run {spec.key} of "
+                         f"experiment {spec.config.experiment} lies under paths.runs={spec.config.paths.runs}",
+                         "train the run.json `study launch` or `study train` wrote, from the directory it was planned "
+                         "in (or plan the run again)")
+    return spec
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -320,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except StudyError as err:
-        print(f"study {args.command}: {err.message}", file=sys.stderr)
+        from study.config.secrets import mask_text
+
+        # a message may quote an override or a URI as given: it is masked like everything else the tool prints
+        print(f"study {args.command}: {mask_text(err.message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"study {args.command}: interrupted", file=sys.stderr)

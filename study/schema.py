@@ -134,8 +134,9 @@ class RunDir:
 
 
 def launch_dir(runs_root: str | Path, experiment: str) -> Path:
-    """<runs>/<experiment>/_launch/: the job journal (jobs.jsonl) and the launch manifest (manifest.jsonl)."""
-    return Path(runs_root).resolve() / experiment / "_launch"
+    """<runs>/<experiment>/_launch/: the job journal (jobs.jsonl) and the launch manifest (manifest.jsonl). A link in
+    its place is refused: a launch would write its journal and manifest wherever it points."""
+    return not_a_link(Path(runs_root).resolve() / experiment / "_launch")
 
 
 def submitit_dir(runs_root: str | Path, experiment: str) -> Path:

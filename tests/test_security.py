@@ -15,6 +15,7 @@ from study.cli import main
 from study.config.spec import read_spec, write_spec
 from study.plan.planner import select_run
 from study.config.secrets import mask_text
+from study.errors import StudyError
 
 RUN = [*TINY, "experiment=sec", "train.max_steps=2"]
 
@@ -110,6 +111,82 @@ def test_export_refuses_a_linked_export_folder(workdir, capsys):
     assert (outside / "config.json").read_text() == "not the run's"
 
 
+@pytest.mark.parametrize("linked", ["_launch", "_launch/manifest.jsonl", "_launch/jobs.jsonl"])
+def test_a_linked_launch_folder_or_journal_is_refused_and_nothing_is_written_through_it(linked, workdir, capsys):
+    from study.launch.manifest import write_manifest
+    from study.launch.scheduler import record
+
+    experiment = workdir / "runs" / "demo"
+    outside = workdir / "outside"
+    outside.mkdir()
+    (experiment / "_launch").mkdir(parents=True, exist_ok=linked == "_launch")
+    if linked == "_launch":
+        (experiment / "_launch").rmdir()
+    (experiment / linked).symlink_to(outside if linked == "_launch" else outside / "victim.jsonl")
+    err = refused(["launch", "demo"], capsys)
+    assert f"error in `{experiment / linked}`: is a symbolic link" in err
+    writers = {"manifest": lambda: write_manifest(workdir / "runs", "demo", [], ["0123456789ab"]),
+               "jobs": lambda: record(workdir / "runs", "demo", [{"key": "0123456789ab", "job_id": "1"}])}
+    for name, write in writers.items():
+        if linked == "_launch" or name in linked:
+            with pytest.raises(StudyError, match="is a symbolic link"):
+                write()
+    assert list(outside.iterdir()) == []
+    assert sorted(str(p.relative_to(experiment)) for p in experiment.rglob("*")) == sorted(
+        {"_launch", linked})  # no run spec, manifest line or journal entry anywhere
+    assert not (workdir / "mlflow.db").exists()
+
+
+def _handed_spec(workdir, **changes):
+    """A spec `study train` planned and wrote, then edited by hand (`changes` to its JSON, `config.<field>` for the
+    config's): the file `study train --spec` is given."""
+    path = write_spec(select_run(RUN))
+    raw = json.loads(path.read_text())
+    for field, value in changes.items():
+        *parents, leaf = field.split(".")
+        node = raw
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    handed = workdir / "handed.json"
+    handed.write_text(json.dumps(raw))
+    return handed, raw
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"dir": "{outside}/run"}, "dir"),
+    ({"dir": "{runs}/other/{key}"}, "dir"),
+    ({"config.experiment": "../../outside", "dir": "{runs}/../../outside/{key}"}, "experiment"),
+    ({"key": "../../outside", "dir": "{runs}/sec/../../outside"}, "key"),
+    ({"config.paths.runs": "{outside}"}, "dir"),
+], ids=["dir outside", "dir of another experiment", "experiment a path", "key a path", "paths.runs elsewhere"])
+def test_train_spec_must_name_its_own_run_directory_under_paths_runs(change, field, workdir, capsys):
+    outside = workdir / "outside"
+    outside.mkdir()
+    runs, key = (workdir / "runs").resolve(), select_run(RUN).key
+    handed, raw = _handed_spec(workdir, **{k: v.format(outside=outside, runs=runs, key=key)
+                                           for k, v in change.items()})
+    before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
+    err = refused(["train", "--spec", str(handed)], capsys)
+    assert f"error in `{field}`" in err
+    if field == "dir":
+        assert f"is not {runs if 'config.paths.runs' not in change else outside}/sec/{key}" in err
+    assert sorted(p.relative_to(workdir) for p in workdir.rglob("*")) == before and list(outside.iterdir()) == []
+
+
+def test_train_spec_takes_the_spec_the_planner_wrote_from_where_it_was_planned(workdir, tmp_path, monkeypatch,
+                                                                              capsys):
+    path = write_spec(select_run(RUN))
+    assert main(["train", "--spec", str(path), "--cfg", "job"]) == 0
+    assert f"dir: {path.parent}" in capsys.readouterr().out
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # paths.runs=runs is another folder here
+    err = refused(["train", "--spec", str(path), "--cfg", "job"], capsys)
+    assert f"error in `dir`: the run spec's directory {path.parent} is not {elsewhere}/runs/sec/" in err
+    assert list(elsewhere.iterdir()) == []
+
+
 # export --force
 
 
@@ -156,18 +233,41 @@ def test_export_force_replaces_only_the_files_its_manifest_lists(workdir, capsys
     ("git clone https://ghp_abc@github.com/o/r", "git clone https://***@github.com/o/r"),
     ("pip install --index-url https://user:pw@pypi.example/simple x",
      "pip install --index-url https://user:***@pypi.example/simple x"),
+    # passwords by every name a shell, a tool or a config gives them
+    ("export DB_PASS=p1 DB_PWD=p2 GITHUB_PAT=p3 SSHPASS=p4", "export DB_PASS=*** DB_PWD=*** GITHUB_PAT=*** SSHPASS=***"),
+    ("curl -u alice:pw1 https://x && curl --user=bob:pw2 https://y", "curl -u alice:*** https://x && curl --user=bob:*** https://y"),
+    ("sshpass -p 'pw 1' ssh host; sshpass -v -ppw2 ssh host", "sshpass -p *** ssh host; sshpass -v -p*** ssh host"),
+    ("Password: pw1", "Password: ***"),
+    ('{"PASSWORD": "pw\\"1", "user": "bob"}', '{"PASSWORD": "***", "user": "bob"}'),
+    ("{'db_password': pw2}", "{'db_password': ***}"),
+    ("http://alice:pw@127.0.0.1:5000/x", "http://alice:***@127.0.0.1:5000/x"),
+    # signed URLs keep every query parameter but their signature and credentials
+    ("https://acct.blob.core.windows.net/c/f?sv=2022&sig=abc%2B&se=2030", "https://acct.blob.core.windows.net/c/f?sv=2022&sig=***&se=2030"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Date=1&X-Amz-Signature=ff&X-Amz-Expires=60",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Date=1&X-Amz-Signature=***&X-Amz-Expires=60"),
+    ("https://h/f?token=t1&page=2#top", "https://h/f?token=***&page=2#top"),
+    ("https://h/f?page=2&access_token=t2", "https://h/f?page=2&access_token=***"),
     # not secrets: vocabulary entries, user names of other schemes, ordinary options and overrides
     ("data.eos_token=<|endoftext|>", "data.eos_token=<|endoftext|>"),
     ("postgresql://study@db/mlflow", "postgresql://study@db/mlflow"),
     ("torchrun --nproc-per-node 8 train.py model.ffn.k=8", "torchrun --nproc-per-node 8 train.py model.ffn.k=8"),
+    # nor the shell's working directory, a figure per token, a run key, a path or a word that ends in `pass`
+    ("cd $PWD && PWD=/home/u OLDPWD=/tmp ls", "cd $PWD && PWD=/home/u OLDPWD=/tmp ls"),
+    ("flops_per_token=6.1e6 run_key=0123456789ab", "flops_per_token=6.1e6 run_key=0123456789ab"),
+    ("/scratch/pass/run.json BYPASS=1 compass=2 https://h/f?page=2", "/scratch/pass/run.json BYPASS=1 compass=2 https://h/f?page=2"),
+    ("curl -u alice https://x", "curl -u alice https://x"),
 ])
 def test_each_secret_form_is_masked_and_other_text_kept(text, masked):
     assert mask_text(text) == masked
 
 
 SETUP = ["wandb login ${oc.env:STUDY_TEST_WANDB}", "huggingface-cli login --token hf_abcdefgh",
-         "export OPENAI_KEY=sk-abcdefgh", "curl -H 'Authorization: Bearer zyxwvuts' https://tok_abcdefgh@host/x"]
-SECRETS = ("wandb-from-env-123", "hf_abcdefgh", "sk-abcdefgh", "zyxwvuts", "tok_abcdefgh")
+         "export OPENAI_KEY=sk-abcdefgh", "curl -H 'Authorization: Bearer zyxwvuts' https://tok_abcdefgh@host/x",
+         "export DB_PWD=pwd_abcdefgh SSHPASS=ssh_abcdefgh", "sshpass -p spw_abcdefgh ssh host",
+         "curl -u alice:cu_abcdefgh -o f 'https://a.blob.core.windows.net/c/f?sv=1&sig=sig_abcdefgh&se=2'",
+         """echo '{"password": "json_abcdefgh"}' > db.json"""]
+SECRETS = ("wandb-from-env-123", "hf_abcdefgh", "sk-abcdefgh", "zyxwvuts", "tok_abcdefgh", "pwd_abcdefgh",
+           "ssh_abcdefgh", "spw_abcdefgh", "cu_abcdefgh", "sig_abcdefgh", "json_abcdefgh")
 SETUP_OVERRIDE = "cluster.setup=[" + ",".join(json.dumps(line) for line in SETUP) + "]"
 
 
@@ -182,6 +282,9 @@ def test_secrets_never_reach_stdout_run_directories_or_mlflow(workdir, monkeypat
     printed = capsys.readouterr().out
     assert not [s for s in SECRETS if s in printed]
     assert "wandb login ${oc.env:STUDY_TEST_WANDB,***}" in printed and "login --token ***" in printed
+    for kept in ("DB_PWD=*** SSHPASS=***", "sshpass -p *** ssh host", "curl -u alice:*** -o f", "?sv=1&sig=***&se=2",
+                 "> db.json"):
+        assert kept in printed
     spec = select_run(args)
     assert train(spec).status == "FINISHED"
     for path in spec.run_dir.path.rglob("*"):
@@ -217,6 +320,63 @@ def test_launch_manifests_and_tags_hold_the_masked_overrides(workdir):
     assert "hf_abcdefgh" not in (workdir / "runs" / "sec" / "_launch" / "manifest.jsonl").read_text()
     assert latest_manifest(workdir / "runs", "sec", uri)["overrides"] == want
     assert read_manifest_tags(open_store(uri), "sec")["overrides"] == want
+
+
+def test_an_error_message_quoting_an_override_is_masked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = refused(["train", "scale=tiny", "cluster.partition='gpu DB_PASSWORD=hunter2'"], capsys)
+    assert "error in `cluster.partition`: 'gpu DB_PASSWORD=***' is not one SLURM word" in err
+
+
+def _port_nothing_listens_on() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [["status", "demo"], ["launch", "demo"], ["report", "demo"], ["train", *RUN]],
+                         ids=["status", "launch", "report", "train"])
+def test_a_tracking_server_that_does_not_answer_is_refused_at_first_contact_with_its_uri_masked(argv, workdir,
+                                                                                                monkeypatch, capsys):
+    port = _port_nothing_listens_on()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:s3cret@127.0.0.1:{port}")
+    err = refused(argv, capsys)
+    assert (f"error in `tracking.uri`: the MLflow server http://alice:***@127.0.0.1:{port} does not answer "
+            "(connection refused). Fix: start the tracking server") in err
+    assert "s3cret" not in err and list(workdir.iterdir()) == []  # no spec, manifest or store written
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_asks_once_and_gives_up_after_its_timeout(tmp_path):
+    """A server that takes the connection and never replies (a hung proxy) is refused after the probe's timeout:
+    one connection, none of MLflow's retries (seven, backing off, about four minutes)."""
+    import socket
+
+    from study.track.store import check_answers
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nothing ever reads or answers
+        port = silent.getsockname()[1]
+        with pytest.raises(StudyError) as refusal:
+            check_answers(f"https://bob:pw@127.0.0.1:{port}/mlflow", timeout_s=0.5)
+        silent.setblocking(False)
+        attempts = []
+        while True:  # every connection the probe opened waits in the listen queue
+            try:
+                attempts.append(silent.accept()[0])
+            except BlockingIOError:
+                break
+        for conn in attempts:
+            conn.close()
+    assert len(attempts) == 1
+    assert (refusal.value.field, refusal.value.problem) == (
+        "tracking.uri", f"the MLflow server https://bob:***@127.0.0.1:{port}/mlflow does not answer (no answer within 0.5 s)")
+    check_answers(f"sqlite:///{tmp_path}/none.db")  # local stores are not probed: nothing to wait for
+    assert list(tmp_path.iterdir()) == []
 
 
 # bounded work

@@ -7,13 +7,20 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_SECRET_WORDS = ("password", "passwd", "secret", "credential")
+_SECRET_WORDS = ("password", "passwd", "passphrase", "secret", "credential")
 # a key whose last word is `token` is a secret when it says whose (`api_token`, `hf_token`) or stands alone; `eos_token`,
 # `pad_token` are vocabulary entries and `flops_per_token` a figure
 _TOKEN_OWNERS = frozenset({"api", "auth", "access", "bearer", "refresh", "hf", "github", "gh", "mlflow", "wandb",
                            "slack", "session", "id", "private", "personal", "secret", "user", "oauth"})
 # in free text (`SERVICE_TOKEN=`, `--token`) any last word `token` or `key` is one, but a vocabulary entry's
 _VOCABULARY_ROLES = frozenset({"eos", "bos", "pad", "unk", "sep", "cls", "mask", "special"})
+# `DB_PWD`, `GITHUB_PAT` are a password and a personal access token; alone, `PWD` is the shell's working directory
+_OWNED_SECRETS = frozenset({"pwd", "pat"})
+# a number per token (`flops_per_token`) and the run key (`run_key`) are figures and names, not secrets
+_NOT_SECRET_BEFORE = {"token": frozenset({*_VOCABULARY_ROLES, "per"}), "key": frozenset({"run", "per"})}
+# query parameters of signed URLs (Azure SAS `sig`, S3/GCS `X-Amz-Signature`, `X-Goog-Signature`): the signature is
+# the credential; the rest (`X-Amz-Credential`, `token`, `key`, `access_token`) already read as secrets by name
+_SIGNATURES = frozenset({"sig", "signature"})
 MASK = "***"
 # Hydra's `env_set` and similar sections hold environment variable values: never logged.
 ENV_SECTIONS = frozenset({"env", "environ", "env_set"})
@@ -31,6 +38,7 @@ def looks_secret(name: str) -> bool:
         any(p.startswith(_SECRET_WORDS) for p in parts)
         or (bool(parts) and parts[-1] == "token" and (len(parts) == 1 or parts[-2] in _TOKEN_OWNERS))
         or re.search(r"api_?key", "_".join(parts)) is not None
+        or (bool(parts) and (parts[-1] in ("pass", "sshpass") or (len(parts) > 1 and parts[-1] in _OWNED_SECRETS)))
     )
 
 
@@ -38,8 +46,8 @@ def _names_secret(name: str) -> bool:
     """A name in free text (`WANDB_KEY=`, `--token`, `X-Api-Key:`) whose value is a secret. Keys of mappings take the
     narrower rule: a spec's `key` is its run key, its `flops_per_token` a figure."""
     parts = _words(name)
-    return looks_secret(name) or (bool(parts) and (parts[-1] == "key" or (
-        parts[-1] == "token" and (len(parts) == 1 or parts[-2] not in _VOCABULARY_ROLES))))
+    return looks_secret(name) or (bool(parts) and parts[-1] in _NOT_SECRET_BEFORE and (
+        len(parts) == 1 or parts[-2] not in _NOT_SECRET_BEFORE[parts[-1]]))
 
 
 def is_sequence(value: Any) -> bool:
@@ -48,6 +56,21 @@ def is_sequence(value: Any) -> bool:
 
 _VALUE = r"(?:\"[^\"]*\"|'[^']*'|[^\s\"',;]+)"
 """A value in text: quoted, or up to a space, quote, comma or semicolon."""
+
+
+def _named(m: re.Match) -> str:
+    return f"{m['lead']}{MASK}" if _names_secret(m["name"]) else m[0]
+
+
+def _query_value(m: re.Match) -> str:
+    return f"{m['lead']}{MASK}" if _names_secret(m["name"]) or _words(m["name"])[-1] in _SIGNATURES else m[0]
+
+
+def _quoted_value(m: re.Match) -> str:
+    quote = m["value"][0] if m["value"][0] in "\"'" else ""
+    return f"{m['lead']}{quote}{MASK}{quote}" if _names_secret(m["name"]) else m[0]
+
+
 _FORMS = (
     # URI userinfo: `scheme://user:pass@host` keeps the user; over HTTP a userinfo alone is a token
     # (`https://TOKEN@host`), elsewhere a user name (`postgresql://study@db/mlflow`, `ssh://git@host`)
@@ -57,15 +80,23 @@ _FORMS = (
     # an HTTP header's credentials, whatever the scheme (`Authorization: Basic ...`), to the end of the string
     (re.compile(r"(?i)(?P<lead>\b(?:proxy-)?authorization\s*[:=]\s*)[^\"'\r\n]+"), lambda m: f"{m['lead']}{MASK}"),
     (re.compile(r"(?i)(?P<lead>\bbearer\s+)[^\s\"',;]+"), lambda m: f"{m['lead']}{MASK}"),
-    # a secret-looking option (`--token X`, `--api-key=X`), header (`X-Api-Key: X`) or assignment (`HF_TOKEN=X`)
-    (re.compile(rf"(?P<lead>(?<![\w-])--?(?P<name>[A-Za-z][\w-]*)(?:=|[ \t]+)){_VALUE}"), None),
-    (re.compile(rf"(?P<lead>(?<![\w-])(?P<name>[A-Za-z][\w-]*):[ \t]*){_VALUE}"), None),
-    (re.compile(rf"(?P<lead>(?P<name>[A-Za-z_][A-Za-z0-9_]*)=){_VALUE}"), None),
+    # a password on the command line whose option's name does not say so: `curl -u user:pw` (also `--user user:pw`)
+    # keeps the user; `sshpass -p pw` (also `-ppw`, after other options) keeps nothing
+    (re.compile(r"(?P<lead>(?<![\w-])(?:-u[ \t]*|--user(?:=|[ \t]+))[\"']?[^\s:\"'@/]+:)[^\s\"']+"),
+     lambda m: f"{m['lead']}{MASK}"),
+    (re.compile(rf"(?P<lead>\bsshpass(?:[ \t]+-[^\sp]\S*)*[ \t]+-p[ \t]*){_VALUE}"), lambda m: f"{m['lead']}{MASK}"),
+    # a URL's query parameter (`?sig=X&se=...`, `&X-Amz-Signature=X`, `?token=X`), up to the next `&`: the other
+    # parameters stay readable
+    (re.compile(r"(?P<lead>[?&](?P<name>[A-Za-z][\w.-]*)=)[^&#\s\"'<>]*"), _query_value),
+    # a quoted key (JSON, YAML: `"password": "x"`); a quoted value keeps its quotes, so JSON stays JSON
+    (re.compile(r"(?P<lead>(?P<q>[\"'])(?P<name>[A-Za-z][\w.-]*)(?P=q)[ \t]*:[ \t]*)"
+                r"(?P<value>\"(?:[^\"\\\r\n]|\\.)*\"|'[^'\r\n]*'|[^\s,;}\]]+)"), _quoted_value),
+    # a secret-looking option (`--token X`, `--api-key=X`), header (`X-Api-Key: X`) or assignment (`HF_TOKEN=X`; a
+    # query parameter's is the form above)
+    (re.compile(rf"(?P<lead>(?<![\w-])--?(?P<name>[A-Za-z][\w-]*)(?:=|[ \t]+)){_VALUE}"), _named),
+    (re.compile(rf"(?P<lead>(?<![\w-])(?P<name>[A-Za-z][\w-]*):[ \t]*){_VALUE}"), _named),
+    (re.compile(rf"(?P<lead>(?<![?&\w-])(?P<name>[A-Za-z_][\w-]*)=){_VALUE}"), _named),
 )
-
-
-def _named(m: re.Match) -> str:
-    return f"{m['lead']}{MASK}" if _names_secret(m["name"]) else m[0]
 
 
 def mask_text(text: str) -> str:
@@ -80,7 +111,7 @@ def mask_text(text: str) -> str:
         if text == value:
             return _from_environment(name)
     for pattern, replace in _FORMS:
-        text = pattern.sub(replace or _named, text)
+        text = pattern.sub(replace, text)
     for value, name in read:
         # inside other text only a value of some length is masked: a short one would mask unrelated words
         if len(value) >= 8 and value in text:

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 from study.errors import StudyError
-from study.schema import launch_dir
+from study.schema import launch_dir, not_a_link
 
 
 def manifest_path(runs_root: str | Path, experiment: str) -> Path:
-    return launch_dir(runs_root, experiment) / "manifest.jsonl"
+    return not_a_link(launch_dir(runs_root, experiment) / "manifest.jsonl")
 
 
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
@@ -28,13 +28,14 @@ def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str],
     if extra_seeds:
         entry["extra_seeds"] = extra_seeds  # seeds an adaptive launch added, per scale and variant
     path = manifest_path(runs_root, experiment)
+    from study.track.query import write_manifest_tags
+    from study.track.store import check_answers, get_or_create_experiment, mlflow_client, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_answers(uri)  # before the line is written: a launch refused for its store leaves no manifest behind
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
-    from study.track.query import write_manifest_tags
-    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
     client = mlflow_client(uri)
     write_manifest_tags(client, get_or_create_experiment(client, uri, experiment), entry)
     return entry

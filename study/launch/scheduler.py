@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from study.errors import StudyError
-from study.schema import launch_dir
+from study.schema import launch_dir, not_a_link
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "SIGNALING", "STAGE_OUT"}
@@ -42,10 +42,15 @@ def outside_allocation():
         os.environ.update(saved)
 
 
+def journal_path(runs_root: str | Path, experiment: str) -> Path:
+    """The job journal; a link in its place (or a linked `_launch/`) is refused, never appended through."""
+    return not_a_link(launch_dir(runs_root, experiment) / "jobs.jsonl")
+
+
 def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
     """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
     name, the job ids it waits for (`after`) and the launcher's host."""
-    path = launch_dir(runs_root, experiment) / "jobs.jsonl"
+    path = journal_path(runs_root, experiment)
     out: dict[str, dict] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -58,7 +63,7 @@ def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
 
 
 def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
-    path = launch_dir(runs_root, experiment) / "jobs.jsonl"
+    path = journal_path(runs_root, experiment)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         for e in entries:

@@ -12,7 +12,7 @@ from typing import TypeVar
 from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
-from study.track.store import call_with_retries, is_locked, mlflow_client, short, sqlite_path
+from study.track.store import call_with_retries, check_answers, is_locked, mlflow_client, short, sqlite_path
 from study.track.store import resolve_tracking_uri
 
 T = TypeVar("T")
@@ -26,7 +26,8 @@ def open_store(tracking_uri: str = "", required: bool = False):
     """A client on the store (argument, else ``MLFLOW_TRACKING_URI``, else ./mlflow.db), waited for while busy.
 
     Reading never creates a store: an SQLite file that does not exist gives None, or, when the caller needs the
-    store to hold something (`required`: a report, a decision), a StudyError naming the path and the fix."""
+    store to hold something (`required`: a report, a decision), a StudyError naming the path and the fix. A server
+    that does not answer is refused at once (`check_answers`), not after MLflow's minutes of retries."""
     uri = resolve_tracking_uri(tracking_uri)
     db = sqlite_path(uri)
     if db is not None and not db.exists():
@@ -35,6 +36,7 @@ def open_store(tracking_uri: str = "", required: bool = False):
                              "run the experiment first, or point MLFLOW_TRACKING_URI (or tracking_uri) at the store "
                              "that holds it")
         return None
+    check_answers(uri)
     return read(lambda: mlflow_client(uri), uri, "connect")
 
 

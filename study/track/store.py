@@ -39,6 +39,34 @@ def resolve_tracking_uri(uri: str = "") -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+PROBE_TIMEOUT_S = 5.0
+"""How long a tracking server may take to answer its first contact, once, before the URI is refused: MLflow's own
+retries of a request nothing answers (seven, backing off) take about four minutes before anything is said."""
+
+
+def check_answers(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Refuses an http(s) tracking URI whose server does not answer one request (MLflow's `/health`, sent the way
+    MLflow sends its own: its credentials and TLS settings) within `timeout_s`, without retries. Any answer counts,
+    an error status too: the calls that follow report it. Other stores (SQLite, files) are local and left alone."""
+    if not re.match(r"(?i)https?://", uri):
+        return
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    from study.config.secrets import mask_text
+
+    try:
+        http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, backoff_factor=0,
+                     backoff_jitter=0, timeout=timeout_s, raise_on_status=False)
+    except Exception as exc:  # noqa: BLE001  (MLflow wraps whatever requests raised in its own text)
+        refused = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
+        reason = (f"no answer within {timeout_s:g} s" if re.search(r"(?i)timed? ?out", str(exc)) else
+                  refused[1].strip().lower() if refused else mask_text(short(exc)))
+        raise StudyError("tracking.uri", f"the MLflow server {mask_text(uri)} does not answer ({reason})",
+                         "start the tracking server (`mlflow server`), or point tracking.uri (or MLFLOW_TRACKING_URI) "
+                         "at a reachable store") from None
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of an `sqlite:///` URI (relative paths resolve against the working directory), else None."""
     if not uri.startswith("sqlite:///"):
