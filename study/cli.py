@@ -317,7 +317,7 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     reference = compose_run(exp, Variant("reference", "conventional"), scale, parse_overrides([]))
     cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
     budget = cfg.budget.target
-    widths, m = allocated(cfg, read_profile(args.profile), budget)
+    widths, m = allocated(cfg, read_profile(args.profile, cfg.model.n_layers), budget)
     out = {"statistic": args.statistic, "geometry": args.geometry, "reverse": args.reverse, "scale": scale,
            "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
            "params": m.params.as_dict(), "budget": budget, "mismatch": m.mismatch}

@@ -3,6 +3,7 @@ written or submitted."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -53,7 +54,53 @@ BAD_EXPERIMENTS = {
                    "variants": {"conventional": {}}},
     "bool_seeds_per_scale": {"baseline": "conventional", "scales": ["tiny"], "seeds": {"tiny": [0, True]},
                              "variants": {"conventional": {}}},
+    # torch's generators take seeds below 2**64: refused when planned, as `seed=` on the command line is
+    "huge_seed": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0, 2**64], "variants": {"conventional": {}}},
+    "huge_seed_per_scale": {"baseline": "conventional", "scales": ["tiny"], "seeds": {"tiny": [2**64 + 5]},
+                            "variants": {"conventional": {}}},
+    "huge_tune_seed": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0], "variants": {"conventional": {}},
+                       "tune": {"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [2**64]}},
+    "nested_tune_seed": {"baseline": "conventional", "scales": ["tiny"], "seeds": [0],
+                         "variants": {"conventional": {}}, "tune": {"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [[0]]}},
+    "empty_scales": {"baseline": "conventional", "scales": [], "seeds": [0], "variants": {"conventional": {}}},
+    "null_scales": {"baseline": "conventional", "scales": None, "seeds": [0], "variants": {"conventional": {}}},
+    "null_seeds": {"baseline": "conventional", "scales": ["tiny"], "seeds": None, "variants": {"conventional": {}}},
+    "scalar_seeds_per_scale": {"baseline": "conventional", "scales": ["tiny"], "seeds": {"tiny": 5},
+                               "variants": {"conventional": {}}},
 }
+
+
+def tiny_profile(layers: int = 4) -> dict:
+    """A profile as `study profile` writes it for the tiny scale (4 layers): every statistic and geometry."""
+    work = [1.0 + 0.5 * layer for layer in range(layers)]
+    return {"layers": layers, "n_tokens": 256,
+            "stats": {s: {g: list(work) for g in ("raw", "spherical", "hyperbolic")} for s in ("shift", "gw", "topo")},
+            "intrinsic_dim": [10.0 + layer for layer in range(layers)], "sensitivity": [1.0] * layers}
+
+
+def _damaged(edit) -> dict:
+    profile = tiny_profile()
+    edit(profile)
+    return profile
+
+
+# name -> (the field the refusal names, the damaged profile)
+DAMAGED_PROFILES = {
+    "nan_work": ("stats.topo.hyperbolic", _damaged(lambda p: p["stats"]["topo"]["hyperbolic"].__setitem__(1, math.nan))),
+    "infinite_work": ("stats.gw.raw", _damaged(lambda p: p["stats"]["gw"]["raw"].__setitem__(0, math.inf))),
+    "negative_work": ("stats.topo.raw", _damaged(lambda p: p["stats"]["topo"]["raw"].__setitem__(2, -1.0))),
+    "string_work": ("stats.shift.spherical", _damaged(lambda p: p["stats"]["shift"]["spherical"].__setitem__(0, "1.0"))),
+    "no_stats": ("stats", _damaged(lambda p: p.pop("stats"))),
+    "no_geometry": ("stats.gw.hyperbolic", _damaged(lambda p: p["stats"]["gw"].pop("hyperbolic"))),
+    "no_layers": ("layers", _damaged(lambda p: p.pop("layers"))),
+    "string_layers": ("layers", _damaged(lambda p: p.__setitem__("layers", "4"))),
+    "eight_layers": ("layers", tiny_profile(8)),  # the tiny model has 4
+    "short_sensitivity": ("sensitivity", _damaged(lambda p: p.__setitem__("sensitivity", [1.0, 1.0]))),
+    "nan_dimension": ("intrinsic_dim", _damaged(lambda p: p["intrinsic_dim"].__setitem__(3, math.nan))),
+    "vanishing_dimension": ("intrinsic_dim", _damaged(lambda p: p["intrinsic_dim"].__setitem__(0, 1e-300))),
+    "a_list": ("", [tiny_profile()]),
+}
+
 # nine aliases of nine aliases, eight deep: 9^9 values from nine lines
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
@@ -226,6 +273,31 @@ CASES = [
     (["prepare", "scale=tiny", "data.cache_dir=../a_file"], "data.cache_dir"),
     (["prepare", "scale=tiny", "data.cache_dir=../a_file/cache"], "data.cache_dir"),
     (["prepare", "scale=tiny", "data.name=../corpora/empty"], "data.name"),
+    (["plan", "huge_seed"], "huge_seed.yaml: seeds"),
+    (["plan", "huge_seed_per_scale"], "huge_seed_per_scale.yaml: seeds"),
+    (["plan", "huge_tune_seed"], "huge_tune_seed.yaml: tune.seeds"),
+    (["plan", "nested_tune_seed"], "nested_tune_seed.yaml: tune.seeds"),
+    (["plan", "empty_scales"], "empty_scales.yaml: scales"),
+    (["plan", "null_scales"], "null_scales.yaml: scales"),
+    (["plan", "null_seeds"], "null_seeds.yaml: seeds"),
+    (["plan", "scalar_seeds_per_scale"], "scalar_seeds_per_scale.yaml: seeds"),
+    # shapes no machine can build: refused before anything is allocated (or counted layer by layer for minutes)
+    (["plan", "demo", "model.d_model=1000000000000"], "model.d_model"),
+    (["plan", "demo", "model.ffn.width=10000000000000"], "model.ffn.width"),
+    (["plan", "demo", "model.n_layers=1000000000"], "model.n_layers"),
+    (["train", "scale=tiny", "model.d_model=1000000000000"], "model.d_model"),
+    (["train", "scale=tiny", "model.ffn.width=10000000000000"], "model.ffn.width"),
+    (["train", "scale=tiny", "model.n_layers=1000000000"], "model.n_layers"),
+    (["train", "scale=tiny", "model.vocab_size=3000000000"], "model.vocab_size"),
+    (["train", "scale=tiny", "model.d_model=1048576", "model.n_layers=4096"], "model"),
+    (["train", "scale=tiny", "budget.target=100000000000000"], "budget.target"),
+    (["launch", "demo", "--dry-run", "model.d_model=1000000000000"], "model.d_model"),
+    # a damaged profile.json: named with its field, before anything is allocated from it
+    *[(["allocate", "--profile", f"../profiles/{name}.json", "--budget-from", "demo:tiny"],
+       f"../profiles/{name}.json" + (f": {field}" if field else "")) for name, (field, _) in DAMAGED_PROFILES.items()],
+    (["allocate", "--profile", "../profiles", "--budget-from", "demo:tiny"], "profile"),
+    (["allocate", "--profile", "../profiles/latin1.json", "--budget-from", "demo:tiny"], "profile"),
+    (["allocate", "--profile", "../profiles/truncated.json", "--budget-from", "demo:tiny"], "profile"),
 ]
 
 
@@ -244,6 +316,7 @@ def bad_tree(tmp_path, monkeypatch, data_cache):
     (tmp_path / "a_file").write_text("where a cache directory is expected\n")
     sparse_tokenizer(tmp_path / "sparse")
     unreadable_corpora(tmp_path / "corpora")
+    damaged_profiles(tmp_path / "profiles")
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -262,6 +335,18 @@ def sparse_tokenizer(folder) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
+
+
+def damaged_profiles(folder) -> None:
+    """The damaged profiles, one not UTF-8 and one cut mid-file."""
+    import json
+
+    folder.mkdir()
+    for name, (_, profile) in DAMAGED_PROFILES.items():
+        (folder / f"{name}.json").write_text(json.dumps(profile))
+    (folder / "latin1.json").write_bytes(json.dumps(tiny_profile() | {"note": "\u00e9"}, ensure_ascii=False)
+                                         .encode("latin-1"))
+    (folder / "truncated.json").write_text(json.dumps(tiny_profile())[:90])
 
 
 def unreadable_corpora(root) -> None:
@@ -324,3 +409,81 @@ def test_the_real_command_exits_2_without_a_traceback(tmp_path):
 def test_read_only_commands_create_nothing(argv, bad_tree, capsys):
     assert main(argv) == 0
     assert sorted(p.name for p in bad_tree.iterdir()) == []  # no store, no run directories, no manifest
+
+
+def test_seeds_past_what_torch_takes_are_refused_in_the_file_as_on_the_command_line(bad_tree, capsys):
+    import torch
+
+    from study.config.validate import SEED_MAX
+    from study.plan.planner import plan_experiment
+
+    torch.Generator().manual_seed(SEED_MAX)  # the bound is torch's: the largest seed it takes, and one past it not
+    with pytest.raises((ValueError, RuntimeError), match="Overflow"):
+        torch.Generator().manual_seed(SEED_MAX + 1)
+    for name, field in (("huge_seed", "seeds"), ("huge_tune_seed", "tune.seeds")):
+        assert main(["plan", name]) == 2
+        assert capsys.readouterr().err == (f"study plan: error in `{name}.yaml: {field}`: {2**64} is past the largest "
+                                           "seed torch takes. Fix: use seeds below 2**64\n")
+    assert main(["train", "scale=tiny", f"seed={2**64}"]) == 2
+    assert f"error in `seed`: {2**64} is past the largest seed torch takes" in capsys.readouterr().err
+    largest = {"baseline": "conventional", "scales": ["tiny"], "seeds": [2**64 - 1], "variants": {"conventional": {}},
+               "tune": {"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [2**64 - 1]}}
+    (bad_tree.parent / "sweeps" / "experiment" / "largest_seed.yaml").write_text(yaml.safe_dump(largest))
+    assert {r.config.seed for r in plan_experiment("largest_seed").runs} == {2**64 - 1}
+
+
+def test_an_experiment_without_scales_is_refused_not_planned_as_no_runs(bad_tree, capsys):
+    assert main(["plan", "empty_scales"]) == 2
+    assert capsys.readouterr().err == ("study plan: error in `empty_scales.yaml: scales`: lists no scale. "
+                                       "Fix: list at least one, e.g. scales: [tiny]\n")
+
+
+def test_a_shape_past_any_machine_is_refused_with_its_parameters_counted(bad_tree, capsys):
+    tiny = yaml.safe_load((ROOT / "sweeps" / "scale" / "tiny.yaml").read_text())["model"]
+    d, layers, vocab, width = 2**20, 4096, tiny["vocab_size"], tiny["ffn"]["width"]  # each within torch's dimensions
+    # llama blocks: multi-head attention (q, k, v, o: 4 d^2), SwiGLU (3 d w), two norms a layer and the final one,
+    # embedding and LM head untied
+    total = layers * (4 * d * d + 3 * d * width + 2 * d) + d + 2 * vocab * d
+    assert main(["train", "scale=tiny", f"model.d_model={d}", f"model.n_layers={layers}"]) == 2
+    assert capsys.readouterr().err == (
+        f"study train: error in `model`: the reference shape (d_model {d:,}, {layers:,} layers, FFN width {width:,}) "
+        f"has {total:,} parameters, past the 10,000,000,000,000 any machine can hold. Fix: lower model.d_model, "
+        "model.n_layers or model.ffn.width, or use a scale preset of the size you mean\n")
+    assert main(["train", "scale=tiny", "model.n_layers=4097"]) == 2
+    assert "error in `model.n_layers`: 4,097 layers is past the 4,096" in capsys.readouterr().err
+    assert main(["train", "scale=tiny", f"model.d_model={2**31}"]) == 2
+    assert f"error in `model.d_model`: {2**31:,} is past the largest dimension" in capsys.readouterr().err
+    assert list(bad_tree.iterdir()) == []
+
+
+def test_a_damaged_profile_is_refused_naming_the_file_the_field_and_the_layer(bad_tree, capsys):
+    fix = "Fix: profile the reference run again (`study profile RUN_KEY` rewrites its profile.json)\n"
+    for name, problem in (("nan_work", "stats.topo.hyperbolic`: layer 1 holds nan, not a finite work >= 0"),
+                          ("string_work", "stats.shift.spherical`: layer 0 holds '1.0', not a finite work >= 0"),
+                          ("short_sensitivity", "sensitivity`: has 2 values for 4 layers")):
+        assert main(["allocate", "--profile", f"../profiles/{name}.json", "--budget-from", "demo:tiny"]) == 2
+        assert capsys.readouterr().err == f"study allocate: error in `../profiles/{name}.json: {problem}. {fix}"
+    assert main(["allocate", "--profile", "../profiles/eight_layers.json", "--budget-from", "demo:tiny"]) == 2
+    assert capsys.readouterr().err == ("study allocate: error in `../profiles/eight_layers.json: layers`: the profile "
+                                       "has 8 layers, the model 4. Fix: profile a reference run with the same depth "
+                                       "as the scheduled runs\n")
+    assert list(bad_tree.iterdir()) == []
+
+
+def test_num_fewshot_past_a_tasks_documents_is_refused_naming_its_count(workdir, capsys):
+    from conftest import TINY
+    from study.evaluate.harness import LOCAL_TASK_DIR
+    from study.plan.planner import select_run
+    from study.train.loop import train
+
+    spec = select_run([*TINY, "experiment=fewshot", "train.max_steps=2", "model.max_seq_len=128"])
+    assert train(spec).status == "FINISHED"
+    documents = len((LOCAL_TASK_DIR / "arc_easy_local.jsonl").read_text().splitlines())
+    capsys.readouterr()
+    # the examples come from the split being scored, less the document itself: one fewer than it holds
+    assert main(["eval", spec.key, "tasks=arc_easy_local", f"num_fewshot={documents}"]) == 2
+    assert capsys.readouterr().err == (
+        f"study eval: error in `num_fewshot`: {documents} examples per document is more than task arc_easy_local has "
+        f"({documents} documents, {documents - 1} to draw from besides the one scored). Fix: use "
+        f"num_fewshot={documents - 1} or fewer (0 for zero-shot), or a task with more documents\n")
+    assert not spec.run_dir.evals.exists() or list(spec.run_dir.evals.iterdir()) == []

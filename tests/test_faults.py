@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 
 from conftest import TINY, TRAINING_RUNS
 from study.cli import main
-from study.plan.planner import select_run
+from study.plan.planner import plan_experiment, select_run
 from study.train.loop import train
 
 pytestmark = pytest.mark.faults
@@ -154,8 +155,12 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
     monkeypatch.setenv("STUDY_SWEEPS", str(workdir / "sweeps"))
     with pytest.raises(LaunchFailed) as failed:  # the launch says which runs failed, and why
         launch("nan_sweep", ["cluster=local"], echo=lambda m: None)
-    assert str(failed.value).startswith("2 of 4 runs failed") and str(failed.value).count("nan") >= 2
-    assert "diverging-tiny-s0" in str(failed.value) and "diverging-tiny-s1" in str(failed.value)
+    message = str(failed.value)
+    assert message.startswith("2 of 4 runs failed: ")
+    plan = {r.name: r for r in plan_experiment("nan_sweep", ["cluster=local"]).runs}
+    for name in ("diverging-tiny-s0", "diverging-tiny-s1"):  # the reason itself, then where the log is
+        assert re.search(rf"{name} \({plan[name].key}\): training loss is nan at step 5 \(log: /\S+_log\.err\)",
+                         message)
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")

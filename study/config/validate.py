@@ -28,6 +28,9 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "trai
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
                 "cluster.signal_delay_s", "cluster.mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
+SEED_MAX = 2**64 - 1
+"""The largest seed a run may have: torch's generators take 64-bit seeds (the run's seed, an experiment's `seeds:`,
+a tuning's `tune.seeds`)."""
 AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
 """Upper bounds: MLflow takes at most 1,000 metrics per batch; an MFU is a fraction."""
 URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
@@ -112,8 +115,8 @@ def validate_run(cfg: RunConfig) -> None:
     for name in ("init_seed", "data_seed"):
         if _get(cfg, name) is not None and _get(cfg, name) < 0:
             raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0, or null for `seed`")
-    for name in ("seed", "init_seed", "data_seed"):  # torch's generators take 64-bit seeds
-        if _get(cfg, name) is not None and _get(cfg, name) > 2**64 - 1:
+    for name in ("seed", "init_seed", "data_seed"):
+        if _get(cfg, name) is not None and _get(cfg, name) > SEED_MAX:
             raise StudyError(name, f"{_get(cfg, name)} is past the largest seed torch takes", "use a seed below 2**64")
     for name, bound in AT_MOST.items():
         if _get(cfg, name) > bound:

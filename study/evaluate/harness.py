@@ -258,6 +258,8 @@ def evaluate_model(
         manager = TaskManager(include_path=str(task_dir), include_defaults=bool(hub))
         if unknown := sorted(set(hub) - set(manager.all_tasks)):
             raise _unknown_tasks_error(unknown, local)
+        if num_fewshot:
+            check_fewshot(manager.load(names)["tasks"], num_fewshot)
         try:
             # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
             # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
@@ -291,6 +293,22 @@ def evaluate_model(
             # far less noisy than accuracy at small scale: every item contributes, not only the argmax
             metrics[f"eval/{task}/ll_correct"] = float(sum(lls) / len(lls))
     return {"lm_eval": results, "metrics": metrics, "items": items}
+
+
+def check_fewshot(tasks: dict[str, Any], num_fewshot: int) -> None:
+    """Every task has `num_fewshot` solved examples to draw for each document; past its count lm-eval's sampler fails
+    with a bare ValueError while building requests. Where the examples come from the split being scored, the
+    document itself is left out of its own examples, so one fewer is available."""
+    for name, task in tasks.items():
+        if task.get_config("num_fewshot") == 0:  # lm-eval keeps a task's explicit 0 whatever is asked
+            continue
+        pool = len(task.fewshot_docs() or [])
+        available = pool - 1 if task.fewshot_cfg.split == task.config.test_split else pool
+        if num_fewshot > available:
+            raise StudyError("num_fewshot", f"{num_fewshot} examples per document is more than task {name} has "
+                             f"({pool} documents, {available} to draw from besides the one scored)",
+                             f"use num_fewshot={max(available, 0)} or fewer (0 for zero-shot), or a task with more "
+                             "documents")
 
 
 def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:

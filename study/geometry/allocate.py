@@ -34,9 +34,12 @@ layers wide) or flatten it to near-uniform (a profile that decays fast reflects 
 from __future__ import annotations
 
 
+import math
+import sys
+
 import numpy as np
 
-from study.config.geometry import SMOOTHING, AllocationConfig, one_of
+from study.config.geometry import GEOMETRIES, SMOOTHING, STATISTICS, AllocationConfig, one_of
 from study.errors import StudyError
 
 # Smoothness of the function an FFN approximates, in the error rate w^(-smoothness / intrinsic dimension).
@@ -134,7 +137,7 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     layers = int(profile["layers"])
     cost = profile_cost(profile, cfg)
     if cfg.exponent == "intrinsic":
-        exponents = intrinsic_exponents(profile["intrinsic_dim"])
+        exponents = intrinsic_exponents(profile.get("intrinsic_dim"))
     else:
         exponents = np.full(layers, cfg.exponent_const)
     weights = None
@@ -155,16 +158,67 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     return (uniform_width * fractions).tolist()
 
 
-def read_profile(path) -> dict:
-    """A profile.json written by `study profile`."""
+def read_profile(path, layers: int | None = None) -> dict:
+    """A profile.json written by `study profile`, its values checked (`check_profile`); `layers`, where given, is
+    the depth of the model the widths are for."""
     import json
     from pathlib import Path
 
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        profile = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 text
         raise StudyError("profile", f"cannot read the profile {path} ({err})",
                          "point at the profile.json that `study profile RUN_KEY` wrote") from None
+    check_profile(profile, str(path), layers)
+    return profile
+
+
+LEAST_DIM = 1 / math.log(sys.float_info.max)
+"""The least intrinsic dimension a profile can hold: TwoNN's n / sum log(r2 / r1) over n points is at least 1 / the
+largest log of a float64 ratio (1 / 709.8); a smaller one was not measured, and its exponent 2 / d stalls the solver."""
+PROFILE_FIX = "profile the reference run again (`study profile RUN_KEY` rewrites its profile.json)"
+
+
+def check_profile(profile, where: str, layers: int | None = None) -> None:
+    """A damaged or hand-edited profile (NaN or negative work, a string, a missing key, a list of the wrong length)
+    is refused naming the file and the field, before anything is allocated from it: the allocator would otherwise
+    fail deep in numpy or scipy, or silently spend the budget on a NaN."""
+    if not isinstance(profile, dict):
+        raise StudyError(where, f"is a JSON {type(profile).__name__}, not a profile", PROFILE_FIX)
+    n = profile.get("layers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StudyError(f"{where}: layers", f"{n!r} is not a number of layers" if "layers" in profile
+                         else "is missing", PROFILE_FIX)
+    if layers is not None and n != layers:
+        raise StudyError(f"{where}: layers", f"the profile has {n} layers, the model {layers}",
+                         "profile a reference run with the same depth as the scheduled runs")
+    stats = profile.get("stats")
+    if not isinstance(stats, dict):
+        raise StudyError(f"{where}: stats", "is missing" if stats is None else "is not a mapping", PROFILE_FIX)
+    for statistic in STATISTICS:
+        for geometry in GEOMETRIES:
+            per = stats.get(statistic)
+            _check_layers(per.get(geometry) if isinstance(per, dict) else None, f"{where}: stats.{statistic}.{geometry}",
+                          n, lambda v: v is not None and v >= 0, "a finite work >= 0")
+    # a layer whose intrinsic dimension could not be estimated is written as null (intrinsic_exponents refuses it)
+    if profile.get("intrinsic_dim") is not None:
+        _check_layers(profile["intrinsic_dim"], f"{where}: intrinsic_dim", n, lambda v: v is None or v >= LEAST_DIM,
+                      f"a dimension of at least {LEAST_DIM:.4f} or null")
+    if profile.get("sensitivity") is not None:
+        _check_layers(profile["sensitivity"], f"{where}: sensitivity", n, lambda v: v is not None, "a finite number")
+
+
+def _check_layers(values, field: str, layers: int, allowed, what: str) -> None:
+    """One value per layer, each a finite number or null that `allowed` takes (`what` says which)."""
+    if not isinstance(values, list):
+        raise StudyError(field, "is missing" if values is None else f"is a {type(values).__name__}, not a list of "
+                         "one value per layer", PROFILE_FIX)
+    if len(values) != layers:
+        raise StudyError(field, f"has {len(values)} values for {layers} layers", PROFILE_FIX)
+    for layer, v in enumerate(values):
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if not (v is None or number) or (number and not math.isfinite(v)) or not allowed(v):
+            raise StudyError(field, f"layer {layer} holds {v!r}, not {what}", PROFILE_FIX)
 
 
 def geometry_widths(profile: dict, uniform_width: float, n_layers: int, alloc: AllocationConfig,

@@ -4,6 +4,7 @@ stops). On SLURM, `--wait`: the launch's jobs followed until none is pending or 
 
 from __future__ import annotations
 
+import re
 import time
 
 from study.config.spec import RunSpec
@@ -63,7 +64,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                                 board.mark(run.key, DONE)
                             echo(f"  done    {line}")
                         except Exception as err:  # a failed run must not stop its siblings
-                            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                            reason = failure_reason(err)
                             failures.append((run, reason))
                             if shown:
                                 board.mark(run.key, FAILED)
@@ -88,6 +89,24 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages
+
+
+def failure_reason(err: BaseException) -> str:
+    """The line that says why a local job failed, and where its log is. submitit's error for a failed job holds the
+    job's traceback and then its log paths: the reason is the exception the traceback ends on (`run 2f9240731574
+    failed: training loss is nan at step 5`), not the last line; a job that died without one (killed, out of memory)
+    is described by the last line its error stream wrote."""
+    lines = [line.rstrip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    raised = [line for line in lines[starts[-1] + 1:] if not line[0].isspace()] if starts else []
+    paths = [line.split("- ", 1)[1] for line in lines if line.lstrip().startswith("- ") and line.endswith("_log.err")]
+    if not raised:
+        return lines[-1].strip()
+    # the exception's type and run-level prefix say nothing the launch's own message does not
+    reason = re.sub(r"^run [0-9a-f]+ failed: ", "", re.sub(r"^[\w.]+(Error|Exception): ", "", raised[0]))
+    return reason + (f" (log: {paths[-1]})" if paths else "")
 
 
 def stop_jobs(jobs: list, grace_s: float = 120.0) -> None:

@@ -34,7 +34,6 @@ one layer is off the multiple, and for hourglass they spread over that layer's s
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -101,19 +100,58 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def reference_budget(reference: ModelConfig, mode: str) -> int:
     """The budget a scale's reference conventional model defines: its own count, uniform widths."""
     check_positive(reference)
-    ref = copy.deepcopy(reference)
-    ref.ffn.widths = [ref.ffn.width * ref.ffn.k] * ref.n_layers
-    return count_params(ref, mode).counted
+    params = count_params(_uniform(reference), mode)
+    check_buildable(params, "model", f"the reference shape (d_model {reference.d_model:,}, {reference.n_layers:,} "
+                    f"layers, FFN width {reference.ffn.width:,})",
+                    "lower model.d_model, model.n_layers or model.ffn.width, or use a scale preset of the size you mean")
+    return params.counted
+
+
+def _uniform(cfg: ModelConfig) -> ModelConfig:
+    """The shape with every layer at its declared FFN width (what a reference builds)."""
+    return replace(cfg, ffn=replace(cfg.ffn, widths=[cfg.ffn.width * cfg.ffn.k] * cfg.n_layers))
+
+
+MAX_LAYERS = 4096
+"""Most layers a model may have, declared or solved by the depth strategy: far past any trained transformer. Widths,
+heads and counts go layer by layer, so a budget a million times the scale's (`budget.target=100000000000000`) or
+`model.n_layers=1000000000` would take minutes (and gigabytes of lists) before anything could be said."""
+MAX_DIMENSION = 2**31 - 1
+"""Largest size of one dimension (d_model, heads, widths, vocabulary, context): torch's kernels index with 32-bit
+integers, and one d x d matrix this wide already holds 2**62 entries."""
+MAX_PARAMS = 10**13
+"""Most parameters a model may have (all of them, embeddings included, counted exactly by `count_params`): 1e13
+parameters are 20 TB of bf16 weights and 160 TB with fp32 AdamW state, past the memory of any machine a study trains
+on. Refused when planned, so torch never tries the allocation (an overflow error, or the OOM killer minutes in)."""
 
 
 def check_positive(cfg: ModelConfig) -> None:
-    """The sizes every count divides or multiplies by are positive (checked before the reference is counted)."""
+    """The sizes every count divides or multiplies by are positive, and each within what a machine can build: at most
+    MAX_LAYERS layers and no dimension past MAX_DIMENSION (checked before the reference is counted, layer by layer)."""
     for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
         if getattr(cfg, name) <= 0:
             raise StudyError(f"model.{name}", f"must be positive, got {getattr(cfg, name)}", "use a value > 0")
     for name in ("width", "k", "multiple_of"):
         if getattr(cfg.ffn, name) <= 0:
             raise StudyError(f"model.ffn.{name}", f"must be positive, got {getattr(cfg.ffn, name)}", "use a value > 0")
+    if cfg.n_layers > MAX_LAYERS:
+        raise StudyError("model.n_layers", f"{cfg.n_layers:,} layers is past the {MAX_LAYERS:,} a model here may have",
+                         "use the scale's own depth, or a scale preset of the size you mean")
+    sizes = {f"model.{n}": getattr(cfg, n) for n in ("d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+                                                       "max_seq_len")}
+    sizes |= {f"model.ffn.{n}": getattr(cfg.ffn, n) for n in ("width", "k", "multiple_of")}
+    sizes |= {"model.ffn.widths": max(cfg.ffn.widths or [0]), "model.layer_heads": max(cfg.layer_heads or [0])}
+    for name, size in sizes.items():
+        if size > MAX_DIMENSION:
+            raise StudyError(name, f"{size:,} is past the largest dimension a model can have ({MAX_DIMENSION:,}: "
+                             "torch indexes with 32-bit integers)", "use the scale's own value or a larger scale preset")
+
+
+def check_buildable(params: ParamCount, field: str, what: str, fix: str) -> None:
+    """At most MAX_PARAMS parameters in all, `what` naming the shape and `field` the setting that made it."""
+    if params.total > MAX_PARAMS:
+        raise StudyError(field, f"{what} has {params.total:,} parameters, past the {MAX_PARAMS:,} any machine can "
+                         "hold", fix)
 
 
 def validate_shape(cfg: ModelConfig) -> None:
@@ -227,11 +265,6 @@ def _with_target_widths(cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers))
 
 
-MAX_LAYERS = 4096
-"""Most layers the depth strategy solves for: far past any trained transformer. Widths, heads and counts go layer by
-layer, so a budget a million times the scale's (`budget.target=100000000000000`) would take minutes to match."""
-
-
 def _solve_depth(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     one = count_params(_with_target_widths(replace(cfg, n_layers=1)), mode).counted
     two = count_params(_with_target_widths(replace(cfg, n_layers=2)), mode).counted
@@ -306,6 +339,9 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
     if cfg.ffn.widths is None:
         return Matched(cfg, None, budget, None)
     params = count_params(cfg, mode)
+    check_buildable(params, "budget.target", f"the matched shape (d_model {cfg.d_model:,}, {cfg.n_layers:,} layers, "
+                    f"widest FFN layer {max(cfg.ffn.widths):,})", "use a budget near the scale's own "
+                    "(budget.target=0 is its reference model's count) or a larger scale")
     mismatch = (params.counted - budget) / budget
     if strategy != "none" and abs(mismatch) > budget_cfg.tolerance:
         raise StudyError("budget.tolerance", f"the closest match is {mismatch:.2e} off the budget "

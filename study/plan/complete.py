@@ -36,7 +36,7 @@ def complete_spec(spec: RunSpec) -> RunSpec:
                          "train the reference run and run `study profile RUN_KEY` first (study launch chains them)")
     cfg = spec.config
     try:
-        _, matched = allocated(cfg, read_profile(path), spec.budget)
+        _, matched = allocated(cfg, read_profile(path, cfg.model.n_layers), spec.budget)
     except StudyError as err:
         raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
     return replace(spec, config=replace(cfg, model=matched.model), params=matched.params.as_dict(),

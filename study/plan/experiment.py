@@ -9,6 +9,7 @@ from typing import Any
 
 from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
 from study.config.decision import DecisionRule
+from study.config.validate import SEED_MAX
 from study.errors import StudyError
 from study.plan.fairness import check_compares, check_owned
 from study.plan.tune import Tuning, parse_tuning
@@ -233,14 +234,21 @@ def load_experiment(name: str) -> Experiment:
     for key in ("baseline", "scales", "seeds", "variants"):
         if key not in raw and not (key == "variants" and "grid" in raw):
             raise StudyError(f"{name}.yaml: {key}", "is missing", "every experiment names baseline, scales, seeds, variants")
-    scales = list(raw.scales)
+    scales = list(raw.scales or [])
+    if not scales:  # nothing would be planned, and `study plan` would say "no runs" as if that were the design
+        raise StudyError(f"{name}.yaml: scales", "lists no scale", "list at least one, e.g. scales: [tiny]")
     for scale in scales:
         group_file("scale", scale)
-    seeds_raw = OmegaConf.to_container(raw.seeds)
+    seeds_raw = OmegaConf.to_container(raw.seeds) if raw.seeds is not None else None
+    if seeds_raw is None:
+        raise StudyError(f"{name}.yaml: seeds", "lists no seed", "e.g. seeds: [0, 1, 2]")
     if isinstance(seeds_raw, dict):
         missing = [s for s in scales if s not in seeds_raw]
         if missing:
             raise StudyError(f"{name}.yaml: seeds", f"no seeds for scale {missing[0]}", "list seeds for every scale")
+        if unlisted := [s for s in scales if not isinstance(seeds_raw[s], list)]:
+            raise StudyError(f"{name}.yaml: seeds", f"the seeds of scale {unlisted[0]} are not a list",
+                             f"e.g. seeds: {{{unlisted[0]}: [0, 1, 2]}}")
         seeds = {s: list(seeds_raw[s]) for s in scales}
     else:
         seeds = {s: list(seeds_raw) for s in scales}
@@ -249,6 +257,10 @@ def load_experiment(name: str) -> Experiment:
             or not all(seeds.values())):
         raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers (true and "
                          "false are not seeds)", "e.g. seeds: [0, 1, 2]")
+    past = [x for v in seeds.values() for x in v if x > SEED_MAX]
+    if past:
+        raise StudyError(f"{name}.yaml: seeds", f"{past[0]} is past the largest seed torch takes",
+                         "use seeds below 2**64")
     variants = []
     for vname, spec in (OmegaConf.to_container(raw.variants) if raw.get("variants") else {}).items():
         spec = spec or {}

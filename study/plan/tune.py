@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from study.config.validate import SEED_MAX
 from study.errors import StudyError
 
 DEFAULT_EXTEND = 2
@@ -82,10 +83,12 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
     for s in scales:
         scale_exists(s)
     seeds = raw.get("seeds", [0])
-    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds)):
+    if (not isinstance(seeds, list) or not seeds
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds) or len(set(seeds)) != len(seeds)):
         raise StudyError(f"{where}.seeds", f"{seeds!r} is not a list of distinct non-negative integers",
                          "e.g. seeds: [0]")
+    if max(seeds) > SEED_MAX:
+        raise StudyError(f"{where}.seeds", f"{max(seeds)} is past the largest seed torch takes", "use seeds below 2**64")
     extend = raw.get("extend", DEFAULT_EXTEND)
     if isinstance(extend, bool) or not isinstance(extend, int) or not 0 <= extend <= 8:
         raise StudyError(f"{where}.extend", f"{extend!r} is not a number of points from 0 to 8",
