@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         # a person at a prompt hears at once that the server is down; a job (--spec) waits out an outage instead
         check_answers(resolve_tracking_uri(spec.config.tracking.uri))
-    if spec.pending is not None:
+    if spec.pending is not None and not spec.awaits_tuning:  # a run waiting for its tuning is refused by train()
         from study.plan.complete import complete_spec
 
         spec = complete_spec(spec)

@@ -41,6 +41,8 @@ STAGE_SEQUENTIAL = "sequential"
 NOT_TRAINING = (STAGE_REPORT, STAGE_GROUP, STAGE_SEQUENTIAL)
 """`study.stage` values of runs that trained nothing: never read as training runs."""
 TAG_BASELINE = "study.baseline"
+TAG_FAILURE_REASON = "study.failure_reason"
+"""Why a run failed, in one line (set when its tracker closes FAILED)."""
 TAG_SLURM_JOB = "study.slurm_job_id"
 TAG_SLURM_RESTARTS = "study.slurm_restart_count"
 TAG_RESTARTS = "study.restarts"

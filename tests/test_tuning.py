@@ -68,10 +68,14 @@ def test_other_scales_take_the_tuned_multiple_or_the_optimum_fitted_against_n():
     ({"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [0, 0]}, "tune.seeds"),
     ({"lr": [0.5, 1, 2], "scale": "tiny", "extend": -1}, "tune.extend"),
     ({"lr": [0.5, 1, 2], "scale": "tiny", "steps": 3}, "tune.steps"),
+    ({"lr": [0.5, 1, 2], "scale": "7T"}, "tune.scale"),
+    ({"lr": [0.5, 1, 2], "scales": ["tiny", "7T"]}, "tune.scales"),
 ])
 def test_a_malformed_tune_block_is_refused_naming_its_field(raw, field):
+    from study.config.compose import group_file
+
     with pytest.raises(StudyError) as err:
-        parse_tuning(raw, "x.yaml: tune", lambda s: None)
+        parse_tuning(raw, "x.yaml: tune", lambda s: group_file("scale", s))
     assert err.value.field == f"x.yaml: {field}"
 
 

@@ -220,6 +220,12 @@ def test_a_diverging_tune_run_settles_as_diverged_and_a_relaunch_trains_nothing_
     again: list[str] = []
     assert launch(name, ["cluster=local"], echo=again.append) == []
     assert any("every tune point of b" in line for line in again)
+    from study.launch.status import experiment_status
+
+    words = {r.key: r.verdict for r in experiment_status(name, [])}
+    assert {words[r.key].split(" (")[0] for r in b_tune} == {"diverged"}
+    assert {words[r.key] for r in plan.runs if r.role != Role.tune and r.config.variant == "b"} == {
+        "waiting for its tuning"}
 
 
 def test_a_relaunch_after_tuning_never_submits_a_tune_run_it_already_tried(workdir, monkeypatch):

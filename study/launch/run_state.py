@@ -72,6 +72,8 @@ class RunState:
     """MLflow's status of the run (`-` when MLflow holds no run of its key): a mirror, never the answer."""
     disagreement: str = ""
     """Where MLflow says otherwise than the run directory, in words (the run directory wins); empty when they agree."""
+    diverged: bool = False
+    """A tune run settled by diverging: its result is that its LR is too high (MLflow holds it FAILED)."""
 
     @property
     def done(self) -> bool:
@@ -162,4 +164,4 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
         disagreement = "MLflow says FINISHED, yet its run directory holds no result.json"
     elif mlflow == "RUNNING" and worker.what is None:
         disagreement = "MLflow says RUNNING, yet no job runs it and no live process holds its run directory's lease"
-    return RunState(spec.key, needs, worker, mlflow, disagreement)
+    return RunState(spec.key, needs, worker, mlflow, disagreement, settled_as == "FAILED")

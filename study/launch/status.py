@@ -45,7 +45,7 @@ class RunStatus:
     restarts: int
     verdict: str
     """One word a person acts on (details in parentheses): finished, running, queued, stuck, not evaluated, MLflow
-    behind, failed, died, not finished, not submitted, waiting for its tuning."""
+    behind, failed, died, not finished, not submitted, waiting for its tuning, diverged (a settled tune point)."""
     state: RunState
     """The run's one answer: what it still needs and what works on it."""
 
@@ -59,7 +59,8 @@ def _verdict(state: RunState, job_state: str, submitted: bool) -> str:
 
 def _word(state: RunState, job_state: str, submitted: bool) -> tuple[str, list[str]]:
     if state.needs == NOTHING:
-        return "finished", []
+        return ("diverged", ["a tune point: its loss counts as the worst, the tuning goes on"]) if state.diverged \
+            else ("finished", [])
     if state.worker.what == STUCK:
         return "stuck", ["a job it waits for failed or was cancelled, so it never starts; `study launch` resubmits it"]
     if state.worker.what in (QUEUED, RUNNING):

@@ -81,7 +81,10 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
                          + (" (a list needs two or more to fit against N)" if "scales" in raw else ""),
                          "name scale presets of sweeps/scale/")
     for s in scales:
-        scale_exists(s)
+        try:
+            scale_exists(s)
+        except StudyError as err:
+            raise StudyError(f"{where}.{'scale' if 'scale' in raw else 'scales'}", err.problem, err.fix) from None
     seeds = raw.get("seeds", [0])
     if (not isinstance(seeds, list) or not seeds
             or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds) or len(set(seeds)) != len(seeds)):
