@@ -7,6 +7,7 @@ so they are read only when a plot needs them.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -20,6 +21,7 @@ import pandas as pd
 from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
+from study.plan.fairness import shared as is_shared
 from study.schema import NOT_TRAINING, TAG_KEY_SCHEMA, TAG_STAGE
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
@@ -84,7 +86,8 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
 
     Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.stage`` tag), baseline, status,
     failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
-    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), then one column per final
+    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), shared_fields (the
+    hashed fields every arm shares, as logged: JSON), then one column per final
     metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
     Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's
     variant/scale/seed tags are not training runs and are left out. Runs split three ways: tune runs, main runs at
@@ -163,7 +166,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     bad_seeds = (f"Left out {len(unseeded)} run(s) whose study.seed tag is not a whole number: "
                  + ", ".join(f"{r['run_name']} (study.seed={r['seed_tag']!r})" for r in unseeded)
                  + "; set the tag to the run's seed in MLflow, or delete the run" if unseeded else "")
-    notes = tuple(note for note in (left_out, bad_seeds, diverged,
+    notes = tuple(note for note in (_differences(runs), left_out, bad_seeds, diverged,
                                     "No run of " + ", ".join(missing) + ": these cells are in no comparison"
                                     if missing else "") if note)
     return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, notes)
@@ -190,6 +193,37 @@ def _without_infinite_finals(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     runs = runs.copy()
     runs[metrics] = runs[metrics].mask(bad)
     return runs, note
+
+
+def _shared(dotted: str) -> bool:
+    try:
+        return is_shared(dotted)
+    except KeyError:  # a param no config field places (recipe.*, resolved.*): the run's own, not the comparison's
+        return False
+
+
+def _differences(runs: pd.DataFrame) -> str:
+    """The sentence naming each shared field (study.plan.fairness) in which a variant's runs differ from the
+    baseline's at the same scale and seed: fields the experiment compares on purpose (its `compares:` block), read
+    from what the runs logged rather than from the experiment file, so a store is described as it was trained."""
+    fields = {(r.scale, r.variant, r.seed): json.loads(r.shared_fields) for r in runs.itertuples()}
+    found: dict[tuple[str, str], dict[str, tuple[str, str, str]]] = {}
+    for r in runs.itertuples():
+        base = fields.get((r.scale, r.baseline, r.seed))
+        if r.variant == r.baseline or base is None:
+            continue
+        mine = fields[(r.scale, r.variant, r.seed)]
+        for name in sorted(set(mine) | set(base)):
+            if mine.get(name) != base.get(name):
+                found.setdefault((r.variant, r.scale), {}).setdefault(
+                    name, (str(mine.get(name)), str(r.baseline), str(base.get(name))))
+    if not found:
+        return ""
+    return ("Beyond their models, the arms differ in fields a comparison otherwise shares (declared in the "
+            "experiment's compares:): " + "; ".join(
+                f"{variant} at {scale}: " + ", ".join(f"{name} = {mine} against {baseline}'s {base}"
+                                                     for name, (mine, baseline, base) in diffs.items())
+                for (variant, scale), diffs in found.items()))
 
 
 def _row(run) -> dict | None:
@@ -226,6 +260,7 @@ def _row(run) -> dict | None:
         else _number(params, "train.micro_batch") * _number(params, "train.grad_accum"),
         "seq_len": _number(params, "data.seq_len"),
         "flops_per_token": _number(params, "resolved.flops_per_token"),
+        "shared_fields": json.dumps({k: v for k, v in params.items() if _shared(k)}, sort_keys=True),
     }
     row.update(run.data.metrics)
     return row

@@ -113,3 +113,32 @@ def test_every_shipped_experiment_declares_no_difference_beyond_its_models():
 
     for name in group_options("experiment"):
         assert load_experiment(name).compares == (), name
+
+
+def test_the_report_names_the_declared_difference_and_nothing_else(workdir, monkeypatch):
+    """The runs of a declared comparison, logged as training logs them (the hashed config fields as params, the
+    run's tags): the report's run notes name the compared field with each side's value, and no other field."""
+    from mlflow.tracking import MlflowClient
+
+    from analysis.run_table import read_study
+    from study.config.identity import KEY, placement
+    from study.plan.planner import plan_experiment
+    from study.track.params import flatten
+    from study.track.tags import run_tags
+
+    arms = {**ARMS, "b": {"model": "hourglass", "set": {"train.max_steps": 60}}}
+    name = experiment(workdir, monkeypatch, variants=arms, compares=["train.max_steps"],
+                      common={"train": {"max_steps": 30}})
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment(name)
+    for spec in plan_experiment(name).runs:
+        params = {k: v for k, v in flatten(asdict(spec.config)).items() if placement(k)[0] == KEY}
+        run = client.create_run(exp, tags=run_tags(spec), run_name=spec.name)
+        for k, v in params.items():
+            client.log_param(run.info.run_id, k, v)
+        client.log_metric(run.info.run_id, "val/loss", 3.0 + spec.config.seed)
+        client.set_terminated(run.info.run_id)
+    notes = " ".join(read_study(name, uri).notes)
+    assert "b at tiny: train.max_steps = 60 against a's 30" in notes
+    assert notes.count(" against ") == 1  # init_seed, data order, LR and the rest agree, so nothing else is named
