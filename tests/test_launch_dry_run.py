@@ -15,9 +15,13 @@ from study.cli import main
 GOLDEN = ROOT / "tests" / "golden"
 
 
-@pytest.mark.parametrize("experiment", ["hourglass", "geometry"])
-def test_dry_run_prints_the_golden_arrays_and_sbatch_scripts(experiment, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("experiment,slurm_installed", [("hourglass", True), ("geometry", True), ("hourglass", False)])
+def test_dry_run_prints_the_golden_arrays_and_sbatch_scripts(experiment, slurm_installed, tmp_path, monkeypatch,
+                                                             capsys):
+    """The same scripts where SLURM's commands are not installed (a laptop previewing a cluster launch)."""
     monkeypatch.chdir(tmp_path)
+    if not slurm_installed:
+        monkeypatch.setenv("PATH", str(tmp_path / "absent-bin"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))  # a dry run never asks the scheduler
     monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))  # no shards yet: the prepare stage is shown

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     from study.plan.planner import Plan
 
 
-def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train"):
+def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False):
     """submitit executor for a stage: profiling jobs get one rank (and at most one GPU), data preparation one
-    CPU-only task on the preparation partition and CPUs."""
+    CPU-only task on the preparation partition and CPUs. A `preview` one only writes the sbatch script a dry run
+    shows, so it is built where SLURM is not installed (a laptop checking a cluster launch)."""
     import submitit
 
     if stage == "profile":
@@ -30,7 +31,8 @@ def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "tra
         ex = submitit.LocalExecutor(folder=str(folder))
         ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
         return ex
-    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=cluster.max_requeues)
+    kind = _preview_executor() if preview else submitit.SlurmExecutor
+    ex = kind(folder=str(folder), max_num_timeout=cluster.max_requeues)
     tasks = cluster.gpus_per_node or cluster.tasks_per_node
     params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
                   cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
@@ -47,6 +49,20 @@ def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "tra
     return ex
 
 
+def _preview_executor():
+    import submitit
+
+    class Preview(submitit.SlurmExecutor):
+        """submitit's SLURM executor as the dry run uses it: its sbatch writer, without submitit's check that srun
+        exists (nothing is submitted)."""
+
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    return Preview
+
+
 def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
@@ -55,7 +71,7 @@ def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), stage)
+    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), stage, preview=True)
     if after:
         ex.update_parameters(dependency="afterok:" + ":".join(after))
     from submitit.slurm.slurm import _make_sbatch_string
