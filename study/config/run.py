@@ -31,6 +31,12 @@ class Role(StrEnum):
     """A point of a tuning stage's LR grid: never paired, decided on or fitted in the report."""
     calibrate = "calibrate"
     """A short throughput measurement of one shape (`study calibrate`): no seeds to group, never analysed."""
+    trunk = "trunk"
+    """The stable-LR stem of a branched run (`branches:` in the experiment file): trained to its last branch point,
+    never paired or fitted itself; its checkpoints at the branch points seed the branches."""
+    branch = "branch"
+    """A decay branch: starts from its trunk's checkpoint at a branch point and decays to the final LR; its endpoint
+    equals a straight WSD run of its length, and is what the report pairs (the largest point) and fits (every point)."""
 
 
 @dataclass
