@@ -279,7 +279,7 @@ def test_the_role_is_declared_checked_and_read_under_its_old_name():
     from study.config.run import Role, RunConfig
     from study.config.validate import validate_run
 
-    assert [r.value for r in Role] == ["train", "reference", "scheduled", "tune", "calibrate"]
+    assert [r.value for r in Role] == ["train", "reference", "scheduled", "tune", "calibrate", "trunk", "branch"]
     old = compose(overrides=["scale=tiny", "stage=reference"])
     new = compose(overrides=["scale=tiny", "role=reference"])
     assert old.role == new.role == Role.reference
