@@ -160,10 +160,12 @@ def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[s
     return dotted, read and value != _defaults()[dotted]
 
 
-def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None) -> dict[str, Any]:
+def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None,
+             trunk: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the key hashes: the placed fields (as composed, before matching; new fields by the frozen schema's
-    rule, `_frozen`), for a scheduled run the reference runs its profile comes from, and for a run whose LR a
-    declared tuning stage chooses, that tuning (grid, scales, seeds, cap: its choice is a function of them)."""
+    rule, `_frozen`), for a scheduled run the reference runs its profile comes from, for a run whose LR a
+    declared tuning stage chooses, that tuning (grid, scales, seeds, cap: its choice is a function of them), and for
+    a trunk its branch points (where it stops and what it keeps)."""
     scheduled = cfg.model.ffn.schedule.family == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
@@ -178,10 +180,23 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str
         payload["upstream"] = sorted(upstream or [])
     if tuning is not None:
         payload["tuning"] = tuning
+    if trunk is not None:
+        payload["trunk"] = trunk
     return payload
 
 
-def run_key(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None) -> str:
+def run_key(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None,
+            trunk: dict[str, Any] | None = None) -> str:
     """Short stable hash of the run's identity."""
-    blob = json.dumps(identity(cfg, upstream, tuning), sort_keys=True, default=str)
+    return _digest(identity(cfg, upstream, tuning, trunk))
+
+
+def branch_key(trunk_key: str, at: float, decay: float) -> str:
+    """A decay branch's key: its trunk's key, its point and its decay fraction (everything else it computes is the
+    trunk's)."""
+    return _digest({"schema": SCHEMA_VERSION, "trunk": trunk_key, "at": at, "decay": decay})
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

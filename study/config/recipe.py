@@ -62,6 +62,21 @@ class Tuned:
     """The variant's tuning record (`<runs>/<experiment>/_tune/<variant>.json`)."""
 
 
+@dataclass
+class BranchPoint:
+    """One decay branch of a run (`branches:` in the experiment file): a WSD run of `length` steps whose first
+    `start` steps are its trunk's (the stable LR after the shared warm-up), so it starts from the trunk's checkpoint
+    at `start` and decays over its last `length - start` steps."""
+
+    at: float
+    """Its length as a fraction of the run's planned steps (`branches.at`)."""
+    length: int
+    """Its steps: round(at x the run's max_steps)."""
+    start: int
+    """The trunk step it starts from: length - int(decay x length), where a straight WSD run of `length` steps
+    starts decaying (study.train.optim.lr_factor)."""
+
+
 def batch_layout(global_batch: int, micro_batch: int, world: int, field: str = "train.global_batch") -> tuple[int, int]:
     """(micro batch, accumulation steps) per rank that split `global_batch` sequences over `world` ranks: the
     largest micro batch up to `micro_batch` that divides each rank's share. The global batch is what a step trains

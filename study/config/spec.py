@@ -18,7 +18,7 @@ from typing import Any
 
 from study.config.identity import SCHEMA_VERSION
 from study.config.model import upgrade_legacy
-from study.config.recipe import PENDING, Recipe, Tuned
+from study.config.recipe import PENDING, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
 from study.errors import StudyError
 from study.schema import RunDir
@@ -56,6 +56,11 @@ class RunSpec:
     tuned: Tuned | None = None
     """The tuning the run's LR comes from (tune runs and the main runs of an experiment with `tune:`); None when
     the experiment declares none."""
+    points: list[BranchPoint] = field(default_factory=list)
+    """Decay branches (`branches:`): a trunk's every point (it keeps a checkpoint at each start and stops at the
+    last), a branch's own one; empty for a run without branches."""
+    trunk: str | None = None
+    """A branch's trunk: the run key whose checkpoint at `points[0].start` it starts from."""
     schema: int = SCHEMA_VERSION
     """Key and spec schema version."""
 
@@ -90,8 +95,28 @@ class RunSpec:
             return None
         return (self.params["total"] - self.reference_total) / self.reference_total
 
+    @property
+    def first_step(self) -> int:
+        """The step training starts from: a branch's trunk step, else 0."""
+        return self.points[0].start if self.role == Role.branch else 0
+
+    @property
+    def last_step(self) -> int:
+        """The step training ends at: a trunk's last branch start (its recipe is the longest branch's, so its LR
+        stays stable up to there), else the recipe's max_steps."""
+        return self.points[-1].start if self.role == Role.trunk else self.planned.max_steps
+
+    @property
+    def kept_steps(self) -> frozenset[int]:
+        """Checkpoint steps never pruned: a trunk's branch starts (its branches start from them)."""
+        return frozenset(p.start for p in self.points) if self.role == Role.trunk else frozenset()
+
     def tokens(self) -> int:
-        return self.planned.tokens
+        """Tokens this run trains itself (a branch: from its trunk step on; a trunk: up to its last branch)."""
+        r = self.planned
+        if self.role in (Role.trunk, Role.branch):
+            return (self.last_step - self.first_step) * r.tokens // max(1, r.max_steps)
+        return r.tokens
 
     @property
     def awaits_tuning(self) -> bool:

@@ -11,12 +11,13 @@ from study.config.compose import group_file, group_options, load_yaml, sweeps_di
 from study.config.decision import DecisionRule
 from study.config.validate import SEED_MAX
 from study.errors import StudyError
+from study.plan.branches import Branches, parse_branches
 from study.plan.fairness import check_compares, check_owned
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
-        "decision", "tune", "compares")
+        "decision", "tune", "compares", "branches")
 
 
 @dataclass
@@ -85,6 +86,9 @@ class Experiment:
     compares: tuple[str, ...] = ()
     """Shared fields the arms differ in on purpose (`compares: [train.lr]`): a variant may set them, and the report
     says the arms differ in them (study.plan.fairness). Empty: the arms differ in their model only."""
+    branches: Branches | None = None
+    """Decay branches (`branches:`): each run is a stable-LR trunk and one decay branch per point
+    (study.plan.branches); None trains each run straight."""
 
 
 _PUBLISHED_KEYS = ("metric", "values", "source")
@@ -189,7 +193,7 @@ def _grid_variants(grid: Any) -> list[Variant]:
 
 TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
          "reference": (dict,), "grid": (dict,), "common": (dict,), "at": (dict,), "published": (dict,),
-         "decision": (dict,), "tune": (dict,), "compares": (list,)}
+         "decision": (dict,), "tune": (dict,), "compares": (list,), "branches": (dict,)}
 
 
 def _check_types(name: str, raw: dict) -> None:
@@ -297,6 +301,17 @@ def load_experiment(name: str) -> Experiment:
               if raw.get("tune") is not None else None)
     compares = (check_compares(OmegaConf.to_container(raw.compares), f"{name}.yaml: compares")
                 if raw.get("compares") is not None else ())
+    branches = (parse_branches(OmegaConf.to_container(raw.branches), f"{name}.yaml: branches")
+                if raw.get("branches") is not None else None)
+    set_decay = (common.get("train") or {}).get("decay_fraction") if isinstance(common.get("train"), dict) else None
+    if branches is not None and set_decay is not None and set_decay != branches.decay:
+        raise StudyError(f"{name}.yaml: branches.decay", f"is {branches.decay:g} and common sets "
+                         f"train.decay_fraction: {set_decay}; every run decays over the branches' fraction",
+                         "set the decay once, in branches.decay")
+    if branches is not None and reference is not None:
+        raise StudyError(f"{name}.yaml: branches", "cannot branch an experiment with a profiled reference run yet "
+                         "(a scheduled run's widths come from the reference's final checkpoint)",
+                         "remove the branches block, or split the geometry-scheduled variants into their own experiment")
     check_owned(common if "common" in raw else {}, f"{name}.yaml: common")
     for scale, settings in per_scale.items():
         check_owned(settings, f"{name}.yaml: at.{scale}")
@@ -305,7 +320,7 @@ def load_experiment(name: str) -> Experiment:
         for scale, settings in v.per_scale.items():
             check_owned(settings, f"{name}.yaml: variants.{v.name}.at.{scale}")
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
-                      raw.get("description", ""), published, tuning, decision, compares)
+                      raw.get("description", ""), published, tuning, decision, compares, branches)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ from study.config.run import Role, RunConfig, run_name
 from study.config.recipe import PENDING, Tuned
 from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
+from study.plan.branches import check_schedule, expand
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
 from study.plan.fairness import OWNED, check_arms
@@ -101,6 +102,7 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
         **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
         "tuned": asdict(spec.tuned) if spec.tuned is not None else None,
+        "points": [asdict(p) for p in spec.points], "trunk": spec.trunk,
         "init": {"rule": m.init_rule, "std": m.init_std, **({"depth": m.init_depth} if m.init_rule == "depth_scaled"
                                                             else {})},
     }
@@ -140,6 +142,8 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
     groups = {k: v for k, v in exp.common.items() if k in GROUPS and isinstance(v, str)}
     common = {k: v for k, v in exp.common.items() if k not in groups}
     layers = [(identity, "the experiment's identity"), (common, f"{exp.name}.yaml: common"),
+              # every run of a branched experiment, tune runs included, decays over the branches' fraction
+              ({"train": {"decay_fraction": exp.branches.decay}} if exp.branches else {}, f"{exp.name}.yaml: branches"),
               (nested(exp.per_scale.get(scale, {})), f"{exp.name}.yaml: at.{scale}"),
               (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}"),
               (nested(variant.per_scale.get(scale, {})), f"{exp.name}.yaml: variants.{variant.name}.at.{scale}")]
@@ -226,6 +230,11 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             for seed in [*exp.seeds[scale], *added]:
                 is_ref = exp.reference == (variant.name, seed)
                 cfg = replace(base, seed=seed, role=Role.reference if is_ref else (Role.scheduled if scheduled else Role.train))
+                if not scheduled and exp.branches:
+                    check_schedule(cfg, f"{name}.yaml: branches")
+                    runs += expand(make_spec(cfg, "", matched, reference), exp.branches, f"{name}.yaml: branches",
+                                   tuning=tuning_id)
+                    continue
                 if not scheduled:
                     runs.append(make_spec(cfg, run_key(cfg, tuning=tuning_id), matched, reference))
                     continue

@@ -80,7 +80,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{run.budget:,}", f"{run.mismatch:+.1e}" if p else "-",
             f"{run.mismatch_total:+.1%}" if run.mismatch_total is not None else "-",
             f"{p['attention'] / 1e6:.1f}/{p['ffn'] / 1e6:.1f}" if p else "-",
-            f"{run.planned.max_steps:,}", fmt_tokens(run.planned.tokens),
+            f"{run.first_step:,}→{run.last_step:,}" if run.points else f"{run.planned.max_steps:,}",
+            fmt_tokens(run.tokens()),
             "tuning" if run.awaits_tuning else f"{run.planned.lr:.3g}/{run.planned.final_lr:.2g}",
             f"{run.planned.warmup_steps:,}",
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
@@ -95,6 +96,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
                   f"throughput ({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} "
                   f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
                   f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
+    if plan.experiment.branches is not None:
+        console.print(_branch_cost(plan, cost))
     for run in plan.runs:
         if run.pending:
             console.print(f"{run.name} ({run.key}): waits for the {run.pending}")
@@ -108,6 +111,23 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
                       "is fitted against log N for the other scales")
     if power:
         console.print(_power_table(plan, power, note))
+
+
+def _branch_cost(plan: Plan, cost: dict) -> str:
+    """The line comparing trunks + branches with separate straight runs of every branch's length."""
+    from study.config.run import Role
+
+    trunks = [r for r in plan.runs if r.role == Role.trunk]
+    branches = [r for r in plan.runs if r.role == Role.branch]
+    hours = sum(cost[r.key].gpu_hours or 0.0 for r in trunks + branches)
+    # a separate run of a branch's length trains every step of it: its own estimate scaled by its length
+    separate = sum((cost[r.key].gpu_hours or 0.0) * r.points[0].length / (r.last_step - r.first_step)
+                   for r in branches)
+    b = plan.experiment.branches
+    return (f"decay branches at {', '.join(f'{a:g}' for a in b.at)} x the planned steps (decay {b.decay:g}): "
+            f"{len(trunks)} trunks and {len(branches)} branches, about {hours:,.1f} GPU-hours, against "
+            f"{separate:,.1f} for separate runs of each branch's length"
+            + (f" ({hours / separate - 1:+.0%})" if separate else ""))
 
 
 def _power_table(plan: Plan, power: list, note: str):

@@ -21,6 +21,10 @@ def run_tags(spec: RunSpec) -> dict[str, str]:
         tags[schema.TAG_TUNE_MULTIPLE] = f"{spec.tuned.multiple:g}"
         if cfg.role != Role.tune:
             tags[schema.TAG_TUNE_STATUS] = spec.tuned.status
+    if cfg.role == Role.branch:
+        point = spec.points[0]
+        tags |= {schema.TAG_TRUNK_KEY: str(spec.trunk), schema.TAG_BRANCH_STEP: str(point.start),
+                 schema.TAG_BRANCH_AT: f"{point.at:g}"}
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
     if job:

@@ -127,8 +127,9 @@ class Run:
     callbacks: Callbacks
 
     def due(self, step: int, interval: int) -> bool:
-        """Every `interval` steps, and always at the last one."""
-        return step % interval == 0 or step == self.spec.planned.max_steps
+        """Every `interval` steps, and always at the last one (a trunk's: its last branch start) and at a trunk's
+        branch starts (its branches start from those checkpoints)."""
+        return step % interval == 0 or step == self.spec.last_step or step in self.spec.kept_steps
 
 
 class Metrics(Callback):
@@ -196,7 +197,8 @@ class Checkpointing(Callback):
         # recomputes them); the flush only makes them land in MLflow sooner
         run.tracker.sync()
         run.tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
-        checkpoint.save(run.spec.run_dir.path, self.model, self.optimizer, run.state, run.d, cfg.train.keep_last)
+        checkpoint.save(run.spec.run_dir.path, self.model, self.optimizer, run.state, run.d, cfg.train.keep_last,
+                        keep=run.spec.kept_steps)
 
 
 def validate(model, data, windows: int, d: Dist, micro: int) -> float:

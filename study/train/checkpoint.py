@@ -55,8 +55,10 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last: int) -> Path:
-    """Save on every rank (collective). Returns the completed folder."""
+def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last: int,
+         keep: frozenset[int] = frozenset()) -> Path:
+    """Save on every rank (collective). Returns the completed folder. Checkpoints at the `keep` steps (a trunk's
+    branch starts) are never pruned."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -88,13 +90,14 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
     if d.is_main:
         TrainState(**{**state.__dict__, "world_size": d.world_size}).write(partial / "train_state.json")
         partial.rename(final)
-        _prune(run_dir, keep_last)
+        _prune(run_dir, keep_last, keep)
     barrier(d)
     return final
 
 
-def _prune(run_dir: Path, keep_last: int) -> None:
-    """All but the newest `keep_last` checkpoints removed, unless a reader holds its lease (then none this time)."""
+def _prune(run_dir: Path, keep_last: int, keep: frozenset[int] = frozenset()) -> None:
+    """All but the newest `keep_last` checkpoints (and those at the `keep` steps) removed, unless a reader holds its
+    lease (then none this time)."""
     try:
         # O_NOFOLLOW: a link planted in the run directory is refused, never locked through
         fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDONLY | os.O_NOFOLLOW)
@@ -109,7 +112,8 @@ def _prune(run_dir: Path, keep_last: int) -> None:
             except BlockingIOError:
                 return
         for old in complete_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if _step_of(old) not in keep:
+                shutil.rmtree(old, ignore_errors=True)
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
@@ -185,6 +189,28 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
                          "... --restart` (a launch: `study launch EXPERIMENT --restart KEY`), which sets them and its "
                          "MLflow run aside and starts a new curve")
     return None
+
+
+def at_step(run_dir: Path, step: int) -> Path | None:
+    """The run's complete checkpoint at `step`, None while it has none there."""
+    path = checkpoint_dir(run_dir) / f"{PREFIX}{step:08d}"
+    return path if is_complete(path) else None
+
+
+def load_branch_start(trunk_dir: Path, step: int, model, optimizer, d: Dist, trunk_key: str) -> TrainState:
+    """A decay branch's start: its trunk's checkpoint at `step` (model, optimizer, RNG, train state), read under the
+    trunk's readers lease. Refused by name when the trunk has no complete checkpoint there, or one of another run."""
+    with reading(trunk_dir):
+        path = at_step(trunk_dir, step)
+        if path is None:
+            raise StudyError("trunk", f"trunk run {trunk_key} has no complete checkpoint at step {step} yet "
+                             f"({checkpoint_dir(trunk_dir)})", "train the trunk to that step first (study launch "
+                             "schedules a branch once its trunk's checkpoint exists)")
+        state = _read_state(path)
+        if state is not None and state.run_key and state.run_key != trunk_key:
+            raise StudyError("trunk", f"checkpoint {path} belongs to run {state.run_key}, not trunk {trunk_key}",
+                             "remove the foreign checkpoint")
+        return load(path, model, optimizer, d)
 
 
 def _cause(err: BaseException) -> BaseException:

@@ -145,6 +145,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
 
     shape = model_hash(spec.model)
     state = (checkpoint.load_latest(spec.run_dir.path, model, optimizer, d, key, shape)
+             or _branch_start(spec, model, optimizer, d)
              or TrainState(max_steps=max_steps, run_key=key))
     state.run_key, state.model_hash, state.compute_dtype = key, shape, compute_dtype(cfg, d)
     start = state.step
@@ -153,7 +154,8 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     tracker = open_tracker(spec, d, data, start)
     stop = StopRequest.install()
     stream = batch_stream(spec, data, d, start)
-    progress = Progress(d, start, max_steps, spec.name, spec.run_dir.progress)
+    last = spec.last_step  # a trunk stops at its last branch start, its LR still stable
+    progress = Progress(d, start, last, spec.name, spec.run_dir.progress)
     run = Run(spec, d, tracker, state, Callbacks())
     faults = FaultHooks(cfg.faults)
     metrics = Metrics(run, scheduler, recipe.global_batch * data.seq_len, inject=faults.loss)
@@ -163,7 +165,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     bf16 = autocast_bf16(cfg, d)
     outcome = None
     try:
-        for step in range(start + 1, max_steps + 1):
+        for step in range(start + 1, last + 1):
             batches = next(stream)
             loss_sum, grad_norm = train_step(model, step_model, optimizer, scheduler, batches, d.device,
                                              cfg.train.z_loss, cfg.train.grad_clip, bf16, sharded=d.world_size > 1)
@@ -172,12 +174,12 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
             state.step = step
             stopping = all_reduce_max(float(stop.requested), d) > 0  # one rank's signal stops every rank
             run.callbacks.on_step_end(step, stopping)  # checkpoint
-            if stopping and step < max_steps:
+            if stopping and step < last:
                 reason = f"stopped by {stop.signal_name} at step {step}"
                 outcome = Outcome("PREEMPTED", step, None, metrics.losses, reason)
                 break
         else:
-            outcome = Outcome("FINISHED", max_steps, state.val_loss, metrics.losses)
+            outcome = Outcome("FINISHED", last, state.val_loss, metrics.losses)
     except Diverged as err:
         outcome = Outcome("DIVERGED" if spec.role == Role.tune else "FAILED", step, None, metrics.losses, str(err))
     except BaseException as err:
@@ -190,6 +192,20 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
         stop.uninstall()
     _finish(outcome, tracker, spec, d)
     return outcome
+
+
+def _branch_start(spec: RunSpec, model, optimizer, d: Dist) -> TrainState | None:
+    """A decay branch with no checkpoint of its own starts from its trunk's at its branch step; other runs from
+    step 0 (None)."""
+    if spec.role != Role.branch:
+        return None
+    from study.schema import RunDir
+
+    trunk_dir = RunDir.of(spec.config.paths.runs, spec.config.experiment, spec.trunk).path
+    state = checkpoint.load_branch_start(trunk_dir, spec.first_step, model, optimizer, d, spec.trunk)
+    state.val_loss = None  # the trunk's validation loss at its stable LR is none of the branch's results
+    state.max_steps = spec.planned.max_steps
+    return state
 
 
 def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:

@@ -57,7 +57,12 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     def lineage_records(client, run_id):
         run = client.get_run(run_id)
         parent = None
-        if spec.role != Role.calibrate:  # a calibration measures a shape: it has no seeds to group
+        if spec.role == Role.branch:  # a branch nests under its trunk, which nests under its (variant, scale)
+            parent = trunk_run(client, run.info.experiment_id, spec.trunk)
+            if parent is not None:
+                client.set_tag(run_id, lineage.PARENT, parent)
+            parent = None
+        elif spec.role != Role.calibrate:  # a calibration measures a shape: it has no seeds to group
             parent = parent_for(client, run.info.experiment_id, run.data.tags)
             client.set_tag(run_id, lineage.PARENT, parent)
         dataset = lineage.dataset_input(data, cfg.data)
@@ -77,12 +82,20 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     return tracker
 
 
+def trunk_run(client, experiment_id: str, trunk_key: str | None) -> str | None:
+    """The MLflow run id of a branch's trunk (it trained to the branch's start, so it is there)."""
+    from study.track.store import find_runs
+
+    found = find_runs(client, experiment_id, str(trunk_key))
+    return found[0].info.run_id if found else None
+
+
 def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
     """Refuse to resume the key's MLflow run when it FINISHED but this run directory, starting at step `start`,
     holds neither its result nor its final checkpoint: it finished in another run directory (another `paths.runs`),
     or this one lost them. Training here would reopen a result of record, retrain it, and on a failure mark it
     FAILED, so the report would drop it."""
-    if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.planned.max_steps:
+    if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.last_step:
         return
     here = spec.run_dir.path
     where = _recorded_dir(client, run.info.run_id)

@@ -1,0 +1,127 @@
+"""Decay branches (`branches:` in an experiment file): a trunk at the stable LR and one decay branch per point, each
+equal to the straight WSD run of its length; planned, keyed and priced as such."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY
+from study.cli import main
+from study.config.compose import nested
+from study.config.identity import branch_key
+from study.config.run import Role
+
+BRANCHES = {"at": [0.25, 0.5, 1.0], "decay": 0.2}
+
+
+def experiment(tmp_path, monkeypatch, *, steps=40, **changes) -> str:
+    """A two-arm tiny experiment with branches, written into a copy of sweeps/."""
+    tree = tmp_path / "sweeps"
+    if not tree.exists():
+        shutil.copytree(ROOT / "sweeps", tree)
+    settings = dict(s.split("=", 1) for s in TINY if not s.startswith("scale="))
+    common = nested({k: yaml.safe_load(v) for k, v in settings.items()})
+    common["train"].update(max_steps=steps, lr_schedule="wsd", val_interval=10, ckpt_interval=10)
+    spec = {"baseline": "a", "scales": ["tiny"], "seeds": [0], "branches": BRANCHES,
+            "variants": {"a": {"model": "conventional"}, "b": {"model": "tapered"}}, "common": common, **changes}
+    (tree / "experiment" / "branched.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("STUDY_SWEEPS", str(tree))
+    return "branched"
+
+
+def test_each_run_is_planned_as_a_trunk_and_a_branch_per_point(workdir, monkeypatch):
+    from study.plan.planner import plan_experiment
+
+    plan = plan_experiment(experiment(workdir, monkeypatch))
+    trunks = [r for r in plan.runs if r.role == Role.trunk]
+    branches = [r for r in plan.runs if r.role == Role.branch]
+    assert len(trunks) == 2 and len(branches) == 6
+    for trunk in trunks:
+        mine = [b for b in branches if b.trunk == trunk.key]
+        # lengths are the points' fractions of 40 steps; each starts where a straight WSD run of its length decays
+        assert [(b.points[0].length, b.points[0].start) for b in mine] == [(10, 8), (20, 16), (40, 32)]
+        assert [b.planned.max_steps for b in mine] == [10, 20, 40]
+        assert {b.planned.warmup_steps for b in mine} == {trunk.planned.warmup_steps} == {2}
+        assert trunk.last_step == 32 and trunk.kept_steps == {8, 16, 32} and trunk.planned.max_steps == 40
+        assert [b.key for b in mine] == [branch_key(trunk.key, a, 0.2) for a in (0.25, 0.5, 1.0)]
+        assert {b.config.train.decay_fraction for b in mine} == {0.2}
+        # what each trains itself: the trunk 32 steps, each branch its decay only
+        per_step = trunk.planned.global_batch * trunk.config.data.seq_len
+        assert trunk.tokens() == 32 * per_step and [b.tokens() for b in mine] == [2 * per_step, 4 * per_step,
+                                                                                   8 * per_step]
+    assert len({r.key for r in plan.runs}) == 8
+    # arms share their trunks' steps and branch points: the pairing is by (scale, seed) as for straight runs
+    assert {tuple((p.length, p.start) for p in t.points) for t in trunks} == {((10, 8), (20, 16), (40, 32))}
+
+
+def test_the_plan_prices_trunks_and_branches_against_separate_runs(workdir, monkeypatch, capsys):
+    name = experiment(workdir, monkeypatch)
+    assert main(["plan", name]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # trunk 32 steps + branches 2 + 4 + 8 per run, against separate runs of 10 + 20 + 40: 46 / 70 - 1 = -34 %
+    assert "2 trunks and 6 branches" in out and "(-34%)" in out
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"branches": {"at": [0.5, 0.5], "decay": 0.2}}, "branched.yaml: branches.at"),
+    ({"branches": {"at": [], "decay": 0.2}}, "branched.yaml: branches.at"),
+    ({"branches": {"at": [0.5], "decay": 1.5}}, "branched.yaml: branches.decay"),
+    ({"branches": {"at": [0.5], "every": 2}}, "branched.yaml: branches.every"),
+    ({"branches": {"at": [0.05, 1.0], "decay": 0.2}}, "branched.yaml: branches.at"),  # starts inside the warm-up
+])
+def test_a_malformed_branches_block_is_refused_naming_the_field(change, field, workdir, monkeypatch, capsys):
+    name = experiment(workdir, monkeypatch, **change)
+    assert main(["plan", name]) == 2
+    assert f"error in `{field}`" in capsys.readouterr().err
+
+
+def test_branches_need_a_stable_lr_to_branch_from(workdir, monkeypatch, capsys):
+    name = experiment(workdir, monkeypatch)
+    assert main(["plan", name, "train.lr_schedule=cosine"]) == 2
+    assert "error in `train.lr_schedule`" in capsys.readouterr().err
+
+
+def test_a_branch_equals_the_straight_wsd_run_of_its_length(workdir, monkeypatch):
+    """The branch from step s = 16 with decay 0.2 is the straight WSD run of 20 steps: every training loss and the
+    final validation loss agree to fp32 round-off (they are the same arithmetic: batches are a function of (seed,
+    step), the LR of the step, and the branch resumes the trunk's optimizer and RNG)."""
+    from study.plan.planner import plan_experiment, select_run
+    from study.train.loop import train
+
+    plan = plan_experiment(experiment(workdir, monkeypatch, steps=40))
+    trunk = next(r for r in plan.runs if r.role == Role.trunk and r.config.variant == "a")
+    branch = next(r for r in plan.runs if r.trunk == trunk.key and r.points[0].at == 0.5)
+    done = train(trunk)
+    assert done.status == "FINISHED" and done.step == 32
+    from study.train.checkpoint import complete_checkpoints
+
+    kept = [int(p.name[5:]) for p in complete_checkpoints(trunk.run_dir.path)]
+    assert {8, 16, 32} <= set(kept)  # branch starts survive keep_last pruning
+    out = train(branch)
+    assert out.status == "FINISHED" and min(out.losses) == 17 and max(out.losses) == 20
+    straight = select_run([*TINY, "experiment=unit", "train.lr_schedule=wsd", "train.max_steps=20",
+                           "train.decay_fraction=0.2", "paths.runs=straight"])
+    assert straight.planned.lr == branch.planned.lr and straight.planned.warmup_steps == 2
+    ref = train(straight)
+    for step in range(17, 21):
+        assert out.losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7)
+    assert out.val_loss == pytest.approx(ref.val_loss, rel=1e-6)
+    # the same run's first steps are the trunk's
+    for step in range(1, 17):
+        assert done.losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    exp = client.get_experiment_by_name("branched")
+    runs = {r.data.tags["study.run_key"]: r for r in client.search_runs([exp.experiment_id],
+                                                                         "tags.`study.run_key` LIKE '%'")}
+    b, t = runs[branch.key].data.tags, runs[trunk.key]
+    assert (b["study.stage"], b["study.trunk_key"], b["study.branch.step"], b["study.branch.at"]) == (
+        "branch", trunk.key, "16", "0.5")
+    assert b["mlflow.parentRunId"] == t.info.run_id and t.data.tags["study.stage"] == "trunk"
+    assert runs[branch.key].data.params["recipe.tokens"] == str(branch.planned.tokens)
+    steps = [m.step for m in client.get_metric_history(runs[branch.key].info.run_id, "train/loss")]
+    assert steps == list(range(17, 21))  # the branch logs its own steps, never the trunk's again
