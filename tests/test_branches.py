@@ -125,3 +125,21 @@ def test_a_branch_equals_the_straight_wsd_run_of_its_length(workdir, monkeypatch
     assert runs[branch.key].data.params["recipe.tokens"] == str(branch.planned.tokens)
     steps = [m.step for m in client.get_metric_history(runs[branch.key].info.run_id, "train/loss")]
     assert steps == list(range(17, 21))  # the branch logs its own steps, never the trunk's again
+
+
+def test_a_local_launch_trains_the_trunks_then_their_branches_and_a_relaunch_trains_nothing(workdir, monkeypatch,
+                                                                                           capsys):
+    from study.config.spec import finished_result
+    from study.plan.planner import plan_experiment
+
+    name = experiment(workdir, monkeypatch, steps=20, branches={"at": [0.5, 1.0], "decay": 0.2})
+    assert main(["launch", name, "cluster=local"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("stage train:") < out.index("stage branch:")
+    plan = plan_experiment(name)
+    results = {r.key: finished_result(r) for r in plan.runs}
+    assert all(results.values()) and len(results) == 6
+    for r in plan.runs:  # every trunk stopped at its last branch start, every branch at its length
+        assert results[r.key]["step"] == (16 if r.role == Role.trunk else r.points[0].length)
+    assert main(["launch", name, "cluster=local"]) == 0
+    assert "nothing to submit" in capsys.readouterr().out

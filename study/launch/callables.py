@@ -61,7 +61,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         spec = _completed(read_spec(self.run_dir))
         # one BLAS pool per rank sized to its CPUs: oversubscribed pools are slower than fewer threads
         torch.set_num_threads(max(1, spec.config.cluster.cpus_per_task))
-        outcome = train(spec)
+        outcome = train(spec, at_branch_start=_branch_releaser(spec))
         teardown()
         if outcome.status == "PREEMPTED":
             if "TERM" in (outcome.reason or ""):
@@ -111,6 +111,22 @@ class ProfileJob(submitit.helpers.Checkpointable):
         from study.jobs.profile import profile_run
 
         return str(profile_run(read_spec(self.run_dir)))
+
+
+def _branch_releaser(spec: RunSpec):
+    """For a trunk on SLURM: releases its held branches at each branch start it writes (and, first, those whose
+    start it wrote before a requeue); None otherwise."""
+    from study.config.run import Role
+
+    if spec.role != Role.trunk or not os.environ.get("SLURM_JOB_ID") or not _is_rank0():
+        return None
+    from study.launch.branching import release_branches
+    from study.train.checkpoint import at_step
+
+    for step in sorted(spec.kept_steps):
+        if at_step(spec.run_dir.path, step) is not None:
+            release_branches(spec, step)
+    return lambda step: release_branches(spec, step)
 
 
 def _completed(spec: RunSpec) -> RunSpec:

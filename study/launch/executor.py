@@ -67,13 +67,15 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str]) -> str:
+def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str], held: bool = False) -> str:
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
     ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), stage, preview=True)
     if after:
         ex.update_parameters(dependency="afterok:" + ":".join(after))
+    if held:
+        ex.update_parameters(additional_parameters={**ex.parameters["additional_parameters"], "hold": True})
     from submitit.slurm.slurm import _make_sbatch_string
 
     # submitit's own writer, as submission uses it; `map_count` is how it writes the --array line

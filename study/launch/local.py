@@ -44,7 +44,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                 shown = stage.name != "prepare"  # the board follows training runs
                 for i in range(0, len(stage.runs), parallel):
                     chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
-                    if stage.name in ("tune", "train", "scheduled"):
+                    if stage.name in ("tune", "train", "branch", "scheduled"):
                         # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
                         # started yet
                         queue = Queue(plan)

@@ -11,20 +11,21 @@ from study.config.run import Role
 from study.config.spec import RunSpec
 from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
+from study.launch.branching import branch_ready
 from study.launch.executor import _executor, _safe_name
 from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
 from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record
 from study.plan.planner import Plan
 from study.schema import submitit_dir
 
-RUN_STAGES = ("tune", "train", "profile", "scheduled")
+RUN_STAGES = ("tune", "train", "branch", "profile", "scheduled")
 """Stages whose jobs belong to one run each (journal key `<run key>`, or `profile:<run key>`)."""
 
 
 @dataclass
 class Stage:
     name: str
-    """`prepare`, `tune`, `train`, `profile` or `scheduled`."""
+    """`prepare`, `tune`, `train`, `branch`, `profile` or `scheduled`."""
     runs: list[RunSpec]
     """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
     after: list[str] = field(default_factory=list)
@@ -33,6 +34,9 @@ class Stage:
     """Filled on submission."""
     groups: list[DataGroup] = field(default_factory=list)
     """For `prepare`: the shard entries to tokenise, one job each (aligned with `runs`)."""
+    held: bool = False
+    """For `branch`: submitted held (`sbatch --hold`) because their trunks have not reached their branch steps;
+    each trunk's job releases its branches as it writes their checkpoints (study.launch.branching)."""
 
     def keys(self) -> list[str]:
         """The job journal's name of each job of the stage."""
@@ -134,6 +138,8 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
     ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), stage.name)
     if stage.after and cfg.cluster.name != "local":
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
+    if stage.held and cfg.cluster.name != "local":
+        ex.update_parameters(additional_parameters={**ex.parameters["additional_parameters"], "hold": True})
     if stage.name == "prepare":
         callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
     else:
@@ -171,9 +177,17 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     tune = [r for r in train if r.role == Role.tune]
     if tune:
         stages.append(Stage("tune", tune))
-    train = [r for r in train if r.role != Role.tune]
+    branches = [r for r in train if r.role == Role.branch]
+    train = [r for r in train if r.role not in (Role.tune, Role.branch)]
     if train:
         stages.append(Stage("train", train))
+    if branches:
+        # a branch whose trunk has written its start can run now; the others wait, held, for their trunk's job
+        ready = [r for r in branches if branch_ready(r)]
+        if ready:
+            stages.append(Stage("branch", ready))
+        if len(ready) < len(branches):
+            stages.append(Stage("branch", [r for r in branches if not branch_ready(r)], held=True))
     if profile:
         stages.append(Stage("profile", profile))
     if scheduled:
@@ -194,7 +208,7 @@ def _upstream(stage: str, run: RunSpec) -> list[str]:
         return [run.key]
     if stage == "scheduled":
         return [f"profile:{k}" for k in run.depends_on] + [data]
-    if stage in ("train", "tune"):
+    if stage in ("train", "tune", "branch"):
         return [data]
     return []
 

@@ -28,6 +28,7 @@ from study.config.cluster import ClusterConfig
 from study.config.spec import held_spec, write_spec
 from study.evaluate.records import final_step
 from study.errors import StudyError
+from study.launch.branching import release_ready
 from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.local import LaunchFailed, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
@@ -113,6 +114,9 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
                    plan.extra_seeds)
     ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
     _act_on_stale(queue, echo, dry_run=False)
+    released = release_ready(plan.runs, queue.jobs, queue.states) if cluster.name != "local" else []
+    if released:
+        echo(f"released {len(released)} held branch jobs whose trunk checkpoints exist: {', '.join(released)}")
     if not stages:
         echo(f"{experiment}: nothing to submit, every planned run is finished or in the queue")
         return []
@@ -245,15 +249,22 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
     previous: list[str] = []
     for stage in stages:
-        upstream = {"tune": "data", "train": "data", "profile": "reference runs", "scheduled": "profiles"}.get(
-            stage.name)
-        after = stage.after + ([f"<its {upstream} in the {previous[-1]} array>"] if previous and upstream else [])
+        upstream = {"tune": "data", "train": "data", "branch": "data", "profile": "reference runs",
+                    "scheduled": "profiles"}.get(stage.name)
+        # data comes from the prepare array; reference runs and profiles from the array just before
+        source = ("prepare" if "prepare" in previous else None) if upstream == "data" else (
+            previous[-1] if previous else None)
+        after = stage.after + ([f"<its {upstream} in the {source} array>"] if source and upstream else [])
         what = "shard entries to tokenise (CPU only)" if stage.name == "prepare" else "runs"
         echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
-             + (f", afterok on {', '.join(after)}" if after else ""))
+             + (f", afterok on {', '.join(after)}" if after else "")
+             + (", held (sbatch --hold): each trunk's job releases its branches as it writes their start "
+                "checkpoints" if stage.held and cluster.name != "local" else
+                ", after the trunks' stage (each starts from its trunk's checkpoint)" if stage.held else ""))
         for line in stage_lines(stage):
             echo(f"  {line}")
-        echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after)) if cluster.name != "local"
+        echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after, stage.held))
+             if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)
     held = [r for r in plan.runs if r.awaits_tuning]

@@ -185,8 +185,10 @@ class Validation(Callback):
 class Checkpointing(Callback):
     """A checkpoint at checkpoint steps, the last step, and the step a run stops at."""
 
-    def __init__(self, run: Run, model, optimizer):
+    def __init__(self, run: Run, model, optimizer, at_branch_start=None):
         self.run, self.model, self.optimizer = run, model, optimizer
+        self.at_branch_start = at_branch_start
+        """Called with the step on rank 0 after a trunk's checkpoint at a branch start is complete."""
 
     def on_step_end(self, step, stopping):
         run, cfg = self.run, self.run.spec.config
@@ -199,6 +201,8 @@ class Checkpointing(Callback):
         run.tracker.flush(timeout_s=cfg.tracking.checkpoint_flush_s)
         checkpoint.save(run.spec.run_dir.path, self.model, self.optimizer, run.state, run.d, cfg.train.keep_last,
                         keep=run.spec.kept_steps)
+        if self.at_branch_start is not None and run.d.is_main and step in run.spec.kept_steps:
+            self.at_branch_start(step)
 
 
 def validate(model, data, windows: int, d: Dist, micro: int) -> float:

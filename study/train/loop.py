@@ -79,9 +79,11 @@ def layout(spec: RunSpec, d: Dist) -> tuple[int, int]:
     return batch_layout(r.global_batch, spec.config.train.micro_batch, d.world_size, "world size")
 
 
-def train(spec: RunSpec, restart: bool = False) -> Outcome:
+def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome:
     """Train (or resume) the run the spec describes, holding its run directory's lease; with `restart`, from step 0,
-    its earlier training set aside (study.train.restart). Collective when world size > 1."""
+    its earlier training set aside (study.train.restart). Collective when world size > 1. A trunk calls
+    `at_branch_start(step)` on rank 0 once its checkpoint at a branch start is complete (a launch releases the
+    branches waiting for it)."""
     if spec.awaits_tuning:
         raise StudyError("tune", f"run {spec.name} ({spec.key}) trains at the LR its variant's tuning chooses, which "
                          f"has not decided yet ({spec.pending})", f"launch the experiment (study launch "
@@ -100,7 +102,7 @@ def train(spec: RunSpec, restart: bool = False) -> Outcome:
             if restart or interrupted is not None:
                 restarts.restart(spec, interrupted)
         barrier(d)  # every rank looks for checkpoints after a restart has set them aside
-        return _train(spec, d)
+        return _train(spec, d, at_branch_start)
     except OSError as err:
         if not out_of_space(err):
             raise
@@ -127,7 +129,7 @@ def _data(spec: RunSpec, d: Dist, micro: int):
     return data
 
 
-def _train(spec: RunSpec, d: Dist) -> Outcome:
+def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     import torch
 
     from study.models.transformer import build_model
@@ -161,7 +163,7 @@ def _train(spec: RunSpec, d: Dist) -> Outcome:
     metrics = Metrics(run, scheduler, recipe.global_batch * data.seq_len, inject=faults.loss)
     # the order callbacks are called in at each hook (study.train.callbacks says which hook each one uses)
     run.callbacks.members = [metrics, progress, Validation(run, step_model, data, micro), faults,
-                             Checkpointing(run, model, optimizer)]
+                             Checkpointing(run, model, optimizer, at_branch_start)]
     bf16 = autocast_bf16(cfg, d)
     outcome = None
     try:

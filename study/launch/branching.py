@@ -1,0 +1,60 @@
+"""How a decay branch waits for its trunk (study.plan.branches).
+
+A branch can start once its trunk's checkpoint at its branch step is complete, while the trunk trains on: a SLURM
+dependency on the trunk's job would hold it until the trunk ends. So a branch whose trunk has not reached its step is
+submitted held (`sbatch --hold`: pending, never started, `JobHeldUser`), and the trunk's own job releases it
+(`scontrol release`) right after writing that checkpoint. A relaunch releases every held branch whose checkpoint
+exists (a trunk killed between its checkpoint and the release), so none waits for a step already written. Locally,
+the launch runs the trunks' stage before the branches' stage, so every branch finds its checkpoint at its start.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from study.config.identity import branch_key
+from study.config.spec import RunSpec
+from study.schema import RunDir
+
+
+def trunk_dir(branch: RunSpec) -> RunDir:
+    return RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
+
+
+def branch_ready(branch: RunSpec) -> bool:
+    """The branch's start exists: its trunk's complete checkpoint at the branch step."""
+    from study.train.checkpoint import at_step
+
+    return at_step(trunk_dir(branch).path, branch.first_step) is not None
+
+
+def release(job_ids: list[str]) -> None:
+    """`scontrol release` of held jobs (a job no longer held, or gone, is left as it is)."""
+    if job_ids:
+        subprocess.run(["scontrol", "release", ",".join(job_ids)], capture_output=True, text=True)
+
+
+def release_branches(trunk: RunSpec, step: int) -> list[str]:
+    """Release the SLURM jobs of the trunk's branches that start at `step` (the trunk's job calls this after writing
+    that checkpoint); returns their job ids."""
+    from study.launch.scheduler import journal
+
+    keys = {branch_key(trunk.key, p.at, trunk.config.train.decay_fraction) for p in trunk.points if p.start == step}
+    entries = journal(trunk.config.paths.runs, trunk.config.experiment)
+    ids = [e["job_id"] for k, e in entries.items() if k in keys and e.get("scheduler") == "slurm"]
+    release(ids)
+    if ids:
+        print(f"released branch jobs {', '.join(ids)} at step {step}", file=sys.stderr, flush=True)
+    return ids
+
+
+def release_ready(runs: list[RunSpec], jobs: dict[str, dict], states: dict[str, str]) -> list[str]:
+    """Release the pending SLURM jobs of branches whose start exists (a relaunch's repair); returns their ids."""
+    from study.config.run import Role
+
+    ids = [jobs[r.key]["job_id"] for r in runs
+           if r.role == Role.branch and r.key in jobs and jobs[r.key].get("scheduler") == "slurm"
+           and states.get(jobs[r.key]["job_id"]) == "PENDING" and branch_ready(r)]
+    release(ids)
+    return ids
