@@ -369,3 +369,49 @@ def test_a_slurm_launch_skips_a_run_a_live_local_process_trains_saying_so(workdi
     assert said == [f"skipped {run.name} ({run.key}): a live process ({socket.gethostname()} {os.getpid()}) holds its "
                     "run directory's lease; it is not submitted twice",
                     f"{name}: nothing to submit, every planned run is finished or in the queue"]
+
+
+def test_a_branch_waits_held_and_its_trunk_releases_it_while_training_on(workdir, cluster_env):
+    """Branches are submitted held (SLURM's JobHeldUser) and start as soon as their trunk writes their start
+    checkpoint: the first branch starts before its trunk ends, and every run finishes once."""
+    import json
+
+    from study.config.run import Role
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+
+    name = "branched" + cluster_env
+    common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "lr_schedule": "wsd", "ckpt_interval": 100},
+              "faults": {"sleep_per_step": 1.0}}
+    private_sweeps(workdir, name, common=common, variants={"conventional": {"model": "conventional"}},
+                   branches={"at": [0.5, 1.0], "decay": 0.25})
+    over = ["cluster=slurm"]
+    stages = launch(name, over, echo=lambda m: None)
+    branch_stage = next(s for s in stages if s.name == "branch")
+    assert branch_stage.held and len(branch_stage.runs) == 2
+    reasons = subprocess.run(["squeue", "-h", "-o", "%r", "-j", ",".join(branch_stage.job_ids)],
+                             capture_output=True, text=True).stdout.split()
+    assert reasons and set(reasons) <= {"JobHeldUser", "Dependency"}  # held, or still behind the data preparation
+    from study.launch.status import experiment_status
+
+    said = {r.key: r.verdict for r in experiment_status(name, over)}
+    assert all(said[r.key].startswith("queued (held until trunk ") for r in branch_stage.runs)
+    wait_jobs(job_ids(stages), timeout=900)
+    plan = plan_experiment(name, over)
+    trunk = next(r for r in plan.runs if r.role == Role.trunk)
+    first = next(r for r in plan.runs if r.role == Role.branch and r.points[0].at == 0.5)
+    for r in plan.runs:
+        result = json.loads((workdir / "runs" / name / r.key / "result.json").read_text())
+        assert result["step"] == (12 if r is trunk else r.points[0].length)
+
+    def times(job):
+        out = subprocess.run(["sacct", "-n", "-P", "-X", "--format=Start,End", "-j", job], capture_output=True,
+                             text=True).stdout.split()[0]
+        return out.split("|")
+
+    jobs = dict(zip([r.key for r in stages[[s.name for s in stages].index("train")].runs],
+                    stages[[s.name for s in stages].index("train")].job_ids))
+    branch_jobs = dict(zip([r.key for r in branch_stage.runs], branch_stage.job_ids))
+    # the branch from step 6 started while its trunk trained on to step 12 (ISO times compare as strings)
+    assert times(branch_jobs[first.key])[0] < times(jobs[trunk.key])[1]
+    assert sorted(r.data.tags["study.run_key"] for r in mlflow_runs(name)) == sorted(r.key for r in plan.runs)

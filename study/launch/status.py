@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from study import schema
+from study.config.run import Role
 from study.launch.manifest import latest_manifest
 from study.launch.run_state import EVALUATION, LEASE, MIRROR, NOTHING, QUEUED, RUNNING, STUCK, RunState, Sources, \
     state_of
@@ -109,9 +110,18 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
             "waiting for its tuning" if planned.awaits_tuning and not entry and not state.done
-            else _verdict(state, job_state, bool(entry)), state,
+            else _held(planned, _verdict(state, job_state, bool(entry))), state,
         ))
     return out
+
+
+def _held(planned, verdict: str) -> str:
+    """A queued branch whose trunk has not written its start says what it waits for (its job is held until then)."""
+    from study.launch.branching import branch_ready
+
+    if planned.role != Role.branch or verdict != QUEUED or branch_ready(planned):
+        return verdict
+    return f"{QUEUED} (held until trunk {planned.trunk} writes step {planned.first_step})"
 
 
 def print_status(rows: list[RunStatus], title: str) -> None:
