@@ -78,6 +78,27 @@ def test_a_malformed_branches_block_is_refused_naming_the_field(change, field, w
     assert f"error in `{field}`" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("racing,field", [
+    ({"stop": True}, "branched.yaml: racing.stop"), (3, "branched.yaml: racing"),
+    ({"stop_equivalent": "yes"}, "branched.yaml: racing.stop_equivalent"),
+])
+def test_a_malformed_racing_block_is_refused_naming_the_field(racing, field, workdir, monkeypatch, capsys):
+    name = experiment(workdir, monkeypatch, racing=racing)
+    assert main(["plan", name]) == 2
+    assert f"error in `{field}`" in capsys.readouterr().err
+
+
+def test_racing_reads_branch_points_so_it_needs_branches(workdir, monkeypatch, capsys):
+    from study.plan.experiment import load_experiment
+
+    name = experiment(workdir, monkeypatch, racing={"stop_equivalent": True})
+    assert load_experiment(name).racing.stop_equivalent is True
+    assert load_experiment(experiment(workdir, monkeypatch, racing=False)).racing is None
+    name = experiment(workdir, monkeypatch, racing=True, branches=None)
+    assert main(["plan", name]) == 2
+    assert "error in `branched.yaml: racing`" in capsys.readouterr().err
+
+
 def test_branches_need_a_stable_lr_to_branch_from(workdir, monkeypatch, capsys):
     name = experiment(workdir, monkeypatch)
     assert main(["plan", name, "train.lr_schedule=cosine"]) == 2

@@ -11,13 +11,13 @@ from study.config.compose import group_file, group_options, load_yaml, sweeps_di
 from study.config.decision import DecisionRule
 from study.config.validate import SEED_MAX
 from study.errors import StudyError
-from study.plan.branches import Branches, parse_branches
+from study.plan.branches import Branches, Racing, parse_branches, parse_racing
 from study.plan.fairness import check_compares, check_owned
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
 KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
-        "decision", "tune", "compares", "branches")
+        "decision", "tune", "compares", "branches", "racing")
 
 
 @dataclass
@@ -89,6 +89,9 @@ class Experiment:
     branches: Branches | None = None
     """Decay branches (`branches:`): each run is a stable-LR trunk and one decay branch per point
     (study.plan.branches); None trains each run straight."""
+    racing: Racing | None = None
+    """Racing (`racing:`): an arm decided worse (or equivalent, where declared) at a branch point stops training
+    (analysis.racing); None (the default) trains every arm to its end."""
 
 
 _PUBLISHED_KEYS = ("metric", "values", "source")
@@ -303,6 +306,8 @@ def load_experiment(name: str) -> Experiment:
                 if raw.get("compares") is not None else ())
     branches = (parse_branches(OmegaConf.to_container(raw.branches), f"{name}.yaml: branches")
                 if raw.get("branches") is not None else None)
+    racing = parse_racing(OmegaConf.to_container(raw.racing) if OmegaConf.is_config(raw.get("racing"))
+                          else raw.get("racing"), f"{name}.yaml: racing", branches)
     set_decay = (common.get("train") or {}).get("decay_fraction") if isinstance(common.get("train"), dict) else None
     if branches is not None and set_decay is not None and set_decay != branches.decay:
         raise StudyError(f"{name}.yaml: branches.decay", f"is {branches.decay:g} and common sets "
@@ -320,7 +325,7 @@ def load_experiment(name: str) -> Experiment:
         for scale, settings in v.per_scale.items():
             check_owned(settings, f"{name}.yaml: variants.{v.name}.at.{scale}")
     return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
-                      raw.get("description", ""), published, tuning, decision, compares, branches)
+                      raw.get("description", ""), published, tuning, decision, compares, branches, racing)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
