@@ -38,7 +38,9 @@ STAGE_GROUP = "group"
 """`study.stage` of a parent run: one per (variant, scale), its seed runs nested under it (study.track.groups)."""
 STAGE_SEQUENTIAL = "sequential"
 """`study.stage` of the experiment-level run that records every look of an adaptive launch (analysis.sequential)."""
-NOT_TRAINING = (STAGE_REPORT, STAGE_GROUP, STAGE_SEQUENTIAL)
+STAGE_RACING = "racing"
+"""`study.stage` of the experiment-level run that records a race's verdicts and stops (study.launch.racing)."""
+NOT_TRAINING = (STAGE_REPORT, STAGE_GROUP, STAGE_SEQUENTIAL, STAGE_RACING)
 """`study.stage` values of runs that trained nothing: never read as training runs."""
 TAG_BASELINE = "study.baseline"
 TAG_FAILURE_REASON = "study.failure_reason"

@@ -4,6 +4,7 @@ equal to the straight WSD run of its length; planned, keyed and priced as such."
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -164,3 +165,62 @@ def test_a_local_launch_trains_the_trunks_then_their_branches_and_a_relaunch_tra
         assert results[r.key]["step"] == (16 if r.role == Role.trunk else r.points[0].length)
     assert main(["launch", name, "cluster=local"]) == 0
     assert "nothing to submit" in capsys.readouterr().out
+
+
+def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workdir, monkeypatch, capsys):
+    """The race decides a rung once all its branches have finished: an arm whose branch endpoints are worse than the
+    baseline's by far more than their spread stops there (its trunks and later branches are never submitted again,
+    `study status` says why), the baseline and the undecided arm go on, and the record names the GPU-hours saved."""
+    import json
+
+    import numpy as np
+    from scipy import stats
+
+    from study.launch.racing import settle, stopped_keys, write_roster
+    from study.launch.stages import Queue, to_submit
+    from study.plan.planner import plan_experiment
+
+    variants = {"a": {"model": "conventional"}, "b": {"model": "tapered"}, "c": {"model": "hourglass"}}
+    name = experiment(workdir, monkeypatch, seeds=[0, 1, 2, 3], variants=variants, racing=True,
+                      branches={"at": [0.5, 1.0], "decay": 0.2}, decision={"alpha": 0.05, "margin": 0.01})
+    plan = plan_experiment(name)
+    write_roster(plan)
+    planted = {"a": 3.0, "b": 3.5, "c": 3.0}  # b worse by 0.5 nats; c no different
+    noise = {0: 0.001, 1: -0.002, 2: 0.0015, 3: 0.0}
+    first = [r for r in plan.runs if r.role == Role.branch and r.points[0].at == 0.5]
+    for r in first:
+        r.run_dir.path.mkdir(parents=True)
+        loss = planted[r.config.variant] + noise[r.config.seed] * (r.config.variant != "a")
+        r.run_dir.result.write_text(json.dumps({"val_loss": loss, "step": r.points[0].length, "run_key": r.key}))
+    new = settle(plan.runs[0].config.paths.runs, name)
+    verdicts = {v["variant"]: v for v in new}
+    assert verdicts["b"]["verdict"] == "worse" and verdicts["b"]["stops"] is True
+    assert verdicts["c"]["stops"] is False
+    # rung 1 of 2 at t = 0.5 spends alpha x 0.5 ** 3; b's interval is the paired t interval at that alpha
+    alpha = 0.05 * 0.5 ** 3
+    d = np.array([0.5 + noise[s] for s in range(4)])
+    half = stats.t.ppf(1 - alpha / 2, 3) * d.std(ddof=1) / 2
+    assert verdicts["b"]["alpha"] == pytest.approx(alpha)
+    assert (verdicts["b"]["ci_low"], verdicts["b"]["ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    stopped = stopped_keys(plan)
+    b_runs = {r.key for r in plan.runs if r.config.variant == "b" and (r.role == Role.trunk or r.points[0].at > 0.5)}
+    assert set(stopped) == b_runs and all("stopped by racing at branch point 0.5: worse" in w for w in stopped.values())
+    _, train, _, _ = to_submit(plan, Queue(plan))
+    # b's first-rung branches (finished here without MLflow) may be mirrored; none of what the stop covers trains
+    assert not {r.key for r in train} & b_runs
+    assert {r.key for r in train if r.role == Role.trunk} == {r.key for r in plan.runs if r.role == Role.trunk
+                                                                and r.config.variant != "b"}
+    assert settle(plan.runs[0].config.paths.runs, name) == []  # a rung is decided once
+    assert main(["status", name]) == 0
+    assert "stopped (stopped by racing" in " ".join(capsys.readouterr().out.split())
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`study.stage` = 'racing'")[0]
+    record = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "racing.json").read_text())
+    # b's four seeds no longer train the trunk past step 16 (less the stretch beside the rung's branch) nor the
+    # branch at 1.0: per seed, trunk 32 - 16 = 16 steps - the rung's 4-step tail = 12, plus the 8-step branch
+    trunk = next(r for r in plan.runs if r.role == Role.trunk and r.config.variant == "b")
+    per_step = trunk.gpu_hours() / 32
+    assert record["stops"][0]["variant"] == "b"
+    assert record["stops"][0]["gpu_hours_saved"] == pytest.approx(4 * (12 + 8) * per_step, rel=1e-6)

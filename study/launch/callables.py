@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import submitit
 
+from study.config.run import Role
 from study.config.spec import RunSpec, read_spec, write_spec
 
 
@@ -79,6 +80,10 @@ class TrainJob(submitit.helpers.Checkpointable):
             from study.jobs.evaluate import evaluate_run
 
             evaluate_run(spec)
+        if spec.role == Role.branch and _is_rank0():  # its rung may now be complete: decide it (a racing experiment)
+            from study.launch.racing import settle
+
+            settle(spec.config.paths.runs, spec.config.experiment, spec.config.tracking.uri)
         return {"run_key": spec.key, "val_loss": outcome.val_loss, "step": outcome.step}
 
 
@@ -116,8 +121,6 @@ class ProfileJob(submitit.helpers.Checkpointable):
 def _branch_releaser(spec: RunSpec):
     """For a trunk on SLURM: releases its held branches at each branch start it writes (and, first, those whose
     start it wrote before a requeue); None otherwise."""
-    from study.config.run import Role
-
     if spec.role != Role.trunk or not os.environ.get("SLURM_JOB_ID") or not _is_rank0():
         return None
     from study.launch.branching import release_branches

@@ -9,6 +9,7 @@ import time
 
 from study.config.spec import RunSpec
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
+from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
 from study.plan.planner import Plan
@@ -29,6 +30,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
     import signal
 
     parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
+    racing = plan.experiment.racing is not None
     failures: list[tuple[RunSpec, str]] = []
     live: list = []
 
@@ -42,8 +44,21 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                 what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
                 echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
                 shown = stage.name != "prepare"  # the board follows training runs
-                for i in range(0, len(stage.runs), parallel):
-                    chunk = Stage(stage.name, stage.runs[i:i + parallel], groups=stage.groups[i:i + parallel])
+                for indices in _chunks(stage, parallel):
+                    chunk = Stage(stage.name, [stage.runs[i] for i in indices],
+                                  groups=[stage.groups[i] for i in indices] if stage.groups else [])
+                    if stage.name == "branch" and racing:
+                        # the rungs this launch's branches completed are decided; a stopped arm's later branches
+                        # are not trained
+                        settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
+                        stopped = stopped_keys(plan)
+                        for run in chunk.runs:
+                            if run.key in stopped:
+                                board.mark(run.key, "stopped (racing)")
+                                echo(f"  skipped {run.key}  {run.name}: {stopped[run.key]}")
+                        chunk.runs = [r for r in chunk.runs if r.key not in stopped]
+                        if not chunk.runs:
+                            continue
                     if stage.name in ("tune", "train", "branch", "scheduled"):
                         # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
                         # started yet
@@ -71,6 +86,8 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                             echo(f"  FAILED  {line}: {reason}")
                     stage.job_ids += [j.job_id for j in live]
                     live.clear()
+                if stage.name == "branch" and racing:
+                    settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
                 if stage.name == "prepare" and failures:  # the runs read these shards: none can train without them
                     raise LaunchFailed("data preparation failed, so no run was trained: "
                                        + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
@@ -89,6 +106,19 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages
+
+
+def _chunks(stage: Stage, parallel: int) -> list[list[int]]:
+    """The stage's runs `parallel` at a time; branches rung by rung (no batch mixes two branch points), so a race
+    decides each rung before the next one trains."""
+    n = len(stage.runs)
+    if stage.name != "branch":
+        return [list(range(i, min(i + parallel, n))) for i in range(0, n, parallel)]
+    out: list[list[int]] = []
+    for at in sorted({r.points[0].at for r in stage.runs}):
+        mine = [i for i, r in enumerate(stage.runs) if r.points[0].at == at]
+        out += [mine[i:i + parallel] for i in range(0, len(mine), parallel)]
+    return out
 
 
 def failure_reason(err: BaseException) -> str:

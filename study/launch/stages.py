@@ -13,6 +13,7 @@ from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
 from study.launch.executor import _executor, _safe_name
+from study.launch.racing import stopped_keys
 from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
 from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record
 from study.plan.planner import Plan
@@ -117,7 +118,11 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     submitted when its state (:func:`study.launch.run_state.state_of`) says it needs something and nothing works on
     it: a run whose evaluation failed is submitted again (training resumes at its last checkpoint, so only the
     evaluation runs)."""
-    wanted = queue.wanted
+    stopped = stopped_keys(plan)  # the race's stopped arms train no more
+
+    def wanted(run: RunSpec) -> bool:
+        return run.key not in stopped and queue.wanted(run)
+
     tune = [r for r in plan.runs if r.role == Role.tune and wanted(r)]
     # a main run whose LR waits for its tuning is submitted by the launch that finds the tuning decided
     ready = [r for r in plan.runs if not r.awaits_tuning]
@@ -177,13 +182,14 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     tune = [r for r in train if r.role == Role.tune]
     if tune:
         stages.append(Stage("tune", tune))
-    branches = [r for r in train if r.role == Role.branch]
+    # rung by rung: a local launch decides each rung before it trains the next
+    branches = sorted((r for r in train if r.role == Role.branch), key=lambda r: r.points[0].at)
     train = [r for r in train if r.role not in (Role.tune, Role.branch)]
     if train:
         stages.append(Stage("train", train))
     if branches:
         # a branch whose trunk has written its start can run now; the others wait, held, for their trunk's job
-        ready = [r for r in branches if branch_ready(r)]
+        ready = [r for r in branches if branch_ready(r) or not queue.on_slurm]  # locally the trunks run first
         if ready:
             stages.append(Stage("branch", ready))
         if len(ready) < len(branches):

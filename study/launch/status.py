@@ -95,6 +95,9 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
     plan = plan or launched_plan(experiment, overrides)
     cfg0 = plan.runs[0].config
     sources = Sources(cfg0.paths.runs, experiment, cfg0.tracking.uri)
+    from study.launch.racing import stopped_keys
+
+    stopped = stopped_keys(plan)
     out = []
     for planned in plan.runs:
         r = sources.mlflow.get(planned.key)
@@ -110,6 +113,7 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
             "waiting for its tuning" if planned.awaits_tuning and not entry and not state.done
+            else f"stopped ({stopped[planned.key]})" if planned.key in stopped and not state.done
             else _held(planned, _verdict(state, job_state, bool(entry))), state,
         ))
     return out

@@ -32,6 +32,7 @@ from study.launch.branching import release_ready
 from study.launch.executor import _executor, _safe_name, sbatch_preview
 from study.launch.local import LaunchFailed, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
+from study.launch.racing import write_roster
 from study.launch.scheduler import cancel, check_slurm, outside_allocation, record
 from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_root, say_skipped, stage_lines, \
     submit_stage
@@ -113,6 +114,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     write_manifest(runs_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)
     ensure_parents(tracking_uri, experiment, plan.runs)  # before any job: seed runs starting together find them
+    write_roster(plan)  # a racing experiment's roster: what its branch jobs decide the rungs from
     _act_on_stale(queue, echo, dry_run=False)
     released = release_ready(plan.runs, queue.jobs, queue.states) if cluster.name != "local" else []
     if released:

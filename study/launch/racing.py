@@ -1,0 +1,213 @@
+"""Racing at run time (`racing:` in an experiment with branches): a rung is decided once every branch of it has
+settled, and an arm decided there stops training.
+
+The launch writes the race's roster, `_launch/racing.json`: the baseline, the branch points, the decision rule and
+every trunk and branch with its variant, scale, seed, point and estimated GPU-hours. `settle` is called by the job of
+every branch that finishes (rank 0) and by a local launch after each batch of branches. Under `_launch/racing.lock`
+it decides, in rung order, each rung whose branches (of the arms still racing) have all finished, from their
+`result.json` (analysis.racing.decide_rung: the alpha of that rung, Holm over the arms still racing), and appends the
+verdicts to `_launch/racing.jsonl`, each rung once. A (variant, scale) decided worse (or equivalent, with
+`stop_equivalent`) stops: the SLURM jobs of its trunks and of its later branches are cancelled (a trunk gets TERM,
+checkpoints and stops), and no launch submits them again (`stopped_keys`); `study status` names them. A branch that
+fails never settles, so its rung is never decided and nothing stops: racing only ever trains less when it has
+decided. The same record goes to MLflow as the experiment's `racing` run (artifact `racing.json`), for the report.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from study.config.run import Role
+from study.config.spec import finished_result
+from study.schema import RunDir, launch_dir
+
+ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
+
+
+def write_roster(plan) -> Path | None:
+    """The race's roster from the launch's plan (None, and nothing written, when the experiment does not race)."""
+    exp = plan.experiment
+    if exp.racing is None or exp.branches is None:
+        return None
+    runs = []
+    for r in plan.runs:
+        if r.role not in (Role.trunk, Role.branch):
+            continue
+        runs.append({"key": r.key, "role": r.role.value, "variant": r.config.variant, "scale": r.config.scale,
+                     "seed": r.config.seed, "trunk": r.trunk, "at": r.points[0].at if r.role == Role.branch else None,
+                     "starts": [p.start for p in r.points], "gpu_hours": r.gpu_hours()})
+    roster = {"baseline": exp.baseline, "at": list(exp.branches.at), "decay": exp.branches.decay,
+              "stop_equivalent": exp.racing.stop_equivalent, "decision": asdict(exp.decision), "runs": runs}
+    path = launch_dir(plan.runs[0].config.paths.runs, exp.name) / ROSTER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(roster, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def decided(runs_root: str, experiment: str) -> list[dict]:
+    """Every verdict recorded so far, in the order the rungs were decided."""
+    path = launch_dir(runs_root, experiment) / RECORD
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a killed job: the rung is decided again by the next settle
+    return out
+
+
+def stopped_arms(runs_root: str, experiment: str) -> dict[tuple[str, str], dict]:
+    """(variant, scale) -> the verdict that stopped it."""
+    return {(v["variant"], v["scale"]): v for v in decided(runs_root, experiment) if v.get("stops")}
+
+
+def stopped_keys(plan) -> dict[str, str]:
+    """Run key -> why it is not trained: the trunks and the later branches of every arm the race stopped."""
+    if plan.experiment.racing is None or not plan.runs:
+        return {}
+    stops = stopped_arms(plan.runs[0].config.paths.runs, plan.experiment.name)
+    out = {}
+    for r in plan.runs:
+        v = stops.get((r.config.variant, r.config.scale))
+        if v is None or r.role not in (Role.trunk, Role.branch):
+            continue
+        if r.role == Role.trunk or r.points[0].at > v["at"]:
+            out[r.key] = (f"stopped by racing at branch point {v['at']:g}: {v['verdict']} than {v['baseline']} "
+                          f"(Δ {v['mean_delta']:+.4g}, interval [{v['ci_low']:.4g}, {v['ci_high']:.4g}] at alpha "
+                          f"{v['alpha']:.3g})")
+    return out
+
+
+@contextmanager
+def _locked(folder: Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict]:
+    """Decide every rung that is ready and not yet decided, stop what it stops; returns the new verdicts."""
+    folder = launch_dir(runs_root, experiment)
+    if not (folder / ROSTER).is_file():
+        return []
+    with _locked(folder):
+        roster = json.loads((folder / ROSTER).read_text())
+        new = _decide_ready(roster, runs_root, experiment)
+        if new:
+            with (folder / RECORD).open("a") as f:
+                for v in new:
+                    f.write(json.dumps(v) + "\n")
+    if new:
+        _cancel_stopped(roster, runs_root, experiment, [v for v in new if v["stops"]])
+        _to_mlflow(roster, runs_root, experiment, tracking_uri)
+    return new
+
+
+def _decide_ready(roster: dict, runs_root: str, experiment: str) -> list[dict]:
+    import pandas as pd
+
+    from analysis.racing import decide_rung
+    from study.config.decision import DecisionRule
+
+    rule = DecisionRule(**roster["decision"])
+    done = decided(runs_root, experiment)
+    rungs_done = {v["at"] for v in done}
+    stopped = {(v["variant"], v["scale"]) for v in done if v.get("stops")}
+    branches = [r for r in roster["runs"] if r["role"] == Role.branch.value]
+    new: list[dict] = []
+    for at in sorted(roster["at"]):
+        if at in rungs_done:
+            continue
+        here = [r for r in branches if r["at"] == at and (r["variant"], r["scale"]) not in stopped]
+        results = {r["key"]: _result(runs_root, experiment, r["key"]) for r in here}
+        if not here or any(v is None for v in results.values()):
+            break  # rungs are decided in order: a later one waits for this one
+        endpoints = pd.DataFrame([{"variant": r["variant"], "scale": r["scale"], "seed": r["seed"], "at": at,
+                                   "run_key": r["key"], rule.metric: results[r["key"]]} for r in here])
+        verdicts = decide_rung(endpoints, roster["baseline"], at, roster["at"], rule, roster["stop_equivalent"],
+                               stopped)
+        rows = [{k: v for k, v in verdict.to_dict().items() if k != "decision"} for verdict in verdicts]
+        if not rows:  # nothing left to decide there (every arm stopped): the rung is passed
+            rows = [{"at": at, "variant": None, "scale": None, "stops": False, "verdict": "none racing"}]
+        new += rows
+        stopped |= {(v["variant"], v["scale"]) for v in rows if v.get("stops")}
+    return new
+
+
+def _result(runs_root: str, experiment: str, key: str) -> float | None:
+    try:
+        result = json.loads(RunDir.of(runs_root, experiment, key).result.read_text())
+    except (OSError, ValueError):
+        return None
+    loss = result.get("val_loss") if isinstance(result, dict) and result.get("run_key") == key else None
+    return float(loss) if loss is not None and math.isfinite(float(loss)) else None
+
+
+def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[dict]) -> None:
+    """Cancel the SLURM jobs of the stopped arms' trunks and later branches (local runs are skipped by the launch)."""
+    from study.launch.scheduler import ACTIVE, journal, slurm_states
+
+    arms = {(v["variant"], v["scale"]): v["at"] for v in stops}
+    keys = {r["key"] for r in roster["runs"] if (r["variant"], r["scale"]) in arms
+            and (r["role"] == Role.trunk.value or r["at"] > arms[(r["variant"], r["scale"])])}
+    jobs = journal(runs_root, experiment)
+    ids = [jobs[k]["job_id"] for k in keys if k in jobs and jobs[k].get("scheduler") == "slurm"]
+    live = [j for j, state in slurm_states(ids).items() if state in ACTIVE] if ids else []
+    if live:
+        import subprocess
+
+        # TERM first: a trunk checkpoints and stops (scancel's default signal, then KILL after SLURM's KillWait)
+        subprocess.run(["scancel", *live], capture_output=True, text=True)
+
+
+def race_record(roster: dict, verdicts: list[dict]) -> dict:
+    """What the report shows: every verdict, and each stop with the GPU-hours its arm did not train."""
+    from analysis.racing import RunCost, Stop, hours_saved
+
+    costs = {}
+    trunks = {r["key"]: r for r in roster["runs"] if r["role"] == Role.trunk.value}
+    for t in trunks.values():
+        mine = sorted((r for r in roster["runs"] if r.get("trunk") == t["key"]), key=lambda r: r["at"])
+        starts = t["starts"]
+        hours = t["gpu_hours"] or 0.0
+        segments = tuple(hours * (s - b) / starts[-1] for s, b in zip(starts, [0, *starts[:-1]]))
+        costs[(t["variant"], t["scale"], t["seed"])] = RunCost(segments, tuple(r["gpu_hours"] or 0.0 for r in mine))
+    stops = [Stop(v["variant"], v["scale"], v["rung"], v["at"], v["verdict"], v["n"], v["mean_delta"], v["ci_low"],
+                  v["ci_high"], v["alpha"]) for v in verdicts if v.get("stops")]
+    return {"baseline": roster["baseline"], "at": roster["at"], "stop_equivalent": roster["stop_equivalent"],
+            "verdicts": verdicts, "stops": [s.to_dict() for s in hours_saved(stops, costs)]}
+
+
+def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str) -> None:
+    """The race so far as the experiment's `racing` run (artifact racing.json); a store that does not answer is
+    left for the next settle (the run directory's record is what acts)."""
+    from study.schema import STAGE_RACING, TAG_STAGE
+    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
+
+    try:
+        uri = resolve_tracking_uri(tracking_uri)
+        client = mlflow_client(uri)
+        exp_id = get_or_create_experiment(client, uri, experiment)
+        found = client.search_runs([exp_id], f"tags.`{TAG_STAGE}` = '{STAGE_RACING}'", max_results=1)
+        run_id = (found[0].info.run_id if found else
+                  client.create_run(exp_id, run_name="racing", tags={TAG_STAGE: STAGE_RACING}).info.run_id)
+        client.log_dict(run_id, race_record(roster, decided(runs_root, experiment)), "racing.json")
+        client.set_terminated(run_id, "FINISHED")
+    except Exception as err:  # noqa: BLE001 - the record in the run directory stands; the report waits for the next
+        import sys
+
+        print(f"racing: the record did not reach MLflow ({type(err).__name__}: {err})", file=sys.stderr)
