@@ -66,6 +66,19 @@ def test_the_plan_prices_trunks_and_branches_against_separate_runs(workdir, monk
     assert "2 trunks and 6 branches" in out and "(-34%)" in out
 
 
+
+def test_the_plan_of_a_racing_experiment_states_its_expected_saving(workdir, monkeypatch, capsys):
+    from analysis.racing import expected_saving
+
+    name = experiment(workdir, monkeypatch, seeds=[0, 1, 2, 3, 4, 5], racing=True,
+                      decision={"margin": 0.01, "prior_sd": 0.004})
+    assert main(["plan", name]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    worse = expected_saving([0.25, 0.5, 1.0], 0.2, arms=1, seeds=6, sd=0.004, alpha=0.05, margin=0.01, effect=0.02)
+    assert worse > 0.05  # an arm worse by twice the margin is usually stopped early at 6 seeds
+    assert f"racing saves about {worse:.0%} of them in expectation if every arm is worse by twice the margin" in out
+
+
 @pytest.mark.parametrize("change,field", [
     ({"branches": {"at": [0.5, 0.5], "decay": 0.2}}, "branched.yaml: branches.at"),
     ({"branches": {"at": [], "decay": 0.2}}, "branched.yaml: branches.at"),

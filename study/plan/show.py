@@ -123,11 +123,27 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     # a separate run of a branch's length trains every step of it: its own estimate scaled by its length
     separate = sum((cost[r.key].gpu_hours or 0.0) * r.points[0].length / (r.last_step - r.first_step)
                    for r in branches)
-    b = plan.experiment.branches
-    return (f"decay branches at {', '.join(f'{a:g}' for a in b.at)} x the planned steps (decay {b.decay:g}): "
+    b, exp = plan.experiment.branches, plan.experiment
+    line = (f"decay branches at {', '.join(f'{a:g}' for a in b.at)} x the planned steps (decay {b.decay:g}): "
             f"{len(trunks)} trunks and {len(branches)} branches, about {hours:,.1f} GPU-hours, against "
             f"{separate:,.1f} for separate runs of each branch's length"
             + (f" ({hours / separate - 1:+.0%})" if separate else ""))
+    if exp.racing is None:
+        return line
+    d = exp.decision
+    if not d.prior_sd:
+        return line + ("; racing: the expected saving needs decision.prior_sd (the sd of paired deltas) to be "
+                       "estimated")
+    from analysis.racing import expected_saving
+
+    arms = len(exp.variants) - 1
+    seeds = min(len(s) for s in exp.seeds.values())
+    common = dict(at=b.at, decay=b.decay, arms=arms, seeds=seeds, sd=d.prior_sd, alpha=d.alpha, margin=d.margin,
+                  stop_equivalent=exp.racing.stop_equivalent)
+    worse = expected_saving(**common, effect=2 * (d.margin or d.prior_sd))
+    none = expected_saving(**common, effect=None)
+    return line + (f"; racing saves about {worse:.0%} of them in expectation if every arm is worse by twice the "
+                   f"margin, {none:.0%} if none differs ({seeds} seeds, sd {d.prior_sd:g}, analysis.racing)")
 
 
 def _power_table(plan: Plan, power: list, note: str):
