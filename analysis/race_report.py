@@ -1,0 +1,72 @@
+"""The report's racing section: at which branch point each arm stopped, on which interval, and the GPU-hours that saved.
+
+The race is decided while the study trains (study.launch.racing); its record is the experiment's MLflow run tagged
+`study.stage=racing`, artifact `racing.json`: every rung's verdicts (analysis.racing.RungVerdict without the full
+decision row) and the stops with the GPU-hours their arms did not train (analysis.racing.hours_saved).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from analysis.render import Block, Heading, Paragraph, Table
+from study.schema import STAGE_RACING, TAG_STAGE
+
+RACE_ARTIFACT = "racing.json"
+"""Artifact of the racing run holding the record."""
+
+
+def read_race(client, experiment_id: str) -> dict | None:
+    """The race's record, None when the experiment never raced (or its record has not reached MLflow)."""
+    import tempfile
+
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STAGE}` = '{STAGE_RACING}'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(found[0].info.run_id, RACE_ARTIFACT, tmp)
+        except Exception:  # noqa: BLE001 - a record still uploading: the report says nothing of the race yet
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+
+def race_blocks(record: dict | None, metric: str) -> list[Block]:
+    """The section: one sentence on what stopped, the stops, then every rung's verdicts."""
+    if not record:
+        return []
+    stops = record.get("stops") or []
+    verdicts = [v for v in record.get("verdicts") or [] if v.get("variant")]
+    saved = sum(s.get("gpu_hours_saved") or 0.0 for s in stops)
+    points = ", ".join(f"{a:g}" for a in record.get("at") or [])
+    rule = ("worse than the baseline, or equivalent to it," if record.get("stop_equivalent") else
+            "worse than the baseline")
+    blocks: list[Block] = [
+        Heading("Racing"),
+        Paragraph(f"Arms were raced at the branch points {points} (fractions of the planned tokens): at each, the "
+                  f"branch endpoints' paired deltas on {metric} against {record.get('baseline')} were decided at that "
+                  "point's share of alpha (spent across the points, Holm over the arms still racing), and an arm "
+                  f"decided {rule} stopped training there. "
+                  + (f"{len(stops)} arm(s) stopped, saving about {saved:,.1f} GPU-hours." if stops else
+                     "No arm stopped: every arm trained to its last branch.")),
+    ]
+    if stops:
+        blocks.append(Table(["variant", "scale", "stopped at", "verdict", "pairs", "Δ", "interval", "alpha",
+                             "GPU-h saved"],
+                            [[s["variant"], s["scale"], f"{s['at']:g}", s["verdict"], str(s["n"]),
+                              _num(s["mean_delta"]), f"[{_num(s['ci_low'])}, {_num(s['ci_high'])}]",
+                              f"{s['alpha']:.3g}", _num(s.get("gpu_hours_saved"), ",.1f")] for s in stops]))
+    if verdicts:
+        blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", "interval", "alpha",
+                             "stops"],
+                            [[f"{v['at']:g}", v["variant"], v["scale"], v["verdict"], str(v["n"]),
+                              _num(v["mean_delta"]), f"[{_num(v['ci_low'])}, {_num(v['ci_high'])}]",
+                              f"{v['alpha']:.3g}", "yes" if v["stops"] else ""] for v in verdicts]))
+    return blocks
+
+
+def _num(x, fmt: str = "+.4g") -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
