@@ -25,6 +25,7 @@ FIGURES = {
     "tracking": "benchmarks.tracking_bench",
     "geometry": "benchmarks.geometry_bench",
     "report": "benchmarks.report_bench",
+    "racing": "benchmarks.racing_bench",
 }
 """CPU figures, in the order they run: name for --only -> module with `run(quick) -> list[dict]`."""
 
