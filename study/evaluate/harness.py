@@ -259,7 +259,7 @@ def evaluate_model(
         if unknown := sorted(set(hub) - set(manager.all_tasks)):
             raise _unknown_tasks_error(unknown, local)
         if num_fewshot:
-            check_fewshot(manager.load(names)["tasks"], num_fewshot)
+            check_fewshot(_quietly_load(manager, names), num_fewshot)
         try:
             # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
             # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
@@ -293,6 +293,20 @@ def evaluate_model(
             # far less noisy than accuracy at small scale: every item contributes, not only the argmax
             metrics[f"eval/{task}/ll_correct"] = float(sum(lls) / len(lls))
     return {"lm_eval": results, "metrics": metrics, "items": items}
+
+
+def _quietly_load(manager: TaskManager, names: list[str]) -> dict[str, Any]:
+    """The tasks `names` as lm-eval builds them, without datasets' split-generation bars: this load only counts
+    documents, and a refusal after it should be the only thing the user reads."""
+    import datasets
+
+    was_shown = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        return manager.load(names)["tasks"]
+    finally:
+        if was_shown:
+            datasets.enable_progress_bars()
 
 
 def check_fewshot(tasks: dict[str, Any], num_fewshot: int) -> None:
