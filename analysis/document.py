@@ -1,5 +1,6 @@
 """The report as blocks: the answer first (a sentence per scale, the forest plot, a compact decision table), then
-the scaling figure, the secondary metrics, the descriptive tables, fits, figures and method."""
+the scaling figure, the decay branches' fits and the race (a branched experiment), the secondary metrics, the descriptive tables,
+fits, figures and method."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from analysis import run_table
 from analysis.compute import RANGE, EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.race_report import race_blocks
 from analysis.result import Analysis
 from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
+from analysis.surface import SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
 
@@ -69,6 +72,9 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
         blocks += [Heading("Sequential looks", 3), _looks_table(a.looks)]
     if "scaling" in plots:
         blocks += [Heading(f"Scaling of final {a.scaling.metric}"), plots["scaling"]]
+    if a.surface is not None:
+        blocks += _surface_blocks(a.surface, plots.get("surface"))
+    blocks += race_blocks(a.race, a.rule.metric)
     if secondary:
         blocks += [Heading("Secondary metrics"),
                    Paragraph("Other metrics and downstream tasks, Benjamini-Hochberg-corrected together "
@@ -349,6 +355,89 @@ def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
             for r in compute.rows]
     return [*blocks, Table(["variant", "scale", "compute (FLOPs)", "multiplier k", "bootstrap interval", "draws"],
                            rows)]
+
+
+def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
+    """"L(N, D) per arm" (three sizes or more), else "Loss against tokens per arm": the fits, the compute-optimal
+    point and the multiplier at each scale's planned compute, the figure."""
+    metric = surface.metric
+    intervals = (f"Intervals: the seed-cluster bootstrap of the L(N) fits (the same draws for every arm, so a "
+                 f"multiplier's are paired), the 95% percentile interval from {BOOTSTRAP_MIN_N} seeds; with fewer, "
+                 "the range over the draws, marked 'range', with no coverage claimed.")
+    compute = (f"Compute is counted in FLOPs ({surface.source}; each arm's FLOPs per token from its own runs"
+               + (", interpolated between its sizes" if surface.form == SURFACE else "") + "), never in tokens: "
+               "arms matched in parameters differ in FLOPs per token, and a multiplier read in tokens would hand one "
+               "arm the FLOPs it spends per token.")
+    if surface.form == SURFACE:
+        blocks: list[Block] = [
+            Heading("L(N, D) per arm"),
+            Paragraph(f"Every finished decay branch's end (each seed, point and scale; trunks never) is a point: N "
+                      f"counted parameters, D its training tokens. Each arm's final {metric} is fitted as L(N, D) = E "
+                      "+ A/N^α + B/D^β with a Huber loss on log residuals from a grid of starts, as the L(N) fits "
+                      "are. At each scale's planned compute C (the arm's FLOPs per token × the planned run's "
+                      "tokens) the compute-optimal N and D minimise the fitted surface along the iso-FLOP line; the "
+                      f"multiplier k is the compute at which {surface.baseline}'s surface, at its best N for that "
+                      "compute, reaches the variant's best loss at C, over C (k = 1.5: the baseline needs 1.5 times "
+                      f"the FLOPs; 'never' where its surface does not come down to that loss). {compute} {intervals}")]
+    else:
+        blocks = [
+            Heading("Loss against tokens per arm"),
+            Paragraph(f"No L(N, D) surface: {surface.why}. Each arm's final {metric} is fitted at each scale as "
+                      "L(D) = E + B/D^β over its decay branches' ends (each seed and point; trunks never), with a "
+                      "Huber loss on log residuals as the L(N) fits are; at one size, E is the loss that size would "
+                      f"reach on unlimited tokens. The multiplier is read at the arms' planned sizes, not at a "
+                      f"compute-optimal one: {surface.baseline}'s FLOPs to reach the variant's fitted loss at its "
+                      f"planned tokens, over the variant's planned compute. {compute} {intervals}")]
+    if surface.fallback:
+        blocks.append(Paragraph(f"Fallback to {surface.source}: {surface.fallback}."))
+    if surface.form not in (SURFACE, TOKENS):
+        return [*blocks, Paragraph(f"No fit: {surface.status}.")]
+    largest = {m.variant: m for m in surface.multipliers}  # scales are read from small to large
+    if largest:
+        blocks.append(Paragraph("At the largest scale's planned compute: " + "; ".join(
+            f"{v} {_multiplier(m, ' compute')} at {m.scale}" for v, m in largest.items()) + "."))
+    if surface.form == SURFACE:
+        fits = [[f.variant, f.status, f"{f.n_points} / {f.n_sizes} / {f.n_distinct}",
+                 *(_with_interval(f, name) for name in ("E", "A", "alpha", "B", "beta"))] for f in surface.fits]
+        blocks.append(Table(["variant", "status", "points / sizes / distinct (N, D)", "E", "A", "α", "B", "β"], fits))
+        rows = []
+        for o in surface.optima:
+            k = surface.multiplier(o.variant, o.scale)
+            rows.append([o.variant, o.scale, f"{o.compute:.3g}", f"{o.planned_n:.3g}", f"{o.planned_d:.3g}",
+                         _sized(o.n_opt, o.n_interval), _sized(o.d_opt, o.d_interval),
+                         _num(o.d_opt / o.n_opt, 3, general=True), f"{_num(o.planned_loss)} → {_num(o.loss_opt)}",
+                         _multiplier(k) if k is not None else "—"])
+        blocks.append(Table(["variant", "scale", "planned C (FLOPs)", "planned N", "planned D", "compute-optimal N",
+                             "compute-optimal D", "D/N there", f"fitted {metric}: planned → optimal",
+                             f"multiplier k vs {surface.baseline}"], rows))
+    else:
+        rows = []
+        for f in surface.fits:
+            k = surface.multiplier(f.variant, f.scale)
+            rows.append([f.variant, f.scale, f.status, f"{f.n_points} / {f.n_distinct}",
+                         *(_with_interval(f, name) for name in ("E", "B", "beta")),
+                         _multiplier(k) if k is not None else "—"])
+        blocks.append(Table(["variant", "scale", "status", "points / token counts", "E", "B", "β",
+                             f"multiplier k vs {surface.baseline} at planned sizes"], rows))
+    return [*blocks, *([plot] if plot is not None else [])]
+
+
+def _with_interval(fit: SurfaceFit, name: str) -> str:
+    """A fitted parameter with its bootstrap interval: ``0.312 [0.298, 0.330]``."""
+    value = getattr(fit, name)
+    low, high = fit.intervals.get(name, (math.nan, math.nan))
+    general = name in ("A", "B")
+    text = _num(value, 4 if general else 3, general)
+    return text + (f" [{_num(low, 4 if general else 3, general)}, {_num(high, 4 if general else 3, general)}]"
+                   if math.isfinite(low) and math.isfinite(high) else "")
+
+
+def _sized(value: float, interval: tuple[float, float]) -> str:
+    """A count of parameters or tokens with its interval: ``3.7e+07 [3.6e+07, 3.9e+07]``; '—' beyond the search."""
+    if not math.isfinite(value):
+        return "— (beyond the searched sizes)"
+    low, high = interval
+    return f"{value:.3g}" + (f" [{low:.3g}, {high:.3g}]" if math.isfinite(low) and math.isfinite(high) else "")
 
 
 def _time_blocks(time: TimeReport, verdicts: dict, metric: str) -> list[Block]:

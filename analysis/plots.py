@@ -1,5 +1,5 @@
-"""The report's figures: loss curves with seed bands, the decisions as forest plots, the scaling fits, the LR grids
-of the tuning stage.
+"""The report's figures: loss curves with seed bands, the decisions as forest plots, the scaling fits, the decay
+branches' fits (iso-FLOP curves of L(N, D), or loss against tokens), the LR grids of the tuning stage.
 
 Figures are built as ``matplotlib.figure.Figure`` objects and written by the Agg canvas without touching pyplot,
 so a caller's interactive backend (a notebook, say) is left alone and nothing needs a display.
@@ -18,6 +18,7 @@ from analysis.decide import VERDICT_COLORS, Decision
 from analysis.paired import PairedResult
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import ScalingReport
+from analysis.surface import SurfaceReport
 from analysis.tuning import TuneCurve
 
 DPI = 110
@@ -179,6 +180,75 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
     if gap_ax.get_legend_handles_labels()[0]:
         gap_ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
+    """One panel per arm with a surface: its fitted loss along the iso-FLOP line of each scale's planned compute
+    against N (log axis), one colour per compute, the compute-optimal N marked with a dot and the planned run with a
+    cross; the panels share the loss axis, so arms compare at a glance."""
+    from matplotlib.figure import Figure
+
+    variants = list(dict.fromkeys(i.variant for i in report.isoflops))
+    optima = {(o.variant, o.scale): o for o in report.optima}
+    cols = min(len(variants), 3)
+    rows = math.ceil(len(variants) / cols)
+    fig = Figure(figsize=(4.4 * cols, 3.4 * rows), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
+    for ax, variant in zip(axes, variants):
+        lines = [i for i in report.isoflops if i.variant == variant]
+        shades = _shades(len(lines))
+        for line, color in zip(lines, shades):
+            o = optima[variant, line.scale]
+            ax.plot(line.n, line.loss, color=color, lw=1.3, label=f"{line.scale}: C = {line.compute:.2g} FLOPs")
+            if math.isfinite(o.n_opt):
+                ax.plot(o.n_opt, o.loss_opt, "o", color=color, ms=5)
+            ax.plot(o.planned_n, o.planned_loss, "x", color=color, ms=6, mew=1.5)
+        ax.set_xscale("log")
+        ax.set_xlabel("counted parameters N")
+        ax.set_ylabel(f"fitted final {report.metric}")
+        ax.set_title(f"{variant}: iso-FLOP lines (● optimum, × planned)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    for ax in axes[len(variants):]:
+        ax.set_visible(False)
+    return _save(fig, path)
+
+
+def plot_loss_tokens(report: SurfaceReport, path: Path) -> Path:
+    """One panel per scale: every branch end's final metric against its training tokens (log axis) per arm, with
+    the arm's fitted L(D) over the tokens it covers."""
+    from matplotlib.figure import Figure
+
+    points = report.points
+    scales = list(dict.fromkeys(f.scale for f in report.fits))
+    colors = variant_colors(points["variant"].unique(), report.baseline)
+    fig = Figure(figsize=(4.6 * len(scales), 3.6), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(scales), squeeze=False).ravel()
+    for ax, scale in zip(axes, scales):
+        for fit in (f for f in report.fits if f.scale == scale):
+            mine = points[(points["variant"] == fit.variant) & (points["scale"] == scale)]
+            color = colors[fit.variant]
+            ax.scatter(mine["d"], mine[report.metric], s=14, color=color, alpha=0.6, lw=0)
+            label = fit.variant
+            if fit.form != "none":
+                tokens = np.geomspace(*fit.d_range, 100)
+                ax.plot(tokens, fit.predict(math.nan, tokens), color=color, lw=1.2)
+                label += f": E={fit.E:.3f}, β={fit.beta:.3f}"
+            ax.plot([], [], "o-", color=color, ms=4, lw=1.2, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens D")
+        ax.set_ylabel(f"final {report.metric}")
+        ax.set_title(f"Branch ends at {scale} with fitted L(D)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _shades(count: int) -> list:
+    """``count`` colours from light to dark, for lines ordered by compute."""
+    from matplotlib import colormaps
+
+    return [colormaps["viridis"](x) for x in np.linspace(0.85, 0.1, count)] if count else []
 
 
 def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: str = "val/loss") -> Path:

@@ -20,12 +20,14 @@ from analysis.compute import effective_compute
 from analysis.decide import Decision, decide
 from analysis.document import document
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
+from analysis.race_report import read_race
 from analysis.published import published_deltas, published_figures
 from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
 from analysis.render import Plot, to_html, to_markdown
 from analysis.result import HEADLINE, Analysis
 from analysis.scaling import scaling_report
 from analysis.sequential import final_decisions, read_looks
+from analysis.surface import surface_report
 from analysis.time_to_target import time_to_target
 from analysis.tuning import TRANSFER, tune_curves, verdict_pairs
 from study import schema
@@ -37,7 +39,8 @@ from study.track.store import resolve_tracking_uri
 REPORT_RUN_NAME = "report"
 """Name of the experiment-level MLflow run that holds the report artifacts."""
 
-_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", "tuning.png", PROFILE_FIGURE)
+_OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", "tuning.png", "isoflop.png", "loss_tokens.png",
+              PROFILE_FIGURE)
 
 
 def build_report(
@@ -54,8 +57,8 @@ def build_report(
     """Report ``experiment`` against ``baseline`` (default: the runs' ``study.baseline`` tag).
 
     ``metrics`` default to the final ``val/loss`` plus every ``eval/*/acc*`` present. Returns
-    ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "effective_compute",
-    "time_to_target", "tuning", "files", "report_run_id"}`` (and the rest of report.json).
+    ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "surface",
+    "effective_compute", "time_to_target", "tuning", "files", "report_run_id"}`` (and the rest of report.json).
     """
     a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed, rule)
     out = Path(out_dir) / experiment
@@ -80,6 +83,9 @@ def build_report(
         "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes), "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
+        "racing": a.race,
+        "surface": a.surface.to_dict() if a.surface else {"status": "no decay branches" if HEADLINE in a.runs.columns
+                                                          else f"no run logged {HEADLINE}"},
         "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
         "time_to_target": a.time.to_dict() if a.time else {"status": f"no run logged {HEADLINE}"},
         "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED, "transfer": TRANSFER if a.tuned else None,
@@ -119,6 +125,9 @@ def analyse(
     scaling = scaling_report(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed) if logged else None
     compute = (effective_compute(runs, baseline, HEADLINE, n_boot=n_boot, seed=seed, by_params=scaling.fits)
                if logged else None)
+    # the branches' fits draw the L(N) fits' seeds (same n_boot and seed), so their intervals resample alike
+    surface = (surface_report(study.branches, baseline, HEADLINE, n_boot=n_boot, seed=seed)
+               if logged and len(study.branches) else None)
     # a run whose final value was left out as infinite (run_table) keeps its curve out of the figures too
     finished = runs.loc[(runs["status"] == run_table.FINISHED) & runs[HEADLINE].notna(), "run_id"] if logged else []
     curves = run_table.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
@@ -142,7 +151,15 @@ def analyse(
     return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
                     looks, note, items, curves, tuned=bool((runs["lr_source"] == run_table.TUNED).any()),
                     tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
-                    verdict_pairs=pairs, compute=compute, time=time, run_notes=study.notes)
+                    verdict_pairs=pairs, compute=compute, time=time, surface=surface,
+                    race=_race(experiment, uri) if len(study.branches) else None, run_notes=study.notes)
+
+
+def _race(experiment: str, uri: str) -> dict | None:
+    """The racing record of a branched experiment (analysis.race_report), None when it never raced."""
+    client = open_store(uri)
+    found = client.get_experiment_by_name(experiment) if client is not None else None
+    return read_race(client, found.experiment_id) if found is not None else None
 
 
 def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str], rule: DecisionRule
@@ -237,8 +254,10 @@ def _task_groups(metrics: Sequence[str]) -> list[list[str]]:
 
 def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
     """The figures by the place they take in the report (analysis.document): ``decisions`` and ``scaling`` open it,
-    ``secondary`` heads the secondary metrics, ``loss_curves`` and ``tuning`` sit with the other figures."""
-    from analysis.plots import plot_decisions, plot_loss_curves, plot_scaling, plot_tuning
+    ``surface`` follows the scaling figure in a branched experiment, ``secondary`` heads the secondary metrics,
+    ``loss_curves`` and ``tuning`` sit with the other figures."""
+    from analysis.plots import (plot_decisions, plot_isoflops, plot_loss_curves, plot_loss_tokens, plot_scaling,
+                                plot_tuning)
 
     plots = {}
     for family in ("primary", "secondary"):
@@ -254,6 +273,16 @@ def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
         path = plot_scaling(a.runs, a.scaling, out / "scaling.png", a.results.get(HEADLINE, []))
         plots["scaling"] = Plot(path, f"Final {HEADLINE} against counted parameters with per-variant fits, and each "
                                       f"variant's fitted gap to {a.baseline}")
+    surface = a.surface
+    if surface is not None and surface.isoflops:
+        plots["surface"] = Plot(plot_isoflops(surface, out / "isoflop.png"),
+                                f"Fitted L(N, D) of each arm along the iso-FLOP line of each scale's planned compute: "
+                                f"final {HEADLINE} against counted parameters N (D = compute / FLOPs per token), the "
+                                "compute-optimal N marked ●, the planned run ×")
+    elif surface is not None and any(f.form != "none" for f in surface.fits):
+        plots["surface"] = Plot(plot_loss_tokens(surface, out / "loss_tokens.png"),
+                                f"Final {HEADLINE} of every branch end against its training tokens per scale, with "
+                                "each arm's fitted L(D)")
     if len(a.curves):
         plots["loss_curves"] = Plot(plot_loss_curves(a.runs, a.curves, a.baseline, out / "loss_curves.png"),
                                     f"{HEADLINE} against step per scale: mean over finished seeds, band ± 1 sd")

@@ -11,6 +11,7 @@ from analysis.compute import EffectiveCompute
 from analysis.decide import Decision
 from analysis.paired import JointResult, PairedResult
 from analysis.scaling import ScalingReport
+from analysis.surface import SurfaceReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TuneCurve, VerdictPair
 from study.config.decision import DecisionRule
@@ -65,6 +66,12 @@ class Analysis:
     """Effective compute multipliers from fits of val/loss against training compute, when logged."""
     time: TimeReport | None = None
     """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
+    surface: SurfaceReport | None = None
+    """Fits of val/loss against parameters and tokens (or tokens alone) over the decay branches, with the optima and
+    multipliers they give at the planned compute; None for an experiment without branches."""
+    race: dict | None = None
+    """The racing record (analysis.race_report): the arms stopped at a branch point and every rung's verdicts; None
+    for an experiment that did not race."""
     run_notes: tuple[str, ...] = ()
     """What the store held that the report left out: runs of another key schema, (variant, scale) cells with no run
     (analysis.run_table.StudyRuns.notes)."""

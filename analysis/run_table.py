@@ -12,7 +12,7 @@ import math
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
@@ -22,7 +22,7 @@ from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
 from study.plan.fairness import shared as is_shared
-from study.schema import NOT_TRAINING, TAG_KEY_SCHEMA, TAG_STAGE
+from study.schema import NOT_TRAINING, TAG_BRANCH_AT, TAG_KEY_SCHEMA, TAG_STAGE, TAG_TRUNK_KEY
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
@@ -65,11 +65,18 @@ class StudyRuns:
 
     runs: pd.DataFrame
     """Main training runs the report decides on: the tuned ones when the store holds any, else those at the shared
-    LR (one row per run, columns as :func:`read_runs`)."""
+    LR (one row per run, columns as :func:`read_runs`). In a branched experiment these are the decay branches at
+    the largest point (`branches.at`), one per (variant, scale, seed): the ends of the planned runs."""
     shared_lr: pd.DataFrame | None
-    """Main runs at the shared LR beside tuned ones (for verdicts side by side); None unless the store holds both."""
+    """Main runs at the shared LR beside tuned ones (for verdicts side by side; branch ends too, in a branched
+    experiment); None unless the store holds both."""
     tune: pd.DataFrame
     """Tune runs (``study.stage=tune``): points of an LR grid, never paired, decided on or fitted."""
+    branches: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """Every decay branch (``study.stage=branch``) at every point, of the same LR source as :attr:`runs`: what the
+    L(N, D) fits read (:mod:`analysis.surface`); empty for an experiment without branches. Trunks
+    (``study.stage=trunk``) are in no frame: a trunk's last loss is not the end of a schedule, so it is never
+    paired, decided on or fitted."""
     notes: tuple[str, ...] = ()
     """Lines for the report to print: the runs left out for another key schema, the (variant, scale) cells with no
     run."""
@@ -86,12 +93,15 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
 
     Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.stage`` tag), baseline, status,
     failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
-    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), shared_fields (the
-    hashed fields every arm shares, as logged: JSON), then one column per final
+    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), at and trunk_key
+    (a decay branch's point and trunk; NaN and None for other runs), shared_fields (the hashed fields every arm
+    shares, as logged: JSON), then one column per final
     metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
     Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's
-    variant/scale/seed tags are not training runs and are left out. Runs split three ways: tune runs, main runs at
-    a tuned LR, main runs at the shared LR. When `study launch` recorded a manifest, each of the three is the last
+    variant/scale/seed tags are not training runs and are left out, and so are the trunks of decay branches
+    (``study.stage=trunk``). Runs split three ways: tune runs, main runs at
+    a tuned LR, main runs at the shared LR; in a branched experiment the main runs decided on are the branches at
+    the largest point, and every branch is in :attr:`StudyRuns.branches`. When `study launch` recorded a manifest, each of the three is the last
     launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
     study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison, every
     one of them (the tuning launch names some as the tune points it reused, never as shared-LR runs it trained).
@@ -134,19 +144,23 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
         return kind[mine].reset_index(drop=True) if mine.any() else kind.reset_index(drop=True)
 
     tune_runs = frame["role"] == Role.tune
-    tuned = latest(frame[~tune_runs & (frame["lr_source"] == TUNED)])
-    shared = frame[~tune_runs & (frame["lr_source"] != TUNED)]
+    main = frame[~tune_runs & (frame["role"] != Role.trunk)]
+    tuned = latest(main[main["lr_source"] == TUNED])
+    shared = main[main["lr_source"] != TUNED]
     # beside tuned runs, the shared-LR runs are an earlier launch's: a tuning launch trains none, and the shared-LR
     # keys it names are tune points that found a finished run of the same key (multiple 1 at a main run's seed and
     # scale), so narrowing to them would keep those seeds alone and drop every other shared seed
     shared = shared.reset_index(drop=True) if len(tuned) else latest(shared)
     tune = latest(frame[tune_runs])
-    runs = tuned if len(tuned) else shared
+    runs, branches, unbranched = _branch_ends(tuned if len(tuned) else shared)
+    if len(tuned) and len(shared):
+        shared = _branch_ends(shared)[0]
     if not len(runs):
         raise StudyError(
             "experiment",
-            f"MLflow experiment {experiment!r} holds only tune runs",
-            f"let the main runs train (`study launch {experiment}`), then report",
+            f"MLflow experiment {experiment!r} holds only " + ("tune runs and the trunks of decay branches"
+                                                              if (frame["role"] == Role.trunk).any() else "tune runs"),
+            f"let the main runs (or the branches) train (`study launch {experiment}`), then report",
         )
     if (runs["status"] == "FAILED").all():
         named = "; ".join(f"{r.run_name}: {r.failure_reason or 'no reason recorded'}" for r in runs.head(3).itertuples())
@@ -158,6 +172,8 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
             f"(`study status {experiment}` lists the runs); fix the cause and relaunch (`study launch {experiment}`)",
         )
     runs, diverged = _without_infinite_finals(runs)
+    if len(branches):  # the branch ends decided on are among the branches: their note names each diverged one once
+        branches, diverged = _without_infinite_finals(branches)
     if len(tuned) and len(shared):
         shared, also = _without_infinite_finals(shared)
         diverged = " ".join(n for n in (diverged, also) if n)
@@ -166,10 +182,40 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     bad_seeds = (f"Left out {len(unseeded)} run(s) whose study.seed tag is not a whole number: "
                  + ", ".join(f"{r['run_name']} (study.seed={r['seed_tag']!r})" for r in unseeded)
                  + "; set the tag to the run's seed in MLflow, or delete the run" if unseeded else "")
-    notes = tuple(note for note in (_differences(runs), left_out, bad_seeds, diverged,
-                                    "No run of " + ", ".join(missing) + ": these cells are in no comparison"
+    notes = tuple(note for note in (_branched(runs, branches), unbranched, _differences(runs), left_out, bad_seeds,
+                                    diverged, "No run of " + ", ".join(missing) + ": these cells are in no comparison"
                                     if missing else "") if note)
-    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, notes)
+    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, branches, notes)
+
+
+def _branch_ends(main: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """(the runs to decide on, every decay branch, the note naming runs left out beside branches) of one LR source.
+
+    Without branches the runs are ``main`` itself. With them, the runs are the branches at the largest point, the
+    planned runs' ends: a comparison pairs them by seed like straight runs, and a (variant, scale) whose branch there
+    is missing is a missing cell. Main runs that are no branch (an unbranched launch of the experiment) are left out,
+    never paired with branch ends, and named."""
+    is_branch = main["role"] == Role.branch
+    branches = main[is_branch].reset_index(drop=True)
+    if not len(branches):
+        return main, branches, ""
+    ends = branches[branches["at"] == branches["at"].max()].reset_index(drop=True)
+    others = main[~is_branch]
+    note = (f"Left out {len(others)} run(s) that are no decay branch beside the branches decided on: "
+            + ", ".join(map(str, others["run_name"].head(5))) + (", ..." if len(others) > 5 else "")
+            if len(others) else "")
+    return ends, branches, note
+
+
+def _branched(runs: pd.DataFrame, branches: pd.DataFrame) -> str:
+    """The sentence saying that the runs decided on are branch ends, when they are."""
+    if not len(branches):
+        return ""
+    points = ", ".join(f"{at:g}" for at in sorted(branches["at"].dropna().unique()))
+    return (f"Decay branches: the runs decided on are the {len(runs)} branches at the largest point "
+            f"(at = {runs['at'].max():g} of the planned tokens); the {len(branches)} branches at every point "
+            f"(at = {points}) are the points of the fits of loss against tokens (and parameters); the trunks are in "
+            "no comparison.")
 
 
 def _without_infinite_finals(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -260,6 +306,8 @@ def _row(run) -> dict | None:
         else _number(params, "train.micro_batch") * _number(params, "train.grad_accum"),
         "seq_len": _number(params, "data.seq_len"),
         "flops_per_token": _number(params, "resolved.flops_per_token"),
+        "at": _number(tags, TAG_BRANCH_AT),
+        "trunk_key": tags.get(TAG_TRUNK_KEY),
         "shared_fields": json.dumps({k: v for k, v in params.items() if _shared(k)}, sort_keys=True),
     }
     row.update(run.data.metrics)

@@ -304,7 +304,7 @@ def _fit(
     """(E, b, alpha) and their 3x3 covariance; E is 0 with zero variance for the pure power law.
 
     Huber loss on log residuals from every start of a small grid (or from ``start`` alone, for bootstrap refits
-    near the full fit); the lowest loss wins. The grid's starts are descended together (:func:`_huber_descent`) and
+    near the full fit); the lowest loss wins. The grid's starts are descended together (:func:`huber_descent`) and
     scipy's ``least_squares`` takes over from the best of them, so the fit and its covariance are scipy's; the
     covariance is the Gauss-Newton one of the log residuals.
     """
@@ -323,8 +323,9 @@ def _fit(
     starts = np.clip(starts, lower, np.nextafter(upper, -np.inf))
     if len(starts) > 1:
         # nine scipy descents cost nine times scipy's per-call overhead; one batched descent finds the best basin
-        ends, cost = _huber_descent(np.log(n) - log_ref, np.log(loss), np.ones((len(starts), len(n))), starts,
-                                    np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)), saturating)
+        ends, cost = huber_descent(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss),
+                                   np.ones((len(starts), len(n))), starts, np.tile(lower, (len(starts), 1)),
+                                   np.tile(upper, (len(starts), 1)))
         finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
         starts = ends[finite[np.argsort(cost[finite], kind="stable")]] if len(finite) else starts
 
@@ -372,14 +373,30 @@ whose few inliers leave a direction flat stalls short of its minimum; from 1e-4 
 benchmark store ends within rounding of the same minimum, at a cost never above scipy's."""
 
 
-def _huber_descent(
-    x: np.ndarray, log_loss: np.ndarray, weights: np.ndarray, starts: np.ndarray, lower: np.ndarray,
-    upper: np.ndarray, saturating: bool, max_iter: int = 2000,
+def _log_power_law(x: np.ndarray, saturating: bool):
+    """The log of ``E + exp(b - alpha x)`` (E = 0 for the pure power law) for rows of (E, b, alpha), or (b, alpha),
+    and its Jacobian: the model :func:`huber_descent` fits, x = ln N - ln N_ref."""
+
+    def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        E, b, alpha = (th[:, 0:1], th[:, 1:2], th[:, 2:3]) if saturating else (0.0, th[:, 0:1], th[:, 1:2])
+        power = np.exp(b - alpha * x)
+        total = E + power
+        share = power / total
+        return np.log(total), np.stack([1.0 / total, share, -x * share] if saturating else [share, -x * share],
+                                       axis=2)
+
+    return model
+
+
+def huber_descent(
+    model, log_loss: np.ndarray, weights: np.ndarray, starts: np.ndarray, lower: np.ndarray, upper: np.ndarray,
+    max_iter: int = 2000,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Minimise the weighted Huber loss of log residuals for many problems at once: (parameters, cost) per row.
 
-    Row d fits ``log(E + exp(b - alpha x)) - log_loss`` with point weights ``weights[d]`` (a bootstrap draw's
-    multiplicities; 0 leaves a point out) from ``starts[d]`` within ``lower[d]``..``upper[d]``. Projected
+    Row d fits ``model(theta)[0][d] - log_loss`` with point weights ``weights[d]`` (a bootstrap draw's
+    multiplicities; 0 leaves a point out) from ``starts[d]`` within ``lower[d]``..``upper[d]``; ``model`` maps rows
+    of parameters to (log of the fitted curve at every point, its Jacobian: rows x points x parameters). Projected
     Levenberg-Marquardt: the Gauss-Newton model of the Huber loss (curvature 1 inside the threshold,
     :data:`OUTLIER_CURVATURE` past it), variables at a bound that the gradient pushes outward held there, a step
     kept only when it lowers the row's cost. Rows stop when a kept step moves no parameter by 1e-10 relative and
@@ -391,16 +408,14 @@ def _huber_descent(
     theta = np.clip(np.asarray(starts, float), lower, ceiling)
 
     def evaluate(th: np.ndarray, w: np.ndarray):
-        E, b, alpha = (th[:, 0:1], th[:, 1:2], th[:, 2:3]) if saturating else (0.0, th[:, 0:1], th[:, 1:2])
         with np.errstate(all="ignore"):
-            power = np.exp(b - alpha * x)
-            model = E + power
-            r = np.log(model) - log_loss
+            log_model, jac = model(th)
+            r = log_model - log_loss
         far = np.abs(r)
         cost = np.sum(w * np.where(far <= delta, 0.5 * r * r, delta * far - 0.5 * delta * delta), axis=1)
-        return r, power / model, 1.0 / model, cost
+        return r, jac, cost
 
-    r, share, inverse, cost = evaluate(theta, weights)
+    r, jac, cost = evaluate(theta, weights)
     damping = np.full(len(theta), 1e-3)
     active = np.isfinite(cost)
     eye = np.eye(k)
@@ -408,8 +423,7 @@ def _huber_descent(
         rows = np.flatnonzero(active)
         if not len(rows):
             break
-        th, w, rr, dp = theta[rows], weights[rows], r[rows], share[rows]
-        J = np.stack([inverse[rows], dp, -x * dp] if saturating else [dp, -x * dp], axis=2)
+        th, w, rr, J = theta[rows], weights[rows], r[rows], jac[rows]
         grad = np.einsum("dpk,dp->dk", J, w * np.clip(rr, -delta, delta))
         curvature = w * np.where(np.abs(rr) <= delta, 1.0, OUTLIER_CURVATURE)
         H = np.einsum("dpk,dp,dpl->dkl", J, curvature, J)
@@ -419,12 +433,12 @@ def _huber_descent(
         with np.errstate(all="ignore"):
             step = np.linalg.solve(system, np.where(held, 0.0, -grad)[:, :, None])[:, :, 0]
         new = np.clip(th + step, lower[rows], ceiling[rows])
-        nr, nshare, ninverse, ncost = evaluate(new, w)
+        nr, njac, ncost = evaluate(new, w)
         old = cost[rows]
         kept = np.isfinite(ncost) & (ncost <= old) & np.all(np.isfinite(new), axis=1)
         moved = np.max(np.abs(new - th) / (np.abs(th) + 1e-8), axis=1)
         at = rows[kept]
-        theta[at], r[at], share[at], inverse[at], cost[at] = new[kept], nr[kept], nshare[kept], ninverse[kept], ncost[kept]
+        theta[at], r[at], jac[at], cost[at] = new[kept], nr[kept], njac[kept], ncost[kept]
         damping[rows] = np.where(kept, np.maximum(damping[rows] / 3, 1e-12), damping[rows] * 4)
         done = (kept & (old - ncost <= 1e-15 * old) & (moved < 1e-10)) | (damping[rows] > 1e12)
         active[rows[done]] = False
@@ -442,7 +456,7 @@ def _bootstrap(
     draw is a multiset of seeds, and few seeds have few multisets (5 seeds: 126, and 200 draws hit about 90 of
     them), so each distinct multiset is fitted once, from the start of the first draw that made it, and its fit
     reused by every draw that repeats it. A multiset is the same points weighted by how often each seed was drawn,
-    so all of them are fitted in one batched descent (:func:`_huber_descent`).
+    so all of them are fitted in one batched descent (:func:`huber_descent`).
     """
     seeds = np.sort(points["seed"].unique())
     if len(seeds) < 2 or n_boot <= 0:
@@ -452,13 +466,7 @@ def _bootstrap(
     scale_codes = pd.factorize(points["scale"])[0]
     seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
     needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
-    rng = np.random.default_rng(seed)
-    first: dict[tuple[int, ...], int] = {}
-    which = np.empty(n_boot, int)
-    for i in range(n_boot):
-        draw = tuple(sorted(rng.integers(0, len(seeds), size=len(seeds)).tolist()))
-        which[i] = first.setdefault(draw, len(first))
-    multisets = list(first)
+    multisets, which = seed_draws(len(seeds), n_boot, seed)
     weights = np.array([np.bincount(d, minlength=len(seeds))[seed_of] for d in multisets], float)
     drawn = weights > 0
     spans = np.array([len(np.unique(scale_codes[mask])) for mask in drawn])
@@ -472,10 +480,23 @@ def _bootstrap(
         floors = np.where(drawn[ok], loss, np.inf).min(axis=1)
         lower, upper = zip(*(_bounds(f, saturating) for f in floors))
         begin = starts[ok] if saturating else starts[ok, 1:]
-        ends, _ = _huber_descent(np.log(n) - log_ref, np.log(loss), weights[ok], begin, np.array(lower),
-                                 np.array(upper), saturating)
+        ends, _ = huber_descent(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss), weights[ok], begin,
+                                np.array(lower), np.array(upper))
         fitted[ok] = ends if saturating else np.column_stack([np.where(np.isfinite(ends[:, 0]), 0.0, math.nan), ends])
     return fitted[which]
+
+
+def seed_draws(n_seeds: int, n_boot: int, seed: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """The seed-cluster bootstrap's draws: (each distinct multiset of seed indices in the order first drawn, the
+    multiset of each of the ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws
+    the same seeds in draw i, so draw i of two fits is a paired resample."""
+    rng = np.random.default_rng(seed)
+    first: dict[tuple[int, ...], int] = {}
+    which = np.empty(n_boot, int)
+    for i in range(n_boot):
+        draw = tuple(sorted(rng.integers(0, n_seeds, size=n_seeds).tolist()))
+        which[i] = first.setdefault(draw, len(first))
+    return list(first), which
 
 
 def _first_draws(which: np.ndarray) -> list[int]:

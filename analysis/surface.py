@@ -1,0 +1,639 @@
+"""Loss against parameters and training tokens per arm, ``L(N, D) = E + A / N^alpha + B / D^beta``, fitted to the
+endpoints of an experiment's decay branches, and what the fitted surfaces say at the planned compute.
+
+Points: every finished decay branch (``study.stage=branch``) with its final metric, N = counted parameters and D = the
+branch's own training tokens (``recipe.tokens``); each seed is a point. A branch equals the straight WSD run of its
+length, so the branches of one trunk are as many training budgets of one model. Trunks never enter: a trunk's last
+loss is not the end of a schedule.
+
+The fit is Hoffmann et al. (2022)'s approach 3 as :mod:`analysis.scaling` fits L(N), with Besiroglu et al. (2024)'s
+corrections: a Huber loss (delta = 1e-3) of the log residuals, minimised from every start of a small grid (the lowest
+end kept), in the centred form ``E + exp(a - alpha (ln N - ln N_ref)) + exp(b - beta (ln D - ln D_ref))`` with N_ref,
+D_ref the geometric means of the points. Uncertainty is the seed-cluster bootstrap of the L(N) fits, with the same
+draws (:func:`analysis.scaling.seed_draws`: a drawn seed brings its branches at every scale and point, and draw i of
+every arm resamples the same seeds); each distinct multiset of seeds is fitted once, from the point fit. Intervals
+follow :mod:`analysis.compute`: the 95 % percentile interval of the draws from
+:data:`analysis.decide.BOOTSTRAP_MIN_N` seeds, below that their range (labelled ``range``, no coverage claimed), either
+one taken out to the point estimate where it misses it.
+
+A surface needs as many distinct (N, D) as its five parameters, and three sizes: at two, E, A and alpha meet the data
+only through the two values E + A N^-alpha, and any E below the losses fits as well as another. With fewer sizes each
+arm is fitted at each scale as ``L(D) = E + B / D^beta`` (E is then the loss that size would reach on unlimited
+tokens), which needs three distinct D. Fewer points than that: no fit, and the status says so.
+
+Compute is FLOPs, never tokens: arms matched in parameters differ in FLOPs per token (attention), and an effective
+speedup read in tokens would credit an arm with FLOPs it spends per token. An arm's FLOPs per token F(N) comes from its
+runs' records (``resolved.flops_per_token``): the ratio F / 6N interpolated in ln N between the arm's sizes and held at
+the end ratios beyond them, so F at a run's own size is the run's own figure; compute is C = F(N) D. Where a branch
+lacks those params every run counts 6 N D instead (:func:`analysis.compute.training_compute`: one rule for all).
+
+Planned compute of an arm at a scale: the median over its branches there of F x the planned run's tokens (a branch's
+tokens over its point ``at``). There the compute-optimal N and D minimise the fitted surface along the iso-FLOP line
+C = F(N) D, and a variant's effective-compute multiplier k is the compute at which the baseline's frontier (its
+surface's minimum along the iso-FLOP line) comes down to the variant's frontier loss at the variant's planned compute,
+over that compute: k = 1.5 says the baseline needs 1.5 times the FLOPs for the loss the variant reaches. k beyond
+:data:`K_MAX` either way is taken as never (inf) or 0. With L(D) fits (one size per arm and scale) there is no
+frontier: k is read at the arm's planned size, the baseline's FLOPs to its fitted loss equal to the variant's at the
+variant's planned tokens, over the variant's planned compute.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import partial
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from analysis.compute import PERCENTILE, RANGE, Multiplier, training_compute
+from analysis.decide import BOOTSTRAP_MIN_N
+from analysis.paired import CONFIDENCE, enclosing, json_ready
+from analysis.run_table import FINISHED, scale_order
+from analysis.scaling import HUBER_DELTA, huber_descent, seed_draws
+
+SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
+"""The two forms: the surface over (N, D), and the curve over D at one size."""
+
+PARAMETERS = {SURFACE: ("E", "A", "alpha", "B", "beta"), TOKENS: ("E", "B", "beta")}
+"""Each form's parameters, in the order a fit's draws hold them."""
+
+MIN_SIZES = 3
+"""Distinct sizes (scales) a surface needs: two leave E, A and alpha underdetermined."""
+
+SEARCH = 1e4
+"""The iso-FLOP line is searched from the arm's smallest N over this factor to its largest N times it."""
+
+K_MAX = 1e6
+"""A multiplier is searched between 1 / K_MAX and K_MAX; beyond, it is 0 or infinite (never)."""
+
+_GRID = 129
+"""Points of the coarse search along an iso-FLOP line, before the golden-section refinement."""
+
+
+@dataclass(frozen=True)
+class SurfaceFit:
+    """One arm's fit of a final metric: the surface over (N, D), or the curve over D at one scale."""
+
+    variant: str
+    """Arm fitted."""
+    form: str
+    """:data:`SURFACE`, :data:`TOKENS` or ``none``."""
+    status: str
+    """``ok``, or why there is no fit."""
+    scale: str = ""
+    """The scale of an L(D) fit; empty for a surface."""
+    n_points: int = 0
+    """Branch endpoints used (each seed's is one point)."""
+    n_sizes: int = 0
+    """Distinct scales among them."""
+    n_distinct: int = 0
+    """Distinct (N, D) among them."""
+    seeds: int = 0
+    """Seeds the bootstrap resamples."""
+    E: float = math.nan
+    """Irreducible loss (of this size, for an L(D) fit)."""
+    A: float = math.nan
+    """Coefficient of the parameter term (NaN for an L(D) fit)."""
+    alpha: float = math.nan
+    """Exponent of N (NaN for an L(D) fit)."""
+    B: float = math.nan
+    """Coefficient of the data term."""
+    beta: float = math.nan
+    """Exponent of D."""
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per parameter: its interval over the seed-bootstrap refits (``interval`` says which kind)."""
+    interval: str = PERCENTILE
+    """``95%`` (percentile interval) or ``range`` (fewer than BOOTSTRAP_MIN_N seeds)."""
+    boot_fits: int = 0
+    """Bootstrap draws that could be fitted."""
+    n_range: tuple[float, float] = (math.nan, math.nan)
+    """Smallest and largest N fitted."""
+    d_range: tuple[float, float] = (math.nan, math.nan)
+    """Smallest and largest D fitted."""
+    boots: list[list[float]] = field(default_factory=list, repr=False)
+    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted."""
+
+    def predict(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
+        """The fitted metric at N = ``n`` (ignored by an L(D) fit) and D = ``d``."""
+        return _loss(self.params(), np.asarray(n, float), np.asarray(d, float))
+
+    def params(self) -> np.ndarray:
+        """(E, A, alpha, B, beta), with A = alpha = 0 for an L(D) fit (no parameter term)."""
+        if self.form == TOKENS:
+            return np.array([self.E, 0.0, 0.0, self.B, self.beta])
+        return np.array([self.E, self.A, self.alpha, self.B, self.beta])
+
+    def draw_params(self) -> np.ndarray:
+        """:meth:`params` of every bootstrap draw, one row each (NaN rows where a draw could not be fitted)."""
+        rows = np.asarray(self.boots, float).reshape(len(self.boots), len(PARAMETERS.get(self.form, ())))
+        if self.form == TOKENS:
+            zeros = np.where(np.isfinite(rows[:, :1]), 0.0, math.nan)
+            return np.column_stack([rows[:, 0], zeros, zeros, rows[:, 1], rows[:, 2]])
+        return rows.reshape(len(rows), 5)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
+        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """An arm's training FLOPs per token as a function of N: 6 N times the ratio its runs recorded at their sizes,
+    interpolated in ln N between them and held at the end ratios beyond them."""
+
+    log_n: tuple[float, ...]
+    """ln N of the arm's sizes, ascending."""
+    log_ratio: tuple[float, ...]
+    """ln(F / 6N) at each of them (the median over the arm's runs there)."""
+
+    def __call__(self, n: np.ndarray | float) -> np.ndarray:
+        n = np.asarray(n, float)
+        return 6.0 * n * np.exp(np.interp(np.log(n), self.log_n, self.log_ratio))
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """One arm at one scale's planned compute: the planned run and the compute-optimal point of its surface."""
+
+    variant: str
+    """Arm."""
+    scale: str
+    """Scale whose planned run sets the compute."""
+    compute: float
+    """Planned compute (FLOPs)."""
+    planned_n: float
+    """Counted parameters of the planned run."""
+    planned_d: float
+    """Training tokens of the planned run."""
+    planned_loss: float
+    """The surface at the planned (N, D)."""
+    n_opt: float
+    """Compute-optimal N (NaN where the minimum lies outside the searched range)."""
+    d_opt: float
+    """Compute-optimal D = compute / F(n_opt)."""
+    loss_opt: float
+    """The surface's minimum along the iso-FLOP line."""
+    n_interval: tuple[float, float] = (math.nan, math.nan)
+    """Interval of n_opt over the bootstrap draws."""
+    d_interval: tuple[float, float] = (math.nan, math.nan)
+    """Interval of d_opt over the bootstrap draws."""
+    interval: str = PERCENTILE
+    """``95%`` or ``range``."""
+
+
+@dataclass(frozen=True)
+class IsoFlop:
+    """The fitted surface along one iso-FLOP line, for the figure."""
+
+    variant: str
+    """Arm."""
+    scale: str
+    """Scale whose planned compute the line holds."""
+    compute: float
+    """FLOPs along the line."""
+    n: list[float]
+    """Counted parameters along it."""
+    loss: list[float]
+    """The surface at (n, compute / F(n))."""
+
+
+@dataclass(frozen=True)
+class SurfaceReport:
+    """Every arm's fit over its branch endpoints, and what they say at the planned compute."""
+
+    baseline: str
+    """Arm the multipliers are measured against."""
+    metric: str
+    """Final metric fitted."""
+    form: str
+    """:data:`SURFACE` (three sizes or more) or :data:`TOKENS` (L(D) per arm and scale)."""
+    source: str
+    """How compute was counted (analysis.compute: FLOPs per token x tokens, or 6 N D)."""
+    fallback: str = ""
+    """Why 6 N D was taken; empty when it was not."""
+    status: str = "ok"
+    """``ok``, or why nothing was fitted."""
+    why: str = ""
+    """Why there is no surface, for an L(D) report."""
+    fits: list[SurfaceFit] = field(default_factory=list)
+    """Per arm (per arm and scale for L(D))."""
+    optima: list[Optimum] = field(default_factory=list)
+    """Per arm with a surface and scale: the planned run and the compute-optimal point at its compute."""
+    multipliers: list[Multiplier] = field(default_factory=list)
+    """Per arm other than the baseline and scale: k at the arm's planned compute."""
+    isoflops: list[IsoFlop] = field(default_factory=list)
+    """Per arm with a surface and scale: the surface along the planned compute's iso-FLOP line."""
+    points: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
+    """The endpoints fitted: variant, scale, seed, at, n, d, compute and the metric (for the figures)."""
+
+    def fit(self, variant: str, scale: str = "") -> SurfaceFit | None:
+        """The fit of ``variant`` (at ``scale``, for L(D))."""
+        return next((f for f in self.fits if (f.variant, f.scale) == (variant, scale)), None)
+
+    def multiplier(self, variant: str, scale: str) -> Multiplier | None:
+        """k of ``variant`` at ``scale``'s planned compute, if read."""
+        return next((m for m in self.multipliers if (m.variant, m.scale) == (variant, scale)), None)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (no points, no bootstrap draws); NaN and infinity become None."""
+        return json_ready({
+            "baseline": self.baseline, "metric": self.metric, "form": self.form, "source": self.source,
+            "fallback": self.fallback or None, "status": self.status, "why": self.why or None,
+            "fits": [f.to_dict() for f in self.fits], "optima": [asdict(o) for o in self.optima],
+            "multipliers": [m.to_dict() for m in self.multipliers], "isoflops": [asdict(i) for i in self.isoflops]})
+
+
+def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/loss", n_boot: int = 200,
+                   seed: int = 0) -> SurfaceReport:
+    """Fit every arm's finished branch endpoints (``branches``: :attr:`analysis.run_table.StudyRuns.branches`) and
+    read the optima and multipliers against ``baseline`` at each scale's planned compute. ``n_boot`` and ``seed`` are
+    the L(N) fits' (:func:`analysis.scaling.scaling_report`), so the bootstrap draws are theirs."""
+    compute, source, fallback = training_compute(branches)
+    tokens = branches["tokens"].fillna(branches["max_steps"] * branches["global_batch"] * branches["seq_len"])
+    frame = branches.assign(n=branches["params_counted"].astype(float), d=tokens, compute=compute)
+    usable = frame[(frame["status"] == FINISHED) & frame[metric].notna() & frame["n"].notna()
+                   & (frame["d"] > 0) & (frame["compute"] > 0)]
+    points = usable[["variant", "scale", "seed", "at", "n", "d", "compute", metric]].reset_index(drop=True)
+    base = dict(baseline=baseline, metric=metric, source=source, fallback=fallback, points=points)
+    sizes = points["scale"].nunique()
+    if not len(points):
+        return SurfaceReport(form="none", status="no finished branch logged "
+                             f"{metric} with its counted parameters and tokens", **base)
+    order = scale_order(usable)
+    planned = _planned(points)
+    if sizes >= MIN_SIZES:
+        fits = [fit_surface(g, v, metric, n_boot, seed) for v, g in points.groupby("variant", sort=True)]
+        return _surface_readings(SurfaceReport(form=SURFACE, fits=fits, **base), planned, order)
+    why = (f"the branches cover {sizes} size{'s' if sizes > 1 else ''} ({', '.join(order)}): a surface over N and D "
+           f"needs {MIN_SIZES}, " + ("since one N says nothing about how loss falls with N" if sizes == 1 else
+                                      "since at two sizes E, A and alpha meet the data only through the two values "
+                                      "E + A N^-alpha"))
+    fits = [fit_tokens(g, v, s, metric, n_boot, seed)
+            for (v, s), g in points.groupby(["variant", "scale"], sort=True)]
+    report = SurfaceReport(form=TOKENS, why=why, fits=fits, **base)
+    return _tokens_readings(report, planned, order)
+
+
+def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200,
+                seed: int = 0) -> SurfaceFit:
+    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``)."""
+    return _fit_form(points, SURFACE, variant, "", metric, n_boot, seed)
+
+
+def fit_tokens(points: pd.DataFrame, variant: str, scale: str, metric: str = "val/loss", n_boot: int = 200,
+               seed: int = 0) -> SurfaceFit:
+    """One arm's L(D) at one scale from its endpoints there (columns scale, seed, n, d and ``metric``)."""
+    return _fit_form(points, TOKENS, variant, scale, metric, n_boot, seed)
+
+
+def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(N, D, loss) at the minimum of surfaces along iso-FLOP lines: row i of ``params`` (E, A, alpha, B, beta) at
+    ``compute[i]``, searched over N in ``n_bounds`` (a coarse grid in ln N, then golden-section search around its
+    best point). N and D are NaN where the minimum is at an end of the range (it lies beyond); the loss is the
+    lowest found."""
+    params = np.atleast_2d(np.asarray(params, float))
+    rows = np.broadcast_shapes((len(params),), np.shape(compute))
+    params, compute = np.broadcast_to(params, rows + (5,)), np.broadcast_to(np.asarray(compute, float), rows)
+    lo, hi = np.log(n_bounds[0]), np.log(n_bounds[1])
+
+    def along(x: np.ndarray) -> np.ndarray:  # x: ln N, one row per surface
+        n = np.exp(x)
+        return _loss(params[:, None, :], n, compute[:, None] / flops(n))
+
+    grid = np.linspace(lo, hi, _GRID)
+    with np.errstate(all="ignore"):
+        values = along(np.broadcast_to(grid, (len(compute), _GRID)))
+    best = np.argmin(np.where(np.isfinite(values), values, np.inf), axis=1)
+    edge = (best == 0) | (best == _GRID - 1)
+    i = np.clip(best, 1, _GRID - 2)
+    a, b = grid[i - 1], grid[i + 1]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    with np.errstate(all="ignore"):
+        fc, fd = along(c[:, None])[:, 0], along(d[:, None])[:, 0]
+        for _ in range(70):  # golden section: the bracket of two grid cells shrinks 0.618x a step, to below 1e-15
+            left = fc < fd  # the minimum lies in [a, d]: d becomes c's old point; else in [c, b]
+            a, b = np.where(left, a, c), np.where(left, d, b)
+            c, d, kept = (np.where(left, b - ratio * (b - a), d), np.where(left, c, a + ratio * (b - a)),
+                          np.where(left, fc, fd))
+            new = along(np.where(left, c, d)[:, None])[:, 0]
+            fc, fd = np.where(left, new, kept), np.where(left, kept, new)
+        x = (a + b) / 2
+        loss = along(x[:, None])[:, 0]
+    inside = ~edge & np.isfinite(loss)
+    n = np.where(inside, np.exp(x), math.nan)
+    return n, np.where(inside, compute / flops(np.exp(x)), math.nan), loss
+
+
+def compute_to_reach(params: np.ndarray, flops: FlopsPerToken, loss: np.ndarray, near: np.ndarray,
+                     n_bounds: tuple[float, float]) -> np.ndarray:
+    """The compute at which each surface's frontier comes down to ``loss`` (row by row), found in ln C between
+    ``near`` / K_MAX and ``near`` x K_MAX (the Illinois variant of regula falsi: the frontier's loss is smooth and
+    monotone in ln C): inf where the frontier stays above ``loss`` there (or ``loss`` is at or below E: never), 0
+    where it is below it already at the low end."""
+    params = np.atleast_2d(np.asarray(params, float))
+    loss, near = np.asarray(loss, float), np.asarray(near, float)
+
+    def gap(u: np.ndarray) -> np.ndarray:
+        return frontier(params, flops, np.exp(u), n_bounds)[2] - loss
+
+    a, b = np.log(near) - math.log(K_MAX), np.log(near) + math.log(K_MAX)
+    fa, fb = gap(a), gap(b)
+    never = (loss <= params[:, 0]) | ~(fb < 0)
+    already = ~never & ~(fa > 0)
+    for _ in range(100):
+        open_ = ~never & ~already & (np.abs(b - a) > 1e-12 * np.maximum(np.abs(b), 1.0)) & (fb != 0)
+        if not open_.any():
+            break
+        with np.errstate(all="ignore"):
+            u = b - fb * (b - a) / (fb - fa)
+        u = np.where(open_ & np.isfinite(u), u, b)
+        fu = np.where(open_, gap(u), fb)
+        crossed = open_ & (fu * fb < 0)
+        a, fa = np.where(crossed, b, a), np.where(crossed, fb, np.where(open_, fa / 2, fa))
+        b, fb = np.where(open_, u, b), np.where(open_, fu, fb)
+    return np.where(never, math.inf, np.where(already, 0.0, np.exp(b)))
+
+
+def flops_rule(points: pd.DataFrame) -> FlopsPerToken:
+    """An arm's FLOPs per token as a function of N from its endpoints (columns n, d, compute)."""
+    ratio = (points["compute"] / (6.0 * points["n"] * points["d"])).groupby(points["n"]).median().sort_index()
+    return FlopsPerToken(tuple(np.log(ratio.index.to_numpy(float))), tuple(np.log(ratio.to_numpy(float))))
+
+
+def _loss(params: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    E, A, alpha, B, beta = (params[..., k] for k in range(5))
+    with np.errstate(divide="ignore", over="ignore"):
+        return E + A * n ** (-alpha) + B * d ** (-beta)
+
+
+def _planned(points: pd.DataFrame) -> pd.DataFrame:
+    """Per (variant, scale): the planned run's N, D and compute (medians over the arm's branches there)."""
+    frame = points.assign(planned_d=points["d"] / points["at"],
+                          planned_c=points["compute"] / points["at"])
+    return frame.groupby(["variant", "scale"])[["n", "planned_d", "planned_c"]].median()
+
+
+def _codes(points: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per point, a code of its size and of its (N, D): a scale is a size, and its branches at one point share D."""
+    return pd.factorize(points["scale"])[0], points.groupby(["scale", "d"], sort=False).ngroup().to_numpy()
+
+
+def _counts(codes: tuple[np.ndarray, np.ndarray], chosen: np.ndarray | slice = slice(None)) -> tuple[int, int]:
+    """(distinct sizes, distinct (N, D)) among the ``chosen`` points."""
+    return len(np.unique(codes[0][chosen])), len(np.unique(codes[1][chosen]))
+
+
+def _enough(form: str, sizes: int, distinct: int) -> str:
+    """Why ``form`` cannot be fitted to that many sizes and distinct points; empty when it can."""
+    needed = len(PARAMETERS[form])
+    if distinct < needed:
+        what = "(N, D)" if form == SURFACE else "token counts D"
+        return f"no fit: {distinct} distinct {what} for {needed} parameters"
+    if form == SURFACE and sizes < MIN_SIZES:
+        return f"no fit: {sizes} sizes, a surface needs {MIN_SIZES}"
+    return ""
+
+
+def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric: str, n_boot: int,
+              seed: int) -> SurfaceFit:
+    sizes, distinct = _counts(_codes(points))
+    seeds = np.sort(points["seed"].unique())
+    base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct,
+                seeds=len(seeds))
+    why = _enough(form, sizes, distinct)
+    if why:
+        return SurfaceFit(form="none", status=why, **base)
+    n, d = points["n"].to_numpy(float), points["d"].to_numpy(float)
+    log_loss = np.log(points[metric].to_numpy(float))
+    refs = (float(np.mean(np.log(n))), float(np.mean(np.log(d))))
+    theta = _fit(form, n, d, log_loss, refs, _starts(form, points[metric].to_numpy(float)))
+    if theta is None:
+        return SurfaceFit(form="none", status="no fit: no start converged", **base)
+    boots = _bootstrap(points, form, metric, refs, theta, seeds, n_boot, seed)
+    point = _uncentred(form, theta, refs)
+    kind = PERCENTILE if len(seeds) >= BOOTSTRAP_MIN_N else RANGE
+    finite = boots[np.all(np.isfinite(boots), axis=1)]
+    intervals = {name: _interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
+    status = "ok" if distinct > len(theta) else (
+        f"ok, exactly determined: {distinct} distinct points for {len(theta)} parameters, so the fit cannot show "
+        "its own misfit")
+    return SurfaceFit(form=form, status=status, **dict(zip(PARAMETERS[form], map(float, point))),
+                      intervals=intervals, interval=kind, boot_fits=len(finite),
+                      n_range=(float(n.min()), float(n.max())), d_range=(float(d.min()), float(d.max())),
+                      boots=[list(map(float, row)) for row in boots], **base)
+
+
+def _starts(form: str, loss: np.ndarray) -> np.ndarray:
+    """The grid of starts (centred parameters): E at 0, half and 0.9 of the lowest loss, the exponents at 0.1, 0.3
+    and 0.6 (analysis.scaling's grid), the terms sharing the rest of the mean loss equally."""
+    floor, mean = float(loss.min()), float(loss.mean())
+    rows = []
+    for e in (0.0, 0.5, 0.9):
+        rest = max(mean - e * floor, 1e-6)
+        if form == TOKENS:
+            rows += [[e * floor, math.log(rest), beta] for beta in (0.1, 0.3, 0.6)]
+        else:
+            rows += [[e * floor, math.log(rest / 2), alpha, math.log(rest / 2), beta]
+                     for alpha in (0.1, 0.3, 0.6) for beta in (0.1, 0.3, 0.6)]
+    return np.array(rows)
+
+
+def _bounds(form: str, floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds of the centred parameters: E below the lowest loss fitted, exponents in [0, 5]."""
+    if form == TOKENS:
+        return np.array([0.0, -50.0, 0.0]), np.array([floor * (1 - 1e-9), 50.0, 5.0])
+    return np.array([0.0, -50.0, 0.0, -50.0, 0.0]), np.array([floor * (1 - 1e-9), 50.0, 5.0, 50.0, 5.0])
+
+
+def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
+    """The log of the centred form at every point (xn = ln N - ln N_ref, xd = ln D - ln D_ref) for rows of centred
+    parameters, and its Jacobian: the model :func:`analysis.scaling.huber_descent` fits."""
+    tokens = form == TOKENS
+
+    def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        E, b, beta = th[:, 0:1], th[:, -2:-1], th[:, -1:]
+        power_n = 0.0 if tokens else np.exp(th[:, 1:2] - th[:, 2:3] * xn)
+        power_d = np.exp(b - beta * xd)
+        total = E + power_n + power_d
+        share_n, share_d = power_n / total, power_d / total
+        columns = [1.0 / total] + ([] if tokens else [share_n, -xn * share_n]) + [share_d, -xd * share_d]
+        return np.log(total), np.stack(columns, axis=2)
+
+    return model
+
+
+def _fit(form: str, n: np.ndarray, d: np.ndarray, log_loss: np.ndarray, refs: tuple[float, float],
+         starts: np.ndarray) -> np.ndarray | None:
+    """The centred parameters with the lowest Huber loss of the log residuals: the starts descended together
+    (:func:`analysis.scaling.huber_descent`), then scipy's ``least_squares`` from the best end that converges, as
+    :mod:`analysis.scaling` fits; None when none does."""
+    from scipy.optimize import least_squares
+
+    model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
+    lower, upper = _bounds(form, float(np.exp(log_loss).min()))
+    ceiling = np.nextafter(upper, -np.inf)
+    ends, cost = huber_descent(model, log_loss, np.ones((len(starts), len(n))), np.clip(starts, lower, ceiling),
+                               np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)))
+    finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
+    for start in ends[finite[np.argsort(cost[finite], kind="stable")]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = least_squares(lambda th: model(th[None, :])[0][0] - log_loss, np.clip(start, lower, ceiling),
+                                jac=lambda th: model(th[None, :])[1][0], bounds=(lower, upper), loss="huber",
+                                f_scale=HUBER_DELTA, x_scale="jac", max_nfev=2000)
+        if np.all(np.isfinite(res.x)):
+            return res.x
+    return None
+
+
+def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> np.ndarray:
+    """PARAMETERS of ``form`` from the centred ones: A = exp(a + alpha ln N_ref), B = exp(b + beta ln D_ref)."""
+    if form == TOKENS:
+        E, b, beta = theta
+        return np.array([E, math.exp(b + beta * refs[1]), beta])
+    E, a, alpha, b, beta = theta
+    return np.array([E, math.exp(a + alpha * refs[0]), alpha, math.exp(b + beta * refs[1]), beta])
+
+
+def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, float], theta: np.ndarray,
+               seeds: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the seeds (analysis.scaling's
+    draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points; a multiset of seeds
+    is the points weighted by how often their seed was drawn, each multiset fitted once from the point fit and
+    reused by every draw that repeats it, all of them in one batched descent."""
+    k = len(PARAMETERS[form])
+    if len(seeds) < 2 or n_boot <= 0:
+        return np.empty((0, k))
+    multisets, which = seed_draws(len(seeds), n_boot, seed)
+    seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
+    weights = np.array([np.bincount(m, minlength=len(seeds))[seed_of] for m in multisets], float)
+    codes = _codes(points)
+    ok = np.flatnonzero([not _enough(form, *_counts(codes, w > 0)) for w in weights])
+    fitted = np.full((len(multisets), k), math.nan)
+    if len(ok):
+        loss = points[metric].to_numpy(float)
+        floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
+        lower, upper = map(np.array, zip(*(_bounds(form, f) for f in floors)))
+        model = _log_model(form, np.log(points["n"].to_numpy(float)) - refs[0],
+                           np.log(points["d"].to_numpy(float)) - refs[1])
+        ends, _ = huber_descent(model, np.log(loss), weights[ok], np.tile(theta, (len(ok), 1)), lower, upper)
+        fitted[ok] = [_uncentred(form, row, refs) if np.all(np.isfinite(row)) else np.full(k, math.nan)
+                      for row in ends]
+    return fitted[which]
+
+
+def _interval(values: np.ndarray, point: float, kind: str) -> tuple[float, float]:
+    """The percentile interval (or range) of ``values``, taken out to ``point``; NaN without values. Infinite
+    values stay infinite (inverted_cdf picks drawn values)."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return (math.nan, math.nan)
+    if kind == RANGE:
+        low, high = float(values.min()), float(values.max())
+    else:
+        low, high = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
+    return enclosing(float(low), float(high), float(point))
+
+
+def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
+    """The optima, iso-FLOP lines and multipliers of a surface report at each scale's planned compute."""
+    points = report.points
+    fitted = {f.variant: f for f in report.fits if f.form == SURFACE}
+    rules = {v: flops_rule(g) for v, g in points.groupby("variant")}
+    bounds = {v: (f.n_range[0] / SEARCH, f.n_range[1] * SEARCH) for v, f in fitted.items()}
+    optima, isoflops, multipliers = [], [], []
+    for variant, fit in fitted.items():
+        scales = [s for s in order if (variant, s) in planned.index]
+        compute = np.array([planned.loc[(variant, s), "planned_c"] for s in scales])
+        n_opt, d_opt, loss_opt = frontier(fit.params(), rules[variant], compute, bounds[variant])
+        draws = fit.draw_params()
+        finite = draws[np.all(np.isfinite(draws), axis=1)]
+        drawn_n, drawn_d, _ = frontier(np.repeat(finite, len(scales), axis=0), rules[variant],
+                                       np.tile(compute, len(finite)), bounds[variant])
+        drawn_n, drawn_d = drawn_n.reshape(len(finite), len(scales)), drawn_d.reshape(len(finite), len(scales))
+        for k, scale in enumerate(scales):
+            n_plan, d_plan = planned.loc[(variant, scale), ["n", "planned_d"]]
+            optima.append(Optimum(variant, scale, float(compute[k]), float(n_plan), float(d_plan),
+                                  float(fit.predict(n_plan, d_plan)), float(n_opt[k]), float(d_opt[k]),
+                                  float(loss_opt[k]), _interval(drawn_n[:, k], n_opt[k], fit.interval),
+                                  _interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
+            ends = [n_plan, n_opt[k]] if math.isfinite(n_opt[k]) else [n_plan]
+            line = np.geomspace(min(ends) / 10, max(ends) * 10, 64)  # the planned run and the optimum, and around
+            isoflops.append(IsoFlop(variant, scale, float(compute[k]), line.tolist(),
+                                    fit.predict(line, compute[k] / rules[variant](line)).tolist()))
+    reference = fitted.get(report.baseline)
+    for variant, fit in fitted.items() if reference is not None else ():
+        if variant == report.baseline:
+            continue
+        scales = [s for s in order if (variant, s) in planned.index]
+        compute = np.array([planned.loc[(variant, s), "planned_c"] for s in scales])
+        read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
+                       baseline=(rules[report.baseline], bounds[report.baseline]))
+        multipliers += _multipliers(variant, scales, compute, fit, reference, read)
+    return replace(report, optima=optima, isoflops=isoflops, multipliers=multipliers)
+
+
+def _k_frontier(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, variant: tuple, baseline: tuple
+                ) -> np.ndarray:
+    """k per row: the compute at which the baseline's frontier (surface ``theirs``) comes down to the variant's
+    frontier loss at ``compute`` (surface ``mine``), over ``compute``; ``variant`` and ``baseline`` are each arm's
+    (FLOPs per token, N searched)."""
+    target = frontier(mine, variant[0], compute, variant[1])[2]
+    return compute_to_reach(theirs, baseline[0], target, compute, baseline[1]) / compute
+
+
+def _tokens_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
+    """The multipliers of an L(D) report: at each scale, at the arms' planned sizes."""
+    points = report.points
+    multipliers = []
+    for scale in order:
+        reference = report.fit(report.baseline, scale)
+        if reference is None or reference.form == "none":
+            continue
+        at_scale = points[points["scale"] == scale]
+        flops = (at_scale["compute"] / at_scale["d"]).groupby(at_scale["variant"]).median()
+        for fit in report.fits:
+            if fit.scale != scale or fit.variant == report.baseline or fit.form == "none":
+                continue
+            compute, tokens = planned.loc[(fit.variant, scale), ["planned_c", "planned_d"]]
+            read = partial(_k_tokens, tokens=float(tokens), flops=float(flops[report.baseline]))
+            multipliers += _multipliers(fit.variant, [scale], np.array([compute]), fit, reference, read)
+    return replace(report, multipliers=multipliers)
+
+
+def _k_tokens(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, tokens: float, flops: float) -> np.ndarray:
+    """k per row at one size: the baseline's FLOPs (``flops`` per token) to its fitted loss (curve ``theirs``) equal
+    to the variant's at its planned ``tokens`` (curve ``mine``), over the variant's planned ``compute``."""
+    target = _loss(mine, 1.0, tokens)
+    E, B, beta = theirs[:, 0], theirs[:, 3], theirs[:, 4]
+    with np.errstate(all="ignore"):
+        needed = np.where(target > E, ((target - E) / B) ** (-1 / beta), math.inf)
+    return flops * needed / compute
+
+
+def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: SurfaceFit, reference: SurfaceFit,
+                 read) -> list[Multiplier]:
+    """One Multiplier per scale: k = ``read(variant's parameters, baseline's, compute)`` from the point fits, its
+    interval from the paired draws (draw i of both arms) where both were fitted, by analysis.compute's rule
+    (percentile from BOOTSTRAP_MIN_N seeds, range below)."""
+    k_point = read(np.tile(fit.params(), (len(scales), 1)), np.tile(reference.params(), (len(scales), 1)), compute)
+    mine, theirs = fit.draw_params(), reference.draw_params()
+    draws = min(len(mine), len(theirs))  # none when either arm has one seed
+    mine, theirs = mine[:draws], theirs[:draws]
+    both = np.all(np.isfinite(mine), axis=1) & np.all(np.isfinite(theirs), axis=1)
+    pairs = int(both.sum())
+    drawn = (read(np.repeat(mine[both], len(scales), axis=0), np.repeat(theirs[both], len(scales), axis=0),
+                  np.tile(compute, pairs)).reshape(pairs, len(scales)) if pairs else np.empty((0, len(scales))))
+    seeds = min(fit.seeds, reference.seeds)
+    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+    rows = []
+    for k, scale in enumerate(scales):
+        low, high = _interval(drawn[:, k], float(k_point[k]), kind) if pairs else (math.nan, math.nan)
+        rows.append(Multiplier(variant, scale, float(compute[k]), float(k_point[k]), low, high, pairs,
+                               interval=kind, seeds=seeds))
+    return rows
