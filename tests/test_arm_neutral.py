@@ -139,16 +139,19 @@ def test_plan_json_shows_one_recipe_for_every_arm_of_each_scale_and_seed(experim
     runs = json.loads(capsys.readouterr().out)["runs"]
     groups: dict[tuple, set] = defaultdict(set)
     for r in (r for r in runs if r["role"] != "tune"):  # a tune run's LR differs from its arm's on purpose
-        groups[(r["scale"], r["seed"])].add(tuple(r[f] for f in RECIPE))
-    for (scale, seed), recipes in groups.items():
-        assert len(recipes) == 1, (scale, seed, recipes)
+        # a decay branch's length is its point's: one recipe per (scale, seed, role, point) for every arm
+        point = tuple(p["at"] for p in r.get("points") or []) if r["role"] == "branch" else ()
+        groups[(r["scale"], r["seed"], r["role"], point)].add(tuple(r[f] for f in RECIPE))
+    for group, recipes in groups.items():
+        assert len(recipes) == 1, (group, recipes)
     assert len({r["variant"] for r in runs}) >= 3
 
 
 def test_the_recipe_comes_from_the_scale_budget_not_the_arm_count():
     """113M: ceil(20 x 113,246,208 / (512 x 1024)) = 4,321 steps and the ladder LR at N = 113,246,208, for arms
     whose own counts differ by up to the matcher's tolerance."""
-    runs = [r for r in plan_experiment("hourglass").runs if r.config.scale == "113M" and r.config.seed == 0]
+    runs = [r for r in plan_experiment("hourglass").runs if r.config.scale == "113M" and r.config.seed == 0
+            and r.role == "trunk"]  # the planned run a trunk and its branches share
     budget = 113_246_208 + 2 * 12 * 768 + 768  # non_embedding: the matrices plus the reference's norm gains
     assert {r.budget for r in runs} == {budget}
     assert len({r.params["counted"] for r in runs}) > 1

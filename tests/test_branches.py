@@ -3,12 +3,14 @@ equal to the straight WSD run of its length; planned, keyed and priced as such."
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
+from analysis.surface import TOKENS
 from conftest import ROOT, TINY
 from study.cli import main
 from study.config.compose import nested
@@ -77,6 +79,19 @@ def test_the_plan_of_a_racing_experiment_states_its_expected_saving(workdir, mon
     worse = expected_saving([0.25, 0.5, 1.0], 0.2, arms=1, seeds=6, sd=0.004, alpha=0.05, margin=0.01, effect=0.02)
     assert worse > 0.05  # an arm worse by twice the margin is usually stopped early at 6 seeds
     assert f"racing saves about {worse:.0%} of them in expectation if every arm is worse by twice the margin" in out
+
+
+def test_the_shipped_scaling_study_is_branched_and_its_plan_states_what_racing_would_save(workdir, capsys):
+    from analysis.racing import expected_saving
+
+    assert main(["plan", "hourglass"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "125 trunks and 375 branches" in out
+    # 4 arms against conventional, 5 seeds, the experiment's margin 0.005 and prior sd 0.004
+    worse = expected_saving([0.25, 0.5, 1.0], 0.2, arms=4, seeds=5, sd=0.004, alpha=0.05, margin=0.005, effect=0.01)
+    none = expected_saving([0.25, 0.5, 1.0], 0.2, arms=4, seeds=5, sd=0.004, alpha=0.05, margin=0.005, effect=None)
+    assert (f"racing would save (`racing: true`) about {worse:.0%} of them in expectation if every arm is worse by "
+            f"twice the margin, {none:.0%} if none differs (5 seeds, sd 0.004") in out
 
 
 @pytest.mark.parametrize("change,field", [
@@ -167,17 +182,30 @@ def test_a_local_launch_trains_the_trunks_then_their_branches_and_a_relaunch_tra
     from study.config.spec import finished_result
     from study.plan.planner import plan_experiment
 
-    name = experiment(workdir, monkeypatch, steps=20, branches={"at": [0.5, 1.0], "decay": 0.2})
+    name = experiment(workdir, monkeypatch, steps=20)
     assert main(["launch", name, "cluster=local"]) == 0
     out = capsys.readouterr().out
     assert out.index("stage train:") < out.index("stage branch:")
     plan = plan_experiment(name)
     results = {r.key: finished_result(r) for r in plan.runs}
-    assert all(results.values()) and len(results) == 6
+    assert all(results.values()) and len(results) == 8
     for r in plan.runs:  # every trunk stopped at its last branch start, every branch at its length
         assert results[r.key]["step"] == (16 if r.role == Role.trunk else r.points[0].length)
     assert main(["launch", name, "cluster=local"]) == 0
     assert "nothing to submit" in capsys.readouterr().out
+
+    # one scale: the report fits L(D) per arm over its three branch ends, and says why there is no surface
+    assert main(["report", name, "--out", str(workdir / "reports")]) == 0
+    md = (workdir / "reports" / name / "report.md").read_text()
+    assert "## Loss against tokens per arm" in md and "No L(N, D) surface" in md
+    report = json.loads((workdir / "reports" / name / "report.json").read_text())
+    assert report["surface"]["form"] == TOKENS
+    fitted = {f["variant"]: f for f in report["surface"]["fits"]}
+    assert set(fitted) == {"a", "b"} and all(f["n_points"] == 3 for f in fitted.values())
+    trunk = next(r for r in plan.runs if r.role == Role.trunk)
+    per_step = trunk.planned.global_batch * trunk.config.data.seq_len
+    for fit in fitted.values():  # D of a branch end: every token it saw, its trunk's and its own (5 and 20 steps)
+        assert fit["d_range"] == [5 * per_step, 20 * per_step] and fit["scale"] == "tiny"
 
 
 def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workdir, monkeypatch, capsys):
@@ -224,6 +252,7 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
     assert {r.key for r in train if r.role == Role.trunk} == {r.key for r in plan.runs if r.role == Role.trunk
                                                                 and r.config.variant != "b"}
     assert settle(plan.runs[0].config.paths.runs, name) == []  # a rung is decided once
+    monkeypatch.setenv("COLUMNS", "400")  # the reason column unwrapped, whatever terminal runs the tests
     assert main(["status", name]) == 0
     assert "stopped (stopped by racing" in " ".join(capsys.readouterr().out.split())
     from mlflow import MlflowClient

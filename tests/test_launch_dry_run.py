@@ -31,21 +31,41 @@ def test_dry_run_prints_the_golden_arrays_and_sbatch_scripts(experiment, slurm_i
     assert list(tmp_path.iterdir()) == []
 
 
-def test_geometry_profiles_wait_for_reference_runs_and_use_one_gpu():
-    text = (GOLDEN / "launch_geometry_h100.txt").read_text()
+def test_geometry_profiles_wait_for_reference_runs_and_use_one_gpu(tmp_path, monkeypatch, capsys):
+    """The profile stage as a launch after tuning plans it: geometry without its `tune:` block, whose first launch
+    trains only the tune runs."""
+    import shutil
+
+    tree = tmp_path / "sweeps"
+    shutil.copytree(ROOT / "sweeps", tree)
+    path = tree / "experiment" / "geometry.yaml"
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if not line.startswith("tune:")))
+    monkeypatch.setenv("STUDY_SWEEPS", str(tree))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))
+    assert main(["launch", "geometry", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
+    text = capsys.readouterr().out
     profile = text.split("stage profile:")[1].split("stage scheduled:")[0]
     assert "#SBATCH --gpus-per-node=1" in profile and "#SBATCH --ntasks-per-node=1" in profile
     assert "afterok:<its reference runs in the train array>" in profile
     assert "#SBATCH --signal=USR2@300" in text and "#SBATCH --requeue" in text
 
 
-def test_missing_shards_are_prepared_by_one_cpu_job_that_training_waits_for():
+def test_a_tuned_experiments_first_launch_trains_its_tune_runs_and_relaunches_itself_after_them():
     text = (GOLDEN / "launch_hourglass_h100.txt").read_text()
-    prepare, train = text.split("stage train:")
-    assert prepare.startswith("stage prepare: array of 1 shard entries") and "Skylion007/openwebtext for 125 runs" in prepare
+    prepare, rest = text.split("stage tune:")
+    tune, relaunch = rest.split("stage relaunch:")
+    assert prepare.startswith("stage prepare: array of 1 shard entries") and "Skylion007/openwebtext for 15 runs" in prepare
     assert "#SBATCH --gpus-per-node" not in prepare and "#SBATCH --ntasks-per-node=1" in prepare
     assert "#SBATCH --cpus-per-task=12" in prepare and "#SBATCH --job-name=hourglass-prepare" in prepare
-    assert "afterok:<its data in the prepare array>" in train and "#SBATCH --gpus-per-node=8" in train
+    assert tune.startswith(" array of 15 runs, afterok on <its data in the prepare array>")
+    assert "afterok:<its data in the prepare array>" in tune and "#SBATCH --gpus-per-node=8" in tune
+    # every main run (5 arms x 5 scales x 5 seeds: a trunk and three branches) is listed with what it waits for
+    waiting = [line for line in tune.splitlines() if "waits for the tuning of" in line]
+    assert len(waiting) == 5 * 5 * 5 * 4 and "stage train:" not in text
+    assert relaunch.startswith(" one CPU job (afterany on the tune array) runs `study launch` again")
 
 
 @pytest.mark.parametrize("override,field", [
@@ -70,4 +90,4 @@ def test_experiment_and_variant_names_reach_sbatch_only_as_sanitised_job_names(t
     assert main(["launch", "hourglass", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
     out = capsys.readouterr().out
     names = [line.split("=", 1)[1] for line in out.splitlines() if line.startswith("#SBATCH --job-name=")]
-    assert names == ["hourglass-prepare", "hourglass-train"]
+    assert names == ["hourglass-prepare", "hourglass-tune"]

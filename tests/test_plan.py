@@ -35,8 +35,13 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
     out = plan_json(capsys, "hourglass")
     runs = out["runs"]
     variants = ("conventional", "olmo2", "hourglass_fixed", "hourglass_attn", "hourglass_depth")
-    assert Counter((r["variant"], r["scale"]) for r in runs) == {
-        (v, s): 5 for v in variants for s in ("113M", "256M", "440M", "906M", "1B")}
+    scales = ("113M", "256M", "440M", "906M", "1B")
+    # each (arm, scale, seed): one trunk and three decay branches; each arm's LR tuned at 113M on three seed-0 points
+    assert Counter((r["variant"], r["scale"]) for r in runs if r["role"] == "trunk") == {
+        (v, s): 5 for v in variants for s in scales}
+    assert Counter((r["variant"], r["scale"]) for r in runs if r["role"] == "branch") == {
+        (v, s): 15 for v in variants for s in scales}
+    assert Counter(r["variant"] for r in runs if r["role"] == "tune") == {v: 3 for v in variants}
     assert all(abs(r["mismatch"]) <= 1e-5 for r in runs)  # every non-embedding parameter, norm gains included
     assert all(r["budget"] == budget_of(r["scale"]) and r["params"]["counted"] == r["params"]["total"]
                - r["params"]["embedding"] for r in runs)
@@ -61,7 +66,7 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
     attn = next(r for r in runs if r["variant"] == "hourglass_attn" and r["scale"] == "113M")
     # the paper's best 113M model: 66M attention and 47M FFN
     assert abs(attn["params"]["attention"] - 66e6) < 2e6 and abs(attn["params"]["ffn"] - 47e6) < 2e6
-    assert len({r["run_key"] for r in runs}) == 125
+    assert len({r["run_key"] for r in runs}) == len(runs) == 125 * 4 + 15
     keys = {"run_key", "variant", "scale", "seed", "role", "model", "params", "budget", "mismatch", "mismatch_total"}
     assert keys <= set(runs[0]) and set(runs[0]["params"]) == {"embedding", "attention", "ffn", "norm", "total", "counted"}
     assert set(runs[0]["model"]) >= {"block", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -98,7 +103,10 @@ def test_the_k_sweep_holds_attention_fixed_and_keeps_every_d_h_below_d_model(cap
 
 
 def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
-    runs = plan_json(capsys, "geometry")["runs"]
+    everything = plan_json(capsys, "geometry")["runs"]
+    runs = [r for r in everything if r["role"] != "tune"]
+    assert Counter((r["variant"], r["scale"]) for r in everything if r["role"] == "tune") == {
+        ("uniform", "128M"): 3, ("cosine", "128M"): 3}  # geometry and anti take their reference's tuning
     seeds = Counter(r["scale"] for r in runs if r["variant"] == "uniform")
     assert seeds == {"128M": 3, "256M": 3, "440M": 5}
     assert Counter(r["role"] for r in runs) == {"reference": 3, "train": 19, "scheduled": 22}
@@ -114,10 +122,10 @@ def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
 
 
 def test_scaling_and_search_experiments_plan_every_run(capsys):
-    scaling = plan_json(capsys, "scaling")["runs"]
+    scaling = [r for r in plan_json(capsys, "scaling")["runs"] if r["role"] != "tune"]
     assert len(scaling) == 5 * 5 * 3
     assert all(abs(r["mismatch"]) <= 1e-5 for r in scaling if r["params"])
-    search = plan_json(capsys, "search")["runs"]
+    search = [r for r in plan_json(capsys, "search")["runs"] if r["role"] != "tune"]
     assert len(search) == 1 + 4 * 2 * 3
     assert {r["model"]["d_model"] for r in search} == {768, 896, 1024, 1280, 1536}
     ratios = [r["d_model_per_layer"] for r in search if r["variant"] != "conventional"]
@@ -131,13 +139,14 @@ def test_scaling_and_search_experiments_plan_every_run(capsys):
 
 def test_demo_is_tiny_and_matched(capsys):
     runs = plan_json(capsys, "demo")["runs"]
-    assert Counter(r["variant"] for r in runs) == {"conventional": 3, "hourglass": 3, "tapered": 3}
+    assert Counter((r["variant"], r["role"] == "tune") for r in runs) == {
+        (v, tune): 3 for v in ("conventional", "hourglass", "tapered") for tune in (False, True)}
     assert all(r["params"]["total"] < 5_000_000 and abs(r["mismatch"]) <= 2e-4 for r in runs)
 
 
 def test_seeds_share_a_shape_and_differ_in_key():
     plan = plan_experiment("demo")
-    hg = [r for r in plan.runs if r.cfg.variant == "hourglass"]
+    hg = [r for r in plan.runs if r.cfg.variant == "hourglass" and r.role != "tune"]
     assert len({r.key for r in hg}) == 3 and len({tuple(r.model.ffn.widths) for r in hg}) == 1
 
 

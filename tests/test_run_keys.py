@@ -42,9 +42,21 @@ def test_a_seed_written_out_at_the_run_seed_plans_the_key_of_the_unset_seed(fiel
     monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     golden = json.loads(GOLDEN.read_text())["demo"]
-    written = {spec.name: spec.key for spec in plan_experiment("demo", [f"{field}=1"]).runs}
-    # seed 1 wrote out its own seed: the same model, the same key; seeds 0 and 2 now train on seed 1's draw
-    assert {n: k == golden[n] for n, k in written.items()} == {n: n.endswith("-s1") for n in golden}
+    written = {spec.name: spec.key for spec in plan_experiment("demo", [f"{field}=0"]).runs}
+    # seed 0 wrote out its own seed: the same model, the same key, for the main runs and the tune runs (all seed 0, so
+    # the main runs' tuning is unchanged too); seeds 1 and 2 now train on seed 0's draw
+    assert {n: k == golden[n] for n, k in written.items()} == {n: n.endswith("-s0") or "-s0-lr" in n for n in golden}
+
+
+UNTUNED_DEMO_SEED_0 = {"conventional": "8f726644be75", "hourglass": "cf1ad7d51758", "tapered": "5b421864b162"}
+"""The demo's seed-0 run keys before it declared a tuning stage (its shared-LR runs)."""
+
+
+def test_the_demos_multiple_1_tune_points_are_its_earlier_shared_lr_seed_0_runs():
+    """The tiny scale writes its LR out, so a tune point at x1 is the shared-LR run of that seed, key and all: a
+    store that holds the untuned demo already holds those tune points, and `study launch` trains them no more."""
+    golden = json.loads(GOLDEN.read_text())["demo"]
+    assert {v: golden[f"{v}-tiny-s0-lr1"] for v in UNTUNED_DEMO_SEED_0} == UNTUNED_DEMO_SEED_0
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_recipe_data_seed_and_per_variant_settings_change_exactly_their_runs():
         assert (run.key == base[run.name]) == (run.config.variant != "hourglass"), run.name
         assert run.model.ffn.k == (8 if run.config.variant == "hourglass" else 1)
         assert abs(run.mismatch) <= run.config.budget.tolerance
-    assert len({r.config.seed for r in k8.runs}) == 3 and len({r.key for r in k8.runs}) == 9
+    assert len({r.config.seed for r in k8.runs}) == 3 and len({r.key for r in k8.runs}) == len(k8.runs) == 9 + 9  # + tune
 
 
 @pytest.mark.parametrize("override,hint", [("variant=hourglass", "--variant"), ("seed=5", "--seed"),

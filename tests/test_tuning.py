@@ -179,3 +179,46 @@ def test_seeds_an_adaptive_launch_adds_go_to_main_runs_never_to_tune_runs(workdi
     tune = sorted(r.key for r in plain.runs if r.role == Role.tune)
     assert sorted(r.key for r in more.runs if r.role == Role.tune) == tune
     assert sorted(r.config.seed for r in more.runs if r.role != Role.tune and r.config.variant == "slow") == [0, 3, 4]
+
+
+COMPARISONS = ["demo", "hourglass", "hourglass_k", "scaling", "geometry", "widths", "search"]
+"""Every shipped comparison experiment: each tunes its arms' LRs (the release's reproduction alone does not)."""
+
+
+def test_every_shipped_experiment_is_a_tuned_comparison_or_the_release():
+    from study.config.compose import group_options
+
+    assert sorted(group_options("experiment")) == sorted([*COMPARISONS, "hourglass_release"])
+
+
+@pytest.mark.parametrize("experiment", COMPARISONS)
+def test_every_shipped_comparison_tunes_each_arm_at_its_smallest_scale(experiment, workdir):
+    """Tune runs at the smallest scale for every arm that trains on its own widths (a geometry-scheduled arm takes its
+    reference's tuning), every main run waiting for its arm's tuning; the arms still differ in their models alone."""
+    from study.plan.planner import plan_experiment
+
+    plan = plan_experiment(experiment)
+    main = [r for r in plan.runs if r.role != Role.tune]
+    tune = [r for r in plan.runs if r.role == Role.tune]
+    smallest = min({r.config.scale: r.budget for r in main}.items(), key=lambda item: item[1])[0]
+    assert plan.experiment.tuning.scales == (smallest,) and plan.experiment.compares == ()
+    scheduled = {r.config.variant for r in main if r.role == Role.scheduled}
+    own = {v.name for v in plan.experiment.variants} - scheduled
+    assert set(plan.tunings) == own
+    assert {r.config.scale for r in tune} == {smallest}
+    grid = {(m, s) for m in plan.experiment.tuning.lr for s in plan.experiment.tuning.seeds}
+    for variant in own:
+        assert {(r.tuned.multiple, r.config.seed) for r in tune if r.config.variant == variant} == grid, variant
+    assert all(r.awaits_tuning and "tuning of" in r.pending for r in main if r.role != Role.scheduled)
+    reference = plan.experiment.reference[0] if plan.experiment.reference else None
+    for r in (r for r in main if r.role == Role.scheduled):  # behind its reference's profile and that run's tuning
+        assert r.awaits_tuning and r.tuned.record == str(plan.tunings[reference].record), r.name
+
+
+def test_the_release_reproduction_trains_every_arm_at_the_releases_one_lr():
+    from study.plan.planner import plan_experiment
+
+    plan = plan_experiment("hourglass_release")
+    assert plan.experiment.tuning is None and plan.tunings == {}
+    assert all(r.role != Role.tune and r.tuned is None and not r.pending for r in plan.runs)
+    assert {r.config.scale: r.planned.lr for r in plan.runs} == {"906M": 2.5e-4, "3B": 1.6e-4, "8B": 1.2e-4}

@@ -128,8 +128,6 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
             f"{len(trunks)} trunks and {len(branches)} branches, about {hours:,.1f} GPU-hours, against "
             f"{separate:,.1f} for separate runs of each branch's length"
             + (f" ({hours / separate - 1:+.0%})" if separate else ""))
-    if exp.racing is None:
-        return line
     d = exp.decision
     if not d.prior_sd:
         return line + ("; racing: the expected saving needs decision.prior_sd (the sd of paired deltas) to be "
@@ -139,10 +137,12 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     arms = len(exp.variants) - 1
     seeds = min(len(s) for s in exp.seeds.values())
     common = dict(at=b.at, decay=b.decay, arms=arms, seeds=seeds, sd=d.prior_sd, alpha=d.alpha, margin=d.margin,
-                  stop_equivalent=exp.racing.stop_equivalent)
+                  stop_equivalent=exp.racing is not None and exp.racing.stop_equivalent)
     worse = expected_saving(**common, effect=2 * (d.margin or d.prior_sd))
     none = expected_saving(**common, effect=None)
-    return line + (f"; racing saves about {worse:.0%} of them in expectation if every arm is worse by twice the "
+    # an experiment that does not race is told what racing would save, so the choice is made with the figure
+    verb = "saves" if exp.racing is not None else "would save (`racing: true`)"
+    return line + (f"; racing {verb} about {worse:.0%} of them in expectation if every arm is worse by twice the "
                    f"margin, {none:.0%} if none differs ({seeds} seeds, sd {d.prior_sd:g}, analysis.racing)")
 
 
