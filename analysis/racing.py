@@ -37,8 +37,9 @@ length (:func:`branched_cost`). Branches start the moment the trunk reaches thei
 time rung r's branches finish, the trunk has trained on for about one such tail (same model, same batch, same
 GPU-hours per step): that much is spent before a stop can act, and :func:`hours_saved` counts only what follows.
 
-Pure functions: no MLflow, no torch, and nothing heavier than numpy at import (``study plan`` imports
-:func:`expected_saving`); pandas, scipy and the decision code are imported where a rung is decided.
+Rungs, costs and the race simulation a plan prices with live in :mod:`study.plan.racing` (numpy only, so ``study
+plan`` can import it); this module decides rungs on a study's endpoints. No MLflow or torch; pandas, scipy and the
+decision code are imported where a rung is decided.
 """
 
 from __future__ import annotations
@@ -51,77 +52,12 @@ import numpy as np
 
 from study.config.decision import DecisionRule
 from study.errors import StudyError
+from study.plan.racing import RHO, RunCost, rung_of, rungs, saved_by_stop
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from analysis.decide import Decision
-
-RHO = 3.0
-"""Default shape of the alpha spending (alpha * t ** rho): at rungs [0.25, 0.5, 1.0] it spends 1.6 %, 10.9 % and
-87.5 % of alpha. Linear spending (rho = 1: 25 %, 25 %, 50 %) cost 8-11 points of power against the fixed design in
-the racing benchmark; rho = 3 costs 2-4 and still stops an arm worse by twice the margin at the first or second
-rung (benchmarks/RESULTS.md)."""
-
-RUNG_CORRELATION = 0.7
-"""Correlation of one seed's noise between two rungs of a run (they share the trunk) assumed by
-:func:`expected_saving`."""
-
-VERDICT_CODES = ("better", "worse", "equivalent", "undecided")
-"""Verdict of code i in :func:`race_arrays` (analysis.decide.VERDICTS order); -1 is an arm no longer racing."""
-
-NOT_RACING = -1
-
-
-@dataclass(frozen=True)
-class Rung:
-    """One branch point of the race, and the alpha it spends."""
-
-    index: int
-    """Position among the planned rungs, 0 first."""
-    at: float
-    """Branch length as a fraction of the run's planned tokens (``branches.at``)."""
-    information: float
-    """at / the largest rung's at: the information fraction the spending is linear or power in."""
-    alpha: float
-    """Alpha this rung's verdicts are reached at."""
-    alpha_spent: float
-    """Alpha spent by this rung and every earlier one."""
-
-    @property
-    def last(self) -> bool:
-        """The largest planned rung: nothing is left to train after it."""
-        return self.information == 1.0
-
-
-def rungs(at: Sequence[float], alpha: float, rho: float = RHO) -> tuple[Rung, ...]:
-    """Every planned rung with its alpha: alpha * (t_r ** rho - t_{r-1} ** rho), t_r = at_r / max(at).
-
-    The alphas sum to ``alpha`` (up to rounding) whatever the points, so a union bound over the rungs keeps the
-    family-wise error at or below ``alpha``.
-    """
-    points = sorted(float(a) for a in at)
-    if not points or points[0] <= 0 or len(set(points)) != len(points):
-        raise StudyError("branches.at", f"{list(at)!r} are not distinct positive branch points",
-                         "list each point once, e.g. at: [0.25, 0.5, 1.0]")
-    if not rho > 0:
-        raise StudyError("rho", f"is {rho!r}", "use a positive spending exponent (1: linear in tokens)")
-    out, spent_before = [], 0.0
-    for i, a in enumerate(points):
-        information = a / points[-1]
-        spent = alpha * information ** rho
-        out.append(Rung(i, a, information, spent - spent_before, spent))
-        spent_before = spent
-    return tuple(out)
-
-
-def rung_of(at: float, planned: Sequence[float], alpha: float, rho: float = RHO) -> Rung:
-    """The planned rung at branch point ``at``."""
-    for rung in rungs(planned, alpha, rho):
-        if math.isclose(rung.at, float(at), rel_tol=1e-9, abs_tol=1e-12):
-            return rung
-    raise StudyError("at", f"{at!r} is not one of the planned branch points {sorted(planned)}",
-                     "decide a rung the experiment's branches block declares")
 
 
 @dataclass(frozen=True)
@@ -239,44 +175,6 @@ def race(
 
 
 @dataclass(frozen=True)
-class RunCost:
-    """GPU-hours of one run (variant, scale, seed) of a branched experiment, by part."""
-
-    trunk: tuple[float, ...]
-    """The trunk's hours from one branch start to the next: entry i ends at rung i's branch start."""
-    branches: tuple[float, ...]
-    """Each rung's branch (its decay tail), in rung order."""
-
-    @property
-    def total(self) -> float:
-        """Every part: the run trained to its end."""
-        return sum(self.trunk) + sum(self.branches)
-
-
-def branched_cost(at: Sequence[float], decay: float) -> RunCost:
-    """A run's parts in units of its planned length (a run of T steps costs T), ignoring the rounding to steps.
-
-    A branch of length a starts at a * (1 - decay) and trains a * decay; the trunk stops at the last start.
-    """
-    points = sorted(float(a) for a in at)
-    starts = [a * (1 - decay) for a in points]
-    return RunCost(tuple(s - before for s, before in zip(starts, [0.0, *starts[:-1]])),
-                   tuple(a * decay for a in points))
-
-
-def separate_cost(at: Sequence[float]) -> float:
-    """Separate straight runs of every branch length, in units of the planned length."""
-    return float(sum(at))
-
-
-def saved_by_stop(cost: RunCost, rung: int) -> float:
-    """What a run stopped at ``rung`` does not train: every later branch, and the trunk after that rung's start less
-    the stretch it trained while that rung's branch decayed (about the branch's own hours)."""
-    trunk_left = sum(cost.trunk[rung + 1:])
-    return max(0.0, trunk_left - cost.branches[rung]) + sum(cost.branches[rung + 1:])
-
-
-@dataclass(frozen=True)
 class Stop:
     """An arm stopped by the race: where, on what interval, and the GPU-hours it did not train."""
 
@@ -326,148 +224,3 @@ def hours_saved(found: Iterable[Stop], costs: Mapping[tuple[str, str, int], RunC
         seeds = [c for (v, s, _), c in costs.items() if (v, s) == (stop.variant, stop.scale)]
         out.append(replace(stop, gpu_hours_saved=float(sum(saved_by_stop(c, stop.rung) for c in seeds))))
     return out
-
-
-def t_two_sided_p(t: np.ndarray, df: int) -> np.ndarray:
-    """Two-sided p of Student's t with integer ``df``, in closed form (Abramowitz & Stegun 26.7.3-4), numpy only.
-
-    A(t | df) = P(|T| <= t) is a finite sum in powers of cos(theta), theta = arctan(|t| / sqrt(df)).
-    """
-    if df < 1:
-        raise ValueError(f"df={df}: a t test needs at least 2 pairs")
-    theta = np.arctan(np.abs(np.asarray(t, float)) / math.sqrt(df))
-    c2 = np.cos(theta) ** 2
-    term, total = np.ones_like(theta), np.ones_like(theta)
-    if df % 2:
-        for k in range(1, (df - 1) // 2):
-            term = term * c2 * (2 * k) / (2 * k + 1)
-            total = total + term
-        inside = (2 / math.pi) * (theta + (np.sin(theta) * np.cos(theta) * total if df > 1 else 0.0))
-    else:
-        for k in range(1, df // 2):
-            term = term * c2 * (2 * k - 1) / (2 * k)
-            total = total + term
-        inside = np.sin(theta) * total
-    return np.clip(1.0 - inside, 0.0, 1.0)
-
-
-def _upper_p(t: np.ndarray, df: int) -> np.ndarray:
-    """One-sided P(T > t)."""
-    half = t_two_sided_p(t, df) / 2
-    return np.where(t >= 0, half, 1.0 - half)
-
-
-def _holm(p: np.ndarray, tested: np.ndarray) -> np.ndarray:
-    """Holm-adjusted p along the last axis over the tested entries only (others: inf), as multipletests' holm."""
-    p = np.where(tested, p, np.inf)
-    order = np.argsort(p, axis=-1, kind="stable")
-    ranked = np.take_along_axis(p, order, axis=-1)
-    m = tested.sum(axis=-1, keepdims=True)
-    finite = np.isfinite(ranked)
-    scaled = np.where(finite, np.minimum(1.0, np.where(finite, ranked, 0.0) * (m - np.arange(p.shape[-1]))), np.inf)
-    adjusted = np.maximum.accumulate(scaled, axis=-1)
-    out = np.empty_like(adjusted)
-    np.put_along_axis(out, order, adjusted, axis=-1)
-    return out
-
-
-@dataclass(frozen=True)
-class RaceArrays:
-    """Many races at once: :func:`race_arrays`'s answer."""
-
-    verdicts: np.ndarray
-    """[sims, arms, rungs] verdict codes (index into VERDICT_CODES; -1: not racing at that rung)."""
-    stop_rung: np.ndarray
-    """[sims, arms] rung each arm stopped at; the number of rungs where it never stopped."""
-
-
-def race_arrays(deltas: np.ndarray, alphas: Sequence[float], margin: float | None,
-                stop_equivalent: bool = False) -> RaceArrays:
-    """The race of :func:`race` on arrays of paired deltas of a lower-is-better metric, for simulation.
-
-    ``deltas`` is [sims, arms, rungs, seeds] (variant - baseline; positive is worse), one scale; ``alphas`` each
-    rung's alpha (:func:`rungs`). Each rung decides what :func:`analysis.decide.decide` would on those deltas (paired
-    t test and TOST, Holm over the arms still racing), with the t distribution in closed form; tests/test_racing.py
-    checks the two agree.
-    """
-    sims, arms, n_rungs, n = deltas.shape
-    racing = np.ones((sims, arms), bool)
-    verdicts = np.full((sims, arms, n_rungs), NOT_RACING, np.int8)
-    stop_rung = np.full((sims, arms), n_rungs, np.int64)
-    for r in range(n_rungs):
-        d = deltas[:, :, r, :]
-        mean = d.mean(axis=-1)
-        se = d.std(axis=-1, ddof=1) / math.sqrt(n)
-        p_t = _holm(t_two_sided_p(mean / se, n - 1), racing)
-        verdict = np.full((sims, arms), VERDICT_CODES.index("undecided"), np.int8)
-        if margin is not None:
-            p_tost = np.maximum(_upper_p((mean + margin) / se, n - 1), _upper_p((margin - mean) / se, n - 1))
-            verdict[_holm(p_tost, racing) < alphas[r]] = VERDICT_CODES.index("equivalent")
-        rejected = p_t < alphas[r]
-        verdict[rejected] = np.where(mean[rejected] > 0, VERDICT_CODES.index("worse"), VERDICT_CODES.index("better"))
-        verdict[~racing] = NOT_RACING
-        verdicts[:, :, r] = verdict
-        if r < n_rungs - 1:
-            stop = (verdict == VERDICT_CODES.index("worse"))
-            if stop_equivalent:
-                stop |= verdict == VERDICT_CODES.index("equivalent")
-            stop_rung[stop] = r
-            racing &= ~stop
-    return RaceArrays(verdicts, stop_rung)
-
-
-def correlated_deltas(rng: np.random.Generator, sims: int, arms: int, seeds: int, effects: np.ndarray,
-                      sd: float, rung_correlation: float = RUNG_CORRELATION) -> np.ndarray:
-    """[sims, arms, rungs, seeds] paired deltas: ``effects`` [arms, rungs] plus seed noise.
-
-    Each (variant or baseline, seed) run draws its noise once per run, shared by its rungs with correlation
-    ``rung_correlation`` (one trunk), with sd sd / sqrt(2), so a paired delta has sd ``sd`` and two arms' deltas at
-    a seed correlate 0.5 through the shared baseline run.
-    """
-    n_rungs = effects.shape[1]
-    run_sd = sd / math.sqrt(2)
-    shared = rng.standard_normal((sims, arms + 1, 1, seeds))
-    own = rng.standard_normal((sims, arms + 1, n_rungs, seeds))
-    noise = run_sd * (math.sqrt(rung_correlation) * shared + math.sqrt(1 - rung_correlation) * own)
-    return effects[None, :, :, None] + noise[:, 1:] - noise[:, :1]
-
-
-def effect_profile(effect: float, information: Sequence[float], growth: float = 0.0) -> np.ndarray:
-    """An arm's delta at each rung when it is ``effect`` at the last: effect * t ** growth (0: the same at every
-    rung; 1: proportional to tokens; inf: only at the last rung)."""
-    t = np.asarray(information, float)
-    return effect * (np.where(t < 1.0, 0.0, 1.0) if math.isinf(growth) else t ** growth)
-
-
-def expected_saving(
-    at: Sequence[float],
-    decay: float,
-    arms: int,
-    seeds: int,
-    sd: float,
-    alpha: float = 0.05,
-    margin: float | None = None,
-    effect: float | Sequence[float] | None = None,
-    growth: float = 0.0,
-    stop_equivalent: bool = False,
-    rho: float = RHO,
-    sims: int = 2000,
-) -> float:
-    """Expected share of a branched experiment's GPU-hours that racing does not train, by a small simulation.
-
-    Assumes one scale's race (every scale races alike), ``arms`` variants besides the baseline, ``seeds`` pairs at
-    every rung, paired deltas with sd ``sd`` at every rung (:func:`correlated_deltas`: correlation
-    :data:`RUNG_CORRELATION` between one run's rungs, 0.5 between arms through the baseline) and a true delta of
-    ``effect`` at the last rung for every arm (a sequence: one per arm; None: no arm differs; positive: worse),
-    ``effect * t ** growth`` at earlier ones. The baseline's runs count in the total and are never saved.
-    Deterministic (a fixed generator seed); about 10 ms at the default 2,000 draws.
-    """
-    points = rungs(at, alpha, rho)
-    info = [r.information for r in points]
-    per_arm = np.zeros(arms) if effect is None else np.broadcast_to(np.asarray(effect, float), (arms,))
-    effects = np.stack([effect_profile(e, info, growth) for e in per_arm])
-    deltas = correlated_deltas(np.random.default_rng(0), sims, arms, seeds, effects, sd)
-    raced = race_arrays(deltas, [r.alpha for r in points], margin, stop_equivalent)
-    cost = branched_cost(at, decay)
-    saved = np.array([saved_by_stop(cost, r) for r in range(len(points))] + [0.0])
-    return float(saved[raced.stop_rung].sum(axis=1).mean() / ((arms + 1) * cost.total))

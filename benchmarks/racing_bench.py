@@ -3,9 +3,9 @@
 Three designs on the same simulated losses, one scale, a baseline and ARMS variants, seeds paired:
 
 - fixed: separate straight runs of every branch length, decided once at the end (alpha, Holm over the arms);
-- branches: one trunk + a decay branch per point (analysis.racing.branched_cost), decided once at the end. A branch
+- branches: one trunk + a decay branch per point (study.plan.racing.branched_cost), decided once at the end. A branch
   equals the straight WSD run of its length (tests/test_branches.py), so its verdicts are the fixed design's;
-- racing: branches, every rung decided at its spent alpha (analysis.racing.race_arrays, which tests/test_racing.py
+- racing: branches, every rung decided at its spent alpha (study.plan.racing.race_arrays, which tests/test_racing.py
   checks against analysis.decide.decide), an arm decided worse stops (also equivalent, in the stop-equivalent row).
 
 The loss of (arm, seed, rung) is L(D_rung) = E + B (at D_final)^-beta, plus the arm's planted delta at that rung, plus
@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from analysis.racing import (RHO, RUNG_CORRELATION, VERDICT_CODES, branched_cost, effect_profile, expected_saving,
-                             race_arrays, rungs, saved_by_stop, separate_cost)
+from study.plan.racing import (RHO, RUNG_CORRELATION, VERDICT_CODES, branched_cost, effect_profile, expected_saving,
+                               race_arrays, rungs, saved_by_stop, separate_cost)
 from benchmarks.common import row
 
 AT = (0.25, 0.5, 1.0)

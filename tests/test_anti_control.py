@@ -38,15 +38,27 @@ def rising_raw_falling_normalised_profile() -> dict:
 
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory) -> dict:
-    """variant -> (the pending spec the planner makes before the profile exists, the spec it completes after)."""
-    runs = tmp_path_factory.mktemp("runs")
+    """variant -> (the pending spec the planner makes before the profile exists, the spec it completes after).
+
+    The shipped geometry experiment without its `tune:` block: tuned, its scheduled runs would also wait for their
+    reference's tuning, and this module is about what the profile alone decides."""
+    import shutil
+
+    from conftest import ROOT
+
+    runs, tree = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("sweeps") / "sweeps"
+    shutil.copytree(ROOT / "sweeps", tree)
+    path = tree / "experiment" / "geometry.yaml"
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if not line.startswith("tune:")))
     overrides = [f"paths.runs={runs}"]
-    before = plan_experiment("geometry", overrides)
-    reference = next(r for r in before.runs if r.role == "reference" and r.config.scale == SCALE)
-    reference.run_dir.profile.parent.mkdir(parents=True, exist_ok=True)
-    reference.run_dir.profile.write_text(json.dumps(rising_raw_falling_normalised_profile()))
-    after = {(r.config.variant, r.config.seed): r for r in plan_experiment("geometry", overrides).runs
-             if r.config.scale == SCALE}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STUDY_SWEEPS", str(tree))
+        before = plan_experiment("geometry", overrides)
+        reference = next(r for r in before.runs if r.role == "reference" and r.config.scale == SCALE)
+        reference.run_dir.profile.parent.mkdir(parents=True, exist_ok=True)
+        reference.run_dir.profile.write_text(json.dumps(rising_raw_falling_normalised_profile()))
+        after = {(r.config.variant, r.config.seed): r for r in plan_experiment("geometry", overrides).runs
+                 if r.config.scale == SCALE}
     return {r.config.variant: (r, after[r.config.variant, r.config.seed]) for r in before.runs
             if r.config.scale == SCALE and r.config.seed == 0 and r.role == "scheduled"}
 

@@ -70,7 +70,7 @@ def test_the_plan_prices_trunks_and_branches_against_separate_runs(workdir, monk
 
 
 def test_the_plan_of_a_racing_experiment_states_its_expected_saving(workdir, monkeypatch, capsys):
-    from analysis.racing import expected_saving
+    from study.plan.racing import expected_saving
 
     name = experiment(workdir, monkeypatch, seeds=[0, 1, 2, 3, 4, 5], racing=True,
                       decision={"margin": 0.01, "prior_sd": 0.004})
@@ -82,7 +82,7 @@ def test_the_plan_of_a_racing_experiment_states_its_expected_saving(workdir, mon
 
 
 def test_the_shipped_scaling_study_is_branched_and_its_plan_states_what_racing_would_save(workdir, capsys):
-    from analysis.racing import expected_saving
+    from study.plan.racing import expected_saving
 
     assert main(["plan", "hourglass"]) == 0
     out = " ".join(capsys.readouterr().out.split())

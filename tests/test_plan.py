@@ -121,6 +121,19 @@ def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
     assert widths[0] > widths[-1] and widths == sorted(widths, reverse=True)
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "sweeps" / "experiment").glob("*.yaml")))
+def test_every_run_waits_only_on_runs_its_plan_trains(name):
+    """A dependency on a key no run of the plan has never resolves: a scheduled run must wait on the profile of the
+    reference run as the plan trains it (tuned, where the experiment tunes), a branch on its own trunk."""
+    plan = plan_experiment(name)
+    keys = {r.key for r in plan.runs}
+    for r in plan.runs:
+        assert set(r.depends_on) <= keys, (r.name, r.depends_on)
+        if r.role == "scheduled":
+            (ref,) = [q for q in plan.runs if q.key == r.depends_on[0]]
+            assert ref.role == "reference" and r.profile == str(ref.run_dir.profile)
+
+
 def test_scaling_and_search_experiments_plan_every_run(capsys):
     scaling = [r for r in plan_json(capsys, "scaling")["runs"] if r["role"] != "tune"]
     assert len(scaling) == 5 * 5 * 3

@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis.racing import (RunCost, branched_cost, decide_rung, expected_saving, hours_saved, race, race_arrays,
-                             rungs, saved_by_stop, separate_cost, stops, t_two_sided_p, VERDICT_CODES)
+from analysis.racing import decide_rung, hours_saved, race, stops
+from study.plan.racing import (RunCost, branched_cost, expected_saving, race_arrays, rungs, saved_by_stop, separate_cost,
+                               t_two_sided_p, VERDICT_CODES)
 from conftest import ROOT
 from study.config.decision import DecisionRule
 from study.errors import StudyError
@@ -213,7 +214,7 @@ def test_expected_saving_is_nothing_without_an_effect_and_every_stop_at_the_firs
 
 
 def test_importing_racing_loads_neither_scipy_pandas_mlflow_nor_torch():
-    code = ("import sys, analysis.racing; "
+    code = ("import sys, study.plan.racing, analysis.racing; "
             "print([m for m in ('scipy', 'pandas', 'mlflow', 'torch', 'statsmodels') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

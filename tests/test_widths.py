@@ -74,7 +74,7 @@ def test_every_family_follows_its_formula_before_rounding_and_meets_the_budget_a
     from study.models.transformer import build_model
     from study.plan.budget import target_width
 
-    runs = [r for r in widths_plan.runs if r.config.variant == variant]
+    runs = [r for r in widths_plan.runs if r.config.variant == variant and r.role != "tune"]
     assert {r.config.scale for r in runs} == {"128M", "256M"} and len(runs) == 6
     for scale in ("128M", "256M"):
         run = next(r for r in runs if r.config.scale == scale)
@@ -128,7 +128,7 @@ def test_sigmoid_is_exact_at_both_ends_and_reverse_mirrors_every_taper():
 
 def test_the_widths_experiment_plans_every_family_and_shows_widths_and_heads(capsys, monkeypatch):
     assert main(["plan", "widths", "--json"]) == 0
-    runs = json.loads(capsys.readouterr().out)["runs"]
+    runs = [r for r in json.loads(capsys.readouterr().out)["runs"] if r["role"] != "tune"]
     variants = (*FAMILY_VARIANTS, "geometry", "anti")
     assert Counter((r["variant"], r["scale"]) for r in runs) == {(v, s): 3 for v in variants for s in ("128M", "256M")}
     families = {r["variant"]: r["model"]["ffn"]["width_schedule"]["family"] for r in runs}
@@ -246,6 +246,7 @@ def tiny_widths_tree(workdir, variants):
     common["train"].update({"max_steps": 3, "val_interval": 3, "ckpt_interval": 3})
     exp.update(scales=["tiny"], seeds=[0], variants={v: exp["variants"][v] for v in variants}, common=common)
     exp.pop("reference")
+    exp.pop("tune")  # its tuning scale is a real one; these runs compare at the tiny scale's shared LR
     (tree / "experiment" / "widths_tiny.yaml").write_text(yaml.safe_dump(exp))
     return tree
 

@@ -176,7 +176,8 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
 
 def race_record(roster: dict, verdicts: list[dict]) -> dict:
     """What the report shows: every verdict, and each stop with the GPU-hours its arm did not train."""
-    from analysis.racing import RunCost, Stop, hours_saved
+    from analysis.racing import Stop, hours_saved
+    from study.plan.racing import RunCost
 
     costs = {}
     trunks = {r["key"]: r for r in roster["runs"] if r["role"] == Role.trunk.value}

@@ -213,7 +213,9 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             ref_variant = next(v for v in exp.variants if v.name == exp.reference[0])
             ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, ov, per_variant.get(ref_variant.name)),
                                           reference), seed=exp.reference[1], role=Role.reference)
-            ref_key = run_key(ref_cfg)
+            # the reference trains at its variant's tuned LR where the experiment tunes: its key hashes that tuning,
+            # and the scheduled runs wait on the profile of exactly that run
+            ref_key = run_key(ref_cfg, tuning=tunings[ref_variant.name].identity(exp.tuning) if exp.tuning else None)
         bases = {v.name: with_budget(compose_run(exp, v, scale, ov, per_variant.get(v.name)), reference)
                  for v in exp.variants}
         check_arms(name, scale, exp.baseline, bases, exp.compares)

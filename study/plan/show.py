@@ -132,7 +132,7 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     if not d.prior_sd:
         return line + ("; racing: the expected saving needs decision.prior_sd (the sd of paired deltas) to be "
                        "estimated")
-    from analysis.racing import expected_saving
+    from study.plan.racing import expected_saving
 
     arms = len(exp.variants) - 1
     seeds = min(len(s) for s in exp.seeds.values())
@@ -143,7 +143,7 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     # an experiment that does not race is told what racing would save, so the choice is made with the figure
     verb = "saves" if exp.racing is not None else "would save (`racing: true`)"
     return line + (f"; racing {verb} about {worse:.0%} of them in expectation if every arm is worse by twice the "
-                   f"margin, {none:.0%} if none differs ({seeds} seeds, sd {d.prior_sd:g}, analysis.racing)")
+                   f"margin, {none:.0%} if none differs ({seeds} seeds, sd {d.prior_sd:g}, study.plan.racing)")
 
 
 def _power_table(plan: Plan, power: list, note: str):
