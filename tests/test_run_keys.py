@@ -62,3 +62,21 @@ def test_the_demos_multiple_1_tune_points_are_its_earlier_shared_lr_seed_0_runs(
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     print(json.dumps({e: planned_keys(e) for e in EXPERIMENTS}, indent=1, sort_keys=True))
+
+
+def test_the_layout_never_changes_a_run_key(tmp_path, monkeypatch, capsys):
+    """Nodes, ranks, sharding and the collective timeout say where a run trains, not what it computes: a run moved to
+    more nodes resumes as itself. A sharding that does not exist is refused naming the field."""
+    from study.cli import main
+    from study.plan.planner import plan_experiment
+
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    keys = {tuple(o): [s.key for s in plan_experiment("hourglass_release", list(o)).runs]
+            for o in ([], ["cluster=h100", "cluster.nodes=8", "train.sharding=hybrid"],
+                      ["cluster.nodes=2", "cluster.tasks_per_node=4", "train.sharding=full",
+                       "train.collective_timeout_s=60"])}
+    assert len({tuple(v) for v in keys.values()}) == 1
+    assert main(["plan", "demo", "train.sharding=zero3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.sharding" in err and "hybrid" in err

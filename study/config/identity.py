@@ -90,6 +90,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.device": (OUT, "where the run executes (precision is hashed)"),
     "train.compile": (OUT, "a speed switch: the same arithmetic"),
     "train.activation_checkpointing": (OUT, "a memory switch: the same arithmetic, recomputed"),
+    "train.sharding": (OUT, "where parameters live across ranks: the same arithmetic on the same global batch"),
+    "train.collective_timeout_s": (OUT, "how long a rank waits for the others: a fault-handling setting"),
     "train.gpu_peak_tflops": (OUT, "an estimate for MFU and GPU-hours"),
     "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
     "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),

@@ -76,6 +76,16 @@ class TrainConfig:
     false decides outright (`train.compile=false` when a model does not compile)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (GPU memory switch)."""
+    sharding: str = "auto"
+    """How parameters, gradients and optimizer state are laid out over the ranks: `full` (FSDP2 shards them over every
+    rank), `hybrid` (HSDP: shards within a node and replicates across nodes, on a 2-D device mesh, so the per-step
+    all-gathers stay on the node's fast links and only the gradient all-reduce crosses nodes) or `auto` (the default:
+    full on one node, hybrid across nodes). The layout never changes the numbers a run's key stands for; the run's
+    MLflow record says which layout trained which steps."""
+    collective_timeout_s: int = 600
+    """Seconds the rendezvous and every collective wait for all ranks before the job fails: a rank lost with its node
+    ends the job (SLURM requeues it and it resumes from its last complete checkpoint) instead of leaving the other
+    ranks waiting until the wall-clock limit. Long enough for the slowest checkpoint write."""
     gpu_peak_tflops: float = 989.0
     """Peak dense bf16 TFLOP/s per GPU for MFU and GPU-hour estimates (H100 SXM datasheet)."""
     assumed_mfu: float = 0.4

@@ -17,6 +17,7 @@ CHOICES = {
     "train.lr_schedule": ("cosine", "wsd"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.sharding": ("auto", "full", "hybrid"),
     "role": tuple(Role),
 }
 POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "train.val_batches",
@@ -24,7 +25,8 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "trai
             "train.assumed_mfu", "eval.batch_size", "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task",
             "cluster.time_min", "cluster.array_parallelism", "tracking.batch_points", "tracking.max_buffer",
             "tracking.flush_interval_s", "tracking.retry_initial_s", "tracking.retry_max_s",
-            "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s")
+            "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s",
+            "train.collective_timeout_s")
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
                 "cluster.signal_delay_s", "cluster.mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")

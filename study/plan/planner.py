@@ -81,6 +81,8 @@ class VariantTuning:
 
 def spec_json(spec: RunSpec) -> dict[str, Any]:
     """One run of `study plan --json`."""
+    from study.plan.throughput import devices
+
     m, cfg = spec.model, spec.config
     return {
         "run_key": spec.key, "name": spec.name, "variant": cfg.variant, "scale": cfg.scale, "seed": cfg.seed,
@@ -100,6 +102,8 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
         "mismatch_total": spec.mismatch_total,
         "pending": spec.pending, "depends_on": spec.depends_on,
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
+        "nodes": cfg.cluster.nodes, "devices": devices(spec),
+        "wall_days": None if spec.gpu_hours() is None else spec.gpu_hours() / 24 / devices(spec),
         **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
         "tuned": asdict(spec.tuned) if spec.tuned is not None else None,
         "points": [asdict(p) for p in spec.points], "trunk": spec.trunk,

@@ -47,9 +47,17 @@ def estimates(plan: Plan) -> dict:
     return {run.key: estimate(run, calibrations) for run in plan.runs}
 
 
+def per_job(run) -> str:
+    """The run's job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu' (CPU ranks)."""
+    c = run.config.cluster
+    return f"{c.nodes}x{c.gpus_per_node}" if c.gpus_per_node else f"{c.nodes}x{c.tasks_per_node} cpu"
+
+
 def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
     from study.console import console as terminal
     from rich.table import Table
+
+    from study.plan.throughput import devices
 
     cost = cost if cost is not None else estimates(plan)
 
@@ -59,7 +67,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
     per_layer = any(r.model.layer_heads is not None and len(set(r.model.layer_heads)) > 1 for r in plan.runs)
     cols = ("run key", "variant", "scale", "seed", "role", "shape", "d/L", "FFN widths",
             *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
-            "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h")
+            "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h",
+            "nodes x dev", "days")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("variant", "role", "shape", "FFN widths",
                                                              "heads/layer") else "left")
@@ -87,6 +96,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
+            per_job(run), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         )
     console = terminal()
     console.print(table)

@@ -13,39 +13,94 @@ class Dist:
     world_size: int
     local_rank: int
     device: str
+    nodes: int = 1
+    """Hosts the ranks run on (every host runs the same number of ranks)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
 
-def _export_slurm_env() -> None:
-    """Under `srun`/submitit with several tasks, derive torch.distributed's variables from SLURM's."""
+
+def _export_slurm_env() -> bool:
+    """Under `srun`/submitit with several tasks, derive torch.distributed's variables from SLURM's: RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT (the first host of the job's node list, a port submitit
+    draws from the job id). True when it did."""
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
-        return
+        return False
     import submitit
 
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
 
 
-def setup(device: str = "auto") -> Dist:
-    """Join the process group when the environment describes one (gloo on CPU, NCCL on GPU)."""
+def setup(device: str = "auto", timeout_s: float = 600) -> Dist:
+    """Join the process group when the environment describes one (gloo on CPU, NCCL on GPU), every collective
+    bounded by `timeout_s`.
+
+    Rendezvous: `study train --nproc N` through a file (STUDY_INIT_METHOD); a SLURM job's tasks through a TCPStore
+    rank 0 serves on the first host of the job, bound to that host's address (:func:`_job_store`); torchrun through
+    its own store. env:// would listen on every interface, unauthenticated, for as long as the run lasts."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    _export_slurm_env()
+    from_slurm = _export_slurm_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     dev = f"cuda:{local_rank}" if use_cuda else "cpu"
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if world > 1 and not dist.is_initialized():
-        # `study train --nproc N` rendezvous through a file (STUDY_INIT_METHOD): env:// would open a TCPStore
-        # listening on every interface, unauthenticated, for as long as the run lasts
-        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=os.environ.get("STUDY_INIT_METHOD"),
-                                rank=rank, world_size=world)
-    return Dist(rank, world, local_rank, dev)
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if use_cuda else "gloo"
+        init = os.environ.get("STUDY_INIT_METHOD")
+        if from_slurm and not init:
+            dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)
+    return Dist(rank, world, local_rank, dev, max(1, world // max(1, per_node)))
+
+
+def _job_store(rank: int, world: int, timeout):
+    """The rendezvous of a SLURM job's ranks: rank 0 (on the first host of the node list) serves a TCPStore at
+    MASTER_ADDR:MASTER_PORT on a socket it binds to that host's own address, so the store never listens on every
+    interface; the others connect to it. It lives as long as the process group (the run's job)."""
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    address = socket.gethostbyname(host)
+    fd = None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a requeued job binds its port again at once
+        server.bind((address, port))
+        server.listen(max(world, 128))
+        fd = server.detach()  # the store owns the socket from here
+    return dist.TCPStore(address, port, world, rank == 0, timeout, master_listen_fd=fd)
+
+
+def hosts(d: Dist) -> list[str]:
+    """Each rank's host name, in rank order (a collective: every rank calls it)."""
+    import socket
+
+    name = socket.gethostname()
+    if d.world_size == 1:
+        return [name]
+    import torch.distributed as dist
+
+    out: list = [None] * d.world_size
+    dist.all_gather_object(out, name)
+    return [str(h) for h in out]
 
 
 def keep_freed_memory() -> None:

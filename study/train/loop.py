@@ -88,7 +88,7 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
         raise StudyError("tune", f"run {spec.name} ({spec.key}) trains at the LR its variant's tuning chooses, which "
                          f"has not decided yet ({spec.pending})", f"launch the experiment (study launch "
                          f"{spec.config.experiment}): it trains the tune runs first, then this one")
-    d = setup(spec.config.train.device)
+    d = setup(spec.config.train.device, spec.config.train.collective_timeout_s)
     rdir = spec.run_dir.path
     if d.is_main:
         writable(rdir)

@@ -25,13 +25,38 @@ def parallelize(model, cfg: RunConfig, d: Dist):
     return model, step_model
 
 
+def sharding(cfg: RunConfig, d: Dist) -> str:
+    """`train.sharding` resolved for this job: `full` or `hybrid` (`auto`: hybrid across nodes, full on one)."""
+    s = cfg.train.sharding
+    return ("hybrid" if d.nodes > 1 else "full") if s == "auto" else s
+
+
+def layout_name(cfg: RunConfig, d: Dist) -> str:
+    """How this job lays the run out, in words: '2 nodes x 1 rank, hybrid'."""
+    nodes, per = d.nodes, d.ranks_per_node
+    head = f"{nodes} node{'s' * (nodes > 1)} x {per} rank{'s' * (per > 1)}"
+    return f"{head}, {sharding(cfg, d) if d.world_size > 1 else 'unsharded'}"
+
+
+def device_mesh(cfg: RunConfig, d: Dist):
+    """The mesh FSDP2 shards on: 1-D over every rank (full), or 2-D (replicate across nodes, shard within a node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if d.device.startswith("cuda") else "cpu"
+    if sharding(cfg, d) == "hybrid":
+        return init_device_mesh(device, (d.nodes, d.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device, (d.world_size,), mesh_dim_names=("shard",))
+
+
 def wrap_fsdp(model, cfg: RunConfig, d: Dist):
-    """FSDP2: shard every block, then the root (embedding, final norm, head); bf16 compute on CUDA only."""
+    """FSDP2 on the run's mesh: shard every block, then the root (embedding, final norm, head); bf16 compute on CUDA
+    only. On a 2-D mesh `fully_shard` is HSDP: each block's parameters are sharded over the ranks of a node and
+    replicated across nodes."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(cfg, d) else None
-    kwargs = {"mp_policy": mp} if mp else {}
+    kwargs = {"mesh": device_mesh(cfg, d), **({"mp_policy": mp} if mp else {})}
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

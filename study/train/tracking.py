@@ -22,7 +22,11 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
     from study.track.null import NullTracker
+    from study.train.distributed import hosts
+    from study.train.parallelize import layout_name
 
+    ran_on = hosts(d)  # collective: before rank 0 alone talks to MLflow
+    print(f"study: {spec.name} rank {d.rank} of {d.world_size} on host {ran_on[d.rank]}", file=sys.stderr, flush=True)
     if not d.is_main:  # only rank 0 talks to MLflow: the others build nothing for it
         return NullTracker()
     from study.config.identity import KEY, SCHEDULED, placement
@@ -72,6 +76,19 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
             share_datasets(client, parent, [client.get_run(run_id)])
 
     tracker.record("lineage", lineage_records)
+    segment = f"from step {start}: {layout_name(cfg, d)}"
+
+    def layout_records(client, run_id):
+        """The hosts and layouts of every start, earlier starts' kept: a resume may train on other hosts, or another
+        layout. A start from an earlier step (a restart) replaces what came after it."""
+        tags = client.get_run(run_id).data.tags
+        seen = [h for h in tags.get(schema.TAG_HOSTS, "").split(",") if h]
+        client.set_tag(run_id, schema.TAG_HOSTS, ",".join(dict.fromkeys([*seen, *ran_on])))
+        earlier = [s for s in tags.get(schema.TAG_LAYOUT, "").split("; ") if s.startswith("from step ")
+                   and int(s[len("from step "):].split(":")[0]) < start]
+        client.set_tag(run_id, schema.TAG_LAYOUT, "; ".join([*earlier, segment]))
+
+    tracker.record("layout", layout_records)
     tracker.log_artifact(Path(data.tokenizer_path), "tokenizer/tokenizer.json")
 
     tracker.log_dict(redact(asdict(cfg)), "config.yaml")

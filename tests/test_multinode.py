@@ -1,0 +1,267 @@
+"""Runs that span nodes, on a real two-node SLURM built on this machine (`slurm/local/up --nodes 2`: each slurmd in its
+own network and UTS namespace, host names node1 and node2, on a bridge that exists only inside the namespaces the
+script made): the rendezvous and HSDP across hosts, MLflow naming both hosts, checkpoints that resume on another
+layout with the loss of an uninterrupted run, and `slurm/local/down` leaving nothing behind.
+
+Jobs log to an SQLite MLflow store on the shared file system: the test's MLflow server listens on the machine's
+loopback, which the nodes' namespaces do not share (on a real cluster the server's address is reachable from every
+node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY
+
+UP, DOWN = ROOT / "slurm" / "local" / "up", ROOT / "slurm" / "local" / "down"
+
+
+def _can_build_nodes() -> str:
+    if os.geteuid() != 0:
+        return "needs root: network namespaces"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not Path("/usr/sbin/slurmd").exists() and not os.environ.get("SLURM_CONF"):
+        return "SLURM is not installed: slurm/local/up installs it"
+    return ""
+
+
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("multinode"),
+              pytest.mark.skipif(bool(_can_build_nodes()), reason=_can_build_nodes() or "-")]
+
+
+def _clean_env() -> dict[str, str]:
+    """The caller's environment without any SLURM job's variables or cluster: the new cluster's own are added."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
+def new_base(tag: str) -> Path:
+    """An empty base folder munged (user munge) can reach: pytest's own temporary folders are root's alone."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix=f"study-slurm-{tag}-", dir="/var/tmp"))
+    base.chmod(0o755)
+    return base
+
+
+def remove_base(base: Path) -> None:
+    shutil.rmtree(base, ignore_errors=True)
+    Path(f"{base}.lock").unlink(missing_ok=True)  # up's lock file, beside the base
+
+
+def start_cluster(base: Path, netns: str, nodes: int = 2) -> dict[str, str]:
+    """Start a cluster of `nodes` under `base`; the environment its clients and jobs need (SLURM_CONF, PATH)."""
+    env = {**_clean_env(), "STUDY_SLURM_BASE": str(base), "STUDY_SLURM_NETNS": netns}
+    done = subprocess.run([str(UP), "--nodes", str(nodes)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.splitlines():  # export SLURM_CONF=...; export PATH="<base>/bin:$PATH"
+        name, value = line.removeprefix("export ").split("=", 1)
+        env[name] = value.strip('"').replace("$PATH", os.environ["PATH"])
+    return env
+
+
+def stop_cluster(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DOWN)], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    base = new_base("2n")
+    env = start_cluster(base, f"stm{os.getpid()}")
+    yield env
+    stop_cluster(env)
+    remove_base(base)
+
+
+def sinfo_nodes(env) -> list[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True, timeout=30)
+    return sorted(out.stdout.split("\n")[:-1])
+
+
+def run_job(env, workdir: Path, nodes: int, tasks_per_node: int, argv: list[str], timeout: float = 600) -> str:
+    """sbatch --wait one job of `nodes` x `tasks_per_node` ranks running `argv` (shell words) under srun; its
+    output."""
+    out = workdir / f"job-{time.monotonic_ns()}.out"
+    done = subprocess.run(
+        ["sbatch", "--wait", "--quiet", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
+         f"--chdir={workdir}", f"--output={out}", "--export=ALL,SUBMITIT_EXECUTOR=slurm",
+         "--wrap", "srun " + " ".join(argv)],
+        env=env, capture_output=True, text=True, timeout=timeout)
+    text = out.read_text() if out.exists() else ""
+    assert done.returncode in (0, 75) or "PREEMPTED" in text, f"job failed ({done.returncode}): {done.stderr}{text[-3000:]}"
+    return text
+
+
+TRAIN = [*TINY, "train.max_steps=12", "train.ckpt_interval=6", "train.val_interval=6", "train.global_batch=8",
+         "train.log_interval=1"]
+
+
+def spec_for(workdir: Path, runs: str, store: str, extra: list[str] = ()):
+    from study.config.spec import write_spec
+    from study.plan.planner import plan_adhoc
+
+    spec = plan_adhoc([*TRAIN, "experiment=multinode", f"paths.runs={workdir / runs}",
+                       f"tracking.uri=sqlite:///{workdir / store}", *extra])
+    return spec, write_spec(spec)
+
+
+def losses(workdir: Path, store: str, key: str) -> tuple[dict[int, float], dict[int, float], dict]:
+    """(train/loss by step, val/loss by step, tags) of the run with this key, each step's points counted once."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir / store}")
+    exp = client.get_experiment_by_name("multinode")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`study.run_key` = '{key}'")
+    out = []
+    for metric in ("train/loss", "val/loss"):
+        history = client.get_metric_history(run.info.run_id, metric)
+        steps = [m.step for m in history]
+        assert len(steps) == len(set(steps)), f"{metric} points duplicated: {sorted(steps)}"
+        out.append({m.step: m.value for m in history})
+    return out[0], out[1], {**run.data.tags, "status": run.info.status}
+
+
+def same_curve(train: dict[int, float], val: dict[int, float], uninterrupted) -> None:
+    """Every step's point once, each within 1e-5 of the uninterrupted run's (fp32 round-off of another reduction
+    order across ranks)."""
+    want_train, want_val, _ = uninterrupted
+    assert sorted(train) == list(range(1, 13)) and sorted(val) == sorted(want_val)
+    for step in train:
+        assert train[step] == pytest.approx(want_train[step], abs=1e-5), step
+    for step in val:
+        assert val[step] == pytest.approx(want_val[step], abs=1e-5), step
+
+
+def python_train(spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "study.cli", "train", "--spec", str(spec_path)]
+
+
+def test_two_nodes_answer_each_in_its_own_namespace_with_its_own_host_name(two_nodes, tmp_path):
+    assert sinfo_nodes(two_nodes) == ["node1 idle", "node2 idle"]
+    text = run_job(two_nodes, tmp_path, 2, 1, ["bash", "-c", "'echo $(hostname) $(ip -4 -o addr show eth0)'"])
+    hosts = sorted(line.split()[0] for line in text.splitlines() if line.startswith("node"))
+    assert hosts == ["node1", "node2"]
+    assert "10.251.0.11/24" in text and "10.251.0.12/24" in text
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_cache, tmp_path_factory):
+    """The run trained without interruption on 1 node x 1 rank: the curve every layout's must match."""
+    workdir = tmp_path_factory.mktemp("straight")
+    spec, path = spec_for(workdir, "runs", "straight.db")
+    done = subprocess.run(python_train(path), cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(workdir, "straight.db", spec.key)
+
+
+def test_a_run_across_two_nodes_trains_with_hsdp_and_names_both_hosts(two_nodes, uninterrupted, workdir):
+    spec, path = spec_for(workdir, "runs", "mn.db")
+    text = run_job(two_nodes, workdir, 2, 1, python_train(path))
+    assert f"{spec.name} rank 0 of 2 on host node1" in text and f"{spec.name} rank 1 of 2 on host node2" in text
+    train, val, tags = losses(workdir, "mn.db", spec.key)
+    assert tags["status"] == "FINISHED"
+    assert tags["study.hosts"] == "node1,node2" and tags["study.world_size"] == "2"
+    assert tags["study.layout"] == "from step 0: 2 nodes x 1 rank, hybrid"
+    same_curve(train, val, uninterrupted)
+
+
+@pytest.mark.parametrize("first, then", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 1))],
+                         ids=["2x1-then-1x2", "1x2-then-2x1", "2x1-then-1x1"])
+def test_a_run_stopped_on_one_layout_resumes_on_another_with_the_uninterrupted_loss(
+        first, then, two_nodes, uninterrupted, workdir):
+    """DCP checkpoints reshard on load: no conversion step. Every metric point arrives once."""
+    spec, stopping = spec_for(workdir, "runs", "mn.db", ["faults.stop_at_step=6"])
+    run_job(two_nodes, workdir, *first, python_train(stopping))
+    assert (spec.run_dir.path / "checkpoints").is_dir() and not spec.run_dir.result.exists()
+    _, path = spec_for(workdir, "runs", "mn.db")
+    if then == (1, 1):
+        done = subprocess.run(python_train(path), cwd=workdir, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        run_job(two_nodes, workdir, *then, python_train(path))
+    assert json.loads(spec.run_dir.result.read_text())["step"] == 12
+    train, val, tags = losses(workdir, "mn.db", spec.key)
+    same_curve(train, val, uninterrupted)
+
+    def layout(shape):
+        nodes, per = shape
+        how = "unsharded" if nodes * per == 1 else ("hybrid" if nodes > 1 else "full")
+        return f"{nodes} node{'s' * (nodes > 1)} x {per} rank{'s' * (per > 1)}, {how}"
+
+    assert tags["study.layout"] == f"from step 0: {layout(first)}; from step 6: {layout(then)}"
+    assert set(tags["study.hosts"].split(",")) >= {"node1", "node2"}
+
+
+def test_down_leaves_no_namespace_link_or_daemon_and_is_safe_twice(tmp_path):
+    netns, base = f"std{os.getpid()}", new_base("down")
+    env = start_cluster(base, netns)
+    pids = {f.name: int(f.read_text()) for f in (base / "run").glob("*.pid")}
+    assert {"slurmd.node1.pid", "slurmd.node2.pid", "slurmctld.pid"} <= set(pids)
+    # a job still running on both nodes goes with its nodes
+    subprocess.run(["sbatch", "--nodes=2", f"--chdir={tmp_path}", "--wrap", "srun sleep 300"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    time.sleep(3)
+    assert stop_cluster(env).returncode == 0
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netns not in names
+    assert not [p for p in Path("/etc/netns").glob(f"{netns}-*")] if Path("/etc/netns").exists() else True
+    assert not [pid for pid in pids.values() if Path(f"/proc/{pid}").exists()]
+    assert "10.251.0." not in subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+    again = stop_cluster(env)
+    assert again.returncode == 0 and again.stderr == ""
+    remove_base(base)
+
+
+def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_point_once(two_nodes, workdir,
+                                                                                          monkeypatch):
+    """`cluster.nodes=2` through `study launch`: one job of 2 x 1 ranks per run; USR2 reaches both ranks, the run
+    checkpoints once, requeues once and finishes on both hosts again."""
+    from slurm_helpers import SMALL, private_sweeps, wait_jobs
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+
+    for name, value in two_nodes.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mn.db'}")
+    name = "multinode"
+    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
+                                                          common={**SMALL["common"], "faults": {"sleep_per_step": 0.4},
+                                                                  "train": {**SMALL["common"]["train"], "log_interval": 1}})))
+    over = ["cluster=slurm", "cluster.nodes=2", "train.global_batch=8"]
+    stages = launch(name, over, echo=lambda m: None)
+    (run,) = [r for r in plan_experiment(name, over).runs]
+    job = journal(run.config.paths.runs, name)[run.key]["job_id"]
+    ckpts = run.run_dir.path / "checkpoints"
+    deadline = time.time() + 300
+    while not any(p.name.endswith("04") for p in ckpts.glob("step_*")):
+        assert time.time() < deadline, "no checkpoint at step 4"
+        time.sleep(0.3)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
+    ids = [j for s in stages for j in s.job_ids]
+    wait_jobs(ids, timeout=600)
+    time.sleep(3)
+    wait_jobs(ids, timeout=600)  # a requeued job is pending again before it restarts
+    assert json.loads(run.run_dir.result.read_text())["step"] == 16
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mn.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id],
+                                  filter_string=f"tags.`study.run_key` = '{run.key}'")
+    tags = found.data.tags
+    assert found.info.status == "FINISHED" and tags["study.hosts"] == "node1,node2"
+    segments = tags["study.layout"].split("; ")
+    assert len(segments) == 2 and all(s.endswith(": 2 nodes x 1 rank, hybrid") for s in segments)
+    resumed_at = int(segments[1].removeprefix("from step ").split(":")[0])
+    assert 4 <= resumed_at < 16  # from the checkpoint the signal made (every rank wrote its shard of it)
+    steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, 17))  # every point once
