@@ -101,7 +101,7 @@ def run_job(env, workdir: Path, nodes: int, tasks_per_node: int, argv: list[str]
     return text
 
 
-TRAIN = [*TINY, "train.max_steps=12", "train.ckpt_interval=6", "train.val_interval=6", "train.global_batch=8",
+TRAIN = [*TINY, "train.max_steps=12", "train.ckpt_interval=3", "train.val_interval=6", "train.global_batch=8",
          "train.log_interval=1"]
 
 
@@ -174,31 +174,34 @@ def test_a_run_across_two_nodes_trains_with_hsdp_and_names_both_hosts(two_nodes,
     same_curve(train, val, uninterrupted)
 
 
-@pytest.mark.parametrize("first, then", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 1))],
-                         ids=["2x1-then-1x2", "1x2-then-2x1", "2x1-then-1x1"])
-def test_a_run_stopped_on_one_layout_resumes_on_another_with_the_uninterrupted_loss(
-        first, then, two_nodes, uninterrupted, workdir):
-    """DCP checkpoints reshard on load: no conversion step. Every metric point arrives once."""
-    spec, stopping = spec_for(workdir, "runs", "mn.db", ["faults.stop_at_step=6"])
-    run_job(two_nodes, workdir, *first, python_train(stopping))
-    assert (spec.run_dir.path / "checkpoints").is_dir() and not spec.run_dir.result.exists()
-    _, path = spec_for(workdir, "runs", "mn.db")
-    if then == (1, 1):
-        done = subprocess.run(python_train(path), cwd=workdir, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-    else:
-        run_job(two_nodes, workdir, *then, python_train(path))
+LAYOUTS = ((2, 1), (1, 2), (1, 1), (2, 1))
+"""nodes x ranks of each stretch of 3 steps: 2x1 -> 1x2 -> 1x1 -> back to 2x1."""
+
+
+def layout_words(nodes: int, per: int) -> str:
+    how = "unsharded" if nodes * per == 1 else ("hybrid" if nodes > 1 else "full")
+    return f"{nodes} node{'s' * (nodes > 1)} x {per} rank{'s' * (per > 1)}, {how}"
+
+
+def test_a_run_stopped_on_one_layout_resumes_on_another_with_the_uninterrupted_loss(two_nodes, uninterrupted,
+                                                                                    workdir):
+    """DCP checkpoints reshard on load, with no conversion step: a run trained 3 steps at a time on 2 nodes x 1 rank,
+    1 node x 2 ranks, 1 x 1 and 2 x 1 again has the uninterrupted run's loss at every step, every point once."""
+    for i, (nodes, per) in enumerate(LAYOUTS):
+        last = i == len(LAYOUTS) - 1
+        spec, path = spec_for(workdir, "runs", "mn.db", [] if last else [f"faults.stop_at_step={3 * (i + 1)}"])
+        if nodes * per == 1:
+            done = subprocess.run(python_train(path), cwd=workdir, capture_output=True, text=True, timeout=600)
+            assert done.returncode in (0, 75), done.stderr[-3000:]
+        else:
+            run_job(two_nodes, workdir, nodes, per, python_train(path))
+        assert spec.run_dir.result.exists() == last
     assert json.loads(spec.run_dir.result.read_text())["step"] == 12
     train, val, tags = losses(workdir, "mn.db", spec.key)
     same_curve(train, val, uninterrupted)
-
-    def layout(shape):
-        nodes, per = shape
-        how = "unsharded" if nodes * per == 1 else ("hybrid" if nodes > 1 else "full")
-        return f"{nodes} node{'s' * (nodes > 1)} x {per} rank{'s' * (per > 1)}, {how}"
-
-    assert tags["study.layout"] == f"from step 0: {layout(first)}; from step 6: {layout(then)}"
-    assert set(tags["study.hosts"].split(",")) >= {"node1", "node2"}
+    assert tags["study.layout"] == "; ".join(f"from step {3 * i}: {layout_words(*shape)}"
+                                             for i, shape in enumerate(LAYOUTS))
+    assert tags["study.hosts"].split(",")[:2] == ["node1", "node2"]
 
 
 def test_down_leaves_no_namespace_link_or_daemon_and_is_safe_twice(tmp_path):
@@ -263,5 +266,61 @@ def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_p
     assert len(segments) == 2 and all(s.endswith(": 2 nodes x 1 rank, hybrid") for s in segments)
     resumed_at = int(segments[1].removeprefix("from step ").split(":")[0])
     assert 4 <= resumed_at < 16  # from the checkpoint the signal made (every rank wrote its shard of it)
+    steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, 17))  # every point once
+
+
+NODE = ROOT / "slurm" / "local" / "node"
+
+
+def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothing_lost(two_nodes, workdir,
+                                                                                       monkeypatch):
+    """node2's slurmd and every process in its namespace killed mid-run: rank 0 does not hang (the lost peer ends its
+    collective), SLURM marks the node down and requeues the job; once node2 is back the run resumes from its last
+    complete checkpoint on both hosts, every metric point once."""
+    from slurm_helpers import SMALL, private_sweeps, wait_jobs
+    from study.launch.scheduler import journal
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+
+    for name, value in two_nodes.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mn.db'}")
+    name = "nodeloss"
+    train = {**SMALL["common"]["train"], "log_interval": 1}
+    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
+                                                          common={**SMALL["common"], "train": train,
+                                                                  "faults": {"sleep_per_step": 0.5}})))
+    over = ["cluster=slurm", "cluster.nodes=2", "train.global_batch=8"]
+    stages = launch(name, over, echo=lambda m: None)
+    (run,) = plan_experiment(name, over).runs
+    job = journal(run.config.paths.runs, name)[run.key]["job_id"]
+    ckpts = run.run_dir.path / "checkpoints"
+    deadline = time.time() + 300
+    while not any(p.name.endswith("08") for p in ckpts.glob("step_*")):
+        assert time.time() < deadline, "no checkpoint at step 8"
+        time.sleep(0.3)
+    env = {**two_nodes, "STUDY_SLURM_BASE": two_nodes["SLURM_CONF"].rsplit("/", 1)[0]}
+    try:
+        subprocess.run([str(NODE), "kill", "2"], env=env, check=True, timeout=30)
+        deadline = time.time() + 120
+        while "PENDING" not in (state := subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env,
+                                                         capture_output=True, text=True).stdout):
+            assert time.time() < deadline, f"job {job} not requeued after its node was lost: {state!r}"
+            time.sleep(1)
+    finally:
+        subprocess.run([str(NODE), "start", "2"], env=env, check=True, timeout=60)
+    ids = [j for s in stages for j in s.job_ids]
+    wait_jobs(ids, timeout=600)
+    assert json.loads(run.run_dir.result.read_text())["step"] == 16
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mn.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id],
+                                  filter_string=f"tags.`study.run_key` = '{run.key}'")
+    tags = found.data.tags
+    assert found.info.status == "FINISHED" and tags["study.hosts"] == "node1,node2"
+    segments = tags["study.layout"].split("; ")
+    assert len(segments) == 2 and 8 <= int(segments[1].removeprefix("from step ").split(":")[0]) < 16
     steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
     assert sorted(steps) == sorted(set(steps)) == list(range(1, 17))  # every point once
