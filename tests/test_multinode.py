@@ -224,39 +224,38 @@ def test_down_leaves_no_namespace_link_or_daemon_and_is_safe_twice(tmp_path):
     remove_base(base)
 
 
-def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_point_once(two_nodes, workdir,
-                                                                                          monkeypatch):
-    """`cluster.nodes=2` through `study launch`: one job of 2 x 1 ranks per run; USR2 reaches both ranks, the run
-    checkpoints once, requeues once and finishes on both hosts again."""
-    from slurm_helpers import SMALL, private_sweeps, wait_jobs
+def launch_across_two_nodes(two_nodes, workdir: Path, monkeypatch, name: str, checkpoint_step: int):
+    """`study launch` of one tiny run with `cluster.nodes=2` (16 steps, a checkpoint every 4, slowed so that faults
+    land mid-run), once its checkpoint at `checkpoint_step` exists: (its job ids, its spec, its job's id)."""
+    from slurm_helpers import SMALL, private_sweeps
     from study.launch.scheduler import journal
     from study.launch.submit import launch
     from study.plan.planner import plan_experiment
 
-    for name, value in two_nodes.items():
-        monkeypatch.setenv(name, value)
+    for variable, value in two_nodes.items():
+        monkeypatch.setenv(variable, value)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mn.db'}")
-    name = "multinode"
-    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
-                                                          common={**SMALL["common"], "faults": {"sleep_per_step": 0.4},
-                                                                  "train": {**SMALL["common"]["train"], "log_interval": 1}})))
+    common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "log_interval": 1},
+              "faults": {"sleep_per_step": 0.5}}
+    sweeps = private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}}, common=common)
+    monkeypatch.setenv("STUDY_SWEEPS", str(sweeps))
     over = ["cluster=slurm", "cluster.nodes=2", "train.global_batch=8"]
     stages = launch(name, over, echo=lambda m: None)
-    (run,) = [r for r in plan_experiment(name, over).runs]
-    job = journal(run.config.paths.runs, name)[run.key]["job_id"]
+    (run,) = plan_experiment(name, over).runs
     ckpts = run.run_dir.path / "checkpoints"
     deadline = time.time() + 300
-    while not any(p.name.endswith("04") for p in ckpts.glob("step_*")):
-        assert time.time() < deadline, "no checkpoint at step 4"
+    while not any(p.name.endswith(f"{checkpoint_step:02d}") for p in ckpts.glob("step_*")):
+        assert time.time() < deadline, f"no checkpoint at step {checkpoint_step}"
         time.sleep(0.3)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
-    ids = [j for s in stages for j in s.job_ids]
-    wait_jobs(ids, timeout=600)
-    time.sleep(3)
-    wait_jobs(ids, timeout=600)  # a requeued job is pending again before it restarts
-    assert json.loads(run.run_dir.result.read_text())["step"] == 16
+    return [j for s in stages for j in s.job_ids], run, journal(run.config.paths.runs, name)[run.key]["job_id"]
+
+
+def resumed_once_on_both_hosts(workdir: Path, name: str, run) -> int:
+    """Checks that the run finished on node1 and node2 with every train/loss point once over two starts; the step
+    the second start resumed from."""
     from mlflow import MlflowClient
 
+    assert json.loads(run.run_dir.result.read_text())["step"] == 16
     client = MlflowClient(f"sqlite:///{workdir / 'mn.db'}")
     (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id],
                                   filter_string=f"tags.`study.run_key` = '{run.key}'")
@@ -264,10 +263,24 @@ def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_p
     assert found.info.status == "FINISHED" and tags["study.hosts"] == "node1,node2"
     segments = tags["study.layout"].split("; ")
     assert len(segments) == 2 and all(s.endswith(": 2 nodes x 1 rank, hybrid") for s in segments)
-    resumed_at = int(segments[1].removeprefix("from step ").split(":")[0])
-    assert 4 <= resumed_at < 16  # from the checkpoint the signal made (every rank wrote its shard of it)
     steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
     assert sorted(steps) == sorted(set(steps)) == list(range(1, 17))  # every point once
+    return int(segments[1].removeprefix("from step ").split(":")[0])
+
+
+def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_point_once(two_nodes, workdir,
+                                                                                          monkeypatch):
+    """`cluster.nodes=2` through `study launch`: one job of 2 x 1 ranks per run; USR2 reaches both ranks, the run
+    checkpoints once, requeues once and finishes on both hosts again."""
+    from slurm_helpers import wait_jobs
+
+    ids, run, job = launch_across_two_nodes(two_nodes, workdir, monkeypatch, "multinode", 4)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
+    wait_jobs(ids, timeout=600)
+    time.sleep(3)
+    wait_jobs(ids, timeout=600)  # a requeued job is pending again before it restarts
+    # from the checkpoint the signal made at the step it arrived (every rank wrote its shard of it)
+    assert 4 <= resumed_once_on_both_hosts(workdir, "multinode", run) < 16
 
 
 NODE = ROOT / "slurm" / "local" / "node"
@@ -278,28 +291,9 @@ def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothin
     """node2's slurmd and every process in its namespace killed mid-run: rank 0 does not hang (the lost peer ends its
     collective), SLURM marks the node down and requeues the job; once node2 is back the run resumes from its last
     complete checkpoint on both hosts, every metric point once."""
-    from slurm_helpers import SMALL, private_sweeps, wait_jobs
-    from study.launch.scheduler import journal
-    from study.launch.submit import launch
-    from study.plan.planner import plan_experiment
+    from slurm_helpers import wait_jobs
 
-    for name, value in two_nodes.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mn.db'}")
-    name = "nodeloss"
-    train = {**SMALL["common"]["train"], "log_interval": 1}
-    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}},
-                                                          common={**SMALL["common"], "train": train,
-                                                                  "faults": {"sleep_per_step": 0.5}})))
-    over = ["cluster=slurm", "cluster.nodes=2", "train.global_batch=8"]
-    stages = launch(name, over, echo=lambda m: None)
-    (run,) = plan_experiment(name, over).runs
-    job = journal(run.config.paths.runs, name)[run.key]["job_id"]
-    ckpts = run.run_dir.path / "checkpoints"
-    deadline = time.time() + 300
-    while not any(p.name.endswith("08") for p in ckpts.glob("step_*")):
-        assert time.time() < deadline, "no checkpoint at step 8"
-        time.sleep(0.3)
+    ids, run, job = launch_across_two_nodes(two_nodes, workdir, monkeypatch, "nodeloss", 8)
     env = {**two_nodes, "STUDY_SLURM_BASE": two_nodes["SLURM_CONF"].rsplit("/", 1)[0]}
     try:
         subprocess.run([str(NODE), "kill", "2"], env=env, check=True, timeout=30)
@@ -310,17 +304,5 @@ def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothin
             time.sleep(1)
     finally:
         subprocess.run([str(NODE), "start", "2"], env=env, check=True, timeout=60)
-    ids = [j for s in stages for j in s.job_ids]
     wait_jobs(ids, timeout=600)
-    assert json.loads(run.run_dir.result.read_text())["step"] == 16
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{workdir / 'mn.db'}")
-    (found,) = client.search_runs([client.get_experiment_by_name(name).experiment_id],
-                                  filter_string=f"tags.`study.run_key` = '{run.key}'")
-    tags = found.data.tags
-    assert found.info.status == "FINISHED" and tags["study.hosts"] == "node1,node2"
-    segments = tags["study.layout"].split("; ")
-    assert len(segments) == 2 and 8 <= int(segments[1].removeprefix("from step ").split(":")[0]) < 16
-    steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
-    assert sorted(steps) == sorted(set(steps)) == list(range(1, 17))  # every point once
+    assert 8 <= resumed_once_on_both_hosts(workdir, "nodeloss", run) < 16
