@@ -23,14 +23,15 @@ it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
 import pandas as pd
 
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.paired import CONFIDENCE, enclosing, json_ready
+from analysis.paired import CONFIDENCE, enclosing
+from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant
 
@@ -46,7 +47,7 @@ range."""
 
 
 @dataclass(frozen=True)
-class Multiplier:
+class Multiplier(JsonRecord):
     """One variant's effective compute against the baseline at one compute."""
 
     variant: str
@@ -71,9 +72,6 @@ class Multiplier:
     seeds: int = 0
     """Seeds the bootstrap resamples: the fewer of the variant's and the baseline's."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN and infinity become None."""
-        return json_ready(asdict(self))
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ is left out.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from analysis.paired import PairedResult, json_ready, spread
+from analysis.paired import PairedResult, spread
+from analysis.records import JsonRecord
+from analysis.sample_size import minimum_detectable_effect, seeds_to_decide
 from study.config.decision import DecisionRule
 
 BOOTSTRAP_MIN_N = 8
@@ -32,9 +34,6 @@ BOOTSTRAP_MIN_N = 8
 SIGNFLIP_EXACT_MAX_N = 16
 """Up to this many pairs the sign-flip p enumerates all 2^n sign patterns; above, 99,999 random flips."""
 
-MAX_PAIRS = 100_000
-"""Seed pairs beyond which "seeds to decide" is reported as none (not reachable)."""
-
 VERDICTS = ("better", "worse", "equivalent", "undecided")
 
 VERDICT_COLORS = {"better": "#1a7f37", "worse": "#cf222e", "equivalent": "#0969da", "undecided": "#6e7781"}
@@ -42,7 +41,7 @@ VERDICT_COLORS = {"better": "#1a7f37", "worse": "#cf222e", "equivalent": "#0969d
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(JsonRecord):
     """One row of the decision table."""
 
     scale: str
@@ -102,9 +101,6 @@ class Decision:
     alpha: float
     """Error rate the verdict was reached at (after any sequential spending)."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
 
     @classmethod
     def from_dict(cls, row: Mapping) -> "Decision":
@@ -220,88 +216,3 @@ def signflip_p(deltas: np.ndarray, seed: int = 0) -> float:
     return float(res.pvalue)
 
 
-def t_power(effect: float, n: float, alpha: float, alternative: str = "two-sided") -> float:
-    """Power of the one-sample (paired) t test at standardised effect ``effect`` over ``n`` pairs.
-
-    The formula of statsmodels' ``TTestPower.power``; the far tail is taken as the upper tail at −effect because
-    scipy's ``nct.cdf`` returns NaN there for large noncentralities, where the true value is ~0.
-    """
-    from scipy import stats
-
-    df, nc = n - 1, effect * math.sqrt(n)
-    if alternative == "larger":
-        return float(stats.nct.sf(stats.t.isf(alpha, df), df, nc))
-    crit = stats.t.isf(alpha / 2, df)
-    return float(stats.nct.sf(crit, df, nc) + stats.nct.sf(crit, df, -nc))
-
-
-def minimum_detectable_effect(n: int, sd: float, alpha: float, power: float) -> float:
-    """Smallest true |delta| the two-sided paired t test at ``alpha`` finds with ``power`` over ``n`` pairs."""
-    from scipy import stats
-    from scipy.optimize import brentq
-
-    if n < 2 or not sd > 0:
-        return math.nan
-    # The z test's effect is a lower bound (the t test has less power at every effect); doubling it brackets the
-    # root, so the solver starts a few steps from it instead of searching [1e-9, 1e6] (most of the report's
-    # decision time went there).
-    low = (stats.norm.isf(alpha / 2) + stats.norm.isf(1 - power)) / math.sqrt(n)
-    high = 2 * low
-    while t_power(high, n, alpha) < power:
-        low, high = high, 2 * high
-    effect = brentq(lambda e: t_power(e, n, alpha) - power, low, high, xtol=1e-12, rtol=1e-10)
-    return float(effect) * sd
-
-
-def _solve_pairs(effect: float, alpha: float, power: float, alternative: str) -> int | None:
-    """Smallest whole number of pairs whose power reaches ``power`` (None beyond MAX_PAIRS)."""
-    from scipy import stats
-
-    if not effect > 0:
-        return None
-    # The normal approximation is a lower bound on the t test's n: step up from it.
-    z = stats.norm.isf(alpha / 2 if alternative == "two-sided" else alpha) + stats.norm.isf(1 - power)
-    approx = (z / effect) ** 2
-    if not approx <= MAX_PAIRS:
-        return None  # a delta this small relative to its spread would need more seeds than any study trains
-    n = max(2, math.floor(approx))
-    while t_power(effect, n, alpha, alternative) < power:
-        n += 1 if n < 64 else max(1, n // 16)
-        if n > MAX_PAIRS:
-            return None
-    while n > 2 and t_power(effect, n - 1, alpha, alternative) >= power:
-        n -= 1
-    return n
-
-
-def seeds_for_difference(effect: float, sd: float, alpha: float, power: float) -> int | None:
-    """Pairs for the two-sided paired t test to detect a true |delta| = ``effect`` with ``power``."""
-    if not sd > 0:
-        return None
-    return _solve_pairs(effect / sd, alpha, power, "two-sided")
-
-
-def seeds_for_equivalence(true_delta: float, margin: float | None, sd: float, alpha: float, power: float
-                          ) -> int | None:
-    """Pairs for TOST to show |delta| < ``margin`` when the true delta is ``true_delta``, with ``power``.
-
-    TOST rejects when both one-sided tests do; their joint power is at least 1 − (misses of each), so each
-    one-sided test is sized for power 1 − (1 − power)/2 against the nearer bound: a slight overestimate of the
-    seeds needed, never an underestimate.
-    """
-    if margin is None or not sd > 0 or abs(true_delta) >= margin:
-        return None
-    return _solve_pairs((margin - abs(true_delta)) / sd, alpha, 1 - (1 - power) / 2, "larger")
-
-
-def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, power: float) -> int | None:
-    """Pairs that would probably decide a comparison if the observed mean and sd are the truth.
-
-    The smaller of what detecting the observed delta needs and what showing equivalence needs (when the observed
-    delta lies inside the margin); None when neither is reachable (no spread, or a delta of exactly zero and no
-    margin).
-    """
-    options = [seeds_for_difference(abs(mean), sd, alpha, power),
-               seeds_for_equivalence(mean, margin, sd, alpha, power)]
-    options = [o for o in options if o is not None]
-    return min(options) if options else None

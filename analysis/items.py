@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from analysis.paired import CONFIDENCE, json_ready
+from analysis.paired import CONFIDENCE
+from analysis.records import JsonRecord
 from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 
 ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
@@ -27,7 +28,7 @@ ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
 
 
 @dataclass(frozen=True)
-class ItemDelta:
+class ItemDelta(JsonRecord):
     """Variant minus baseline on one task's per-item score at one scale."""
 
     task: str
@@ -58,8 +59,6 @@ class ItemDelta:
     ci_high: float
     """Upper end of the two-level bootstrap interval."""
 
-    def to_dict(self) -> dict:
-        return json_ready(asdict(self))
 
 
 def two_level_bootstrap(deltas: np.ndarray, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
+from analysis.records import JsonRecord
 from analysis.run_table import FINISHED, scale_order
 from study.errors import StudyError
 
@@ -46,7 +47,7 @@ class UnpairedRun:
 
 
 @dataclass(frozen=True)
-class PairedResult:
+class PairedResult(JsonRecord):
     """Variant minus baseline on one metric at one scale, over the seeds both finished."""
 
     scale: str
@@ -86,13 +87,10 @@ class PairedResult:
     unpaired: list[UnpairedRun] = field(default_factory=list)
     """Runs of this scale and of these two variants that could not be paired."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
 
 
 @dataclass(frozen=True)
-class JointResult:
+class JointResult(JsonRecord):
     """Mean across several metrics of variant minus baseline, bootstrapped with seeds resampled jointly."""
 
     scale: str
@@ -116,9 +114,6 @@ class JointResult:
     seeds: list[int] = field(default_factory=list)
     """Seeds used."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
 
 
 def is_higher_better(metric: str) -> bool:
@@ -332,16 +327,3 @@ def enclosing(low: float, high: float, point: float) -> tuple[float, float]:
     if math.isnan(low) or math.isnan(high) or math.isnan(point):
         return low, high
     return min(low, point), max(high, point)
-
-
-def json_ready(value):
-    """``value`` with NaN/inf floats replaced by None and tuples by lists, recursively, for strict JSON."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from analysis.decide import seeds_for_difference, seeds_for_equivalence
+from analysis.sample_size import seeds_for_difference, seeds_for_equivalence
 from study.config.decision import DecisionRule
 
 MIN_PAIRS_FOR_SD = 3
@@ -88,8 +88,6 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     Planning must not wait on a store: a missing SQLite file or an experiment not logged yet gives {}, and a
     tracking server is asked once with a short timeout; a store that cannot be read is named in the note.
     """
-    from analysis.paired import paired_deltas
-    from analysis.run_table import read_runs
     from study.errors import StudyError
     from study.track.store import resolve_tracking_uri, sqlite_path
 
@@ -97,6 +95,9 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     db = sqlite_path(uri)
     if db is not None and not db.exists():
         return {}, f"no store at {db} yet"
+    from analysis.paired import paired_deltas  # pandas and MLflow: only where there is a store to read
+    from analysis.run_table import read_runs
+
     saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
     try:

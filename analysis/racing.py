@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from analysis.records import JsonRecord
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.plan.racing import RHO, RunCost, rung_of, rungs, saved_by_stop
@@ -94,7 +95,7 @@ class RungVerdict:
 
     def to_dict(self) -> dict:
         """JSON-ready dict; the decision row nested under ``decision``; NaN becomes None."""
-        from analysis.paired import json_ready
+        from analysis.records import json_ready
 
         out = {k: v for k, v in asdict(self).items() if k != "decision"}
         return json_ready({**out, "decision": self.decision.to_dict()})
@@ -175,7 +176,7 @@ def race(
 
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(JsonRecord):
     """An arm stopped by the race: where, on what interval, and the GPU-hours it did not train."""
 
     variant: str
@@ -201,11 +202,6 @@ class Stop:
     gpu_hours_saved: float | None = None
     """GPU-hours of its seeds' runs not trained because of the stop; None until costed (:func:`hours_saved`)."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        from analysis.paired import json_ready
-
-        return json_ready(asdict(self))
 
 
 def stops(verdicts: Iterable[RungVerdict]) -> list[Stop]:

@@ -22,7 +22,8 @@ from analysis.document import document
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
 from analysis.race_report import read_race
 from analysis.published import published_deltas, published_figures
-from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, json_ready, paired_deltas
+from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, paired_deltas
+from analysis.records import json_ready
 from analysis.render import Plot, to_html, to_markdown
 from analysis.result import HEADLINE, Analysis
 from analysis.scaling import scaling_report

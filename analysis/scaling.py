@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.paired import CONFIDENCE, json_ready
+from analysis.paired import CONFIDENCE
+from analysis.records import json_ready
 from analysis.run_table import FINISHED
 
 MIN_SCALES_SATURATING = 4

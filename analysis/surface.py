@@ -50,7 +50,8 @@ import pandas as pd
 
 from analysis.compute import PERCENTILE, RANGE, Multiplier, training_compute
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.paired import CONFIDENCE, enclosing, json_ready
+from analysis.paired import CONFIDENCE, enclosing
+from analysis.records import json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import HUBER_DELTA, huber_descent, seed_draws
 

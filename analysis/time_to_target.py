@@ -30,7 +30,8 @@ import pandas as pd
 
 from analysis import run_table
 from analysis.decide import decide
-from analysis.paired import json_ready, paired_deltas
+from analysis.paired import paired_deltas
+from analysis.records import json_ready
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.decide import Decision
-from analysis.paired import json_ready
+from analysis.records import json_ready
 from analysis.run_table import FINISHED, TUNED, scale_order
 
 TRANSFER = ("Other scales train at the tuned multiple of the recipe's LR rule: this assumes the best LR, as a "

@@ -11,8 +11,8 @@ from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import ttost_paired
 
-from analysis.decide import (decide, minimum_detectable_effect, seeds_for_difference, seeds_for_equivalence,
-                             signflip_p, t_power)
+from analysis.decide import decide, signflip_p
+from analysis.sample_size import minimum_detectable_effect, seeds_for_difference, seeds_for_equivalence, t_power
 from analysis.paired import paired_deltas
 from analysis.report import build_report
 from analysis.run_table import experiment_id, read_runs
@@ -129,6 +129,22 @@ def test_power_helpers_agree_with_statsmodels():
     # statsmodels' own root finder gives up on the huge effects 2-3 pairs need; the same root, found here
     mde = minimum_detectable_effect(3, 1.0, 0.01, 0.8)
     assert t_power(mde, 3, 0.01) == pytest.approx(0.8, abs=1e-9)
+
+
+@pytest.mark.parametrize("alternative", ["two-sided", "larger"])
+def test_power_matches_scipy_stats_noncentral_t_over_a_grid_of_pairs_effects_and_alphas(alternative):
+    from scipy import stats
+
+    for n in range(2, 41):
+        for effect in (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 8.0, 15.0):
+            for alpha in (0.05, 0.0125, 0.01, 0.001):
+                df, nc = n - 1, effect * math.sqrt(n)
+                if alternative == "larger":
+                    want = stats.nct.sf(stats.t.isf(alpha, df), df, nc)
+                else:
+                    crit = stats.t.isf(alpha / 2, df)
+                    want = stats.nct.sf(crit, df, nc) + stats.nct.sf(crit, df, -nc)
+                assert t_power(effect, n, alpha, alternative) == pytest.approx(want, rel=1e-9, abs=1e-15)
 
 
 def test_signflip_p_is_exact_and_cannot_go_below_two_over_two_to_the_n():

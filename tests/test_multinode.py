@@ -306,3 +306,32 @@ def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothin
         subprocess.run([str(NODE), "start", "2"], env=env, check=True, timeout=60)
     wait_jobs(ids, timeout=600)
     assert 8 <= resumed_once_on_both_hosts(workdir, "nodeloss", run) < 16
+
+
+def test_calibrate_measures_a_two_node_shape_like_any_other(two_nodes, workdir, monkeypatch, capsys):
+    """`study calibrate` with `cluster.nodes=2`: one calibration job across both hosts, its figure per device (the
+    tokens/s of 2 ranks over 2), which `study plan` of that layout then reads."""
+    from mlflow import MlflowClient
+
+    from slurm_helpers import private_sweeps
+    from study.cli import main
+    from study.plan.throughput import CALIBRATION_EXPERIMENT, PER_DEVICE, TOKENS_PER_S
+
+    for variable, value in two_nodes.items():
+        monkeypatch.setenv(variable, value)
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, "calib2",
+                                                          variants={"conventional": {"model": "conventional"}})))
+    over = ["cluster=slurm", "cluster.nodes=2", "train.global_batch=8"]
+    assert main(["calibrate", "calib2", *over, "--steps", "8"]) == 0
+    capsys.readouterr()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(CALIBRATION_EXPERIMENT).experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["study.hosts"] == "node1,node2"
+    assert run.data.tags["study.world_size"] == "2"
+    assert run.data.metrics[PER_DEVICE] == pytest.approx(run.data.metrics[TOKENS_PER_S] / 2, rel=1e-12)
+    assert main(["plan", "calib2", *over, "--json"]) == 0
+    (planned,) = json.loads(capsys.readouterr().out)["runs"]
+    assert planned["gpu_hours_from"] == "measured on slurm" and planned["nodes"] == 2 and planned["devices"] == 2
+    assert planned["tokens_per_s"] == pytest.approx(run.data.metrics[TOKENS_PER_S], rel=1e-12)

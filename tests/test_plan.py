@@ -163,9 +163,12 @@ def test_seeds_share_a_shape_and_differ_in_key():
     assert len({r.key for r in hg}) == 3 and len({tuple(r.model.ffn.widths) for r in hg}) == 1
 
 
-def test_plan_command_imports_neither_torch_nor_mlflow(tmp_path):
-    code = ("import sys; from study.cli import main; main(['plan', 'hourglass', '--json']);"
-            "sys.stderr.write(repr(sorted(m for m in ('torch', 'mlflow') if m in sys.modules)))")
+def test_plan_command_imports_neither_torch_mlflow_pandas_nor_scipy_stats(tmp_path):
+    """The power table's statistics come from scipy.special: scipy.stats and pandas would cost a plan about a
+    second and a half before it prints."""
+    code = ("import sys; from study.cli import main; main(['plan', 'hourglass']);"
+            "sys.stderr.write(repr(sorted(m for m in ('torch', 'mlflow', 'pandas', 'scipy.stats', 'statsmodels')"
+            " if m in sys.modules)))")
     # no store to read measured noise from (mlflow.set_tracking_uri in other tests of this process sets the variable)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)

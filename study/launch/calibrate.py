@@ -88,7 +88,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
         failed = []
         for spec, job in zip(todo, jobs):
             try:
-                job.result()
+                job.results()  # every task's: a job of several ranks (or nodes) has no single result
             except Exception as err:  # noqa: BLE001 - every shape is waited for, then the failures are named
                 failed.append(f"{spec.name}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}")
                 continue

@@ -74,7 +74,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                         board.mark(run.key, RUNNING)
                     for run, line, job in zip(chunk.runs, stage_lines(chunk), live):
                         try:
-                            job.result()
+                            job.results()  # every rank's: a job of several tasks has no single result
                             if shown:
                                 board.mark(run.key, DONE)
                             echo(f"  done    {line}")
