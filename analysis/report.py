@@ -336,7 +336,7 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
         run_id = mlflow_client.create_run(exp_id, run_name=REPORT_RUN_NAME, tags=tags).info.run_id
     from mlflow.entities import RunTag
 
-    tags = [RunTag("study.baseline", baseline)]
+    tags = [RunTag(schema.TAG_BASELINE, baseline)]
     for d in decisions:
         where = f"{d.scale}.{d.variant}" if d.family == "primary" else f"{d.metric}.{d.scale}.{d.variant}"
         tags.append(RunTag(f"study.verdict.{where}", d.verdict))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 import numpy as np
 import pandas as pd
 
+from study import schema
 from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 FINISHED = "FINISHED"
 """MLflow status of a run that ended normally; only these enter the statistics."""
 
-_REQUIRED_TAGS = ("study.variant", "study.scale", "study.seed")
+_REQUIRED_TAGS = (schema.TAG_VARIANT, schema.TAG_SCALE, schema.TAG_SEED)
 _SCALE_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
@@ -49,11 +50,6 @@ def experiment_id(store: MlflowClient, experiment: str) -> str:
         )
     return found.experiment_id
 
-
-LR_SOURCE_TAG, TUNE_MULTIPLE_TAG, TUNE_STATUS_TAG = "study.lr_source", "study.tune.multiple", "study.tune.status"
-"""Tags of the tuning stage: a main run's LR source (``tune`` or ``recipe``; missing means ``recipe``), the LR
-multiple of the recipe's LR (a tune run's grid point, a tuned main run's chosen multiple) and how the choice was
-reached (``interior``, ``extended`` or ``edge``)."""
 
 TUNED, SHARED = "tune", "recipe"
 """Values of ``study.lr_source``: each variant at the LR its own tune runs found best, or the recipe's shared LR."""
@@ -282,21 +278,21 @@ def _row(run) -> dict | None:
     row = {
         "run_id": run.info.run_id,
         "run_name": run.info.run_name,
-        "run_key": tags.get("study.run_key"),
+        "run_key": tags.get(schema.TAG_RUN_KEY),
         "key_schema": tags.get(TAG_KEY_SCHEMA),
-        "variant": tags["study.variant"],
-        "scale": tags["study.scale"],
-        "seed": int(tags["study.seed"]) if re.fullmatch(r"\d+", tags["study.seed"]) else None,
-        "seed_tag": tags["study.seed"],
+        "variant": tags[schema.TAG_VARIANT],
+        "scale": tags[schema.TAG_SCALE],
+        "seed": int(tags[schema.TAG_SEED]) if re.fullmatch(r"\d+", tags[schema.TAG_SEED]) else None,
+        "seed_tag": tags[schema.TAG_SEED],
         "role": tags.get(TAG_STAGE),  # a training run's study.stage is its role
-        "baseline": tags.get("study.baseline"),
+        "baseline": tags.get(schema.TAG_BASELINE),
         "status": run.info.status,
-        "failure_reason": tags.get("study.failure_reason"),
+        "failure_reason": tags.get(schema.TAG_FAILURE_REASON),
         "start_time": run.info.start_time,
         "params_counted": int(counted) if math.isfinite(counted) else math.nan,
-        "lr_source": tags.get(LR_SOURCE_TAG) or SHARED,
-        "tune_multiple": _number(tags, TUNE_MULTIPLE_TAG),
-        "tune_status": tags.get(TUNE_STATUS_TAG),
+        "lr_source": tags.get(schema.TAG_LR_SOURCE) or SHARED,
+        "tune_multiple": _number(tags, schema.TAG_TUNE_MULTIPLE),
+        "tune_status": tags.get(schema.TAG_TUNE_STATUS),
         # a tune run trains at its grid point (train.lr); a main run at its resolved recipe's LR
         "lr": _number(params, "train.lr") if tune else _number(params, "recipe.lr"),
         "tokens": _number(params, "recipe.tokens"),

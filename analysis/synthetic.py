@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from study import schema
 from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 from study.track.store import get_or_create_experiment, mlflow_client
 
@@ -119,12 +120,13 @@ def synthetic_store(
                 choice = (tuned or {}).get(variant)
                 key_parts = (experiment, variant, scale, k) + (("tune", *choice) if choice else ())
                 tags = {
-                    "study.run_key": _run_key(*key_parts), "study.experiment": experiment, "study.variant": variant,
-                    "study.scale": scale, "study.seed": str(k), "study.stage": "train", "study.baseline": baseline,
-                    "study.lr_source": "tune" if choice else "recipe",
+                    schema.TAG_RUN_KEY: _run_key(*key_parts), schema.TAG_EXPERIMENT: experiment,
+                    schema.TAG_VARIANT: variant, schema.TAG_SCALE: scale, schema.TAG_SEED: str(k),
+                    schema.TAG_STAGE: "train", schema.TAG_BASELINE: baseline,
+                    schema.TAG_LR_SOURCE: "tune" if choice else "recipe",
                 }
                 if choice:
-                    tags.update({"study.tune.multiple": f"{choice[0]:g}", "study.tune.status": choice[1]})
+                    tags.update({schema.TAG_TUNE_MULTIPLE: f"{choice[0]:g}", schema.TAG_TUNE_STATUS: choice[1]})
                 params = _params(variant, scale, k, steps, counted, n_params, (flops_factors or {}).get(variant, 1.0),
                                  choice[0] if choice else 1.0, recipe_params)
                 rate = SYNTHETIC_FLOPS / float(params.pop("flops_per_token")) * (speeds or {}).get(variant, 1.0)
@@ -170,10 +172,10 @@ def synthetic_tune_runs(
             for k in (range(seeds) if isinstance(seeds, int) else seeds):
                 final = (E_TRUE + A_TRUE * n_params ** -ALPHA_TRUE + effects.get(variant, 0.0)
                          + curvature * math.log(multiple / optimum[variant]) ** 2 + rng.normal(0.0, run_sd))
-                tags = {"study.run_key": _run_key(experiment, variant, name, k, "grid", multiple),
-                        "study.experiment": experiment, "study.variant": variant, "study.scale": name,
-                        "study.seed": str(k), "study.stage": "tune", "study.baseline": baseline,
-                        "study.tune.multiple": f"{multiple:g}"}
+                tags = {schema.TAG_RUN_KEY: _run_key(experiment, variant, name, k, "grid", multiple),
+                        schema.TAG_EXPERIMENT: experiment, schema.TAG_VARIANT: variant, schema.TAG_SCALE: name,
+                        schema.TAG_SEED: str(k), schema.TAG_STAGE: "tune", schema.TAG_BASELINE: baseline,
+                        schema.TAG_TUNE_MULTIPLE: f"{multiple:g}"}
                 params = _params(variant, name, k, steps, n_params, n_params, 1.0, multiple, True)
                 params["train.lr"] = params["recipe.lr"]
                 rate = SYNTHETIC_FLOPS / float(params.pop("flops_per_token"))
@@ -200,7 +202,7 @@ def _log_run(client, exp_id: str, name: str, study_tags: dict, params: dict, fin
     metrics = [Metric(key, value, ts, step) for key, value, ts, step in points]
     tags = [RunTag("mlflow.source.name", "analysis.synthetic")]
     if status == "FAILED":
-        tags.append(RunTag("study.failure_reason", "synthetic: loss became NaN"))
+        tags.append(RunTag(schema.TAG_FAILURE_REASON, "synthetic: loss became NaN"))
     # Each log_batch is one SQLite commit (1000 entities at most): params and tags ride in the first.
     head = 1000 - len(params) - len(tags)
     client.log_batch(run.info.run_id, metrics=metrics[:head], params=params, tags=tags)

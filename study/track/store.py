@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 
@@ -221,20 +222,20 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
     exists, else created. Params are checked against the existing run before anything about it changes."""
     from mlflow.entities import RunTag
 
-    tags = {**tags, "study.run_key": run_key}
+    tags = {**tags, schema.TAG_RUN_KEY: run_key}
     if (job := slurm_job_id()) is not None:
-        tags.setdefault("study.slurm_job_id", job)
+        tags.setdefault(schema.TAG_SLURM_JOB, job)
     runs = find_runs(client, experiment_id, run_key)
     if runs:
         run_id, old_tags = runs[0].info.run_id, runs[0].data.tags
         missing = params_to_log(runs[0].data.params, params)
         client.update_run(run_id, status="RUNNING")
-        if "study.failure_reason" in old_tags:
-            client.delete_tag(run_id, "study.failure_reason")
-        tags["study.restarts"] = str(int(old_tags.get("study.restarts", "0")) + 1)
+        if schema.TAG_FAILURE_REASON in old_tags:
+            client.delete_tag(run_id, schema.TAG_FAILURE_REASON)
+        tags[schema.TAG_RESTARTS] = str(int(old_tags.get(schema.TAG_RESTARTS, "0")) + 1)
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
         return client.get_run(run_id), missing
-    client.create_run(experiment_id, run_name=run_name, tags={**tags, "study.restarts": "0"})
+    client.create_run(experiment_id, run_name=run_name, tags={**tags, schema.TAG_RESTARTS: "0"})
     # Two creators racing (or a create retried after a lost reply) leave duplicates: all keep the oldest.
     runs = find_runs(client, experiment_id, run_key)
     for duplicate in runs[1:]:

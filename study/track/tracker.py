@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
@@ -374,7 +375,7 @@ class Tracker:
             if self._terminate and status is not None:
                 if reason:
                     tag = reason[:MAX_TAG_CHARS]
-                    call_with_retries(lambda: self._client.set_tag(self.run_id, "study.failure_reason", tag),
+                    call_with_retries(lambda: self._client.set_tag(self.run_id, schema.TAG_FAILURE_REASON, tag),
                                       self._cfg, deadline, "tag")  # fmt: skip
                 call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
         except Exception as exc:

@@ -93,11 +93,11 @@ def hosts(d: Dist) -> list[str]:
     """Each rank's host name, in rank order (a collective: every rank calls it)."""
     import socket
 
-    name = socket.gethostname()
-    if d.world_size == 1:
-        return [name]
     import torch.distributed as dist
 
+    name = socket.gethostname()
+    if d.world_size == 1 or not dist.is_initialized():  # no group to ask: only this rank's host is known
+        return [name] * d.world_size
     out: list = [None] * d.world_size
     dist.all_gather_object(out, name)
     return [str(h) for h in out]
