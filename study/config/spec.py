@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +136,6 @@ class RunSpec:
             return None
         t = self.config.train
         return self.tokens() * self.flops_per_token / (t.gpu_peak_tflops * 1e12 * t.assumed_mfu) / 3600
-
-    def with_config(self, **changes: Any) -> RunSpec:
-        """The spec with config sections replaced (settings outside the key only: tracking, eval, paths...)."""
-        return replace(self, config=replace(self.config, **changes))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

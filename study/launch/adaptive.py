@@ -105,7 +105,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
                   new_runs: bool = False, echo=print) -> int:
     """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
     from study.launch.scheduler import check_slurm, outside_allocation
-    from study.launch.executor import _executor, _safe_name
+    from study.launch.executor import build_executor, job_name
     from study.plan.planner import plan_experiment
     from study.schema import submitit_dir
 
@@ -122,7 +122,8 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
     # The controller needs one CPU and no GPU, for as long as the cluster preset lets a job run; a requeue
     # (time limit) replays it.
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
-    ex = _executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j", _safe_name(f"{experiment}-until-decided"))
+    ex = build_executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j",
+                        job_name(f"{experiment}-until-decided"))
     with outside_allocation():
         job = ex.submit(ControllerJob(adaptive))
     echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "

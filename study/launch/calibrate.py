@@ -58,7 +58,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
               echo: Callable[[str], None] = print) -> dict[str, float]:
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
     from study.launch.scheduler import check_slurm, outside_allocation
-    from study.launch.executor import _executor
+    from study.launch.executor import build_executor
 
     specs = calibration_specs(experiment, overrides, steps)
     cluster = specs[0].config.cluster
@@ -79,7 +79,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
                 shutil.rmtree(spec.run_dir.path, ignore_errors=True)  # a fresh measurement, not a resumed one
                 _retire(spec)
             write_spec(spec)
-        ex = _executor(cluster, submitit_dir(specs[0].config.paths.runs, CALIBRATION_EXPERIMENT) / "%j",
+        ex = build_executor(cluster, submitit_dir(specs[0].config.paths.runs, CALIBRATION_EXPERIMENT) / "%j",
                        f"{experiment}-calibrate")
         with outside_allocation(), ex.batch():
             jobs = [ex.submit(TrainJob(s.dir)) for s in todo]

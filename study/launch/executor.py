@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from study.plan.planner import Plan
 
 
-def _executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False):
-    """submitit executor for a stage: profiling jobs get one rank (and at most one GPU), data preparation one
+def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False):
+    """The one way to build a submitit executor (every stage, the relaunch after tuning, `--until-decided`'s controller
+    and `study calibrate`): profiling jobs get one rank (and at most one GPU), data preparation one
     CPU-only task on the preparation partition and CPUs. A `preview` one only writes the sbatch script a dry run
     shows, so it is built where SLURM is not installed (a laptop checking a cluster launch)."""
     import submitit
@@ -63,7 +64,8 @@ def _preview_executor():
     return Preview
 
 
-def _safe_name(text: str) -> str:
+def job_name(text: str) -> str:
+    """A SLURM job name from experiment and stage names: anything but letters, digits, '_', '.' and '-' becomes '_'."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
@@ -71,7 +73,7 @@ def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str], held: b
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage}"), stage, preview=True)
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage}"), stage, preview=True)
     if after:
         ex.update_parameters(dependency="afterok:" + ":".join(after))
     if held:

@@ -12,7 +12,7 @@ from study.config.spec import RunSpec
 from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
-from study.launch.executor import _executor, _safe_name
+from study.launch.executor import build_executor, job_name
 from study.launch.racing import stopped_keys
 from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
 from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record
@@ -140,7 +140,7 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
 
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = _executor(cfg.cluster, folder, _safe_name(f"{cfg.experiment}-{stage.name}"), stage.name)
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.name)
     if stage.after and cfg.cluster.name != "local":
         ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
     if stage.held and cfg.cluster.name != "local":

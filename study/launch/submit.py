@@ -29,7 +29,7 @@ from study.config.spec import held_spec, write_spec
 from study.evaluate.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
-from study.launch.executor import _executor, _safe_name, sbatch_preview
+from study.launch.executor import build_executor, job_name, sbatch_preview
 from study.launch.local import LaunchFailed, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.racing import write_roster
@@ -194,8 +194,8 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
     cfg = plan.runs[0].config
     # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
-    ex = _executor(cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                   _safe_name(f"{cfg.experiment}-after-tuning"))
+    ex = build_executor(cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
+                   job_name(f"{cfg.experiment}-after-tuning"))
     ex.update_parameters(dependency="afterany:" + ":".join(after))
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
