@@ -80,7 +80,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
                 _retire(spec)
             write_spec(spec)
         ex = build_executor(cluster, submitit_dir(specs[0].config.paths.runs, CALIBRATION_EXPERIMENT) / "%j",
-                       f"{experiment}-calibrate")
+                            f"{experiment}-calibrate")
         with outside_allocation(), ex.batch():
             jobs = [ex.submit(TrainJob(s.dir)) for s in todo]
         echo(f"calibrate {experiment}: {len(todo)} shapes on {cluster.name}, {steps} steps each "

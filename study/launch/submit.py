@@ -195,7 +195,7 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
     # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
     ex = build_executor(cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                   job_name(f"{cfg.experiment}-after-tuning"))
+                        job_name(f"{cfg.experiment}-after-tuning"))
     ex.update_parameters(dependency="afterany:" + ":".join(after))
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))

@@ -84,6 +84,7 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
     from study.plan.throughput import devices
 
     m, cfg = spec.model, spec.config
+    hours, n = spec.gpu_hours(), devices(spec)
     return {
         "run_key": spec.key, "name": spec.name, "variant": cfg.variant, "scale": cfg.scale, "seed": cfg.seed,
         "role": cfg.role, "baseline": cfg.baseline,
@@ -101,9 +102,8 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
         "params": spec.params, "budget": spec.budget, "budget_mode": cfg.budget.mode, "mismatch": spec.mismatch,
         "mismatch_total": spec.mismatch_total,
         "pending": spec.pending, "depends_on": spec.depends_on,
-        "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": spec.gpu_hours(),
-        "nodes": cfg.cluster.nodes, "devices": devices(spec),
-        "wall_days": None if spec.gpu_hours() is None else spec.gpu_hours() / 24 / devices(spec),
+        "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": hours,
+        "nodes": cfg.cluster.nodes, "devices": n, "wall_days": None if hours is None else hours / 24 / n,
         **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
         "tuned": asdict(spec.tuned) if spec.tuned is not None else None,
         "points": [asdict(p) for p in spec.points], "trunk": spec.trunk,
