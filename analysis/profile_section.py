@@ -22,7 +22,6 @@ from analysis import run_table
 from analysis.render import Block, Heading, Paragraph, Plot, Table
 from study.config.geometry import GEOMETRIES, STATISTICS
 from study.track.query import open_store
-from study.config.model import LEGACY_KEYS
 from study.config.run import Role
 from study.geometry.allocate import reversed_profile
 from study.geometry.direction import BALANCED, depth_centre, direction
@@ -35,8 +34,8 @@ FIGURE = "reference_profile.png"
 
 
 REVERSE = "model.ffn.schedule.reverse"
-_LEGACY_REVERSE = next(old for old, new in LEGACY_KEYS.items() if new == REVERSE)
-"""The param runs logged the reverse flag under before the schedule was a mapping (`geometry.anti`)."""
+OLD_REVERSE = "geometry.anti"
+"""The param runs logged the reverse flag under before the schedule was a mapping: older stores still read."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +146,7 @@ def _arms(client, runs: pd.DataFrame) -> list[Arm]:
         params = client.get_run(row.run_id).data.params
         widths = params.get("resolved.ffn_widths")
         arms.append(Arm(row.scale, row.variant, params["geometry.statistic"], params["geometry.geometry"],
-                        params.get(REVERSE, params.get(_LEGACY_REVERSE, "false")) == "true",
+                        params.get(REVERSE, params.get(OLD_REVERSE, "false")) == "true",
                         json.loads(widths) if widths not in (None, "null") else None))
     return arms
 

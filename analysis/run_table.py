@@ -111,7 +111,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     exp_id = experiment_id(store, experiment)
     listed = read(lambda: list(all_runs(store, exp_id)), resolve_tracking_uri(tracking_uri or ""), "runs")
     rows = [row for row in map(_row, listed) if row is not None]
-    current = (None, str(SCHEMA_VERSION))  # untagged: runs written by other tools (analysis.synthetic)
+    current = (None, str(SCHEMA_VERSION))  # untagged: runs written by other tools (benchmarks.synthetic_store)
     other = [row for row in rows if row["key_schema"] not in current]
     left_out = (f"Left out {len(other)} run(s) of another key schema (this version's is {SCHEMA_VERSION}): "
                 + ", ".join(f"{r['run_name']} (schema {r['key_schema']})" for r in other)

@@ -1,6 +1,6 @@
 """`study report` over a synthetic store of 125 runs with full curves, against a naive read of the same runs.
 
-The store: `analysis.synthetic.synthetic_store`, 5 variants x 5 scales x 5 seeds, every run logging train/loss and
+The store: `benchmarks.synthetic_store.synthetic_store`, 5 variants x 5 scales x 5 seeds, every run logging train/loss and
 train/lr at every step, val/loss and val/ppl every steps/20, six eval/* scores (not timed).
 ours: `analysis.report.build_report` end to end (one search_runs for the finals, val/loss histories for the curve
 plot, paired statistics with 9999 bootstrap resamples, scaling fits, plots, markdown + HTML, logged to MLflow).
@@ -24,7 +24,7 @@ SEEDS = 5
 def run(quick: bool) -> list[dict]:
     from analysis.report import build_report
     from analysis.run_table import read_curves, read_runs
-    from analysis.synthetic import synthetic_store
+    from benchmarks.synthetic_store import synthetic_store
     from study.track.store import mlflow_client
 
     steps = 200 if quick else 1000

@@ -109,9 +109,9 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     p.add_argument("--profile", required=True, help="profile.json written by `study profile`")
     p.add_argument("--statistic", default="topo", choices=["shift", "gw", "topo"])
     p.add_argument("--geometry", default="hyperbolic", choices=["raw", "spherical", "hyperbolic"])
-    p.add_argument("--reverse", "--anti", dest="reverse", action="store_true",
+    p.add_argument("--reverse", dest="reverse", action="store_true",
                    help="reflect the allocated widths against their direction (model.ffn.schedule.reverse: the anti "
-                        "control; --anti is its older spelling)")
+                        "control)")
     p.add_argument("--budget-from", required=True, help="EXPERIMENT:SCALE whose budget the widths must meet")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=handlers["allocate"])

@@ -164,7 +164,7 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
     from analysis.profile_section import reference_profile_section
     from analysis.report import build_report
     from analysis.run_table import read_runs
-    from analysis.synthetic import synthetic_store
+    from benchmarks.synthetic_store import synthetic_store
 
     root = tmp_path_factory.mktemp("store")
     uri, experiment = f"sqlite:///{root / 'mlflow.db'}", "geometry_profile"

@@ -17,7 +17,7 @@ from analysis.paired import paired_deltas
 from analysis.report import build_report
 from analysis.run_table import experiment_id, read_runs
 from study.track.query import open_store
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 

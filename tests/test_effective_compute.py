@@ -17,7 +17,7 @@ from analysis.compute import FLOPS_TIMES_TOKENS, SIX_N_D, effective_compute, tra
 from analysis.report import build_report
 from analysis.run_table import read_runs
 from analysis.scaling import fit_variant
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 from analysis.time_to_target import first_reach, time_to_target
 from study.config.decision import DecisionRule
 

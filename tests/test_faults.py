@@ -177,7 +177,7 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
 def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(workdir):
     from mlflow import MlflowClient
 
-    from study.track.server import start_server
+    from mlflow_server import start_server
 
     server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
     try:

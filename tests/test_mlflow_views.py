@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from analysis.report import build_report
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 from study import schema
 from study.track.groups import parent_for, refresh
 from study.track.lineage import DATASET_CONTEXT, PARENT, dataset_input

@@ -11,7 +11,7 @@ import yaml
 
 from analysis.published import delta_nats, published_figures
 from analysis.report import build_report
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 from conftest import ROOT
 from study.cli import main
 from study.errors import StudyError

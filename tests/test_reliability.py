@@ -105,7 +105,7 @@ def test_a_finished_run_trained_against_an_empty_store_brings_every_point(workdi
 
 @pytest.mark.mlflow_server
 def test_an_outage_then_a_kill_loses_no_point(workdir):
-    from study.track.server import start_server
+    from mlflow_server import start_server
 
     server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
     cmd = ["train", *RUN, "train.max_steps=24", "train.ckpt_interval=2", "faults.sleep_per_step=0.25",

@@ -12,7 +12,7 @@ import pytest
 
 from analysis.report import build_report
 from analysis.run_table import read_runs
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 from study.errors import StudyError
 
 # one worker builds the module's expensive fixtures once (xdist would build them on each worker it splits onto)

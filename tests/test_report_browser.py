@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from analysis.report import build_report
-from analysis.synthetic import synthetic_store
+from benchmarks.synthetic_store import synthetic_store
 
 pytestmark = pytest.mark.xdist_group("report")
 

@@ -167,8 +167,7 @@ def test_an_adhoc_run_is_named_after_its_presets():
 
 
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):
-    # a field under its old name (now model.ffn.schedule.start) reads on both paths
-    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2", "model.ffn.cosine_start=1.25"]
+    over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2", "model.ffn.schedule.start=1.25"]
     out = subprocess.run([sys.executable, "-m", "study.cli", "train", *over, "--cfg", "job"], cwd=workdir,
                          capture_output=True, text=True, env=os.environ, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -270,9 +269,9 @@ def test_status_and_report_find_a_launch_without_its_overrides(tiny_experiment, 
     assert "nothing to submit" in seen[-1]
 
 
-def test_the_role_is_declared_checked_and_read_under_its_old_name():
+def test_the_role_is_declared_checked_and_refused_under_its_old_name():
     """`role` holds one of `Role`'s values (calibrate included); a config built in code with another is refused by
-    name, and an override or file saying `stage` (the field's former name) still sets it, without moving the key."""
+    name, and an override saying `stage` (the field's former name) is refused naming `role`."""
     from dataclasses import replace
 
     from study.config.compose import compose
@@ -280,10 +279,12 @@ def test_the_role_is_declared_checked_and_read_under_its_old_name():
     from study.config.validate import validate_run
 
     assert [r.value for r in Role] == ["train", "reference", "scheduled", "tune", "calibrate", "trunk", "branch"]
-    old = compose(overrides=["scale=tiny", "stage=reference"])
+    with pytest.raises(StudyError) as err:
+        compose(overrides=["scale=tiny", "stage=reference"])
+    assert err.value.field == "stage" and "renamed to role" in err.value.problem
     new = compose(overrides=["scale=tiny", "role=reference"])
-    assert old.role == new.role == Role.reference
-    assert run_key(old) == run_key(new) == run_key(compose(overrides=["scale=tiny"]))
+    assert new.role == Role.reference
+    assert run_key(new) == run_key(compose(overrides=["scale=tiny"]))
     validate_run(replace(new, role=Role.calibrate))
     with pytest.raises(StudyError) as err:
         validate_run(replace(RunConfig(), role="finetune"))

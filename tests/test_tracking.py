@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from study.errors import StudyError
-from study.track.server import start_server
+from mlflow_server import start_server
 from study.track.null import NullTracker
 from study.track.tracker import Tracker, TrackingConfig, flatten, resolve_tracking_uri
 

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from analysis.report import build_report
 from analysis.run_table import read_runs, read_study
-from analysis.synthetic import BASE_LR, synthetic_store, synthetic_tune_runs
+from benchmarks.synthetic_store import BASE_LR, synthetic_store, synthetic_tune_runs
 from study.track.groups import summary
 from study.track.query import write_manifest_tags
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY
+from study.config.compose import compose
 from study.cli import main
 from study.errors import StudyError
 from study.plan.planner import plan_adhoc, plan_experiment
@@ -157,22 +158,29 @@ def test_the_widths_experiment_plans_every_family_and_shows_widths_and_heads(cap
     assert f"{openelm['model']['ffn']['widths'][0]}..{openelm['model']['ffn']['widths'][-1]}" in out
 
 
-def test_the_old_string_form_and_fields_keep_their_keys():
-    """Keys pinned under key schema 4: the fields under their old names (before the schedule was a mapping) and in
-    their new places give the same run."""
+def test_fields_under_their_old_names_are_refused_naming_the_new_one_and_keys_did_not_move():
+    """Keys pinned under key schema 4 when the fields had their old names (before the schedule was a mapping): the
+    fields in their new places give the same keys, and the old names are refused naming the new ones."""
     pinned = {
-        ("model=tapered", "model.ffn.cosine_start=2.0"): ("model.ffn.schedule.start=2.0", "426ee52aaf44"),
-        ("model=tapered", "model.ffn.cosine_end=0.25", "model.ffn.multiple_of=8"):
-            ("model.ffn.schedule.end=0.25", "f721761d045d"),
-        ("model=uniform", "model.ffn.cosine_start=3.0"): ("model.ffn.schedule.start=3.0", "b18e152a6420"),
-        ("model.ffn.schedule=cosine",): ("model.ffn.schedule={family: cosine}", "8d7f4843591d"),
-        ("model.ffn.schedule=explicit", "model.ffn.widths=[100,200,300,400]"):
-            ("model.ffn.schedule.family=explicit", "7eaf9e79e97b"),
+        ("model=tapered", "model.ffn.schedule.start=2.0"): ("model.ffn.cosine_start=2.0", "426ee52aaf44"),
+        ("model=tapered", "model.ffn.schedule.end=0.25", "model.ffn.multiple_of=8"):
+            ("model.ffn.cosine_end=0.25", "f721761d045d"),
+        ("model=uniform", "model.ffn.schedule.start=3.0"): ("model.ffn.cosine_start=3.0", "b18e152a6420"),
+        ("model.ffn.schedule={family: cosine}",): (None, "8d7f4843591d"),
+        ("model.ffn.schedule.family=explicit", "model.ffn.widths=[100,200,300,400]"): (None, "7eaf9e79e97b"),
     }
-    for legacy, (new, key) in pinned.items():
-        a = plan_adhoc(["scale=tiny", *legacy])
-        b = plan_adhoc(["scale=tiny", *(o for o in legacy if "cosine_" not in o and "schedule=" not in o), new])
-        assert a.key == b.key == key and a.model.ffn.widths == b.model.ffn.widths, legacy
+    for current, (old, key) in pinned.items():
+        assert plan_adhoc(["scale=tiny", *current]).key == key, current
+        if old is not None:
+            with pytest.raises(StudyError) as err:
+                plan_adhoc(["scale=tiny", old])
+            new = current[1] if "multiple_of" in current[-1] else current[-1]
+            assert err.value.field == old.split("=")[0] and new.split("=")[0] in err.value.problem
+    with pytest.raises(StudyError) as err:
+        compose(layers=[({"geometry": {"anti": True}}, "a user's file")])
+    assert err.value.field == "geometry.anti" and "model.ffn.schedule.reverse" in err.value.problem
+    assert "a user's file" in err.value.problem
+    # the family alone is the short form of the schedule: same run
     string = plan_adhoc(["scale=tiny", "model.ffn.schedule=cosine"])
     assert string.model.ffn.schedule.family == "cosine"
     assert string.key == plan_adhoc(["scale=tiny", "model.ffn.schedule={family: cosine}"]).key
@@ -183,23 +191,29 @@ def test_the_old_string_form_and_fields_keep_their_keys():
 
 
 @pytest.mark.parametrize("name", ["spec_v3_tapered.json", "spec_v3_anti.json"])
-def test_a_run_spec_of_key_schema_3_is_refused_by_name_and_its_config_still_upgrades(name):
-    """run.json files of key schema 3 (a string schedule, cosine_start/cosine_end, geometry.anti) trained with a
-    per-arm init and recipe: read_spec names both schemas instead of resuming them as schema-4 runs; the config they
-    hold still reads in the current shape (users' files keep the legacy form)."""
+def test_a_run_spec_of_key_schema_3_is_refused_by_name(name):
+    """run.json files of key schema 3 (a string schedule, cosine_start/cosine_end, geometry.anti): read_spec names both
+    schemas instead of resuming them as schema-4 runs."""
     from conftest import ROOT
-    from study.config.model import upgrade_legacy
     from study.config.spec import read_spec
 
     with pytest.raises(StudyError) as err:
         read_spec(ROOT / "tests" / "golden" / name)
     assert err.value.field == "run spec" and "key schema 3" in err.value.problem and "uses 4" in err.value.problem
-    raw = json.loads((ROOT / "tests" / "golden" / name).read_text())["config"]
-    upgraded = upgrade_legacy(raw)["model"]["ffn"]["schedule"]
-    assert upgraded["family"] == raw["model"]["ffn"]["schedule"]
-    assert upgraded["start"] == raw["model"]["ffn"]["cosine_start"]
-    assert upgraded.get("reverse", False) == raw["geometry"]["anti"]
-    assert upgrade_legacy(raw)["role"] == raw["stage"] and "stage" not in upgrade_legacy(raw)
+
+
+def test_a_run_spec_holding_a_field_under_its_old_name_is_refused_naming_file_and_new_name(tmp_path):
+    from study.config.spec import read_spec, write_spec
+
+    spec = plan_adhoc(["scale=tiny", f"paths.runs={tmp_path}"])
+    path = write_spec(spec)
+    raw = json.loads(path.read_text())
+    raw["config"]["stage"] = raw["config"].pop("role")
+    path.write_text(json.dumps(raw))
+    with pytest.raises(StudyError) as err:
+        read_spec(path)
+    assert err.value.field == "stage" and "role" in err.value.problem and str(path) in err.value.problem
+
 
 
 @pytest.mark.parametrize("override,field", [

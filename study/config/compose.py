@@ -3,9 +3,9 @@
 Every path composes here: `study plan/launch/status/report` (per variant and scale of an experiment), `study train`,
 and `python -m study.train` (Hydra expands sweeps and launchers, then hands each job's task overrides to `compose`).
 Order: the primary `sweeps/train.yaml` body <- the selected group files (scale, model, train, data, cluster) <-
-caller layers (an experiment's identity, shared and per-variant settings) <- the overrides. Every layer is first
-brought to the current shape (`study.config.model.upgrade_legacy`: `model.ffn.schedule: cosine` and the old cosine and
-anti fields).
+caller layers (an experiment's identity, shared and per-variant settings) <- the overrides. A layer may name a
+schedule's family alone (`model.ffn.schedule: cosine`); a field under a name it no longer has (`RENAMED`) is refused
+naming the new one.
 
 Overrides follow Hydra's grammar: `key=value`, `+key=value`, `++key=value` set a field; `~key` restores its typed
 default; `group=option` selects a file and `~group` drops the selection. The typed config has a fixed schema, so a
@@ -22,12 +22,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.config.model import LEGACY_KEYS, upgrade_dotted, upgrade_legacy
 from study.config.run import RunConfig
 from study.errors import StudyError
 from study.schema import NAME, check_name
 
 GROUPS = ("scale", "model", "train", "data", "cluster")
+
+RENAMED = {"model.ffn.cosine_start": "model.ffn.schedule.start", "model.ffn.cosine_end": "model.ffn.schedule.end",
+           "geometry.anti": "model.ffn.schedule.reverse", "train.eval_interval": "train.val_interval",
+           "train.eval_batches": "train.val_batches", "stage": "role"}
+"""Fields renamed since key schema 3, old -> new dotted name: the old name is refused, naming the new one. Keys did
+not move: study/config/identity.py hashes the schedule's fields under the names they had then."""
+
+SCHEDULE = "model.ffn.schedule"
+
+
+def refuse_renamed(node: Any, where: str) -> None:
+    """StudyError naming the new name when a nested mapping (a config layer, a run spec's config) holds an old one."""
+    for old, new in RENAMED.items():
+        *parents, leaf = old.split(".")
+        inner = node
+        for p in parents:
+            inner = inner.get(p) if isinstance(inner, dict) else None
+        if isinstance(inner, dict) and leaf in inner:
+            raise StudyError(old, f"was renamed to {new} (in {where})", f"write {new} instead (the run key is the same)")
+
+
+def with_family(node: dict) -> dict:
+    """`model.ffn.schedule: cosine` (the family alone) as `{family: cosine}`; the caller's mapping is left as it is."""
+    ffn = (node.get("model") or {}).get("ffn") if isinstance(node.get("model"), dict) else None
+    if not isinstance(ffn, dict) or not isinstance(ffn.get("schedule"), str):
+        return node
+    return {**node, "model": {**node["model"], "ffn": {**ffn, "schedule": {"family": ffn["schedule"]}}}}
 
 
 def sweeps_dir() -> Path:
@@ -158,9 +184,17 @@ def typed_defaults():
     return OmegaConf.structured(RunConfig)
 
 
+def _refuse_renamed_key(key: str) -> None:
+    if key in RENAMED:
+        raise StudyError(key, f"was renamed to {RENAMED[key]}", f"write {RENAMED[key]} instead (the run key is the same)")
+
+
 def nested(dotted: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in upgrade_dotted(dotted).items():
+    for key, value in dotted.items():
+        _refuse_renamed_key(key)
+        if key == SCHEDULE and isinstance(value, str):
+            key = SCHEDULE + ".family"
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -187,6 +221,7 @@ def merge_checked(base: Any, node: Any, where: str):
 def _default_of(dotted: str) -> Any:
     from omegaconf import OmegaConf
 
+    _refuse_renamed_key(dotted)
     node = typed_defaults()
     value = OmegaConf.select(node, dotted, default="<missing>")
     if isinstance(value, str) and value == "<missing>":
@@ -217,9 +252,10 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
                   "the selected presets"))
     nodes += list(layers or [])
     nodes.append((nested(ov.values), "the command-line overrides"))
-    reset = [LEGACY_KEYS.get(k, k) for k in ov.reset]
-    nodes.append((nested({k: _default_of(k) for k in reset}), "the `~` overrides"))
-    nodes = [(upgrade_legacy(node), where) for node, where in nodes]
+    nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
+    for node, where in nodes:
+        refuse_renamed(node, where)
+    nodes = [(with_family(node), where) for node, where in nodes]
     # One typed merge of the plain layers is fast; per-layer merges only run to name the culprit.
     try:
         merged = OmegaConf.merge(typed_defaults(), *(n for n, _ in nodes))

@@ -118,7 +118,7 @@ def placement(dotted: str) -> tuple[str, str]:
 SCHEDULE = "model.ffn.schedule."
 FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
                 SCHEDULE + "end": "model.ffn.cosine_end"}
-"""Fields moved since key schema 3 (study.config.model.LEGACY_KEYS), hashed under the names they had then."""
+"""Fields moved since key schema 3 (study.config.compose.RENAMED), hashed under the names they had then."""
 ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data_seed", "model.init", "model.init_depth", "model.qk_norm",
                    "train.final_lr", "train.qk_norm_decay", "train.embedding_decay",
                    *("model.rope_scaling." + f for f in ("factor", "low_freq_factor", "high_freq_factor",

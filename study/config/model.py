@@ -25,8 +25,8 @@ class WidthSchedule:
     """A per-layer width schedule: a named family and its few parameters. The family fixes the shape of the widths
     across depth (and, for `layerwise` with `alpha`, the heads per layer); the budget matcher fixes their scale.
 
-    One line of a variant: `model.ffn.schedule: {family: sigmoid, start: 1.5, end: 0.5, steepness: 8}`; the old
-    string form `model.ffn.schedule: cosine` names the family alone (see `upgrade_legacy`).
+    One line of a variant: `model.ffn.schedule: {family: sigmoid, start: 1.5, end: 0.5, steepness: 8}`; the
+    short form `model.ffn.schedule: cosine` names the family alone (study.config.compose reads it).
     """
 
     family: str = "uniform"
@@ -204,63 +204,3 @@ class ModelConfig:
         total = self.ffn.widths[layer]
         k = self.ffn.k
         return [total // k + (1 if i < total % k else 0) for i in range(k)]
-
-
-
-LEGACY_KEYS = {"model.ffn.cosine_start": "model.ffn.schedule.start", "model.ffn.cosine_end": "model.ffn.schedule.end",
-               "geometry.anti": "model.ffn.schedule.reverse",
-               "train.eval_interval": "train.val_interval", "train.eval_batches": "train.val_batches",
-               "stage": "role"}
-"""Fields that moved or were renamed, by dotted name, old -> new: those of the first config (key schema 3) that now
-live in the `WidthSchedule`, the validation cadence (`val_*`: `eval` is lm-eval's word) and the run's role (`stage`:
-a stage is a step of the pipeline, a role what a run is in it). Old names keep working in overrides, users' files and
-stored run specs."""
-
-
-def _pop(node: dict, dotted: str):
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-        node = node.get(p) if isinstance(node, dict) else None
-    if isinstance(node, dict) and leaf in node:
-        return True, node.pop(leaf)
-    return False, None
-
-
-def _put(node: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-        if not isinstance(node.get(p), dict):
-            node[p] = {}
-        node = node[p]
-    node[leaf] = value
-
-
-def upgrade_legacy(node: dict) -> dict:
-    """A config mapping (a composer layer, or a stored run spec's config) in the current shape: `model.ffn.schedule:
-    cosine` becomes `{family: cosine}` and the fields of `LEGACY_KEYS` move to their new place. Shipped sweeps, users'
-    files and run specs written before the schedule was a mapping keep working, and keep their run keys
-    (study/config/identity.py hashes the schedule under these old names)."""
-    import copy
-
-    if not isinstance(node, dict):
-        return node
-    out = copy.deepcopy(node)
-    found, family = _pop(out, "model.ffn.schedule")
-    if found:
-        _put(out, "model.ffn.schedule", family if isinstance(family, dict) else {"family": family})
-    for old, new in LEGACY_KEYS.items():
-        found, value = _pop(out, old)
-        if found:
-            _put(out, new, value)
-    return out
-
-
-def upgrade_dotted(dotted: dict) -> dict:
-    """Dotted settings (overrides, an experiment's `set`) in the current shape, so that the old string form mixes
-    with the new fields: `model.ffn.schedule=sigmoid model.ffn.schedule.steepness=3`."""
-    out = {}
-    for key, value in dotted.items():
-        if key == "model.ffn.schedule" and isinstance(value, str):
-            key = "model.ffn.schedule.family"
-        out[LEGACY_KEYS.get(key, key)] = value
-    return out

@@ -49,7 +49,7 @@ class RunConfig:
     """Variant this run is paired against in the report."""
     role: Role = Role.train
     """The run's role in the pipeline, one of `Role` (train, reference, scheduled, tune, calibrate); set by the
-    planner for an experiment's runs. Older files and overrides may say `stage` (study.config.model.LEGACY_KEYS)."""
+    planner for an experiment's runs. The old name `stage` is refused, naming this one."""
     scale: str = "tiny"
     """Scale preset name."""
     seed: int = 0

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from study.config.compose import refuse_renamed
 from study.config.identity import SCHEMA_VERSION
-from study.config.model import upgrade_legacy
 from study.config.recipe import PENDING, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
 from study.errors import StudyError
@@ -192,7 +192,7 @@ def read_spec(path: Path | str) -> RunSpec:
         found = raw.get("schema") if isinstance(raw, dict) else None
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
-    raw["config"] = upgrade_legacy(raw.get("config"))  # a spec written before the schedule was a mapping
+    refuse_renamed(raw.get("config"), str(path))
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunSpec), raw)
         spec = OmegaConf.to_object(node)

@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from study.config.compose import GROUPS, Overrides, compose, group_options, nested, parse_overrides
+from study.config.compose import GROUPS, RENAMED, Overrides, compose, group_options, nested, parse_overrides
 from study.config.identity import run_key
-from study.config.model import LEGACY_KEYS
 from study.config.run import Role, RunConfig, run_name
 from study.config.recipe import PENDING, Tuned
 from study.config.spec import RunSpec, finished_loss
@@ -121,7 +120,7 @@ def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, 
     """Overrides for every run, and per-variant ones (`variants.hourglass.model.ffn.k=8`)."""
     ov = parse_overrides(items)
     for key in ov.keys():
-        if LEGACY_KEYS.get(key, key).split(".")[0] in OWNED:
+        if key.split(".")[0] in OWNED:
             raise StudyError(key, f"is set by the experiment file {exp.name}.yaml for each of its runs",
                              "select runs with --variant/--scale/--seed (study plan, status), change the experiment "
                              "file, or set a variant's own value with variants.<name>.<key>=value, "
@@ -133,7 +132,10 @@ def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, 
         if len(parts) < 3 or parts[1] not in names:
             raise StudyError(key, f"names no variant of {exp.name}" if len(parts) == 3 else "sets no field",
                              f"write variants.<name>.<key>=value with a name from {', '.join(names)}")
-        if LEGACY_KEYS.get(parts[2], parts[2]).split(".")[0] in OWNED:
+        if parts[2] in RENAMED:
+            raise StudyError(key, f"was renamed to variants.{parts[1]}.{RENAMED[parts[2]]}",
+                             "write the new name instead (the run key is the same)")
+        if parts[2].split(".")[0] in OWNED:
             raise StudyError(key, "sets a field the experiment file owns", "change the experiment file instead")
         per_variant.setdefault(parts[1], {})[parts[2]] = ov.values.pop(key)
     return ov, per_variant

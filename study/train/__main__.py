@@ -17,20 +17,12 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from study.config.compose import sweeps_dir
-    from study.config.model import LEGACY_KEYS
     from study.config.run import RunConfig
 
     # Hydra composes the tree here only to expand sweeps and launchers: each job's config is composed and checked again
-    # by study's composer (plan_adhoc), which also reads the old forms of config files (a string `schedule`,
-    # `cosine_start`, `geometry.anti`, study.config.model.upgrade_legacy). So the schema Hydra sees holds the typed
-    # defaults as plain values: every key is known (a misspelt one is still refused), no type blocks an old form.
+    # by study's composer (plan_adhoc), which also reads a schedule named by its family alone. So the schema Hydra sees
+    # holds the typed defaults as plain values: every key is known (a misspelt one is still refused).
     schema = OmegaConf.to_container(OmegaConf.structured(RunConfig))
-    for old in LEGACY_KEYS:
-        *parents, leaf = old.split(".")
-        node = schema
-        for p in parents:
-            node = node[p]
-        node[leaf] = None
     ConfigStore.instance().store(name="run_schema", node=schema)
 
     @hydra.main(version_base=None, config_path=str(sweeps_dir()), config_name="train")

@@ -1,10 +1,10 @@
-"""A real `mlflow server` in its own process group: started on a free port, health-checked, stopped as a group.
+"""The tests' MLflow server: a real `mlflow server` in its own process group: started on a free port, health-checked, stopped as a group.
 
 `mlflow server` runs uvicorn as a child process, and SIGTERM to the CLI alone leaves that child serving, so
 stopping signals the whole group, then SIGKILLs it after a grace period. The server's job runner (GenAI jobs: a pool of
 huey consumers that doubles start time on 2 cores) is off unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION says otherwise.
 
-    python -m study.mlflow_server --backend sqlite:///$PWD/mlflow.db --artifacts $PWD/mlartifacts --port 5000
+    python tests/mlflow_server.py --backend sqlite:///$PWD/mlflow.db --artifacts $PWD/mlartifacts --port 5000
 
 prints the URI, then serves until SIGTERM or Ctrl-C.
 """
@@ -200,7 +200,7 @@ def start_server(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m study.mlflow_server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tests/mlflow_server.py", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=f"sqlite:///{Path.cwd() / 'mlflow.db'}", help="backend store URI")
     parser.add_argument("--artifacts", default=str(Path.cwd() / "mlartifacts"), help="artifact directory")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind")

@@ -200,7 +200,7 @@ def _log_run(client, exp_id: str, name: str, study_tags: dict, params: dict, fin
         points += _evals(final, eval_tasks, steps, t0 + steps * 1000, rng)
     params = [Param(key, str(value)) for key, value in params.items()]
     metrics = [Metric(key, value, ts, step) for key, value, ts, step in points]
-    tags = [RunTag("mlflow.source.name", "analysis.synthetic")]
+    tags = [RunTag("mlflow.source.name", "benchmarks.synthetic_store")]
     if status == "FAILED":
         tags.append(RunTag(schema.TAG_FAILURE_REASON, "synthetic: loss became NaN"))
     # Each log_batch is one SQLite commit (1000 entities at most): params and tags ride in the first.
