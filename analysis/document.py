@@ -19,6 +19,7 @@ from analysis.race_report import race_blocks
 from analysis.result import Analysis
 from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
+from study.schema import TAG_EVAL, TAG_LR_SOURCE
 from analysis.surface import SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
@@ -115,7 +116,7 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
                              "scale) beside the items scored and the accuracy of a random guess on them (the mean of "
                              "1 / the number of choices), the paired Δ over seeds and items, and a two-level bootstrap "
                              "interval that resamples seeds, then items (analysis.items). Scores are each run's "
-                             "evaluation of record, the one with its configured eval settings (tag study.eval.<task>); "
+                             f"evaluation of record, the one with its configured eval settings (tag {TAG_EVAL}<task>); "
                              "re-evaluations with another limit or few-shot count are never used."),
                    Table(["task", "score", "scale", "variant", "seeds", "items", "chance", f"{a.baseline} mean",
                           "variant mean", "Δ", "seed × item 95% CI"],
@@ -548,7 +549,7 @@ def _mean_sd(values: pd.Series) -> str:
 
 
 _TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tune runs found best "
-          "(study.lr_source = tune)")
+          f"({TAG_LR_SOURCE} = tune)")
 
 _METHOD = (
     "Runs are paired by (scale, seed): paired runs share data order and initialisation, so the per-seed "

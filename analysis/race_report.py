@@ -1,7 +1,7 @@
 """The report's racing section: at which branch point each arm stopped, on which interval, and the GPU-hours that saved.
 
 The race is decided while the study trains (study.launch.racing); its record is the experiment's MLflow run tagged
-`study.stage=racing`, artifact `racing.json`: every rung's verdicts (analysis.racing.RungVerdict without the full
+`study.role=racing`, artifact `racing.json`: every rung's verdicts (analysis.racing.RungVerdict without the full
 decision row) and the stops with the GPU-hours their arms did not train (analysis.racing.hours_saved).
 """
 
@@ -11,7 +11,8 @@ import json
 import math
 
 from analysis.render import Block, Heading, Paragraph, Table
-from study.schema import STAGE_RACING, TAG_STAGE
+from study.schema import ROLE_RACING
+from study.track.query import runs_with_role
 
 RACE_ARTIFACT = "racing.json"
 """Artifact of the racing run holding the record."""
@@ -21,8 +22,8 @@ def read_race(client, experiment_id: str) -> dict | None:
     """The race's record, None when the experiment never raced (or its record has not reached MLflow)."""
     import tempfile
 
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STAGE}` = '{STAGE_RACING}'",
-                               order_by=["attributes.start_time DESC"], max_results=1)
+    found = runs_with_role(client, [experiment_id], ROLE_RACING, order_by=["attributes.start_time DESC"],
+                           max_results=1)
     if not found:
         return None
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """``study report``: an experiment's runs turned into paired deltas, intervals, scaling fits and plots.
 
 Writes ``<out_dir>/<experiment>/`` (report.md, self-contained report.html, report.json, pairs.csv, PNGs) and
-logs the same files to one experiment-level MLflow run named ``report`` (tag ``study.stage=report``), reused
+logs the same files to one experiment-level MLflow run named ``report`` (tag ``study.role=report``), reused
 every time the experiment is reported again.
 """
 
@@ -34,7 +34,7 @@ from analysis.tuning import TRANSFER, tune_curves, verdict_pairs
 from study import schema
 from study.config.decision import DecisionRule
 from study.errors import StudyError
-from study.track.query import open_store
+from study.track.query import open_store, runs_with_role
 from study.track.store import resolve_tracking_uri
 
 REPORT_RUN_NAME = "report"
@@ -213,7 +213,7 @@ def choose_baseline(runs: pd.DataFrame, baseline: str | None) -> str:
     if baseline is None:
         tagged = Counter(runs["baseline"].dropna())
         if len(tagged) != 1:
-            problem = ("no run carries a study.baseline tag" if not tagged
+            problem = (f"no run carries a {schema.TAG_BASELINE} tag" if not tagged
                        else f"runs name different baselines ({dict(tagged)})")
             raise StudyError("baseline", problem, f"pass --baseline with one of: {', '.join(variants)}")
         baseline = next(iter(tagged))
@@ -327,12 +327,12 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
     """
     mlflow_client = open_store(uri, required=True)
     exp_id = run_table.experiment_id(mlflow_client, experiment)
-    found = mlflow_client.search_runs([exp_id], filter_string=f"tags.`{schema.TAG_STAGE}` = '{schema.STAGE_REPORT}'",
-                                      order_by=["attributes.start_time ASC"], max_results=1)
+    found = runs_with_role(mlflow_client, [exp_id], schema.ROLE_REPORT, order_by=["attributes.start_time ASC"],
+                           max_results=1)
     if found:
         run_id = found[0].info.run_id
     else:
-        tags = {schema.TAG_STAGE: schema.STAGE_REPORT, schema.TAG_EXPERIMENT: experiment}
+        tags = {schema.TAG_ROLE: schema.ROLE_REPORT, schema.TAG_EXPERIMENT: experiment}
         run_id = mlflow_client.create_run(exp_id, run_name=REPORT_RUN_NAME, tags=tags).info.run_id
     from mlflow.entities import RunTag
 

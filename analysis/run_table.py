@@ -23,7 +23,7 @@ from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
 from study.plan.fairness import shared as is_shared
-from study.schema import NOT_TRAINING, TAG_BRANCH_AT, TAG_KEY_SCHEMA, TAG_STAGE, TAG_TRUNK_KEY
+from study.schema import NOT_TRAINING, TAG_BRANCH_AT, TAG_KEY_SCHEMA, TAG_TRUNK_KEY, role_of
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
@@ -67,11 +67,11 @@ class StudyRuns:
     """Main runs at the shared LR beside tuned ones (for verdicts side by side; branch ends too, in a branched
     experiment); None unless the store holds both."""
     tune: pd.DataFrame
-    """Tune runs (``study.stage=tune``): points of an LR grid, never paired, decided on or fitted."""
+    """Tune runs (``study.role=tune``): points of an LR grid, never paired, decided on or fitted."""
     branches: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """Every decay branch (``study.stage=branch``) at every point, of the same LR source as :attr:`runs`: what the
+    """Every decay branch (``study.role=branch``) at every point, of the same LR source as :attr:`runs`: what the
     L(N, D) fits read (:mod:`analysis.surface`); empty for an experiment without branches. Trunks
-    (``study.stage=trunk``) are in no frame: a trunk's last loss is not the end of a schedule, so it is never
+    (``study.role=trunk``) are in no frame: a trunk's last loss is not the end of a schedule, so it is never
     paired, decided on or fitted."""
     notes: tuple[str, ...] = ()
     """Lines for the report to print: the runs left out for another key schema, the (variant, scale) cells with no
@@ -87,15 +87,15 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
 def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     """Every training run of ``experiment``, unfinished ones included with their status, from one paged query.
 
-    Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.stage`` tag), baseline, status,
+    Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.role`` tag), baseline, status,
     failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
     trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), at and trunk_key
     (a decay branch's point and trunk; NaN and None for other runs), shared_fields (the hashed fields every arm
     shares, as logged: JSON), then one column per final
     metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
-    Report runs (``study.stage=report``), parent runs (``study.stage=group``) and runs without the study's
+    Report runs (``study.role=report``), parent runs (``study.role=group``) and runs without the study's
     variant/scale/seed tags are not training runs and are left out, and so are the trunks of decay branches
-    (``study.stage=trunk``). Runs split three ways: tune runs, main runs at
+    (``study.role=trunk``). Runs split three ways: tune runs, main runs at
     a tuned LR, main runs at the shared LR; in a branched experiment the main runs decided on are the branches at
     the largest point, and every branch is in :attr:`StudyRuns.branches`. When `study launch` recorded a manifest, each of the three is the last
     launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
@@ -164,7 +164,7 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
             "experiment",
             f"every training run of MLflow experiment {experiment!r} failed ({len(runs)} FAILED; {named}"
             + ("; ..." if len(runs) > 3 else "") + ")",
-            "each run's reason is its MLflow tag study.failure_reason and its job output is among its artifacts "
+            f"each run's reason is its MLflow tag {schema.TAG_FAILURE_REASON} and its job output is among its artifacts "
             f"(`study status {experiment}` lists the runs); fix the cause and relaunch (`study launch {experiment}`)",
         )
     runs, diverged = _without_infinite_finals(runs)
@@ -175,8 +175,8 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
         diverged = " ".join(n for n in (diverged, also) if n)
     cells = set(zip(runs["variant"], runs["scale"]))
     missing = [f"{v} at {s}" for s in scale_order(runs) for v in sorted(set(runs["variant"])) if (v, s) not in cells]
-    bad_seeds = (f"Left out {len(unseeded)} run(s) whose study.seed tag is not a whole number: "
-                 + ", ".join(f"{r['run_name']} (study.seed={r['seed_tag']!r})" for r in unseeded)
+    bad_seeds = (f"Left out {len(unseeded)} run(s) whose {schema.TAG_SEED} tag is not a whole number: "
+                 + ", ".join(f"{r['run_name']} ({schema.TAG_SEED}={r['seed_tag']!r})" for r in unseeded)
                  + "; set the tag to the run's seed in MLflow, or delete the run" if unseeded else "")
     notes = tuple(note for note in (_branched(runs, branches), unbranched, _differences(runs), left_out, bad_seeds,
                                     diverged, "No run of " + ", ".join(missing) + ": these cells are in no comparison"
@@ -270,10 +270,11 @@ def _differences(runs: pd.DataFrame) -> str:
 
 def _row(run) -> dict | None:
     tags, params = run.data.tags, run.data.params
-    if tags.get(TAG_STAGE) in NOT_TRAINING or any(t not in tags for t in _REQUIRED_TAGS):
+    role = role_of(tags)
+    if role in NOT_TRAINING or any(t not in tags for t in _REQUIRED_TAGS):
         return None
     counted = _number(params, "params.counted")
-    tune = tags.get(TAG_STAGE) == Role.tune
+    tune = role == Role.tune
     batch = _first(params, "recipe.global_batch", "train.global_batch")
     row = {
         "run_id": run.info.run_id,
@@ -284,7 +285,7 @@ def _row(run) -> dict | None:
         "scale": tags[schema.TAG_SCALE],
         "seed": int(tags[schema.TAG_SEED]) if re.fullmatch(r"\d+", tags[schema.TAG_SEED]) else None,
         "seed_tag": tags[schema.TAG_SEED],
-        "role": tags.get(TAG_STAGE),  # a training run's study.stage is its role
+        "role": role,
         "baseline": tags.get(schema.TAG_BASELINE),
         "status": run.info.status,
         "failure_reason": tags.get(schema.TAG_FAILURE_REASON),

@@ -30,7 +30,8 @@ from analysis.decide import Decision, decide
 from analysis.paired import paired_deltas
 from study.config.decision import DecisionRule
 from study.errors import StudyError
-from study.schema import STAGE_SEQUENTIAL, TAG_STAGE
+from study.schema import ROLE_SEQUENTIAL, TAG_ROLE
+from study.track.query import runs_with_role
 
 LOOKS_ARTIFACT = "looks.json"
 """Artifact of that run holding every look with its full decision rows."""
@@ -193,7 +194,7 @@ def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: 
 
     if run_id is None:
         run_id = client.create_run(experiment_id, run_name="until-decided",
-                                   tags={TAG_STAGE: STAGE_SEQUENTIAL}).info.run_id
+                                   tags={TAG_ROLE: ROLE_SEQUENTIAL}).info.run_id
     step = look["round"]
     metrics = [Metric("look/alpha", look["alpha"], 0, step), Metric("look/alpha_spent", look["alpha_spent"], 0, step),
                Metric("look/n", look["n"], 0, step)]
@@ -216,8 +217,8 @@ def read_looks(client, experiment_id: str) -> list[dict]:
     """The looks of the experiment's latest sequential run; [] when it was never run adaptively."""
     import tempfile
 
-    found = client.search_runs([experiment_id], filter_string=f"tags.`study.stage` = '{STAGE_SEQUENTIAL}'",
-                               order_by=["attributes.start_time DESC"], max_results=1)
+    found = runs_with_role(client, [experiment_id], ROLE_SEQUENTIAL, order_by=["attributes.start_time DESC"],
+                           max_results=1)
     if not found:
         return []
     with tempfile.TemporaryDirectory() as tmp:

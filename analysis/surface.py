@@ -1,7 +1,7 @@
 """Loss against parameters and training tokens per arm, ``L(N, D) = E + A / N^alpha + B / D^beta``, fitted to the
 endpoints of an experiment's decay branches, and what the fitted surfaces say at the planned compute.
 
-Points: every finished decay branch (``study.stage=branch``) with its final metric, N = counted parameters and D = the
+Points: every finished decay branch (``study.role=branch``) with its final metric, N = counted parameters and D = the
 branch's own training tokens (``recipe.tokens``); each seed is a point. A branch equals the straight WSD run of its
 length, so the branches of one trunk are as many training budgets of one model. Trunks never enter: a trunk's last
 loss is not the end of a schedule.

@@ -1,7 +1,7 @@
 """The tuning stage in the report: each variant's LR grid, the LR it chose, and verdicts at the shared LR beside the
 tuned ones.
 
-Tune runs (``study.stage=tune``) are points of a grid of multiples of the recipe's LR at a tune scale; the tuning
+Tune runs (``study.role=tune``) are points of a grid of multiples of the recipe's LR at a tune scale; the tuning
 stage chose each variant's multiple from them and wrote it into the variant's main runs (tags
 ``study.tune.multiple`` and ``study.tune.status``). Here the grid is read back as curves of final loss against LR,
 one point per seed, with the chosen LR, and where the store also holds the same experiment's main runs at the

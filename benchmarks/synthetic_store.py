@@ -122,7 +122,7 @@ def synthetic_store(
                 tags = {
                     schema.TAG_RUN_KEY: _run_key(*key_parts), schema.TAG_EXPERIMENT: experiment,
                     schema.TAG_VARIANT: variant, schema.TAG_SCALE: scale, schema.TAG_SEED: str(k),
-                    schema.TAG_STAGE: "train", schema.TAG_BASELINE: baseline,
+                    schema.TAG_ROLE: "train", schema.TAG_BASELINE: baseline,
                     schema.TAG_LR_SOURCE: "tune" if choice else "recipe",
                 }
                 if choice:
@@ -151,7 +151,7 @@ def synthetic_tune_runs(
     run_sd: float = 0.002,
     rng_seed: int = 0,
 ) -> list[str]:
-    """Log tune runs (``study.stage=tune``): one per variant x LR multiple x seed at one scale.
+    """Log tune runs (``study.role=tune``): one per variant x LR multiple x seed at one scale.
 
     A tune run trains at ``multiple`` x the recipe's LR (param ``train.lr``, tag ``study.tune.multiple``); its
     final loss is the scale's law plus the variant's effect plus ``curvature`` x (ln multiple - ln optimum)^2, the
@@ -174,7 +174,7 @@ def synthetic_tune_runs(
                          + curvature * math.log(multiple / optimum[variant]) ** 2 + rng.normal(0.0, run_sd))
                 tags = {schema.TAG_RUN_KEY: _run_key(experiment, variant, name, k, "grid", multiple),
                         schema.TAG_EXPERIMENT: experiment, schema.TAG_VARIANT: variant, schema.TAG_SCALE: name,
-                        schema.TAG_SEED: str(k), schema.TAG_STAGE: "tune", schema.TAG_BASELINE: baseline,
+                        schema.TAG_SEED: str(k), schema.TAG_ROLE: "tune", schema.TAG_BASELINE: baseline,
                         schema.TAG_TUNE_MULTIPLE: f"{multiple:g}"}
                 params = _params(variant, name, k, steps, n_params, n_params, 1.0, multiple, True)
                 params["train.lr"] = params["recipe.lr"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from study.schema import TAG_BASELINE
+
 DESCRIPTION = "Parameter-matched transformer architecture scaling studies, one command each."
 
 def _selection(p: argparse.ArgumentParser) -> None:
@@ -93,7 +95,7 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="paired-difference report of an experiment")
     p.add_argument("experiment")
-    p.add_argument("--baseline", default=None, help="variant to pair against (default: the runs' study.baseline)")
+    p.add_argument("--baseline", default=None, help=f"variant to pair against (default: the runs' {TAG_BASELINE})")
     p.add_argument("--metric", action="append", help="metric(s), e.g. val/loss or eval/arc_easy/acc")
     p.add_argument("--json", action="store_true", help="print one JSON object with a `results` list")
     p.add_argument("--out", default="reports", help="output folder (reports/<experiment>/ inside it)")

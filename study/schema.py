@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Mapping
 
 from study.errors import StudyError
 
@@ -28,21 +29,33 @@ TAG_EXPERIMENT = "study.experiment"
 TAG_VARIANT = "study.variant"
 TAG_SCALE = "study.scale"
 TAG_SEED = "study.seed"
-TAG_STAGE = "study.stage"
+TAG_ROLE = "study.role"
 """What a run is in the study. A training run's value is its role (`study.config.run.Role`: train, reference,
-scheduled, tune, calibrate); runs that train nothing carry one of the `STAGE_*` values below. The tag keeps this name
-(users' filters and stored runs use it) though the config field is `role`."""
-STAGE_REPORT = "report"
-"""`study.stage` of an experiment's report run (`study report`: the report's files)."""
-STAGE_GROUP = "group"
-"""`study.stage` of a parent run: one per (variant, scale), its seed runs nested under it (study.track.groups)."""
-STAGE_SEQUENTIAL = "sequential"
-"""`study.stage` of the experiment-level run that records every look of an adaptive launch (analysis.sequential)."""
-STAGE_RACING = "racing"
-"""`study.stage` of the experiment-level run that records a race's verdicts and stops (study.launch.racing)."""
-NOT_TRAINING = (STAGE_REPORT, STAGE_GROUP, STAGE_SEQUENTIAL, STAGE_RACING)
-"""`study.stage` values of runs that trained nothing: never read as training runs."""
+scheduled, tune, calibrate, trunk, branch); runs that train nothing carry one of the `ROLE_*` values below."""
+OLD_TAG_ROLE = "study.stage"
+"""Where stores written before `study.role` hold the role: read only through `role_of` and
+`study.track.query.runs_with_role`, never written."""
+ROLE_REPORT = "report"
+"""Role of an experiment's report run (`study report`: the report's files)."""
+ROLE_GROUP = "group"
+"""Role of a parent run: one per (variant, scale), its seed runs nested under it (study.track.groups)."""
+ROLE_SEQUENTIAL = "sequential"
+"""Role of the experiment-level run that records every look of an adaptive launch (analysis.sequential)."""
+ROLE_RACING = "racing"
+"""Role of the experiment-level run that records a race's verdicts and stops (study.launch.racing)."""
+NOT_TRAINING = (ROLE_REPORT, ROLE_GROUP, ROLE_SEQUENTIAL, ROLE_RACING)
+"""Roles of runs that trained nothing: never read as training runs."""
+
+
+def role_of(tags: Mapping[str, str]) -> str | None:
+    """A run's role from its tags, in a store written before `study.role` from the tag it had then."""
+    return tags.get(TAG_ROLE, tags.get(OLD_TAG_ROLE))
+
+
 TAG_BASELINE = "study.baseline"
+TAG_REPLACED = "study.replaced"
+"""On a run set aside by `study.track.store.retire_runs`: when and why it was replaced by a run trained again from
+step 0."""
 TAG_FAILURE_REASON = "study.failure_reason"
 """Why a run failed, in one line (set when its tracker closes FAILED)."""
 TAG_SLURM_JOB = "study.slurm_job_id"

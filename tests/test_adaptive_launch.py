@@ -35,7 +35,7 @@ def test_adaptive_launch_adds_seeds_logs_looks_and_replays(adaptive_experiment, 
     looks = read_looks(client, exp_id)
     assert [(look["round"], look["n"]) for look in looks] == [(1, 2), (2, 3)]
     assert sum(look["alpha"] for look in looks) == pytest.approx(0.05)
-    (seq,) = client.search_runs([exp_id], filter_string="tags.`study.stage` = 'sequential'")
+    (seq,) = client.search_runs([exp_id], filter_string="tags.`study.role` = 'sequential'")
     assert [m.value for m in client.get_metric_history(seq.info.run_id, "look/n")] == [2, 3]
     assert seq.data.tags["study.verdict.tiny.hourglass"] == looks[-1]["decisions"][0]["verdict"]
     rows = experiment_status("adapt", [])

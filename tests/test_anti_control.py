@@ -177,12 +177,12 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
     profile = linear_profile()
     (root / "geometry").mkdir()
     (root / "geometry" / "profile.json").write_text(json.dumps(profile))
-    client.set_tag(runs["uniform", 0], "study.stage", "reference")
+    client.set_tag(runs["uniform", 0], "study.role", "reference")
     client.log_artifact(runs["uniform", 0], str(root / "geometry" / "profile.json"), "geometry")
     for variant, reverse in (("geometry", False), ("anti", True)):
         widths = [round(w) for w in geometry_widths(profile, 3840.0, LAYERS, AllocationConfig(), reverse=reverse)]
         for seed in (0, 1):
-            client.set_tag(runs[variant, seed], "study.stage", "scheduled")
+            client.set_tag(runs[variant, seed], "study.role", "scheduled")
             for key, value in {"geometry.statistic": "topo", "geometry.geometry": "hyperbolic",
                                "model.ffn.schedule.reverse": json.dumps(reverse),
                                "resolved.ffn_widths": json.dumps(widths)}.items():

@@ -169,9 +169,9 @@ def test_a_branch_equals_the_straight_wsd_run_of_its_length(workdir, monkeypatch
     runs = {r.data.tags["study.run_key"]: r for r in client.search_runs([exp.experiment_id],
                                                                          "tags.`study.run_key` LIKE '%'")}
     b, t = runs[branch.key].data.tags, runs[trunk.key]
-    assert (b["study.stage"], b["study.trunk_key"], b["study.branch.step"], b["study.branch.at"]) == (
+    assert (b["study.role"], b["study.trunk_key"], b["study.branch.step"], b["study.branch.at"]) == (
         "branch", trunk.key, "16", "0.5")
-    assert b["mlflow.parentRunId"] == t.info.run_id and t.data.tags["study.stage"] == "trunk"
+    assert b["mlflow.parentRunId"] == t.info.run_id and t.data.tags["study.role"] == "trunk"
     assert runs[branch.key].data.params["recipe.tokens"] == str(branch.planned.tokens)
     steps = [m.step for m in client.get_metric_history(runs[branch.key].info.run_id, "train/loss")]
     assert steps == list(range(17, 21))  # the branch logs its own steps, never the trunk's again
@@ -258,7 +258,7 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    run = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`study.stage` = 'racing'")[0]
+    run = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`study.role` = 'racing'")[0]
     record = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "racing.json").read_text())
     # b's four seeds no longer train the trunk past step 16 (less the stretch beside the rung's branch) nor the
     # branch at 1.0: per seed, trunk 32 - 16 = 16 steps - the rung's 4-step tail = 12, plus the 8-step branch

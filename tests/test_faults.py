@@ -145,7 +145,7 @@ def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir)
 
 
 def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_finish(workdir, monkeypatch):
-    from slurm_helpers import SMALL, private_sweeps
+    from slurm_helpers import private_sweeps
     from study.launch.submit import LaunchFailed, launch
 
     variants = {"conventional": {"model": "conventional"},

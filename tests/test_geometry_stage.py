@@ -59,7 +59,7 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("geo").experiment_id], filter_string=TRAINING_RUNS)
-    assert sorted(r.data.tags["study.stage"] for r in runs) == ["reference", "scheduled", "scheduled"]
+    assert sorted(r.data.tags["study.role"] for r in runs) == ["reference", "scheduled", "scheduled"]
     assert all(r.info.status == "FINISHED" for r in runs)
     trained = {r.data.tags["study.variant"]: r for r in runs}
     assert json.loads(trained["geometry"].data.params["resolved.ffn_widths"]) == geo

@@ -36,7 +36,7 @@ def mlflow_runs(experiment):
     client = mlflow_client(resolve_tracking_uri(""))
     exp = client.get_experiment_by_name(experiment)
     return [] if exp is None else [r for r in client.search_runs([exp.experiment_id], filter_string=TRAINING_RUNS)
-                                   if r.data.tags.get("study.stage") != "report"]
+                                   if r.data.tags.get("study.role") != "report"]
 
 
 def job_ids(stages):
@@ -145,7 +145,7 @@ def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
 def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
     import sys
 
-    from conftest import TINY, TRAINING_RUNS
+    from conftest import TINY
 
     cmd = [sys.executable, "-m", "study.train", "-m", "hydra/launcher=study_slurm", "seed=0,1",
            *[o for o in TINY if not o.startswith("scale=")], "scale=tiny", "train.max_steps=6",

@@ -45,7 +45,7 @@ def nested(tmp_path_factory, data_cache):
 def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spread(nested):
     client, exp, _ = nested
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table
-    parents = client.search_runs([exp.experiment_id], filter_string="tags.`study.stage` = 'group'")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`study.role` = 'group'")
     assert sorted(p.info.run_name for p in parents) == ["conventional-tiny", "hourglass-tiny"]
     runs = client.search_runs([exp.experiment_id], filter_string=TRAINING_RUNS)
     assert len(runs) == 4

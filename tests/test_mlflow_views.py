@@ -77,7 +77,7 @@ def test_a_parent_run_carries_the_dataset_input_of_its_seed_runs_once_per_digest
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment_id = client.create_experiment("cells")
     tags = {schema.TAG_EXPERIMENT: "cells", schema.TAG_VARIANT: "conventional", schema.TAG_SCALE: "tiny",
-            schema.TAG_STAGE: "main"}
+            schema.TAG_ROLE: "main"}
     parent = parent_for(client, experiment_id, tags)
     same, other = _shards(tmp_path, "aaaa"), _shards(tmp_path, "bbbb")
     seeds = []
@@ -105,10 +105,41 @@ def test_a_parent_run_carries_the_dataset_input_of_its_seed_runs_once_per_digest
     refresh(client, seeds[2])
     digests = sorted(i.dataset.digest for i in client.get_run(parent).inputs.dataset_inputs)
     assert digests == sorted([same.dataset.digest, other.dataset.digest])
-    listed = client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_STAGE}` = 'group'")
+    listed = client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_ROLE}` = 'group'")
     assert [r.info.run_id for r in listed] == [parent] and len(listed[0].inputs.dataset_inputs) == 2
 
 
 @pytest.fixture(autouse=True)
 def _no_ambient_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def test_a_store_written_before_the_role_tag_is_read_by_its_study_stage_tag(tmp_path):
+    """Runs tagged only `study.stage` (the tag the role had before `study.role`): a tune run and a parent stay out of
+    the main runs, the report run is found and reused, and a run's role reads from the old tag."""
+    from mlflow.tracking import MlflowClient
+
+    from analysis.run_table import read_study
+    from study.track.query import runs_with_role
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("old")
+    base = {schema.TAG_EXPERIMENT: "old", schema.TAG_VARIANT: "conventional", schema.TAG_SCALE: "tiny",
+            schema.TAG_BASELINE: "conventional"}
+    ids = {}
+    for name, role, seed in (("main", "train", "0"), ("tune", "tune", "0"), ("group", "group", None),
+                             ("report", "report", None)):
+        tags = {**base, schema.OLD_TAG_ROLE: role, **({schema.TAG_SEED: seed, schema.TAG_RUN_KEY: name * 2}
+                                                      if seed else {})}
+        ids[name] = client.create_run(exp, run_name=name, tags=tags).info.run_id
+        client.log_metric(ids[name], schema.VAL_LOSS, 3.0)
+        client.set_terminated(ids[name], "FINISHED")
+    study = read_study("old", uri)
+    assert list(study.runs["run_id"]) == [ids["main"]] and list(study.runs["role"]) == ["train"]
+    assert list(study.tune["run_id"]) == [ids["tune"]]
+    assert [r.info.run_id for r in runs_with_role(client, [exp], schema.ROLE_REPORT)] == [ids["report"]]
+    # a run written now carries the new tag, and is what the search finds first
+    new = client.create_run(exp, run_name="report", tags={schema.TAG_ROLE: schema.ROLE_REPORT}).info.run_id
+    assert [r.info.run_id for r in runs_with_role(client, [exp], schema.ROLE_REPORT)] == [new]
+    assert schema.role_of({schema.TAG_ROLE: "tune", schema.OLD_TAG_ROLE: "train"}) == "tune"

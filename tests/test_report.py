@@ -175,7 +175,7 @@ def test_rereport_reuses_the_single_report_run(store, first_report, tmp_path):
 
     client = MlflowClient(tracking_uri=store)
     exp = client.get_experiment_by_name(EXPERIMENT)
-    reports = client.search_runs([exp.experiment_id], filter_string="tags.`study.stage` = 'report'")
+    reports = client.search_runs([exp.experiment_id], filter_string="tags.`study.role` = 'report'")
     assert [r.info.run_id for r in reports] == [first["report_run_id"]]
     assert reports[0].info.run_name == "report" and reports[0].data.tags["study.baseline"] == "tapered"
     artifacts = {a.path for a in client.list_artifacts(first["report_run_id"])}

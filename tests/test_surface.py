@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.surface import SURFACE, TOKENS, fit_surface, fit_tokens, surface_report
+from analysis.surface import SURFACE, TOKENS, fit_surface, surface_report
 
 LAW = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 """The planted baseline: L(N, D) = E + A / N^alpha + B / D^beta."""
@@ -156,7 +156,7 @@ def _logged_loss(variant: str, scale: str, seed: int, at: float) -> float:
 
 @pytest.fixture(scope="module")
 def branched(tmp_path_factory):
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
     from study import schema
@@ -174,13 +174,13 @@ def branched(tmp_path_factory):
                 common = {schema.TAG_EXPERIMENT: EXPERIMENT, schema.TAG_VARIANT: variant, schema.TAG_SCALE: scale,
                           schema.TAG_SEED: str(seed), schema.TAG_BASELINE: "conventional"}
                 trunk_key = f"trunk-{variant}-{scale}-{seed}"
-                runs = [(f"{variant}-{scale}-s{seed}-trunk", {schema.TAG_STAGE: "trunk", schema.TAG_RUN_KEY: trunk_key},
+                runs = [(f"{variant}-{scale}-s{seed}-trunk", {schema.TAG_ROLE: "trunk", schema.TAG_RUN_KEY: trunk_key},
                          0.8 * planned, 80, 9.0)]  # a trunk's last loss: never an end of schedule
                 for at in POINTS:
                     if (variant, scale) == MISSING and at == max(POINTS):
                         continue
                     runs.append((f"{variant}-{scale}-s{seed}-at{at:g}",
-                                 {schema.TAG_STAGE: "branch", schema.TAG_RUN_KEY: f"{trunk_key}-at{at:g}",
+                                 {schema.TAG_ROLE: "branch", schema.TAG_RUN_KEY: f"{trunk_key}-at{at:g}",
                                   schema.TAG_TRUNK_KEY: trunk_key, schema.TAG_BRANCH_STEP: str(int(0.8 * at * steps)),
                                   schema.TAG_BRANCH_AT: f"{at:g}"},
                                  at * planned, int(at * steps), _logged_loss(variant, scale, seed, at)))
@@ -194,12 +194,12 @@ def branched(tmp_path_factory):
                     client.log_batch(run.info.run_id, metrics=metrics,
                                      params=[Param(k, str(v)) for k, v in params.items()])
                     client.set_terminated(run.info.run_id)
-                    if tags[schema.TAG_STAGE] == "trunk":
+                    if tags[schema.TAG_ROLE] == "trunk":
                         names["trunk"].append((name, run.info.run_id))
                     else:
                         names["branch"][variant, scale, seed, float(tags[schema.TAG_BRANCH_AT])] = run.info.run_id
     # the race stopped hourglass at 80M at the middle point: its branches at the largest point never ran
-    racing = client.create_run(exp, run_name="racing", tags={schema.TAG_STAGE: schema.STAGE_RACING})
+    racing = client.create_run(exp, run_name="racing", tags={schema.TAG_ROLE: schema.ROLE_RACING})
     client.log_dict(racing.info.run_id, {"at": list(POINTS), "baseline": "conventional", "stop_equivalent": False,
                                          "stops": [RACE_STOP], "verdicts": [{**RACE_STOP, "stops": True}]},
                     "racing.json")

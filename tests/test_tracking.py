@@ -20,7 +20,7 @@ from study.track.null import NullTracker
 from study.track.tracker import Tracker, TrackingConfig, flatten, resolve_tracking_uri
 
 TAGS = {"study.experiment": "e", "study.variant": "hourglass", "study.scale": "tiny", "study.seed": "0",
-        "study.stage": "train", "study.baseline": "conventional"}  # fmt: skip
+        "study.role": "train", "study.baseline": "conventional"}  # fmt: skip
 PARAMS = {"model": {"d_model": 64, "widths": [96, 64]}, "train": {"lr": 1e-3, "compile": False}}
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, TRAINING_RUNS
+from conftest import TINY, TRAINING_RUNS
 from study.train.distributed import Dist
 from study.plan.planner import select_run
 from study.train.loop import batch_stream, train
@@ -37,7 +37,7 @@ def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
     assert run.info.status == "FINISHED" and run.info.run_name == "conventional-tiny-s0"
     tags = run.data.tags
     assert tags["study.run_key"] == cfg.key and tags["study.variant"] == "conventional"
-    assert tags["study.scale"] == "tiny" and tags["study.seed"] == "0" and tags["study.stage"] == "train"
+    assert tags["study.scale"] == "tiny" and tags["study.seed"] == "0" and tags["study.role"] == "train"
     assert tags["study.experiment"] == "unit" and tags["study.baseline"] == "conventional"
     params = run.data.params
     assert params["model.d_model"] == "64" and int(params["params.counted"]) > 0

@@ -151,12 +151,12 @@ def test_a_local_launch_tunes_first_and_trains_each_variant_at_its_own_best_lr(w
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["tuned"], output_format="list",
                               filter_string="tags.`study.run_key` LIKE '%'")
-    mains = {r.data.tags["study.variant"]: r for r in runs if r.data.tags["study.stage"] == "train"}
+    mains = {r.data.tags["study.variant"]: r for r in runs if r.data.tags["study.role"] == "train"}
     assert set(mains) == {"slow", "fast"} and all(r.info.status == "FINISHED" for r in runs)
     for variant, run in mains.items():
         assert float(run.data.params["recipe.lr"]) == pytest.approx(chosen[variant], rel=1e-5)
         assert run.data.tags["study.lr_source"] == "tune"
-    tuned_runs = [r for r in runs if r.data.tags["study.stage"] == "tune"]
+    tuned_runs = [r for r in runs if r.data.tags["study.role"] == "tune"]
     assert len(tuned_runs) == len(tune)
     for r in tuned_runs:
         spec = next(t for t in tune if t.key == r.data.tags["study.run_key"])

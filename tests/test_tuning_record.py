@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-import yaml
 
 from study.cli import main
 from study.config.run import Role

@@ -65,7 +65,7 @@ def test_tune_runs_never_change_the_paired_verdicts_fits_or_parent_summaries(tmp
     client = MlflowClient(uri)
     cell = [r for r in client.search_runs([client.get_experiment_by_name("tuned").experiment_id], max_results=1000)
             if (r.data.tags["study.variant"], r.data.tags["study.scale"]) == ("hourglass", "20M")]
-    main = [r for r in cell if r.data.tags["study.stage"] != "tune"]
+    main = [r for r in cell if r.data.tags["study.role"] != "tune"]
     assert len(cell) == len(main) + len(GRID) * 2
     metrics, n = summary(cell)
     assert (metrics, n) == summary(main) and n == SEEDS
@@ -76,7 +76,7 @@ def test_tuning_curves_show_each_variants_grid_and_chosen_lr_in_every_format(ful
     uri, result, out = full
     client = MlflowClient(uri)
     tune = [r for r in client.search_runs([client.get_experiment_by_name("tuned").experiment_id], max_results=1000)
-            if r.data.tags["study.stage"] == "tune"]
+            if r.data.tags["study.role"] == "tune"]
     curves = {c["variant"]: c for c in result["tuning"]["curves"]}
     assert set(curves) == set(VARIANTS)
     for variant, (multiple, status) in CHOSEN.items():
@@ -135,7 +135,7 @@ def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missi
     everything = client.search_runs([exp_id], max_results=1000)
     # the last launch trained the tune stage and the tuned main runs, not the shared-LR runs
     launched = [r.data.tags["study.run_key"] for r in everything
-                if r.data.tags.get("study.lr_source") == "tune" or r.data.tags["study.stage"] == "tune"]
+                if r.data.tags.get("study.lr_source") == "tune" or r.data.tags["study.role"] == "tune"]
     write_manifest_tags(client, exp_id, {"keys": launched[:-1]})
     study = read_study("tuned", uri)
     assert set(study.runs["run_key"]) | set(study.tune["run_key"]) == set(launched[:-1])
@@ -157,7 +157,7 @@ def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside
     reused = [r for r in everything if r.data.tags.get("study.lr_source") == "recipe"
               and (r.data.tags["study.scale"], r.data.tags["study.seed"]) == ("20M", "0")]
     launched = [r.data.tags["study.run_key"] for r in everything
-                if r.data.tags.get("study.lr_source") == "tune" or r.data.tags["study.stage"] == "tune"]
+                if r.data.tags.get("study.lr_source") == "tune" or r.data.tags["study.role"] == "tune"]
     write_manifest_tags(client, exp_id, {"keys": launched + [r.data.tags["study.run_key"] for r in reused]})
     assert len(reused) == len(VARIANTS)
     study = read_study("tuned", uri)

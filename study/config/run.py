@@ -17,7 +17,7 @@ from study.config.training import TrainConfig
 
 
 class Role(StrEnum):
-    """A run's role in the pipeline (`RunConfig.role`; MLflow tag `study.stage`). It never changes the run key.
+    """A run's role in the pipeline (`RunConfig.role`; MLflow tag `study.role`). It never changes the run key.
 
     Members are named as their values: OmegaConf reads a config's string into the member of that name."""
 

@@ -24,7 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from study.config.run import Role
-from study.config.spec import finished_result
 from study.schema import RunDir, launch_dir
 
 ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
@@ -196,16 +195,17 @@ def race_record(roster: dict, verdicts: list[dict]) -> dict:
 def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str) -> None:
     """The race so far as the experiment's `racing` run (artifact racing.json); a store that does not answer is
     left for the next settle (the run directory's record is what acts)."""
-    from study.schema import STAGE_RACING, TAG_STAGE
+    from study.schema import ROLE_RACING, TAG_ROLE
+    from study.track.query import runs_with_role
     from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
 
     try:
         uri = resolve_tracking_uri(tracking_uri)
         client = mlflow_client(uri)
         exp_id = get_or_create_experiment(client, uri, experiment)
-        found = client.search_runs([exp_id], f"tags.`{TAG_STAGE}` = '{STAGE_RACING}'", max_results=1)
+        found = runs_with_role(client, [exp_id], ROLE_RACING, max_results=1)
         run_id = (found[0].info.run_id if found else
-                  client.create_run(exp_id, run_name="racing", tags={TAG_STAGE: STAGE_RACING}).info.run_id)
+                  client.create_run(exp_id, run_name="racing", tags={TAG_ROLE: ROLE_RACING}).info.run_id)
         client.log_dict(run_id, race_record(roster, decided(runs_root, experiment)), "racing.json")
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:  # noqa: BLE001 - the record in the run directory stands; the report waits for the next

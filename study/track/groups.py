@@ -7,7 +7,7 @@ column of the table compares variants. Its metric step is the number of finished
 shows how the mean moved as seeds arrived. It also carries its seed runs' dataset input (the token shards), so the
 folded row's Dataset column names what the cell trained on.
 
-A parent has no `study.seed` and no `study.run_key`, and `study.stage=group`: analysis, status and relaunch never
+A parent has no `study.seed` and no `study.run_key`, and `study.role=group`: analysis, status and relaunch never
 take it for a training run. The summary is recomputed from the seed runs whenever one finishes or is evaluated, so
 it is never the only record of anything.
 """
@@ -24,10 +24,6 @@ from study.config.run import Role
 from study.track.lineage import DESCRIPTION, PARENT
 
 logger = logging.getLogger(__name__)
-GROUP_STAGE = schema.STAGE_GROUP
-TUNE_STAGE = Role.tune
-"""`study.stage` of a tune run: a point of its variant's LR grid, nested under the variant's parent but never in its
-summary (a grid point at a poor LR is no sample of the variant's loss)."""
 TAG_GROUP = "study.group"
 SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)
 """Final metrics a parent summarises, besides every `eval/...` score."""
@@ -46,7 +42,7 @@ def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
     name = group_name(tags[schema.TAG_VARIANT], tags[schema.TAG_SCALE])
     found = _parents(client, experiment_id, name)
     if not found:
-        parent_tags = {TAG_GROUP: name, schema.TAG_STAGE: GROUP_STAGE,
+        parent_tags = {TAG_GROUP: name, schema.TAG_ROLE: schema.ROLE_GROUP,
                        schema.TAG_EXPERIMENT: tags.get(schema.TAG_EXPERIMENT, ""),
                        schema.TAG_VARIANT: tags[schema.TAG_VARIANT], schema.TAG_SCALE: tags[schema.TAG_SCALE],
                        schema.TAG_BASELINE: tags.get(schema.TAG_BASELINE, ""),
@@ -77,15 +73,16 @@ def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
 
 
 def _parents(client, experiment_id: str, name: str) -> list:
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_GROUP}` = '{name}' and "
-                              f"tags.`{schema.TAG_STAGE}` = '{GROUP_STAGE}'", max_results=100)
+    from study.track.query import runs_with_role
+
+    runs = runs_with_role(client, [experiment_id], schema.ROLE_GROUP, f"tags.`{TAG_GROUP}` = '{name}'")
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
 def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, float], int]:
     """(metrics, n finished): mean, `/sd` (n >= 2) and `/n` of each summarised final metric over the FINISHED
-    children that are not tune runs; `keys` limits them to those run keys (the experiment's latest launch)."""
-    done = [c for c in children if c.info.status == "FINISHED" and c.data.tags.get(schema.TAG_STAGE) != TUNE_STAGE
+    children that are not tune runs (a grid point at a poor LR is no sample of the variant's loss); `keys` limits them to those run keys (the experiment's latest launch)."""
+    done = [c for c in children if c.info.status == "FINISHED" and schema.role_of(c.data.tags) != Role.tune
             and (keys is None or c.data.tags.get(schema.TAG_RUN_KEY) in keys)]
     values: dict[str, list[float]] = {}
     for child in done:

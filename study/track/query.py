@@ -40,6 +40,18 @@ def open_store(tracking_uri: str = "", required: bool = False):
     return read(lambda: mlflow_client(uri), uri, "connect")
 
 
+def runs_with_role(client, experiment_ids: list[str], role: str, where: str = "", order_by: list[str] | None = None,
+                   max_results: int = 100) -> list:
+    """Runs of this role (tag `study.role`, and `where`, an MLflow filter); in a store written before that tag, the
+    runs its older tag (`study.stage`) gives this role."""
+    for tag in (schema.TAG_ROLE, schema.OLD_TAG_ROLE):
+        found = client.search_runs(experiment_ids, " and ".join(f for f in (f"tags.`{tag}` = '{role}'", where) if f),
+                                   order_by=order_by or [], max_results=max_results)
+        if found:
+            return found
+    return []
+
+
 def read(fn: Callable[[], T], uri: str, what: str) -> T:
     """`fn()` on the store, retried with backoff while a writer holds an SQLite store locked past SQLite's own wait
     (for the default tracking.open_timeout_s); see `readable` for the rest. A server that does not answer is not

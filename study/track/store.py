@@ -196,7 +196,7 @@ def get_or_create_experiment(client, uri: str, name: str) -> str:
 
 def find_runs(client, experiment_id: str, run_key: str) -> list:
     """Active runs tagged with `run_key`, oldest first (the first is the run; others are duplicates from a race)."""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`study.run_key` = '{run_key}'", max_results=100)
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_RUN_KEY}` = '{run_key}'", max_results=100)
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
@@ -243,10 +243,6 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
     return runs[0], params_to_log(runs[0].data.params, params)
 
 
-TAG_REPLACED = "study.replaced"
-"""On a run set aside by `retire_runs`: when and why it was replaced by a run trained again from step 0."""
-
-
 @contextmanager
 def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
     """A store that refuses the calls in the block, or does not answer them within `cfg.open_timeout_s`, is refused
@@ -270,7 +266,7 @@ def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
 
 
 def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
-    """Sets aside every MLflow run of `run_key`, for a run trained again from step 0: tagged TAG_REPLACED with
+    """Sets aside every MLflow run of `run_key`, for a run trained again from step 0: tagged schema.TAG_REPLACED with
     `note`, ended KILLED if still RUNNING, and deleted (MLflow's soft delete: the UI's deleted runs or `mlflow runs
     restore` bring it back until `mlflow gc`). MLflow cannot delete a metric history, and recomputed points would be
     dropped as repeats of the old ones, so the next `Tracker.open` creates a fresh run that holds the new curve alone.
@@ -284,7 +280,7 @@ def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -
             lambda: find_runs(client, found.experiment_id, run_key), cfg, deadline, "find run")
         for run in runs:
             run_id = run.info.run_id
-            call_with_retries(lambda: client.set_tag(run_id, TAG_REPLACED, note), cfg, deadline, "tag")
+            call_with_retries(lambda: client.set_tag(run_id, schema.TAG_REPLACED, note), cfg, deadline, "tag")
             if run.info.status == "RUNNING":
                 call_with_retries(lambda: client.set_terminated(run_id, "KILLED"), cfg, deadline, "end")
             call_with_retries(lambda: client.delete_run(run_id), cfg, deadline, "delete")

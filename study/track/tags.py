@@ -14,7 +14,7 @@ def run_tags(spec: RunSpec) -> dict[str, str]:
     """The run's study.schema tags; the SLURM job id when the run is a SLURM job."""
     cfg = spec.config
     tags = {schema.TAG_RUN_KEY: spec.key, schema.TAG_EXPERIMENT: cfg.experiment, schema.TAG_VARIANT: cfg.variant,
-            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_STAGE: cfg.role,
+            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_ROLE: cfg.role,
             schema.TAG_BASELINE: cfg.baseline, schema.TAG_KEY_SCHEMA: str(SCHEMA_VERSION)}
     tags[schema.TAG_LR_SOURCE] = "tune" if spec.tuned is not None else "recipe"
     if spec.tuned is not None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from study.config.spec import RunSpec
+from study import schema
 from study.schema import not_a_link
 
 REPLACED = "replaced"
@@ -61,7 +62,7 @@ def restart(spec: RunSpec, stage: Path | None = None) -> None:
         stage.rmdir()
         kept = "it had no files to set aside"
     runs = (f"MLflow run{'s' * (len(retired) != 1)} {', '.join(retired)} deleted (restorable) and tagged "
-            "study.replaced" if retired else "no MLflow run to set aside")
+            + schema.TAG_REPLACED if retired else "no MLflow run to set aside")
     print(f"run {spec.key} starts again from step 0: {kept}; {runs}", file=sys.stderr, flush=True)
 
 
