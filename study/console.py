@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 PIPED_WIDTH = 200
@@ -19,3 +20,40 @@ def console():
     if sys.stdout.isatty():
         return Console()
     return Console(width=PIPED_WIDTH)
+
+
+
+def text_width() -> int | None:
+    """Characters a line may take: COLUMNS when set, else the terminal's width; None into a pipe or file."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
+def plain_table(title: str, columns: list[str], rows: list[list[str]], left: set[str] = frozenset(),
+                width: int | None = None, keep: int = 1) -> str:
+    """A table as fixed-width text, one line per row, never wrapped (a plan of hundreds of runs reads with grep or
+    `less -S`; rich measures and wraps every cell, seconds for a few hundred rows): columns in `left` aligned left,
+    the rest right, two spaces apart. Wider than `width`, columns are left out from the right (never the first
+    `keep`) and a last line names them."""
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    shown = len(columns)
+    while width and shown > keep and sum(widths[:shown]) + 2 * (shown - 1) > width:
+        shown -= 1
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if col in left else c.rjust(w)
+                         for c, w, col in zip(cells[:shown], widths, columns)).rstrip()
+
+    out = [*_wrap(title, width), line(columns), line(["-" * w for w in widths]), *map(line, rows)]
+    if shown < len(columns):
+        out += _wrap(f"left out to fit {width} columns: {', '.join(columns[shown:])} (a wider COLUMNS shows them)",
+                     width)
+    return "\n".join(out)
+
+
+def _wrap(text: str, width: int | None) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) if width else [text]

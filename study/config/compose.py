@@ -15,7 +15,9 @@ runs.
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -235,8 +237,6 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from study.config.validate import validate_run
-
     ov = overrides if isinstance(overrides, Overrides) else parse_overrides(list(overrides or []))
     primary = load_yaml(sweeps_dir() / "train.yaml")
     chosen: dict[str, str | None] = {
@@ -256,13 +256,42 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     for node, where in nodes:
         refuse_renamed(node, where)
     nodes = [(with_family(node), where) for node, where in nodes]
-    # One typed merge of the plain layers is fast; per-layer merges only run to name the culprit.
+    plain: dict[str, Any] = {}
+    for node, _ in nodes:
+        plain = merge_plain(plain, node)
     try:
-        merged = OmegaConf.merge(typed_defaults(), *(n for n, _ in nodes))
-    except OmegaConfBaseException:
+        cfg = _typed(json.dumps(plain, sort_keys=True, default=str))
+    except StudyError:
+        raise
+    except OmegaConfBaseException as exc:  # only now merge layer by layer, to name the layer and field at fault
         merged = typed_defaults()
         for node, where in nodes:
             merged = merge_checked(merged, node, where)
+        raise StudyError(str(getattr(exc, "full_key", None) or "config"), f"is not valid ({str(exc).splitlines()[0]})",
+                         "check the spelling and type against the typed config in study/config/") from None
+    return copy.deepcopy(cfg)  # callers get their own: a cached config is never shared
+
+
+def merge_plain(base: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """`node` over `base` as OmegaConf merges them (mappings merge key by key; anything else, lists included, is
+    replaced), on plain containers: one typed merge of the result is much cheaper than one per layer."""
+    out = dict(base)
+    for key, value in node.items():
+        out[key] = merge_plain(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def _typed(plain_json: str) -> RunConfig:
+    """The typed, validated config of merged plain layers, once per distinct content: a plan composes the same
+    reference and tune-scale configs many times."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from study.config.validate import validate_run
+
+    merged = OmegaConf.merge(typed_defaults(), json.loads(plain_json))
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:

@@ -54,24 +54,20 @@ def per_job(run) -> str:
 
 
 def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
-    from study.console import console as terminal
-    from rich.table import Table
+    from study.console import console as terminal, plain_table, text_width
 
     from study.plan.throughput import devices
 
     cost = cost if cost is not None else estimates(plan)
 
     exp = plan.experiment
-    table = Table(title=f"{exp.name}: {exp.description} (baseline {exp.baseline})", show_lines=False)
     # heads per layer get a column only in a plan where some run's vary
     per_layer = any(r.model.layer_heads is not None and len(set(r.model.layer_heads)) > 1 for r in plan.runs)
     cols = ("run key", "variant", "scale", "seed", "role", "shape", "d/L", "FFN widths",
             *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
             "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h",
             "nodes x dev", "days")
-    for col in cols:
-        table.add_column(col, justify="right" if col not in ("variant", "role", "shape", "FFN widths",
-                                                             "heads/layer") else "left")
+    rows = []
     total_hours = 0.0
     for run in plan.runs:
         m, p = run.model, run.params
@@ -81,7 +77,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
         est = cost[run.key]
         hours = est.gpu_hours
         total_hours += hours or 0.0
-        table.add_row(
+        rows.append([
             run.key, run.config.variant, run.config.scale, str(run.config.seed), run.role, shape,
             f"{m.d_model / m.n_layers:.0f}", fmt_widths(m.ffn.widths),
             *((fmt_heads([m.q_heads(l) for l in range(m.n_layers)]),) if per_layer else ()),
@@ -97,9 +93,11 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
             per_job(run), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
-        )
+        ])
+    print(plain_table(f"{exp.name}: {exp.description} (baseline {exp.baseline})", list(cols), rows,
+                      left={"variant", "role", "shape", "FFN widths", "heads/layer"}, width=text_width(), keep=5),
+          flush=True)
     console = terminal()
-    console.print(table)
     n_measured = sum(e.tokens_per_s is not None for e in cost.values())
     sources = sorted({e.source for e in cost.values() if e.tokens_per_s is not None})
     console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured "
