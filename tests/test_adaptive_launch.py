@@ -18,6 +18,7 @@ def adaptive_experiment(workdir, monkeypatch):
     return "adapt"
 
 
+@pytest.mark.integration
 def test_adaptive_launch_adds_seeds_logs_looks_and_replays(adaptive_experiment, workdir, capsys):
     from mlflow import MlflowClient
 

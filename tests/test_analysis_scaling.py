@@ -151,6 +151,7 @@ def _scipy_draw_fit(n, loss, log_ref):
     return best.x
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("E", [1.8, 0.0], ids=["saturating", "E at its bound"])
 def test_batched_bootstrap_reaches_each_draws_own_minimum_and_its_intervals_match_separate_fits(E):
     points = law_points(SIZES[:5], seeds=4, E=E, noise=0.004, rng_seed=7)

@@ -193,6 +193,7 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
     return result, (out / "report.md").read_text(), (out / "report.html").read_text()
 
 
+@pytest.mark.integration
 def test_the_report_names_each_curve_and_each_arm_by_its_direction(profile_report):
     result, md, html = profile_report
     back, front = f"back-loaded (centre at {5 / 7:.0%} of depth)", f"front-loaded (centre at {2 / 7:.0%} of depth)"

@@ -34,6 +34,7 @@ def role_stds(model_cfg: ModelConfig) -> dict[str, set[float]]:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("experiment", COMPARISONS)
 def test_every_arm_of_a_shipped_comparison_starts_corresponding_matrices_at_the_same_std(experiment):
     """Across the arms at one scale, every role (wq, wo, w1, wu, ...) starts at one std: no arm's depth, K or width
@@ -56,6 +57,7 @@ def test_every_arm_of_a_shipped_comparison_starts_corresponding_matrices_at_the_
             assert stds == {0.02}, (experiment, scale, role, stds)
 
 
+@pytest.mark.integration
 def test_depth_scaled_init_divides_by_the_reference_depth_in_every_arm():
     """`model.init=depth_scaled` scales every arm's output projections by the scale's reference L (113M: 12), so
     the 6-layer hourglass_attn and the 22-layer hourglass_depth start wo/wu where the conventional model does."""
@@ -180,6 +182,7 @@ def test_a_job_on_another_world_size_splits_the_planned_global_batch():
     assert err.value.field == "world size" and "3 ranks" in err.value.problem
 
 
+@pytest.mark.integration
 def test_two_arms_train_the_recipe_the_plan_shows_and_mlflow_records_it(workdir):
     """Conventional and hourglass runs of one comparison: same steps, tokens, peak LR, warm-up and final LR in the
     spec, the MLflow params and the logged LR curve (whose last point is the final LR)."""
@@ -248,6 +251,7 @@ def test_the_release_plan_holds_the_six_released_shapes_and_their_recipe():
             assert run.mismatch == 0 and run.params["counted"] == layers * (4 * d * heads * hd + 3 * d * width)
 
 
+@pytest.mark.integration
 def test_the_release_recipe_trains_a_tiny_shape_on_cpu_from_flat_token_files(workdir):
     """The hourglass arm of `hourglass_release` shrunk to CPU size (the experiment's recipe, block and init kept:
     QK-norm, tied embeddings, Llama-3 RoPE scaling, cosine to an absolute final LR, decay on QK-norm gains) reads

@@ -373,6 +373,7 @@ def unreadable_corpora(root) -> None:
     parquet.write_bytes(bytes(data))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("argv,field", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
     assert main(argv) == 2
@@ -382,6 +383,7 @@ def test_bad_input_is_refused_naming_the_field(argv, field, bad_tree, capsys):
     assert sorted(p.name for p in bad_tree.iterdir()) == []  # nothing written: no store, no runs, no reports
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("corpus", ["truncated", "latin1", "damaged_parquet"])
 def test_an_unreadable_corpus_is_refused_naming_data_name(corpus, bad_tree):
     """The real command: `datasets` logs the file it failed on in a line of its own before the refusal."""

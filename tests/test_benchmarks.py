@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 
 
+@pytest.mark.integration
 def test_a_figure_prints_json_rows_with_both_values_an_oriented_ratio_and_the_machine():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "loader"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -81,6 +81,7 @@ def test_the_plan_of_a_racing_experiment_states_its_expected_saving(workdir, mon
     assert f"racing saves about {worse:.0%} of them in expectation if every arm is worse by twice the margin" in out
 
 
+@pytest.mark.integration
 def test_the_shipped_scaling_study_is_branched_and_its_plan_states_what_racing_would_save(workdir, capsys):
     from study.plan.racing import expected_saving
 
@@ -134,6 +135,7 @@ def test_branches_need_a_stable_lr_to_branch_from(workdir, monkeypatch, capsys):
     assert "error in `train.lr_schedule`" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_a_branch_equals_the_straight_wsd_run_of_its_length(workdir, monkeypatch):
     """The branch from step s = 16 with decay 0.2 is the straight WSD run of 20 steps: every training loss and the
     final validation loss agree to fp32 round-off (they are the same arithmetic: batches are a function of (seed,
@@ -177,6 +179,7 @@ def test_a_branch_equals_the_straight_wsd_run_of_its_length(workdir, monkeypatch
     assert steps == list(range(17, 21))  # the branch logs its own steps, never the trunk's again
 
 
+@pytest.mark.integration
 def test_a_local_launch_trains_the_trunks_then_their_branches_and_a_relaunch_trains_nothing(workdir, monkeypatch,
                                                                                            capsys):
     from study.config.spec import finished_result
@@ -208,6 +211,7 @@ def test_a_local_launch_trains_the_trunks_then_their_branches_and_a_relaunch_tra
         assert fit["d_range"] == [5 * per_step, 20 * per_step] and fit["scale"] == "tiny"
 
 
+@pytest.mark.integration
 def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workdir, monkeypatch, capsys):
     """The race decides a rung once all its branches have finished: an arm whose branch endpoints are worse than the
     baseline's by far more than their spread stops there (its trunks and later branches are never submitted again,

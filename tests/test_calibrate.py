@@ -41,6 +41,7 @@ def test_too_few_calibration_steps_are_refused_before_anything_is_submitted(work
     assert not (workdir / "runs").exists() and not (workdir / "mlflow.db").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slurm
 @pytest.mark.xdist_group("slurm")
 @pytest.mark.skipif(not slurm_available(), reason="no SLURM cluster: run `eval \"$(slurm/local/up)\"`")

@@ -59,6 +59,7 @@ def test_docstring_corpus_is_reproducible_english_and_distinct(tmp_path: Path) -
     assert not is_english_prose(">>> f(1, 2)\n(3, {'a': [1, 2]})\n>>> g()\n[0, 0, 0, 0]")
 
 
+@pytest.mark.integration
 def test_bpe_round_trips_text_and_ends_documents_with_eos(small) -> None:
     tok = load_tokenizer(small.tokenizer_path)
     assert small.vocab_size == tok.get_vocab_size() == 512
@@ -172,6 +173,7 @@ def test_validation_scores_the_same_windows_on_every_world_size_and_micro_batch(
     assert sum(real for batches in shares for _, _, real in batches) == count
 
 
+@pytest.mark.integration
 def test_leftover_build_without_a_progress_record_is_rebuilt(small_cfg: DataConfig, small, tmp_path: Path) -> None:
     cfg = replace(small_cfg, cache_dir=str(tmp_path))
     entry = tmp_path / "shards" / small.shard_dir.name

@@ -206,6 +206,7 @@ def test_settings_that_cannot_read_token_files_are_refused(tmp_path, tokenizer):
     assert err.value.field == "data.val_tokens"
 
 
+@pytest.mark.integration
 def test_study_train_trains_on_flat_token_files(workdir, tokenizer):
     from study.plan.planner import plan_adhoc
     from study.train.loop import train
@@ -261,6 +262,7 @@ def test_spot_digest_hashes_the_size_and_sixteen_evenly_spaced_blocks_of_a_large
     assert spot_digest(small) == hashlib.sha256(str(1 << 20).encode() + bytes(data[:1 << 20])).hexdigest()
 
 
+@pytest.mark.integration
 def test_a_resume_on_a_token_file_rewritten_at_the_same_size_and_mtime_is_refused_naming_it(workdir, tokenizer,
                                                                                           capsys):
     import os

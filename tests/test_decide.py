@@ -38,6 +38,7 @@ def truth(tmp_path_factory):
     return uri, result, root / "reports" / EXPERIMENT
 
 
+@pytest.mark.integration
 def test_known_truth_gives_exactly_the_four_verdicts(truth):
     _, result, _ = truth
     primary = {d["variant"]: d for d in result["decisions"] if d["family"] == "primary"}
@@ -265,6 +266,7 @@ def test_a_single_pair_takes_the_seeds_it_needs_from_the_prior_sd():
     assert "prior sd 0.02" in row.reason
 
 
+@pytest.mark.integration
 def test_study_report_prints_the_decisions(truth, capsys, tmp_path, monkeypatch):
     import re
 

@@ -41,6 +41,7 @@ def planted(tmp_path_factory):
     return uri, result, root / "reports" / "compute"
 
 
+@pytest.mark.integration
 def test_a_variant_planted_at_1_5x_compute_is_recovered_inside_its_interval_and_1x_holds_1(planted):
     _, result, _ = planted
     block = result["effective_compute"]
@@ -76,6 +77,7 @@ def test_the_multiplier_is_the_baselines_compute_to_reach_the_variants_fitted_lo
     assert row["multiplier"] == pytest.approx(needed / c, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_starting_the_compute_fits_from_the_parameter_fits_changes_no_multiplier(planted):
     from analysis.scaling import scaling_report
 
@@ -124,6 +126,7 @@ def test_five_seeds_show_the_range_of_the_draws_and_eight_their_95_percent_inter
         assert (r.interval, r.seeds) == ("95%", 8) and r.ci_low <= r.multiplier <= r.ci_high
 
 
+@pytest.mark.integration
 def test_two_seeds_give_three_resamples_and_no_95_percent_interval(tmp_path):
     from analysis.compute import multiplier
 
@@ -143,6 +146,7 @@ def test_two_seeds_give_three_resamples_and_no_95_percent_interval(tmp_path):
     assert "95% bootstrap CI" not in md
 
 
+@pytest.mark.integration
 def test_without_flops_and_token_params_compute_is_6ND_for_every_run_and_the_report_says_so(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     synthetic_store(uri, "legacy", ["base", "planted"], SCALES[:3], seeds=3, steps=10, eval_tasks=(), effects={},
@@ -201,6 +205,7 @@ def _independent_hours(client, run_id: str, target: float, per_device: float | N
     return step * per_step / rate / 3600, curve[-1][0] * per_step / rate / 3600
 
 
+@pytest.mark.integration
 def test_hours_to_the_baselines_final_loss_follow_each_runs_curve_and_own_throughput(timed):
     from analysis.run_table import read_curves
 
@@ -232,6 +237,7 @@ def test_hours_to_the_baselines_final_loss_follow_each_runs_curve_and_own_throug
     assert len(report.devices_unknown) == len(runs)  # synthetic runs log no run spec
 
 
+@pytest.mark.integration
 def test_time_to_target_sits_beside_the_parameter_matched_verdict_in_the_report(timed, tmp_path):
     result = build_report("timed", tracking_uri=timed, out_dir=tmp_path, n_resamples=99, log_to_mlflow=False)
     rows = {(r["scale"], r["variant"]): r for r in result["time_to_target"]["rows"]}
@@ -246,6 +252,7 @@ def test_time_to_target_sits_beside_the_parameter_matched_verdict_in_the_report(
     assert "<h2>Time to target</h2>" in (tmp_path / "timed" / "report.html").read_text()
 
 
+@pytest.mark.integration
 def test_a_calibrated_shape_sets_the_hours_of_its_runs(timed, tmp_path):
     from analysis.run_table import read_curves
     from study.config.spec import write_spec

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 
+import pytest
 from conftest import TINY, TRAINING_RUNS
 from study.cli import main
 from study.evaluate.records import evaluated, read_records
@@ -37,6 +38,7 @@ def steps_kept(spec):
     return [int(p.name.split("_")[-1]) for p in checkpoint.complete_checkpoints(spec.run_dir.path)]
 
 
+@pytest.mark.integration
 def test_an_evaluation_before_training_finished_is_not_of_record_and_the_final_checkpoint_is_evaluated(workdir,
                                                                                                        capsys):
     spec = select_run([*RUN, "faults.stop_at_step=4"])
@@ -65,6 +67,7 @@ def test_an_evaluation_before_training_finished_is_not_of_record_and_the_final_c
     assert [r["step"] for r in read_records(spec)] == [4, 8]
 
 
+@pytest.mark.integration
 def test_a_repeated_evaluation_leaves_one_point_per_metric_and_step(workdir, capsys):
     spec = select_run(RUN)
     assert train(spec).status == "FINISHED"
@@ -81,6 +84,7 @@ def test_a_repeated_evaluation_leaves_one_point_per_metric_and_step(workdir, cap
     assert len(read_records(spec)) == 2
 
 
+@pytest.mark.integration
 def test_a_checkpoint_being_read_is_not_pruned_by_its_training(workdir, capsys):
     spec = select_run([*RUN, "train.keep_last=1", "faults.stop_at_step=6"])
     assert train(spec).status == "PREEMPTED"

@@ -35,6 +35,7 @@ def mlflow_run(workdir):
     return client, run
 
 
+@pytest.mark.integration
 def test_eval_scores_a_trained_run_into_its_own_mlflow_run_and_run_directory(workdir, capsys, tmp_path):
     spec = trained("eval.limit=8")  # the run's configured evaluation: 8 documents per task
     capsys.readouterr()
@@ -63,6 +64,7 @@ def test_eval_scores_a_trained_run_into_its_own_mlflow_run_and_run_directory(wor
     assert "`tasks`" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_lm_eval_cli_scores_a_run_from_another_directory_as_study_eval_does(workdir, capsys, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

@@ -149,6 +149,7 @@ def test_shipped_tasks_are_multiple_choice_documents_with_one_valid_gold_answer(
             assert not any(a != b and b.startswith(a) for a in choices for b in choices), choices
 
 
+@pytest.mark.integration
 def test_model_that_knows_the_answers_scores_one_on_every_local_task(tokenizer, tokenizer_path, questions):
     gold = [
         ids(tokenizer, prompt + continuations[answer])
@@ -251,6 +252,7 @@ def test_loglikelihood_equals_log_softmax_of_the_continuation_tokens(tokenizer):
     assert truncated != pytest.approx(expected[3], rel=1e-3)
 
 
+@pytest.mark.integration
 def test_sciq_local_scores_like_lm_evals_sciq_on_the_support_passage_and_question(tokenizer, tokenizer_path):
     """acc and acc_norm of sciq_local equal the argmax comparisons of log-likelihoods computed here from the raw
     documents with lm-eval sciq's prompt (support passage, question, "Answer:") and answer order (gold last)."""
@@ -325,6 +327,7 @@ def test_misspelled_local_task_is_a_study_error_naming_the_local_tasks(tokenizer
     assert "arc_hard_local" in error.value.problem
 
 
+@pytest.mark.integration
 def test_unknown_hub_task_is_a_study_error_that_says_hub_tasks_need_network(tokenizer_path, tokenizer):
     with pytest.raises(StudyError, match="need network") as error:
         evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["piqa_local", "no_such_task"],
@@ -347,6 +350,7 @@ def test_model_args_the_study_model_does_not_take_are_refused_by_name():
     assert error.value.field == "model_args" and "run (a run key)" in error.value.fix
 
 
+@pytest.mark.integration
 def test_the_study_model_is_an_lm_eval_plugin_entry_point_which_this_lm_eval_release_does_not_read():
     """pyproject.toml registers `study` under lm-eval's `lm_eval.models` entry-point group. lm-eval 0.4.13 looks
     models up in its own table only: a fresh process that has not imported study answers "no model for this name"

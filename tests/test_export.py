@@ -72,6 +72,7 @@ def test_the_library_mapping_gives_transformers_the_same_logits_for_each_shape_d
         torch.testing.assert_close(theirs(idx).logits, ours(idx), rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["llama", "olmo2"])
 def test_a_trained_run_exports_to_transformers_with_the_runs_logits(runs, name, capsys):
     from transformers import AutoModelForCausalLM
@@ -101,6 +102,7 @@ def test_a_trained_run_exports_to_transformers_with_the_runs_logits(runs, name, 
     assert manifest["step"] == 4 and manifest["checkpoint"] == ckpt.name and manifest["run_key"] == spec.key
 
 
+@pytest.mark.integration
 def test_the_exported_tokenizer_encodes_as_the_runs_tokenizer(runs):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
@@ -218,6 +220,7 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(runs, capsys):
     assert (spec.run_dir.export / "notes.txt").is_file() and (spec.run_dir.export / "config.json").is_file()
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
 def test_a_two_rank_bf16_run_exports_consolidated_bf16_weights(tmp_path, data_cache):
     """FSDP2 over 2 gloo ranks with the bf16 policy: the DCP shards become one file, in what the run computed in."""

@@ -42,6 +42,7 @@ def reference_result(workdir) -> float:
     return out.val_loss
 
 
+@pytest.mark.integration
 def test_sigkill_at_random_steps_resumes_to_the_uninterrupted_result(workdir):
     want = reference_result(workdir)
     rng = random.Random(7)
@@ -87,6 +88,7 @@ def resize(disk, size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
 
 
+@pytest.mark.integration
 def test_a_full_disk_fails_the_run_naming_it_and_its_half_written_checkpoint_is_never_loaded(workdir, small_disk,
                                                                                                capsys):
     from study.train import checkpoint
@@ -144,6 +146,7 @@ def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir)
     assert not (workdir / "mlflow.db").exists()
 
 
+@pytest.mark.integration
 def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_finish(workdir, monkeypatch):
     from slurm_helpers import private_sweeps
     from study.launch.submit import LaunchFailed, launch
@@ -173,6 +176,7 @@ def test_nan_in_one_run_of_a_sweep_fails_it_with_the_reason_and_its_siblings_fin
     assert all("nan" in r.data.tags["study.failure_reason"].lower() for r in by_variant["diverging"])
 
 
+@pytest.mark.integration
 @pytest.mark.mlflow_server
 def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(workdir):
     from mlflow import MlflowClient

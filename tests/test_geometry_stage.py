@@ -23,6 +23,7 @@ def geometry_experiment(workdir, monkeypatch):
     return "geo"
 
 
+@pytest.mark.integration
 def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_experiment, workdir, capsys):
     from mlflow import MlflowClient
 

@@ -294,6 +294,7 @@ def test_twonn_recovers_the_dimension_of_a_flat_manifold():
     assert twonn_dimension(pairwise_distances(flat, "raw")) == pytest.approx(3.0, rel=0.12)
 
 
+@pytest.mark.integration
 def test_profile_is_json_and_worker_processes_agree_with_inline(monkeypatch):
     rng = np.random.default_rng(10)
     before = np.stack([cloud(32, 8, seed) for seed in range(3)]).astype(np.float32)

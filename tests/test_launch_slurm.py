@@ -43,6 +43,7 @@ def job_ids(stages):
     return [j for s in stages for j in s.job_ids]
 
 
+@pytest.mark.integration
 def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
     from study.launch.scheduler import journal
     from study.launch.submit import launch
@@ -92,6 +93,7 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
     assert launch(name, over, echo=lambda m: None) == []  # everything finished: nothing to submit
 
 
+@pytest.mark.integration
 def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env, monkeypatch):
     import json
 
@@ -129,6 +131,7 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
         assert got["val_loss"] == want["val_loss"] and got["step"] == want["step"] == 16
 
 
+@pytest.mark.integration
 def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
     from study.launch.submit import launch
 
@@ -142,6 +145,7 @@ def test_two_task_slurm_job_trains_with_fsdp_over_gloo(workdir, cluster_env):
     assert run.info.status == "FINISHED" and run.data.tags["study.world_size"] == "2"
 
 
+@pytest.mark.integration
 def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
     import sys
 
@@ -158,6 +162,7 @@ def test_hydra_multirun_on_slurm_trains_every_grid_point(workdir, cluster_env):
     assert all(r.info.status == "FINISHED" and r.data.tags.get("study.slurm_job_id") for r in runs)
 
 
+@pytest.mark.integration
 def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workdir, cluster_env, monkeypatch):
     """A 2-minute job limit with USR2 45 s before it: SLURM may send the warning up to 60 s early (sbatch(1)), so it
     lands 15-75 s into each leg, never before the job's signal handlers exist; the 80 s of training outlast it, so
@@ -184,6 +189,7 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
     assert got["val_loss"] == clean.val_loss
 
 
+@pytest.mark.integration
 def test_until_decided_on_slurm_runs_its_loop_in_a_controller_job(workdir, cluster_env, capsys):
     from analysis.sequential import read_looks
     from study.cli import main
@@ -204,6 +210,7 @@ def test_until_decided_on_slurm_runs_its_loop_in_a_controller_job(workdir, clust
     assert {r.data.tags.get("study.seed") for r in mlflow_runs(name)} == {"0", "1"}  # the looks run is not one
 
 
+@pytest.mark.integration
 def test_missing_shards_are_tokenised_by_a_cpu_job_that_training_waits_for(workdir, cluster_env):
     from study.launch.submit import launch
 
@@ -325,6 +332,7 @@ def test_a_local_launch_skips_the_runs_queued_on_slurm_saying_so(workdir, cluste
                                                     "the queue"]
 
 
+@pytest.mark.integration
 def test_a_slurm_launch_skips_a_run_a_live_local_process_trains_saying_so(workdir, cluster_env, held_jobs):
     import signal
     import socket
@@ -371,6 +379,7 @@ def test_a_slurm_launch_skips_a_run_a_live_local_process_trains_saying_so(workdi
                     f"{name}: nothing to submit, every planned run is finished or in the queue"]
 
 
+@pytest.mark.integration
 def test_a_branch_waits_held_and_its_trunk_releases_it_while_training_on(workdir, cluster_env):
     """Branches are submitted held (SLURM's JobHeldUser) and start as soon as their trunk writes their start
     checkpoint: the first branch starts before its trunk ends, and every run finishes once."""

@@ -92,6 +92,7 @@ def test_up_again_is_a_noop_that_prints_the_same_export_line(local_cluster: Path
     assert (base / "run" / "slurmctld.pid").read_text() == ctld_pid
 
 
+@pytest.mark.integration
 def test_scontrol_requeue_runs_the_job_again_with_restart_count_1(tmp_path: Path) -> None:
     runs = tmp_path / "restart_counts.txt"
     script = tmp_path / "job.sh"

@@ -42,6 +42,7 @@ def nested(tmp_path_factory, data_cache):
         yield client, client.get_experiment_by_name("nest"), plan
 
 
+@pytest.mark.integration
 def test_seed_runs_nest_under_one_parent_per_cell_that_holds_their_mean_and_spread(nested):
     client, exp, _ = nested
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table

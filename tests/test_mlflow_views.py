@@ -37,6 +37,7 @@ class _References(HTMLParser):
                 self.urls.append((tag, name, value or ""))
 
 
+@pytest.mark.integration
 def test_report_html_artifact_is_the_page_written_with_every_figure_embedded_and_nothing_loaded_from_elsewhere(
         tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -145,6 +145,7 @@ def python_train(spec_path: Path) -> list[str]:
     return [sys.executable, "-m", "study.cli", "train", "--spec", str(spec_path)]
 
 
+@pytest.mark.integration
 def test_two_nodes_answer_each_in_its_own_namespace_with_its_own_host_name(two_nodes, tmp_path):
     assert sinfo_nodes(two_nodes) == ["node1 idle", "node2 idle"]
     text = run_job(two_nodes, tmp_path, 2, 1, ["bash", "-c", "'echo $(hostname) $(ip -4 -o addr show eth0)'"])
@@ -163,6 +164,7 @@ def uninterrupted(data_cache, tmp_path_factory):
     return losses(workdir, "straight.db", spec.key)
 
 
+@pytest.mark.integration
 def test_a_run_across_two_nodes_trains_with_hsdp_and_names_both_hosts(two_nodes, uninterrupted, workdir):
     spec, path = spec_for(workdir, "runs", "mn.db")
     text = run_job(two_nodes, workdir, 2, 1, python_train(path))
@@ -183,6 +185,7 @@ def layout_words(nodes: int, per: int) -> str:
     return f"{nodes} node{'s' * (nodes > 1)} x {per} rank{'s' * (per > 1)}, {how}"
 
 
+@pytest.mark.integration
 def test_a_run_stopped_on_one_layout_resumes_on_another_with_the_uninterrupted_loss(two_nodes, uninterrupted,
                                                                                     workdir):
     """DCP checkpoints reshard on load, with no conversion step: a run trained 3 steps at a time on 2 nodes x 1 rank,
@@ -204,6 +207,7 @@ def test_a_run_stopped_on_one_layout_resumes_on_another_with_the_uninterrupted_l
     assert tags["study.hosts"].split(",")[:2] == ["node1", "node2"]
 
 
+@pytest.mark.integration
 def test_down_leaves_no_namespace_link_or_daemon_and_is_safe_twice(tmp_path):
     netns, base = f"std{os.getpid()}", new_base("down")
     env = start_cluster(base, netns)
@@ -268,6 +272,7 @@ def resumed_once_on_both_hosts(workdir: Path, name: str, run) -> int:
     return int(segments[1].removeprefix("from step ").split(":")[0])
 
 
+@pytest.mark.integration
 def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_point_once(two_nodes, workdir,
                                                                                           monkeypatch):
     """`cluster.nodes=2` through `study launch`: one job of 2 x 1 ranks per run; USR2 reaches both ranks, the run
@@ -286,6 +291,7 @@ def test_a_launch_across_two_nodes_is_preempted_on_both_and_resumes_with_every_p
 NODE = ROOT / "slurm" / "local" / "node"
 
 
+@pytest.mark.integration
 def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothing_lost(two_nodes, workdir,
                                                                                        monkeypatch):
     """node2's slurmd and every process in its namespace killed mid-run: rank 0 does not hang (the lost peer ends its
@@ -308,6 +314,7 @@ def test_a_node_lost_mid_run_ends_the_job_which_requeues_and_resumes_with_nothin
     assert 8 <= resumed_once_on_both_hosts(workdir, "nodeloss", run) < 16
 
 
+@pytest.mark.integration
 def test_calibrate_measures_a_two_node_shape_like_any_other(two_nodes, workdir, monkeypatch, capsys):
     """`study calibrate` with `cluster.nodes=2`: one calibration job across both hosts, its figure per device (the
     tokens/s of 2 ranks over 2), which `study plan` of that layout then reads."""

@@ -73,6 +73,7 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
                                      "vocab_size", "tie_embeddings", "ffn"}
 
 
+@pytest.mark.integration
 def test_olmo2_and_conventional_runs_differ_in_the_block_only():
     from dataclasses import asdict
 
@@ -121,6 +122,7 @@ def test_geometry_experiment_has_reference_and_pending_scheduled_runs(capsys):
     assert widths[0] > widths[-1] and widths == sorted(widths, reverse=True)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "sweeps" / "experiment").glob("*.yaml")))
 def test_every_run_waits_only_on_runs_its_plan_trains(name):
     """A dependency on a key no run of the plan has never resolves: a scheduled run must wait on the profile of the
@@ -163,6 +165,7 @@ def test_seeds_share_a_shape_and_differ_in_key():
     assert len({r.key for r in hg}) == 3 and len({tuple(r.model.ffn.widths) for r in hg}) == 1
 
 
+@pytest.mark.integration
 def test_plan_command_imports_neither_torch_mlflow_pandas_nor_scipy_stats(tmp_path):
     """The power table's statistics come from scipy.special: scipy.stats and pandas would cost a plan about a
     second and a half before it prints."""

@@ -106,6 +106,7 @@ def test_max_docs_stops_reading_the_source_at_the_cap(corpus, tmp_path):
         prepare_data(DataConfig(name=str(broken), tokenizer=str(tok), seq_len=16, cache_dir=str(tmp_path / "c2")))
 
 
+@pytest.mark.integration
 def test_a_prepare_killed_halfway_resumes_to_the_bytes_of_a_clean_prepare(corpus, clean, tmp_path, capfd):
     over = data_overrides(corpus, tmp_path / "killed", "data.chunk_docs=100", "faults.kill_prepare_after_chunks=3")
     killed = subprocess.run([sys.executable, "-m", "study.cli", "prepare", *over], cwd=tmp_path, env=os.environ,
@@ -144,6 +145,7 @@ def test_bad_input_is_refused_before_any_token_is_written(corpus, tmp_path, caps
     assert not (tmp_path / "cache" / "shards").exists() and not (tmp_path / "cache" / "tokenizers").exists()
 
 
+@pytest.mark.integration
 def test_train_after_prepare_reads_the_prepared_shards_and_keeps_the_tokenizer(corpus, workdir, capsys):
     from study.evaluate.locate import run_tokenizer
     from study.plan.planner import select_run

@@ -123,6 +123,7 @@ def test_the_cli_refuses_a_malformed_block_in_one_paragraph(sweeps, capsys):
     assert "published.values.tiny.conventional.verified`" in err and "Fix:" in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_report_compares_the_papers_perplexity_ratios_with_our_loss_deltas_in_nats(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     fixed, attn = math.log(36.179 / 36.441), math.log(35.101 / 36.441)

@@ -48,6 +48,7 @@ def cli(*argv, cwd, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.integration
 def test_two_launches_started_together_train_each_key_once(workdir):
     tree = private_sweeps(workdir, "twice", seeds=[0, 1], variants={"conventional": {"model": "conventional"}})
     env = {"STUDY_SWEEPS": str(tree)}
@@ -62,6 +63,7 @@ def test_two_launches_started_together_train_each_key_once(workdir):
         assert steps(client, run) == list(range(1, 11))  # every step once, none twice
 
 
+@pytest.mark.integration
 def test_a_launcher_stopped_by_its_pid_stops_its_runs_and_a_relaunch_finishes_them(workdir):
     tree = private_sweeps(workdir, "stopme", variants={"conventional": {"model": "conventional"}})
     env = {"STUDY_SWEEPS": str(tree)}
@@ -88,6 +90,7 @@ def test_a_launcher_stopped_by_its_pid_stops_its_runs_and_a_relaunch_finishes_th
     assert run.info.status == "FINISHED" and steps(client, run) == list(range(1, 31))
 
 
+@pytest.mark.integration
 def test_a_finished_run_trained_against_an_empty_store_brings_every_point(workdir):
     first = train(select_run(RUN))
     assert first.status == "FINISHED"
@@ -103,6 +106,7 @@ def test_a_finished_run_trained_against_an_empty_store_brings_every_point(workdi
     assert got == want
 
 
+@pytest.mark.integration
 @pytest.mark.mlflow_server
 def test_an_outage_then_a_kill_loses_no_point(workdir):
     from mlflow_server import start_server
@@ -135,6 +139,7 @@ def test_an_outage_then_a_kill_loses_no_point(workdir):
         server.stop()
 
 
+@pytest.mark.integration
 def test_a_re_evaluation_with_other_settings_is_a_record_of_its_own_in_mlflow_and_files(workdir, capsys, tmp_path):
     from study.cli import main
     from study.evaluate.records import read_records
@@ -170,6 +175,7 @@ def test_a_re_evaluation_with_other_settings_is_a_record_of_its_own_in_mlflow_an
         assert json.loads(open(logged).read())["metrics"] == record["metrics"]
 
 
+@pytest.mark.integration
 def test_a_broken_newest_checkpoint_falls_back_to_the_previous_one(workdir, capsys):
     clean = train(select_run([*RUN, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
     spec = select_run([*RUN, "faults.stop_at_step=8"])
@@ -205,6 +211,7 @@ def test_a_checkpoint_or_spec_of_another_run_is_refused_by_name(workdir):
         find_run(b.key)
 
 
+@pytest.mark.integration
 def test_a_damaged_shard_entry_is_rebuilt_not_trusted(workdir, capsys):
     import numpy as np
 
@@ -240,6 +247,7 @@ def test_secrets_never_reach_run_directories_params_or_artifacts(workdir):
         assert secret not in text and "HF_TOKEN=***" in text
 
 
+@pytest.mark.integration
 def test_a_crafted_rng_file_is_not_unpickled(workdir):
     spec = select_run([*RUN, "faults.stop_at_step=4"])
     assert train(spec).status == "PREEMPTED"
@@ -278,6 +286,7 @@ def listening_sockets(pids: list[int]) -> list[str]:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
 def test_local_ranks_listen_on_loopback_only(workdir):
     proc = cli("train", "--nproc", "2", *RUN, "train.max_steps=40", "faults.sleep_per_step=0.2",
@@ -297,6 +306,7 @@ def test_local_ranks_listen_on_loopback_only(workdir):
     assert proc.returncode == 75
 
 
+@pytest.mark.integration
 def test_a_run_whose_evaluation_failed_is_evaluated_by_the_relaunch(workdir, monkeypatch):
     from study.launch.submit import LaunchFailed, launch
     from study.plan.planner import plan_experiment

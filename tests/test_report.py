@@ -39,6 +39,7 @@ def first_report(store, tmp_path_factory) -> tuple[dict, Path]:
     return build_report(EXPERIMENT, tracking_uri=store, out_dir=out, n_resamples=999), out / EXPERIMENT
 
 
+@pytest.mark.integration
 def test_runs_are_read_one_row_per_training_run_with_finals_and_status(store, first_report):
     runs = read_runs(EXPERIMENT, store)
     assert len(runs) == len(VARIANTS) * len(SCALES) * 3 - 1  # one MISSING; the report run is not a training run
@@ -164,6 +165,7 @@ def test_a_store_without_tune_runs_reports_compute_and_time_at_the_shared_lr_and
     assert "## Tuning curves" not in md and "Decided on the tuned runs" not in md and "Shared LR" not in md
 
 
+@pytest.mark.integration
 def test_rereport_reuses_the_single_report_run(store, first_report, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -198,12 +200,14 @@ def test_bad_experiment_baseline_or_metric_raise_study_errors_with_choices(store
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.integration
 def test_report_reads_the_store_named_by_the_environment(store, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     result = build_report(EXPERIMENT, metrics=["val/loss"], out_dir=tmp_path, log_to_mlflow=False, n_resamples=99)
     assert result["report_run_id"] is None and (tmp_path / EXPERIMENT / "report.html").exists()
 
 
+@pytest.mark.integration
 def test_the_papers_440m_geometry_deltas_are_shown_beside_ours_in_nats(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # our effects: near the paper's for geometry and cosine; anti has no published counterpart
@@ -228,6 +232,7 @@ def test_the_papers_440m_geometry_deltas_are_shown_beside_ours_in_nats(tmp_path)
     assert "| 440M | geometry | 3.449 → 3.430 (val/loss) | -0.0190 |" in text
 
 
+@pytest.mark.integration
 def test_a_malformed_seed_tag_and_an_infinite_final_loss_are_named_and_left_out(tmp_path, capsys):
     from mlflow import MlflowClient
 

@@ -93,6 +93,7 @@ def assert_first_screen_answers(seen: dict, result: dict) -> None:
         assert f"{d['variant']} {d['verdict']}" in sentences[f"At {d['scale']}"]
 
 
+@pytest.mark.integration
 def test_the_demo_report_answers_in_the_first_screen_of_a_1280_pixel_window(chromium, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # shaped like `study demo`: its experiment file's decision rule, variants, one scale, 3 seeds, 3 tasks
@@ -103,6 +104,7 @@ def test_the_demo_report_answers_in_the_first_screen_of_a_1280_pixel_window(chro
     assert_first_screen_answers(measure(chromium, tmp_path / "reports" / "demo" / "report.html", tmp_path), result)
 
 
+@pytest.mark.integration
 def test_a_four_scale_report_fits_the_window_and_every_figure_loads(chromium, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     synthetic_store(uri, "ffn_shape", ["conventional", "hourglass_attn", "hourglass_fixed", "tapered"],

@@ -51,6 +51,7 @@ def write_corpus(folder, words: str, seed: int) -> None:
     (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.integration
 def test_a_resume_on_changed_data_is_refused_and_restart_trains_on_the_new_data(workdir, capsys):
     corpus = workdir / "corpus"
     write_corpus(corpus, "the quick brown fox jumps over a lazy dog while wise owls watch from an old oak", 0)
@@ -83,6 +84,7 @@ def test_a_resume_on_changed_data_is_refused_and_restart_trains_on_the_new_data(
     assert spec.run_dir.tokenizer.read_bytes() != first_tokenizer  # the tokenizer of the data it now trained on
 
 
+@pytest.mark.integration
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_and_restart_replaces_its_curve(workdir, capsys):
     over = [*RUN, "train.max_steps=12"]
     clean = train(select_run([*over, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/c.db"]))
@@ -116,6 +118,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_and_restart_replaces
     assert len((aside / "metrics.jsonl").read_text().splitlines()) > 0
 
 
+@pytest.mark.integration
 def test_a_restart_interrupted_midway_is_finished_by_the_next_start(workdir):
     spec = select_run(RUN)
     assert train(select_run([*RUN, "faults.stop_at_step=4"])).status == "PREEMPTED"
@@ -134,6 +137,7 @@ def test_a_restart_interrupted_midway_is_finished_by_the_next_start(workdir):
     assert [s for s, _ in curve(workdir, new)] == list(range(1, 9))  # no point of the old curve taken for a repeat
 
 
+@pytest.mark.integration
 def test_a_finished_key_trained_under_another_runs_folder_is_refused_naming_where_it_finished(workdir, capsys):
     spec = select_run(RUN)
     assert train(spec).status == "FINISHED"
@@ -148,6 +152,7 @@ def test_a_finished_key_trained_under_another_runs_folder_is_refused_naming_wher
     assert not (workdir / "elsewhere" / "ident" / spec.key / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_settings_out_of_the_key_resume_the_same_run(workdir):
     assert train(select_run([*RUN, "faults.stop_at_step=4"])).status == "PREEMPTED"
     out = train(select_run([*RUN, "train.assumed_mfu=0.3", "train.ckpt_interval=2", "train.val_interval=3"]))
@@ -159,6 +164,7 @@ def test_settings_out_of_the_key_resume_the_same_run(workdir):
     assert not {"train.assumed_mfu", "train.ckpt_interval", "train.val_interval", "variant"} & set(params)
 
 
+@pytest.mark.integration
 def test_launch_restart_trains_a_finished_run_again_from_step_0(workdir, monkeypatch, capsys):
     tree = private_sweeps(workdir, "ident", variants={"conventional": {"model": "conventional"}})
     monkeypatch.setenv("STUDY_SWEEPS", str(tree))

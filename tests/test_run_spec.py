@@ -108,6 +108,7 @@ def keys_of(*overrides):
     return {r.name: r.key for r in plan_experiment("demo", list(overrides)).runs}
 
 
+@pytest.mark.integration
 def test_estimates_cadences_and_cluster_resources_leave_every_key_unchanged():
     base = keys_of()
     for over in (["train.assumed_mfu=0.5"], ["train.log_interval=10"], ["train.val_interval=7"],
@@ -166,6 +167,7 @@ def test_an_adhoc_run_is_named_after_its_presets():
     assert width.model.d_model == 848 and abs(width.mismatch) <= 1e-5
 
 
+@pytest.mark.integration
 def test_study_train_and_the_hydra_entry_point_train_the_same_run(workdir):
     over = [*TINY, "model.d_model=96", "model.n_heads=3", "train.max_steps=2", "model.ffn.schedule.start=1.25"]
     out = subprocess.run([sys.executable, "-m", "study.cli", "train", *over, "--cfg", "job"], cwd=workdir,
@@ -225,6 +227,7 @@ def yaml_value(text):
     return yaml.safe_load(text)
 
 
+@pytest.mark.integration
 def test_a_job_trains_the_planned_shape_after_the_sweeps_tree_changes(tiny_experiment, workdir):
     from study.launch.callables import TrainJob
     from study.launch.submit import write_specs
@@ -246,6 +249,7 @@ def test_a_job_trains_the_planned_shape_after_the_sweeps_tree_changes(tiny_exper
     assert run.data.tags["study.run_key"] == planned.key
 
 
+@pytest.mark.integration
 def test_status_and_report_find_a_launch_without_its_overrides(tiny_experiment, workdir, capsys):
     from study.launch.status import experiment_status
     from study.launch.submit import launch

@@ -65,6 +65,7 @@ def answers(plan):
     return states, [r.name for r in train_runs], queue, rows
 
 
+@pytest.mark.integration
 def test_each_state_has_one_answer_that_launch_status_and_until_decided_share(five_runs):
     plan = five_runs
     states, submitted, queue, rows = answers(plan)
@@ -94,6 +95,7 @@ def test_each_state_has_one_answer_that_launch_status_and_until_decided_share(fi
     assert [name for name, r in rows.items() if r.state.done] == ["conventional-tiny-s0"]
 
 
+@pytest.mark.integration
 def test_a_trained_run_to_be_evaluated_needs_its_evaluation_of_record(five_runs):
     plan = plan_experiment("states", [*OVER, *EVAL])  # evaluation settings are outside the key: the same runs
     assert [r.key for r in plan.runs] == [r.key for r in five_runs.runs]
@@ -104,6 +106,7 @@ def test_a_trained_run_to_be_evaluated_needs_its_evaluation_of_record(five_runs)
     assert not rows["conventional-tiny-s0"].state.done
 
 
+@pytest.mark.integration
 def test_where_mlflow_and_the_run_directory_disagree_the_run_directory_wins_and_says_so(five_runs, workdir):
     from study.track.query import open_store
 

@@ -190,6 +190,7 @@ def test_train_spec_takes_the_spec_the_planner_wrote_from_where_it_was_planned(w
 # export --force
 
 
+@pytest.mark.integration
 def test_export_force_replaces_only_the_files_its_manifest_lists(workdir, capsys):
     from study.train.loop import train
 
@@ -271,6 +272,7 @@ SECRETS = ("wandb-from-env-123", "hf_abcdefgh", "sk-abcdefgh", "zyxwvuts", "tok_
 SETUP_OVERRIDE = "cluster.setup=[" + ",".join(json.dumps(line) for line in SETUP) + "]"
 
 
+@pytest.mark.integration
 def test_secrets_never_reach_stdout_run_directories_or_mlflow(workdir, monkeypatch, capsys):
     from mlflow import MlflowClient
 
@@ -309,6 +311,7 @@ def test_a_value_read_from_the_environment_is_reread_by_the_job_and_masked_witho
     assert read_spec(path).config.cluster.setup[0] == "wandb login ***"  # a reader without the variable
 
 
+@pytest.mark.integration
 def test_launch_manifests_and_tags_hold_the_masked_overrides(workdir):
     from study.launch.manifest import latest_manifest, write_manifest
     from study.track.query import open_store, read_manifest_tags

@@ -82,6 +82,7 @@ def test_alpha_spent_over_all_looks_never_exceeds_alpha():
     assert look_alpha(0.05, 3, 0, 6) + sum(look_alpha(0.05, n, n - 1, 6) for n in range(4, 7)) == pytest.approx(0.05)
 
 
+@pytest.mark.integration
 def test_no_true_difference_is_called_a_difference_more_often_than_alpha():
     # 60 experiments where nothing differs, two variants each, looked at with 3, 4 and 5 pairs
     false, trials = 0, 60

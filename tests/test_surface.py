@@ -219,6 +219,7 @@ def branched_report(branched, tmp_path_factory):
     return build_report(EXPERIMENT, tracking_uri=uri, out_dir=out, n_resamples=999), out / EXPERIMENT
 
 
+@pytest.mark.integration
 def test_a_branched_study_decides_on_the_branch_ends_and_fits_every_branch_never_a_trunk(branched):
     from analysis.run_table import read_study
 
@@ -234,6 +235,7 @@ def test_a_branched_study_decides_on_the_branch_ends_and_fits_every_branch_never
     assert "No run of hourglass at 80M: these cells are in no comparison" in study.notes
 
 
+@pytest.mark.integration
 def test_the_report_of_a_branched_study_shows_each_arms_surface_and_pairs_the_largest_point(branched, branched_report):
     uri, names = branched
     result, out = branched_report

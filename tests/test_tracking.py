@@ -189,6 +189,7 @@ sys.exit(tracker.close(timeout_s=60))
 """
 
 
+@pytest.mark.integration
 def test_processes_writing_one_fresh_sqlite_store_at_once_lose_nothing(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     writers = [
@@ -218,6 +219,7 @@ def test_starting_a_server_on_a_taken_port_fails_naming_the_port(tmp_path):
             start_server(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts", port=port)
 
 
+@pytest.mark.integration
 @pytest.mark.mlflow_server
 def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monkeypatch):
     # One try per HTTP call, so the Tracker's own backoff (not MLflow's minutes-long internal retry) is exercised.
@@ -259,6 +261,7 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
         assert max(costs) < 0.05, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
 
 
+@pytest.mark.integration
 def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_another_key_schema(tmp_path):
     from mlflow import MlflowClient
 
@@ -289,6 +292,7 @@ def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_
                            "to train them under the current keys.",)
 
 
+@pytest.mark.integration
 def test_a_report_of_failed_runs_says_they_failed_and_one_with_a_missing_cell_names_it(tmp_path):
     from mlflow import MlflowClient
 
@@ -337,6 +341,7 @@ def a_store_with_one_run(folder) -> str:
     return uri
 
 
+@pytest.mark.integration
 def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path):
     from analysis.run_table import read_runs
     from study.track.query import runs_by_key
@@ -354,6 +359,7 @@ def test_a_store_on_a_read_only_file_system_is_read_without_a_lock_file(tmp_path
         subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
+@pytest.mark.integration
 def test_a_store_a_writer_holds_locked_is_read_once_it_lets_go(tmp_path):
     from study.track.query import runs_by_key
 

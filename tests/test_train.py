@@ -26,6 +26,7 @@ def mlflow_runs(experiment="unit", db="mlflow.db"):
     return mlflow.search_runs(experiment_names=[experiment], filter_string=TRAINING_RUNS, output_format="list")
 
 
+@pytest.mark.integration
 def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
     cfg = cfg_for("train.max_steps=30", "train.val_interval=10", "train.lr=3e-3")
     out = train(cfg)
@@ -51,6 +52,7 @@ def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
     assert run.data.metrics["val/ppl"] == pytest.approx(2.718281828 ** out.val_loss, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_resume_after_preemption_reproduces_the_uninterrupted_losses(workdir):
     common = ["train.max_steps=12", "train.ckpt_interval=4", "train.val_interval=6"]
     full = train(cfg_for(*common, "paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db"))
@@ -86,6 +88,7 @@ def test_paired_runs_of_two_variants_see_identical_batches(workdir):
         assert not next(sc)[0][0].equal(next(sa)[0][0])
 
 
+@pytest.mark.integration
 def test_nan_loss_fails_the_run_with_its_reason(workdir):
     out = train(cfg_for("train.max_steps=8", "faults.nan_at_step=5"))
     assert out.status == "FAILED" and "nan" in out.reason.lower() and out.step == 5
@@ -93,6 +96,7 @@ def test_nan_loss_fails_the_run_with_its_reason(workdir):
     assert run.info.status == "FAILED" and "step 5" in run.data.tags["study.failure_reason"]
 
 
+@pytest.mark.integration
 @pytest.mark.distributed
 def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
     def run(*extra):
@@ -131,6 +135,7 @@ def test_a_validation_split_smaller_than_one_batch_is_refused_before_the_first_s
     assert not (spec.run_dir.path / "checkpoints").exists() and not (workdir / "mlflow.db").exists()
 
 
+@pytest.mark.integration
 def test_callbacks_see_the_loss_then_validation_then_the_stop_then_the_checkpoint_of_a_step(workdir, monkeypatch):
     """The loop's fixed callback order, seen by the fault callback: at step 6 the training loss is logged, then the
     validation loss, then the injected stop is asked for, then the checkpoint of step 6 is about to be saved (step 3's
@@ -201,6 +206,7 @@ def test_validation_is_the_mean_over_a_fixed_set_of_windows_whatever_the_micro_b
     assert model.training  # validation hands the model back in training mode
 
 
+@pytest.mark.integration
 def test_a_term_before_the_loop_takes_the_signals_stops_the_run_at_its_first_step_with_a_checkpoint(workdir):
     """A local launch stopped while its jobs still set up (imports, data, model): the TERM is kept from the job's
     first moment (what TrainJob does), so the run checkpoints its first step and stops instead of training on until

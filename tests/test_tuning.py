@@ -120,6 +120,7 @@ def test_plan_lists_the_tune_runs_and_holds_the_main_runs_until_their_tuning_dec
         assert r.recipe.max_steps == untuned[r.name].recipe.max_steps
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_a_local_launch_tunes_first_and_trains_each_variant_at_its_own_best_lr(workdir, monkeypatch):
     """Two tiny variants prefer different LRs: `slow`'s best grid point is its top edge, so points are added
@@ -191,6 +192,7 @@ def test_every_shipped_experiment_is_a_tuned_comparison_or_the_release():
     assert sorted(group_options("experiment")) == sorted([*COMPARISONS, "hourglass_release"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("experiment", COMPARISONS)
 def test_every_shipped_comparison_tunes_each_arm_at_its_smallest_scale(experiment, workdir):
     """Tune runs at the smallest scale for every arm that trains on its own widths (a geometry-scheduled arm takes its

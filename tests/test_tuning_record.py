@@ -142,6 +142,7 @@ def test_a_record_damaged_or_edited_by_hand_is_refused_naming_the_file_and_nothi
     assert not (main_a.run_dir.path / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_a_record_that_is_not_json_is_refused_and_deleting_it_recomputes_the_same_choice(workdir, monkeypatch, capsys):
     name = sweeps(workdir, monkeypatch)
     decided(name)
@@ -169,6 +170,7 @@ def test_a_diverged_tune_point_counts_as_the_worst_loss_and_the_choice_goes_on(w
     assert all(not r.awaits_tuning for r in plan.runs if r.role != Role.tune)
 
 
+@pytest.mark.integration
 def test_a_grid_that_diverges_everywhere_holds_the_main_runs_with_one_clear_reason(workdir, monkeypatch, capsys):
     name = sweeps(workdir, monkeypatch, tune={**EXPERIMENT["tune"], "extend": 1})
     from study.plan.planner import plan_experiment
@@ -188,6 +190,7 @@ def test_a_grid_that_diverges_everywhere_holds_the_main_runs_with_one_clear_reas
     # (its tune runs' results were written here without MLflow: a launch would only bring MLflow their results)
 
 
+@pytest.mark.integration
 def test_a_diverging_tune_run_settles_as_diverged_and_a_relaunch_trains_nothing_more(workdir, monkeypatch):
     """Real training: every tune point of `b` diverges (loss NaN injected at step 3); its runs settle with the
     reason, MLflow calls them FAILED, and the launch ends; run again, it submits nothing."""

@@ -49,6 +49,7 @@ def full(tmp_path_factory):
     return uri, result, root / "reports" / "tuned"
 
 
+@pytest.mark.integration
 def test_tune_runs_never_change_the_paired_verdicts_fits_or_parent_summaries(tmp_path):
     uri = _store(tmp_path, tune=False)
     before = build_report("tuned", tracking_uri=uri, out_dir=tmp_path / "a", n_resamples=99, log_to_mlflow=False)
@@ -72,6 +73,7 @@ def test_tune_runs_never_change_the_paired_verdicts_fits_or_parent_summaries(tmp
     assert metrics["val/loss"] == pytest.approx(np.mean([r.data.metrics["val/loss"] for r in main]), rel=1e-12)
 
 
+@pytest.mark.integration
 def test_tuning_curves_show_each_variants_grid_and_chosen_lr_in_every_format(full):
     uri, result, out = full
     client = MlflowClient(uri)
@@ -103,6 +105,7 @@ def test_tuning_curves_show_each_variants_grid_and_chosen_lr_in_every_format(ful
     assert json.loads((out / "report.json").read_text())["tuning"]["curves"] == result["tuning"]["curves"]
 
 
+@pytest.mark.integration
 def test_a_verdict_that_flips_between_shared_and_tuned_lr_is_flagged_and_the_tuned_runs_decide(full):
     uri, result, out = full
     study = read_study("tuned", uri)
@@ -128,6 +131,7 @@ def test_a_verdict_that_flips_between_shared_and_tuned_lr_is_flagged_and_the_tun
     assert f"the {len(study.shared_lr)} runs at the shared LR are decided beside them" in md
 
 
+@pytest.mark.integration
 def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missing_tag_means_shared(tmp_path):
     uri = _store(tmp_path, tune=True, shared=True)
     client = MlflowClient(uri)
@@ -147,6 +151,7 @@ def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missi
     assert again.shared_lr.set_index("run_id").loc[shared.info.run_id, "lr_source"] == "recipe"
 
 
+@pytest.mark.integration
 def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside_the_tuned_runs(tmp_path):
     uri = _store(tmp_path, tune=True, shared=True)
     client = MlflowClient(uri)
@@ -174,6 +179,7 @@ def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside
     assert result["tuning"]["shared_runs"] == len(VARIANTS) * len(SCALES) * SEEDS
 
 
+@pytest.mark.integration
 def test_study_report_prints_the_flips_and_each_variants_compute_multiplier(full, capsys, tmp_path, monkeypatch):
     from study.cli import main
 

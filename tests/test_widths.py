@@ -127,6 +127,7 @@ def test_sigmoid_is_exact_at_both_ends_and_reverse_mirrors_every_taper():
         [4.0, 2.25, 0.5, 2.25, 4.0])  # reverse of a crown: most capacity at the ends
 
 
+@pytest.mark.integration
 def test_the_widths_experiment_plans_every_family_and_shows_widths_and_heads(capsys, monkeypatch):
     assert main(["plan", "widths", "--json"]) == 0
     runs = [r for r in json.loads(capsys.readouterr().out)["runs"] if r["role"] != "tune"]
