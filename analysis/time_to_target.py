@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -31,7 +31,7 @@ import pandas as pd
 from analysis import run_table
 from analysis.decide import decide
 from analysis.paired import paired_deltas
-from analysis.records import json_ready
+from analysis.records import JsonRecord, json_ready
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store
@@ -59,7 +59,7 @@ class Throughput:
 
 
 @dataclass(frozen=True)
-class TimeToTarget:
+class TimeToTarget(JsonRecord):
     """GPU-hours to the baseline's final loss at one scale: the variant against the baseline, over seed pairs."""
 
     scale: str
@@ -92,10 +92,6 @@ class TimeToTarget:
     """better (fewer GPU-hours), worse or undecided; never better when some seed did not reach the target."""
     throughput: str
     """Where the speeds of these runs came from."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN and infinity become None."""
-        return json_ready(asdict(self))
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ Tune runs are shown, never paired: the decisions come from the main runs alone.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from analysis.decide import Decision
-from analysis.records import json_ready
+from analysis.records import JsonRecord
 from analysis.run_table import FINISHED, TUNED, scale_order
 
 TRANSFER = ("Other scales train at the tuned multiple of the recipe's LR rule: this assumes the best LR, as a "
@@ -29,7 +29,7 @@ TRANSFER = ("Other scales train at the tuned multiple of the recipe's LR rule: t
 
 
 @dataclass(frozen=True)
-class TuneCurve:
+class TuneCurve(JsonRecord):
     """One variant's LR grid at one tune scale and what was chosen from it."""
 
     variant: str
@@ -55,13 +55,9 @@ class TuneCurve:
     unfinished: int = 0
     """Tune runs of this variant and scale that did not finish."""
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
-
 
 @dataclass(frozen=True)
-class VerdictPair:
+class VerdictPair(JsonRecord):
     """One comparison decided twice: on the runs at the shared LR and on the tuned runs."""
 
     metric: str
@@ -82,10 +78,6 @@ class VerdictPair:
     """Verdict at the tuned LRs (the report's)."""
     flip: bool
     """The verdict changes between the two sets."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready(asdict(self))
 
 
 def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss") -> list[TuneCurve]:

@@ -108,8 +108,9 @@ def _load_yaml_cached(path: Path, mtime_ns: int) -> Any:
 
 
 def clear_cache() -> None:
-    """Forget every parsed YAML file (benchmarks time a cold plan)."""
+    """Forget every parsed YAML file and composed config (benchmarks time a cold plan)."""
     _load_yaml_cached.cache_clear()
+    _typed.cache_clear()
 
 
 def load_yaml(path: Path) -> Any:

@@ -190,15 +190,16 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str
 def run_key(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None,
             trunk: dict[str, Any] | None = None) -> str:
     """Short stable hash of the run's identity."""
-    return _digest(identity(cfg, upstream, tuning, trunk))
+    return json_digest(identity(cfg, upstream, tuning, trunk))
 
 
 def branch_key(trunk_key: str, at: float, decay: float) -> str:
     """A decay branch's key: its trunk's key, its point and its decay fraction (everything else it computes is the
     trunk's)."""
-    return _digest({"schema": SCHEMA_VERSION, "trunk": trunk_key, "at": at, "decay": decay})
+    return json_digest({"schema": SCHEMA_VERSION, "trunk": trunk_key, "at": at, "decay": decay})
 
 
-def _digest(payload: dict[str, Any]) -> str:
-    blob = json.dumps(payload, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+def json_digest(value: Any, chars: int = 12) -> str:
+    """The first `chars` hex characters of the SHA-256 of `value` as sorted JSON: every digest of a record (run keys,
+    shapes, evaluations, data sums) is made here, so equal content always hashes alike."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:chars]

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from study.config.identity import json_digest
 from study.config.data import VAL_BLOCK, VAL_SPLIT_SEED, DataConfig, tokenize_procs
 from study.data.cache import cache_key, fingerprint_path, sha256_file
 from study.errors import StudyError
@@ -382,4 +383,4 @@ def _streams(records: dict[str, list[dict[str, Any]]], dtype: np.dtype,
 
 
 def _sha256_json(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    return json_digest(value, 64)

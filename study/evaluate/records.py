@@ -12,7 +12,6 @@ checkpoint of a run not finished yet, whose scores other runs' final ones must n
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from study.config.identity import json_digest
 from study.config.spec import RunSpec, finished_result
 from study.schema import EVAL_PREFIX, EVAL_RECORD, EVAL_RESULTS, ITEMS_ARTIFACT, eval_artifact
 
@@ -39,7 +39,7 @@ class EvalSettings:
 
     @property
     def id(self) -> str:
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:8]
+        digest = json_digest(asdict(self), 8)
         items = "all" if self.limit is None else f"limit{self.limit}"
         return f"step{self.step:08d}-{items}-{self.num_fewshot}shot-{digest}"
 

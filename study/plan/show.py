@@ -48,9 +48,11 @@ def estimates(plan: Plan) -> dict:
 
 
 def per_job(run) -> str:
-    """The run's job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu' (CPU ranks)."""
+    """The run's job as nodes x devices per node (study.plan.throughput.devices): '8x8' (GPUs), '2x2 cpu'."""
+    from study.plan.throughput import devices
+
     c = run.config.cluster
-    return f"{c.nodes}x{c.gpus_per_node}" if c.gpus_per_node else f"{c.nodes}x{c.tasks_per_node} cpu"
+    return f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu")
 
 
 def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:

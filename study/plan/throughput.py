@@ -10,10 +10,9 @@ several experiments that share a shape share its measurement. The figures live i
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass
 
+from study.config.identity import json_digest
 from study.config.spec import RunSpec
 
 CALIBRATION_EXPERIMENT = "study-calibration"
@@ -34,7 +33,7 @@ def shape_key(spec: RunSpec) -> str:
     what = {"model": asdict(spec.model), "seq_len": spec.config.data.seq_len, "micro_batch": t.micro_batch,
             "precision": t.precision, "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
             "devices": devices(spec)}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return json_digest(what)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ Everything here is computed once per run at open; nothing is on the training ste
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from study.config.identity import json_digest
 from study import installed_version
 from study.config.spec import RunSpec
 
@@ -94,7 +94,7 @@ def dataset_input(data, data_cfg) -> Any:
 
     meta = data.meta
     sums = meta.get("sha256") or {}
-    digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:DIGEST_CHARS]
+    digest = json_digest(sums, DIGEST_CHARS)
     name = data_cfg.name if not data_cfg.config_name else f"{data_cfg.name}:{data_cfg.config_name}"
     flat = bool(data_cfg.tokens)  # pre-tokenised files read in place: they are the source
     local = flat or Path(data_cfg.name).expanduser().exists()

@@ -229,6 +229,6 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
 
 
 def model_hash(model_cfg) -> str:
-    import hashlib
+    from study.config.identity import json_digest
 
-    return hashlib.sha256(json.dumps(asdict(model_cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return json_digest(asdict(model_cfg))
