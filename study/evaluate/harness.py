@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -29,13 +28,8 @@ from tokenizers import Tokenizer
 
 from study.data.tokenizer import eos_id, load_tokenizer
 from study.errors import StudyError
+from study.evaluate.task_names import LOCAL_TASK_DIR, check_tasks, local_task_names
 from study.evaluate.model_args import check_model_embeds_tokenizer, model_max_length
-
-LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
-"""Templates (YAML) and data (JSONL) of the offline tasks shipped with the package."""
-
-HUB_TASK_EXAMPLES = ("arc_easy", "hellaswag", "piqa")
-"""The built-in lm-eval tasks the studies report, named in error messages; any other lm-eval task name works too."""
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenised request: the (context, continuation) strings (None for rolling windows), their tokens."""
@@ -166,18 +160,6 @@ class StudyLM(TemplateLM):
         )
 
 
-class _TaskYaml(yaml.SafeLoader):
-    """Reads a task YAML without importing what its `!function` tags name (lm-eval does that when it loads it)."""
-
-
-_TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
-
-
-def local_task_names(task_dir: Path) -> list[str]:
-    """Names of the tasks whose YAML templates lie in task_dir."""
-    return sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path in task_dir.glob("*.yaml"))
-
-
 def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
     """lm-eval's per-task scores as `eval/<task>/<metric>` (stderrs as `eval/<task>/<metric>_stderr`).
 
@@ -199,15 +181,6 @@ def _task_list(tasks: Sequence[str] | str) -> list[str]:
     if not names:
         raise StudyError("tasks", "no task given", "name at least one task, e.g. tasks=arc_easy_local")
     return names
-
-
-def _unknown_tasks_error(unknown: list[str], local: list[str]) -> StudyError:
-    return StudyError(
-        "tasks",
-        f"unknown task(s) {unknown}",
-        f"use the offline local tasks {local}, or lm-eval task names such as {list(HUB_TASK_EXAMPLES)}, "
-        "which download their data from the Hugging Face Hub and so need network access",
-    )
 
 
 def evaluate_model(
@@ -234,11 +207,9 @@ def evaluate_model(
     task_dir = Path(task_dir) if task_dir is not None else LOCAL_TASK_DIR
     if not task_dir.is_dir():
         raise StudyError("task_dir", f"{task_dir} is not a directory", "pass a folder of task YAML and JSONL files")
-    local = local_task_names(task_dir)
-    hub = [name for name in names if name not in local]
-    # A name shaped like a local task is a typo, not a hub task: say so without indexing lm-eval's catalogue.
-    if misspelled := [name for name in hub if name.endswith("_local")]:
-        raise _unknown_tasks_error(misspelled, local)
+    hub = [name for name in names if name not in local_task_names(task_dir)]
+    if any(name.endswith("_local") for name in hub):
+        check_tasks(names, task_dir)
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
@@ -256,8 +227,7 @@ def evaluate_model(
     model.eval()
     try:
         manager = TaskManager(include_path=str(task_dir), include_defaults=bool(hub))
-        if unknown := sorted(set(hub) - set(manager.all_tasks)):
-            raise _unknown_tasks_error(unknown, local)
+        check_tasks(names, task_dir, manager=manager)
         if num_fewshot:
             check_fewshot(_quietly_load(manager, names), num_fewshot)
         try:
@@ -281,7 +251,7 @@ def evaluate_model(
                 "tasks",
                 f"the data of hub task(s) {hub} could not be downloaded ({error})",
                 f"run where the Hugging Face Hub is reachable (or with the datasets already in "
-                f"HF_DATASETS_CACHE), or use the offline local tasks {local}",
+                f"HF_DATASETS_CACHE), or use the offline local tasks {local_task_names(task_dir)}",
             ) from error
     finally:
         model.train(was_training)

@@ -10,7 +10,7 @@ looks from the store (their runs are found finished) and carries on.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import submitit
 
@@ -119,11 +119,8 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
         adaptive.run(echo)
         return 0
     check_slurm()
-    # The controller needs one CPU and no GPU, for as long as the cluster preset lets a job run; a requeue
-    # (time limit) replays it.
-    cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
-    ex = build_executor(cluster, submitit_dir(cfg.paths.runs, experiment) / "%j",
-                        job_name(f"{experiment}-until-decided"))
+    ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, experiment) / "%j",
+                        job_name(f"{experiment}-until-decided"), "controller")
     with outside_allocation():
         job = ex.submit(ControllerJob(adaptive))
     echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "

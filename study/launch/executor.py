@@ -17,12 +17,15 @@ if TYPE_CHECKING:
 def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False):
     """The one way to build a submitit executor (every stage, the relaunch after tuning, `--until-decided`'s controller
     and `study calibrate`): profiling jobs get one rank (and at most one GPU), data preparation one
-    CPU-only task on the preparation partition and CPUs. A `preview` one only writes the sbatch script a dry run
+    CPU-only task on the preparation partition and CPUs, a controller (the relaunch after tuning, the adaptive loop)
+    one CPU and no GPU for as long as the preset lets a job run (a requeue replays it). A `preview` one only writes the sbatch script a dry run
     shows, so it is built where SLURM is not installed (a laptop checking a cluster launch)."""
     import submitit
 
     if stage == "profile":
         cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
+    elif stage == "controller":
+        cluster = replace(cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
     elif stage == "prepare":
         cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0,
                           cpus_per_task=cluster.prepare_cpus or cluster.cpus_per_task,

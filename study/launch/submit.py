@@ -192,10 +192,9 @@ def _without_tried(stages: list[Stage], tried: frozenset[str], queue: Queue, exp
 
 def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: frozenset[str], echo) -> None:
     cfg = plan.runs[0].config
-    # one CPU, no GPU; `afterany`: a failed tune run is reported by the relaunch, which resubmits it
-    cluster = replace(cfg.cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
-    ex = build_executor(cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                        job_name(f"{cfg.experiment}-after-tuning"))
+    # `afterany`: a failed tune run is reported by the relaunch, which resubmits it
+    ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
+                        job_name(f"{cfg.experiment}-after-tuning"), "controller")
     ex.update_parameters(dependency="afterany:" + ":".join(after))
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
@@ -234,16 +233,10 @@ def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
 def _check_tasks(plan: Plan) -> None:
     """Tasks evaluated after training must exist: lm-eval's catalogue is indexed only when a run names a task that
     is not one of the shipped offline ones (indexing takes seconds)."""
-    wanted = {t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}
-    hub = sorted(t for t in wanted if not t.endswith("_local"))
-    if not hub:
-        return
-    from lm_eval.tasks import TaskManager
+    from study.evaluate.task_names import check_tasks
 
-    unknown = sorted(set(hub) - set(TaskManager().all_tasks))
-    if unknown:
-        raise StudyError("eval.tasks", f"lm-eval has no task {unknown[0]!r}",
-                         "use lm-eval task names (arc_easy, hellaswag, piqa) or the offline *_local tasks")
+    check_tasks(sorted({t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}),
+                field="eval.tasks")
 
 
 def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:

@@ -114,13 +114,11 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
 
 def _data(spec: RunSpec, d: Dist, micro: int):
     """The run's data, checked against its validation batch and against the data it started on."""
-    from study.config.data import validate_data
     from study.data import prepare_data
     from study.data.batches import check_val_split
     from study.train.data_record import check_data
 
     cfg = spec.config
-    validate_data(cfg.data)
     data = prepare_data(cfg.data, model_vocab=spec.model.vocab_size)
     check_val_split(data.val, data.seq_len, micro * d.world_size, from_files=bool(cfg.data.val_tokens))
     check_data(spec, data, write=d.rank == 0)  # before the tokenizer copy: a start on other data leaves it as it is

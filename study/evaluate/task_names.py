@@ -1,0 +1,48 @@
+"""Task names: which tasks exist, checked once wherever names enter (`study launch`, `study eval`, the harness).
+Light on purpose: a launch checks its runs' tasks without importing torch or lm-eval's models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from study.errors import StudyError
+
+LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
+"""Templates (YAML) and data (JSONL) of the offline tasks shipped with the package."""
+
+HUB_TASK_EXAMPLES = ("arc_easy", "hellaswag", "piqa")
+"""The built-in lm-eval tasks the studies report, named in error messages; any other lm-eval task name works too."""
+
+
+class _TaskYaml(yaml.SafeLoader):
+    """Reads a task YAML without importing what its `!function` tags name (lm-eval does that when it loads it)."""
+
+
+_TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def local_task_names(task_dir: Path) -> list[str]:
+    """Names of the tasks whose YAML templates lie in task_dir."""
+    return sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path in task_dir.glob("*.yaml"))
+
+
+def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None) -> None:
+    """Every name is a local task of `task_dir` or one of lm-eval's: the one check of task names (launch, eval).
+    lm-eval's catalogue (seconds to index) is read only for names that are not local, and a name shaped like a
+    local task (`*_local`) is a typo, said without indexing it."""
+    local = local_task_names(task_dir)
+    hub = [name for name in names if name not in local]
+    unknown = [name for name in hub if name.endswith("_local")]
+    if hub and not unknown:
+        from lm_eval.tasks import TaskManager
+
+        manager = manager or TaskManager(include_path=str(task_dir))
+        unknown = sorted(set(hub) - set(manager.all_tasks))
+    if unknown:
+        raise StudyError(field, f"unknown task(s) {unknown}",
+                         f"use the offline local tasks {local}, or lm-eval task names such as "
+                         f"{list(HUB_TASK_EXAMPLES)}, which download their data from the Hugging Face Hub and so "
+                         "need network access")
