@@ -98,7 +98,7 @@ def test_a_declared_comparison_lets_the_arms_differ_in_that_field_and_only_that_
 
 
 @pytest.mark.parametrize("compares,why", [
-    (["seed"], "places a run"), (["model.d_model"], "is not a field the arms share"), ("train.lr", "must be a list"),
+    (["seed"], "places a run"), (["model.d_model"], "is not a field the arms share"), ("train.lr", "has the wrong type"),
     (["train.colour"], "is not a field the arms share"),
 ])
 def test_a_malformed_compares_block_is_refused(workdir, monkeypatch, capsys, compares, why):

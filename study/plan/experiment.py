@@ -16,9 +16,6 @@ from study.plan.fairness import check_compares, check_owned
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
-KEYS = ("description", "baseline", "scales", "seeds", "variants", "reference", "grid", "common", "at", "published",
-        "decision", "tune", "compares", "branches", "racing")
-
 
 @dataclass
 class Variant:
@@ -176,11 +173,8 @@ def _positive(where: str, x: float) -> float:
     return float(x)
 
 
-def _grid_variants(grid: Any) -> list[Variant]:
-    from omegaconf import OmegaConf
-
-    grid = OmegaConf.to_container(grid)
-    if not isinstance(grid, dict) or "model" not in grid:
+def _grid_variants(grid: dict[str, Any]) -> list[Variant]:
+    if not grid["model"]:
         raise StudyError("grid", "needs `model` (a preset) and `set` (keys, lists for swept ones)",
                          "see sweeps/experiment/search.yaml")
     settings = grid.get("set") or {}
@@ -194,30 +188,112 @@ def _grid_variants(grid: Any) -> list[Variant]:
     return out
 
 
-TYPES = {"description": (str,), "baseline": (str,), "scales": (list,), "seeds": (list, dict), "variants": (dict,),
-         "reference": (dict,), "grid": (dict,), "common": (dict,), "at": (dict,), "published": (dict,),
-         "decision": (dict,), "tune": (dict,), "compares": (list,), "branches": (dict,)}
+@dataclass
+class VariantFile:
+    """A variant as its file writes it (`variants.<name>:`)."""
+
+    model: str | None = None
+    """Preset in sweeps/model/ it starts from; unset: the preset named like the variant."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Dotted overrides on top of the preset."""
+    at: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Dotted overrides per scale name."""
 
 
-def _check_types(name: str, raw: dict) -> None:
-    for key, types in TYPES.items():
-        if key in raw and raw[key] is not None and not isinstance(raw[key], types):
-            want = " or ".join({"str": "a string", "list": "a list", "dict": "a mapping"}[t.__name__] for t in types)
-            raise StudyError(f"{name}.yaml: {key}", f"must be {want}, got {type(raw[key]).__name__}",
-                             "see sweeps/experiment/demo.yaml for the shape of an experiment file")
-    for vname, spec in (raw.get("variants") or {}).items():
+@dataclass
+class ReferenceFile:
+    """The `reference:` block: the run profiled for geometry-scheduled widths."""
+
+    variant: str = ""
+    """Variant whose run is profiled."""
+    seed: int = 0
+    """Its seed."""
+
+
+@dataclass
+class GridFile:
+    """The `grid:` block: one variant per point of the swept `set` values."""
+
+    model: str = ""
+    """Preset every point starts from."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Dotted keys; a list is swept, a scalar fixed."""
+
+
+@dataclass
+class ExperimentFile:
+    """An experiment file's shape, checked like `RunConfig` (an unknown key or a wrong type names the field); the
+    blocks with their own parsers (`published`, `decision`, `tune`, `branches`, `racing`) are mappings here."""
+
+    baseline: str | None = None
+    """Variant every other variant is paired against."""
+    scales: list[str] | None = None
+    """Scale presets, in order."""
+    seeds: Any = None
+    """Seeds: a list for every scale, or a mapping scale -> list."""
+    variants: dict[str, VariantFile | None] = field(default_factory=dict)
+    """Variant name -> its preset and settings."""
+    description: str = ""
+    """One line for the plan's title."""
+    reference: ReferenceFile | None = None
+    """The profiled reference run (geometry-scheduled studies)."""
+    grid: GridFile | None = None
+    """Variants swept over a grid of settings."""
+    common: dict[str, Any] = field(default_factory=dict)
+    """Overrides for every run."""
+    at: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Dotted overrides for every variant at one scale."""
+    published: dict[str, Any] | None = None
+    """The papers' figures (`_published`)."""
+    decision: dict[str, Any] | None = None
+    """How the report decides (`DecisionRule.from_mapping`)."""
+    tune: dict[str, Any] | None = None
+    """The tuning stage (`parse_tuning`)."""
+    compares: list[str] | None = None
+    """Shared fields the arms differ in on purpose (`check_compares`)."""
+    branches: dict[str, Any] | None = None
+    """Decay branches (`parse_branches`)."""
+    racing: Any = None
+    """Racing: true, or a mapping (`parse_racing`)."""
+
+
+def _read_file(name: str, raw) -> dict[str, Any]:
+    """The file checked against `ExperimentFile`, as plain containers (interpolations kept for the composer)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(ExperimentFile)
+    try:
+        typed = OmegaConf.merge(schema, raw)
+    except OmegaConfBaseException as exc:
+        plain = OmegaConf.to_container(raw, resolve=False)
+        key = getattr(exc, "full_key", None) or ".".join(map(str, _failing_path(schema, plain) or ()))
+        kind = "is not an experiment key" if "not in" in str(exc) else "has the wrong type"
+        raise StudyError(f"{name}.yaml: {key}".rstrip(": "), f"{kind} ({str(exc).splitlines()[0]})",
+                         "see sweeps/experiment/demo.yaml for the shape of an experiment file") from None
+    out = OmegaConf.to_container(typed, resolve=False)
+    for vname in out["variants"]:
         if not NAME.match(str(vname)):
             raise StudyError(f"{name}.yaml: variants.{vname}", "is not a usable variant name",
                              "use letters, digits, _ . - (at most 100 characters)")
-        if spec is not None and not isinstance(spec, dict):
-            raise StudyError(f"{name}.yaml: variants.{vname}", f"must be a mapping, got {type(spec).__name__}",
-                             "write e.g. `hourglass: {model: hourglass, set: {model.ffn.k: 8}}`")
-        if isinstance(spec, dict) and not isinstance(spec.get("set") or {}, dict):
-            raise StudyError(f"{name}.yaml: variants.{vname}.set", "must be a mapping of dotted keys",
-                             "write e.g. `set: {model.ffn.k: 8}`")
-    for scale in raw.get("scales") or []:
-        if not isinstance(scale, str):
-            raise StudyError(f"{name}.yaml: scales", f"{scale!r} is not a scale name", "list names of sweeps/scale/")
+    return out
+
+
+def _failing_path(schema, value: Any, path: tuple = ()) -> tuple | None:
+    """The deepest key path whose value alone does not merge onto `schema` (a mismatch of a mapping and a list is
+    reported by OmegaConf without its key)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for key, inner in value.items() if isinstance(value, dict) else ():
+        nested = inner
+        for part in reversed((*path, key)):
+            nested = {part: nested}
+        try:
+            OmegaConf.merge(schema, nested)
+        except OmegaConfBaseException:
+            return _failing_path(schema, inner, (*path, key)) or (*path, key)
+    return None
 
 
 def load_experiment(name: str) -> Experiment:
@@ -234,19 +310,16 @@ def load_experiment(name: str) -> Experiment:
     if not OmegaConf.is_dict(raw):
         raise StudyError(f"{name}.yaml", "is not a mapping of experiment keys",
                          "see sweeps/experiment/demo.yaml for the shape of an experiment file")
-    _check_types(name, OmegaConf.to_container(raw, resolve=False))
-    unknown = sorted(set(raw.keys()) - set(KEYS))
-    if unknown:
-        raise StudyError(f"{name}.yaml: {unknown[0]}", "is not an experiment key", f"use only {', '.join(KEYS)}")
+    f = _read_file(name, raw)
     for key in ("baseline", "scales", "seeds", "variants"):
         if key not in raw and not (key == "variants" and "grid" in raw):
             raise StudyError(f"{name}.yaml: {key}", "is missing", "every experiment names baseline, scales, seeds, variants")
-    scales = list(raw.scales or [])
+    scales = list(f["scales"] or [])
     if not scales:  # nothing would be planned, and `study plan` would say "no runs" as if that were the design
         raise StudyError(f"{name}.yaml: scales", "lists no scale", "list at least one, e.g. scales: [tiny]")
     for scale in scales:
         group_file("scale", scale)
-    seeds_raw = OmegaConf.to_container(raw.seeds) if raw.seeds is not None else None
+    seeds_raw = f["seeds"]
     if seeds_raw is None:
         raise StudyError(f"{name}.yaml: seeds", "lists no seed", "e.g. seeds: [0, 1, 2]")
     if isinstance(seeds_raw, dict):
@@ -257,8 +330,11 @@ def load_experiment(name: str) -> Experiment:
             raise StudyError(f"{name}.yaml: seeds", f"the seeds of scale {unlisted[0]} are not a list",
                              f"e.g. seeds: {{{unlisted[0]}: [0, 1, 2]}}")
         seeds = {s: list(seeds_raw[s]) for s in scales}
-    else:
+    elif isinstance(seeds_raw, list):
         seeds = {s: list(seeds_raw) for s in scales}
+    else:
+        raise StudyError(f"{name}.yaml: seeds", f"must be a list or a mapping, got {type(seeds_raw).__name__}",
+                         "e.g. seeds: [0, 1, 2]")
     # YAML's true/false are Python bools, which are ints: [true, false] would plan seeds 1 and 0 under other keys
     if (any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for v in seeds.values() for x in v)
             or not all(seeds.values())):
@@ -269,45 +345,34 @@ def load_experiment(name: str) -> Experiment:
         raise StudyError(f"{name}.yaml: seeds", f"{past[0]} is past the largest seed torch takes",
                          "use seeds below 2**64")
     variants = []
-    for vname, spec in (OmegaConf.to_container(raw.variants) if raw.get("variants") else {}).items():
+    for vname, spec in f["variants"].items():
         spec = spec or {}
-        extra = set(spec) - {"model", "set", "at"}
-        if extra:
-            raise StudyError(f"{name}.yaml: variants.{vname}.{sorted(extra)[0]}", "is not a variant key",
-                             "a variant has `model` (a preset), optional `set` (dotted overrides) and `at` "
-                             "(per-scale dotted overrides)")
-        preset = spec.get("model", vname)
+        preset = spec.get("model") or vname
         group_file("model", preset)
         at = _per_scale(spec.get("at"), f"{name}.yaml: variants.{vname}.at", scales)
         variants.append(Variant(vname, preset, spec.get("set") or {}, at))
-    if "grid" in raw:
-        variants += _grid_variants(raw.grid)
+    if f["grid"] is not None:
+        variants += _grid_variants(f["grid"])
     names = [v.name for v in variants]
-    if raw.baseline not in names:
-        raise StudyError(f"{name}.yaml: baseline", f"{raw.baseline!r} is not one of the variants",
+    if f["baseline"] not in names:
+        raise StudyError(f"{name}.yaml: baseline", f"{f['baseline']!r} is not one of the variants",
                          f"use one of {', '.join(names)}")
     reference = None
-    if raw.get("reference"):
-        ref = OmegaConf.to_container(raw.reference)
-        if ref.get("variant") not in names:
-            raise StudyError(f"{name}.yaml: reference.variant", f"{ref.get('variant')!r} is not a variant",
+    if f["reference"] is not None:
+        if f["reference"]["variant"] not in names:
+            raise StudyError(f"{name}.yaml: reference.variant", f"{f['reference']['variant']!r} is not a variant",
                              f"use one of {', '.join(names)}")
-        reference = (ref["variant"], int(ref.get("seed", 0)))
-    common = OmegaConf.to_container(raw.common) if raw.get("common") else {}
-    per_scale = _per_scale(OmegaConf.to_container(raw.at) if raw.get("at") else None, f"{name}.yaml: at", scales)
-    published = (_published(name, OmegaConf.to_container(raw.published), raw.baseline, scales, names)
-                 if raw.get("published") else None)
+        reference = (f["reference"]["variant"], f["reference"]["seed"])
+    common = f["common"]
+    per_scale = _per_scale(f["at"], f"{name}.yaml: at", scales)
+    published = (_published(name, f["published"], f["baseline"], scales, names) if f["published"] else None)
     # refused here, before anything is planned
-    decision = DecisionRule.from_mapping(OmegaConf.to_container(raw.decision) if raw.get("decision") else None,
-                                         f"{name}.yaml: decision")
-    tuning = (parse_tuning(OmegaConf.to_container(raw.tune), f"{name}.yaml: tune", lambda s: group_file("scale", s))
-              if raw.get("tune") is not None else None)
-    compares = (check_compares(OmegaConf.to_container(raw.compares), f"{name}.yaml: compares")
-                if raw.get("compares") is not None else ())
-    branches = (parse_branches(OmegaConf.to_container(raw.branches), f"{name}.yaml: branches")
-                if raw.get("branches") is not None else None)
-    racing = parse_racing(OmegaConf.to_container(raw.racing) if OmegaConf.is_config(raw.get("racing"))
-                          else raw.get("racing"), f"{name}.yaml: racing", branches)
+    decision = DecisionRule.from_mapping(f["decision"], f"{name}.yaml: decision")
+    tuning = (parse_tuning(f["tune"], f"{name}.yaml: tune", lambda s: group_file("scale", s))
+              if f["tune"] is not None else None)
+    compares = check_compares(f["compares"], f"{name}.yaml: compares") if f["compares"] is not None else ()
+    branches = (parse_branches(f["branches"], f"{name}.yaml: branches") if f["branches"] is not None else None)
+    racing = parse_racing(f["racing"], f"{name}.yaml: racing", branches)
     set_decay = (common.get("train") or {}).get("decay_fraction") if isinstance(common.get("train"), dict) else None
     if branches is not None and set_decay is not None and set_decay != branches.decay:
         raise StudyError(f"{name}.yaml: branches.decay", f"is {branches.decay:g} and common sets "
@@ -317,15 +382,15 @@ def load_experiment(name: str) -> Experiment:
         raise StudyError(f"{name}.yaml: branches", "cannot branch an experiment with a profiled reference run yet "
                          "(a scheduled run's widths come from the reference's final checkpoint)",
                          "remove the branches block, or split the geometry-scheduled variants into their own experiment")
-    check_owned(common if "common" in raw else {}, f"{name}.yaml: common")
+    check_owned(common, f"{name}.yaml: common")
     for scale, settings in per_scale.items():
         check_owned(settings, f"{name}.yaml: at.{scale}")
     for v in variants:
         check_owned(v.settings, f"{name}.yaml: variants.{v.name}.set")
         for scale, settings in v.per_scale.items():
             check_owned(settings, f"{name}.yaml: variants.{v.name}.at.{scale}")
-    return Experiment(name, raw.baseline, scales, seeds, variants, reference, common, per_scale,
-                      raw.get("description", ""), published, tuning, decision, compares, branches, racing)
+    return Experiment(name, f["baseline"], scales, seeds, variants, reference, common, per_scale, f["description"],
+                      published, tuning, decision, compares, branches, racing)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
