@@ -293,3 +293,39 @@ def test_the_role_is_declared_checked_and_refused_under_its_old_name():
     with pytest.raises(StudyError) as err:
         validate_run(replace(RunConfig(), role="finetune"))
     assert err.value.field == "role" and "calibrate" in err.value.fix
+
+
+def test_the_direct_typed_build_equals_omegaconfs_for_every_config_the_shipped_plans_compose(monkeypatch):
+    """compose builds RunConfig directly where every value already has its field's type; for each distinct config
+    of every shipped experiment that build equals OmegaConf's typed merge, and a value needing conversion (an int
+    for a string field) is left to OmegaConf."""
+    from omegaconf import OmegaConf
+
+    from study.config import compose as composer
+    from study.config.run import RunConfig
+    from study.plan.planner import plan_experiment
+
+    built = []
+    direct = composer._build
+
+    def both(cls, node):
+        cfg = direct(cls, node)
+        if cls is RunConfig:
+            assert cfg is not None, [k for k in node if k not in composer._hints(cls)]  # never the slow path
+            assert cfg == OmegaConf.to_object(OmegaConf.merge(composer.typed_defaults(), node))
+            built.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(composer, "_build", both)
+    composer.clear_cache()
+    for name in composer.group_options("experiment"):
+        plan_experiment(name)
+    assert len(built) > 50
+    monkeypatch.setattr(composer, "_build", direct)
+    assert direct(RunConfig, {"scale": 128}) is None and direct(RunConfig, {"nosuch": 1}) is None
+    assert direct(RunConfig, {"train": {"lr": 1}}).train.lr == 1.0
+    composer.clear_cache()
+    assert composer.compose(overrides=["scale=tiny", "variant=128"]).variant == "128"
+    monkeypatch.setenv("STUDY_TOKENIZER", "/somewhere/tokenizer.json")
+    composer.clear_cache()
+    assert composer.compose(overrides=["scale=tiny", "data=openwebtext"]).data.tokenizer == "/somewhere/tokenizer.json"
