@@ -171,7 +171,7 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str
     scheduled = cfg.model.ffn.schedule.family == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}
-    for dotted, value in leaves(asdict(cfg)).items():
+    for dotted, value in leaves(cfg).items():
         if dotted in WRITTEN_DEFAULTS and value == getattr(cfg, WRITTEN_DEFAULTS[dotted]):
             value = _defaults()[dotted]
         if placement(dotted)[0] in sides:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 
 from study.config.budget import BudgetConfig
@@ -93,10 +93,11 @@ class RunConfig:
 
 
 def leaves(node, prefix: str = "", into_lists: bool = False) -> dict:
-    """A nested dict (`asdict` of a config) as {dotted key: leaf value}; lists are leaves unless `into_lists`
-    (then their items are, keyed by index)."""
+    """A config (a dataclass, or a nested dict such as its `asdict`) as {dotted key: leaf value}; lists are leaves
+    unless `into_lists` (then their items are, keyed by index). A dataclass is read in place: no copy is made."""
     out: dict = {}
     items = (node.items() if isinstance(node, dict)
+             else ((f.name, getattr(node, f.name)) for f in fields(node)) if is_dataclass(node)
              else enumerate(node) if into_lists and isinstance(node, list) else None)
     if items is None:
         return {prefix[:-1]: node}

@@ -77,7 +77,7 @@ class Estimate:
 def estimate(spec: RunSpec, calibrations: dict[str, dict[str, Measured]]) -> Estimate:
     """The run's device-hours from its shape's measurement (its own cluster profile's first, else any), else from
     the assumed MFU."""
-    found = calibrations.get(shape_key(spec), {})
+    found = calibrations.get(shape_key(spec), {}) if calibrations else {}
     figure = found.get(spec.config.cluster.name) or (next(iter(found.values())) if found else None)
     if figure is not None and figure.tokens_per_s_per_device > 0:
         n = devices(spec)
