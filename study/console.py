@@ -57,3 +57,8 @@ def _wrap(text: str, width: int | None) -> list[str]:
     import textwrap
 
     return textwrap.wrap(text, width) if width else [text]
+
+
+def wrapped(text: str, width: int | None) -> str:
+    """`text` as lines of at most `width` characters (one line when None: into a pipe or file)."""
+    return "\n".join(_wrap(text, width))

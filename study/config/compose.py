@@ -145,13 +145,13 @@ class Overrides:
 
 def parse_overrides(items: list[str]) -> Overrides:
     """Hydra's override grammar into selections, values and resets; a sweep (`a,b`) is Hydra multirun's, not ours."""
+    out = Overrides(raw=list(items))
+    if not items:  # Hydra's parser takes a tenth of a second to import
+        return out
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
     from hydra.errors import HydraException
 
-    out = Overrides(raw=list(items))
-    if not items:
-        return out
     try:
         parsed = OverridesParser.create().parse_overrides(list(items))
     except HydraException as exc:

@@ -105,6 +105,7 @@ FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def placement(dotted: str) -> tuple[str, str]:
     """(side, reason) of a leaf field: its own entry, else its nearest section's."""
     parts = dotted.split(".")

@@ -56,11 +56,15 @@ def per_job(run) -> str:
 
 
 def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
-    from study.console import console as terminal, plain_table, text_width
+    from study.console import plain_table, text_width, wrapped
 
     from study.plan.throughput import devices
 
     cost = cost if cost is not None else estimates(plan)
+    width = text_width()
+
+    def say(text: str) -> None:
+        print(wrapped(text, width), flush=True)
 
     exp = plan.experiment
     # heads per layer get a column only in a plan where some run's vary
@@ -97,30 +101,29 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> 
             per_job(run), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         ])
     print(plain_table(f"{exp.name}: {exp.description} (baseline {exp.baseline})", list(cols), rows,
-                      left={"variant", "role", "shape", "FFN widths", "heads/layer"}, width=text_width(), keep=5),
+                      left={"variant", "role", "shape", "FFN widths", "heads/layer"}, width=width, keep=5),
           flush=True)
-    console = terminal()
     n_measured = sum(e.tokens_per_s is not None for e in cost.values())
     sources = sorted({e.source for e in cost.values() if e.tokens_per_s is not None})
-    console.print(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured "
+    say(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured "
                   f"throughput ({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} "
                   f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
                   f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
     if plan.experiment.branches is not None:
-        console.print(_branch_cost(plan, cost))
+        say(_branch_cost(plan, cost))
     for run in plan.runs:
         if run.pending:
-            console.print(f"{run.name} ({run.key}): waits for the {run.pending}")
+            say(f"{run.name} ({run.key}): waits for the {run.pending}")
             break
     for t in plan.tunings.values():
         if t.choices is None:
             continue
         chosen = ", ".join(f"x{c.multiple:g} at {s} ({c.status})" for s, c in t.choices.items())
-        console.print(f"tuning of {t.variant}: {chosen} of the recipe's LR; other scales take it as a multiple of "
+        say(f"tuning of {t.variant}: {chosen} of the recipe's LR; other scales take it as a multiple of "
                       "their own LR rule" if len(t.choices) == 1 else f"tuning of {t.variant}: {chosen}; log LR* "
                       "is fitted against log N for the other scales")
     if power:
-        console.print(_power_table(plan, power, note))
+        print(_power_table(plan, power, note, width), flush=True)
 
 
 def _branch_cost(plan: Plan, cost: dict) -> str:
@@ -156,19 +159,17 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
                    f"margin, {none:.0%} if none differs ({seeds} seeds, sd {d.prior_sd:g}, study.plan.racing)")
 
 
-def _power_table(plan: Plan, power: list, note: str):
-    from rich.table import Table
+def _power_table(plan: Plan, power: list, note: str, width: int | None) -> str:
+    from study.console import plain_table
 
     d = plan.experiment.decision
-    m = len(power)
-    table = Table(title=f"Seeds to resolve |Δ {d.metric}| = {d.margin:g} either way at "
-                        f"{d.power:.0%} power, α = {d.alpha:g}/{m} (noise: {note})")
-    for col in ("scale", "variant", "sd of paired Δ", "from", "to find Δ = margin", "to show equivalence",
-                "seeds needed", "planned", "GPU-h for them"):
-        table.add_column(col, justify="left" if col in ("scale", "variant", "from") else "right")
-    for r in power:
-        table.add_row(r.scale, r.variant, f"{r.sd:.4g}" if r.sd else "-", r.source,
-                      str(r.seeds_difference or "-"), str(r.seeds_equivalence or "-"), str(r.seeds_needed or "-"),
-                      str(r.planned), "-" if r.gpu_hours is None else
-                      f"≈{r.gpu_hours:,.1f} (widths pending)" if r.hours_from_baseline else f"{r.gpu_hours:,.1f}")
-    return table
+    columns = ["scale", "variant", "sd of paired Δ", "from", "to find Δ = margin", "to show equivalence",
+               "seeds needed", "planned", "GPU-h for them"]
+    rows = [[r.scale, r.variant, f"{r.sd:.4g}" if r.sd else "-", r.source, str(r.seeds_difference or "-"),
+             str(r.seeds_equivalence or "-"), str(r.seeds_needed or "-"), str(r.planned),
+             "-" if r.gpu_hours is None else
+             f"≈{r.gpu_hours:,.1f} (widths pending)" if r.hours_from_baseline else f"{r.gpu_hours:,.1f}"]
+            for r in power]
+    return plain_table(f"Seeds to resolve |Δ {d.metric}| = {d.margin:g} either way at {d.power:.0%} power, "
+                       f"α = {d.alpha:g}/{len(power)} (noise: {note})", columns, rows, {"scale", "variant", "from"},
+                       width=width, keep=2)
