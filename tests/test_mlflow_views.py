@@ -144,3 +144,28 @@ def test_a_store_written_before_the_role_tag_is_read_by_its_study_stage_tag(tmp_
     new = client.create_run(exp, run_name="report", tags={schema.TAG_ROLE: schema.ROLE_REPORT}).info.run_id
     assert [r.info.run_id for r in runs_with_role(client, [exp], schema.ROLE_REPORT)] == [new]
     assert schema.role_of({schema.TAG_ROLE: "tune", schema.OLD_TAG_ROLE: "train"}) == "tune"
+
+
+def test_no_tag_name_schema_declares_is_spelt_out_in_code_elsewhere():
+    """Tag names live in study/schema.py: no string in study/ or analysis/ code (docstrings aside) spells one; they
+    come from the schema's constants."""
+    import ast
+    import re
+
+    from conftest import ROOT
+
+    declared = {v for k, v in vars(schema).items() if k.startswith("TAG_") and isinstance(v, str)}
+    pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(t)}(?![\w])" for t in sorted(declared, key=len, reverse=True)))
+    found = []
+    for path in [*(ROOT / "study").rglob("*.py"), *(ROOT / "analysis").rglob("*.py")]:
+        if path == ROOT / "study" / "schema.py":
+            continue
+        tree = ast.parse(path.read_text())
+        # docstrings, of modules, classes, functions and fields alike, are the strings that stand as statements
+        docstrings = {id(node.value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and pattern.search(node.value)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert found == []
