@@ -367,10 +367,12 @@ def _typed(plain_json: str) -> RunConfig:
     from study.config.validate import validate_run
 
     plain = json.loads(plain_json)
+    cfg = _build(RunConfig, plain)
+    # anything the direct build does not take as it is goes through OmegaConf: a merge error reaches `compose`, which
+    # names the layer and the field at fault
+    merged = OmegaConf.merge(typed_defaults(), plain) if cfg is None else None
     try:
-        cfg = _build(RunConfig, plain)
-        if cfg is None:  # anything the direct build does not take as it is goes through OmegaConf, which says why
-            cfg = OmegaConf.to_object(OmegaConf.merge(typed_defaults(), plain))
+        cfg = cfg or OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, StudyError) else None
         if cause is not None:
