@@ -34,3 +34,20 @@ TINY = ["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
         "model.max_seq_len=32", "data.seq_len=32", "data.max_docs=1500", "data.vocab_size=512",
         "model.vocab_size=512", "data.val_fraction=0.05", "train.micro_batch=4", "train.val_batches=2",
         "train.warmup_steps=2", "budget.tolerance=1e-2"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test that only reads what a module fixture trained is an integration test too: the quick tier would
+    otherwise train that fixture for it. Such fixtures are the module-scoped ones an `integration` test uses."""
+    heavy = set()
+    for item in items:
+        if item.get_closest_marker("integration"):
+            for name in item.fixturenames:
+                defs = item._fixtureinfo.name2fixturedefs.get(name)
+                if defs and defs[-1].scope == "module":
+                    heavy.add((item.module.__name__, name))
+    for item in items:
+        if not item.get_closest_marker("integration") and any(
+                (item.module.__name__, name) in heavy for name in item.fixturenames):
+            item.add_marker(pytest.mark.integration)
