@@ -111,12 +111,26 @@ def _load_yaml_cached(path: Path, mtime_ns: int) -> Any:
 def clear_cache() -> None:
     """Forget every parsed YAML file and composed config (benchmarks time a cold plan)."""
     _load_yaml_cached.cache_clear()
+    _plain_cached.cache_clear()
     _typed.cache_clear()
 
 
 def load_yaml(path: Path) -> Any:
     """A YAML file of the tree, cached until the file changes."""
     return _load_yaml_cached(Path(path), Path(path).stat().st_mtime_ns)
+
+
+def plain_yaml(path: Path) -> Any:
+    """A YAML file of the tree as plain containers (interpolations kept), a copy of the cached one for the caller."""
+    path = Path(path)
+    return copy.deepcopy(_plain_cached(path, path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_cached(path: Path, mtime_ns: int) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(_load_yaml_cached(path, mtime_ns))
 
 
 def group_file(group: str, option: str) -> Path:
@@ -236,7 +250,6 @@ def _default_of(dotted: str) -> Any:
 def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]] | None = None,
             overrides: Overrides | list[str] | None = None) -> RunConfig:
     """Defaults <- group files (`groups`, then the overrides' selections) <- `layers` <- override values."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     ov = overrides if isinstance(overrides, Overrides) else parse_overrides(list(overrides or []))
@@ -245,10 +258,8 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
         k: v for d in primary.get("defaults", []) if not isinstance(d, str) for k, v in d.items()}
     chosen.update(groups or {})
     chosen.update(ov.groups)
-    nodes = [(OmegaConf.to_container(OmegaConf.create({k: v for k, v in primary.items() if k != "defaults"})),
-              "train.yaml")]
-    nodes += [(OmegaConf.to_container(load_yaml(group_file(g, chosen[g]))), f"{g}/{chosen[g]}.yaml")
-              for g in GROUPS if chosen.get(g)]
+    nodes = [({k: v for k, v in plain_yaml(sweeps_dir() / "train.yaml").items() if k != "defaults"}, "train.yaml")]
+    nodes += [(plain_yaml(group_file(g, chosen[g])), f"{g}/{chosen[g]}.yaml") for g in GROUPS if chosen.get(g)]
     # an ad-hoc run is named after its presets; an experiment's identity layer renames it
     nodes.append(({"variant": chosen.get("model") or "conventional", "scale": chosen.get("scale") or "tiny"},
                   "the selected presets"))
