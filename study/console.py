@@ -22,7 +22,6 @@ def console():
     return Console(width=PIPED_WIDTH)
 
 
-
 def text_width() -> int | None:
     """Characters a line may take: COLUMNS when set, else the terminal's width; None into a pipe or file."""
     columns = os.environ.get("COLUMNS", "")

@@ -16,10 +16,14 @@ runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import functools
 import json
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,12 @@ def refuse_renamed(node: Any, where: str) -> None:
         for p in parents:
             inner = inner.get(p) if isinstance(inner, dict) else None
         if isinstance(inner, dict) and leaf in inner:
-            raise StudyError(old, f"was renamed to {new} (in {where})", f"write {new} instead (the run key is the same)")
+            raise _renamed(old, where)
+
+
+def _renamed(old: str, where: str) -> StudyError:
+    new = RENAMED[old]
+    return StudyError(old, f"was renamed to {new} (in {where})", f"write {new} instead (the run key is the same)")
 
 
 def with_family(node: dict) -> dict:
@@ -202,15 +211,9 @@ def typed_defaults():
     return OmegaConf.structured(RunConfig)
 
 
-def _refuse_renamed_key(key: str) -> None:
-    if key in RENAMED:
-        raise StudyError(key, f"was renamed to {RENAMED[key]}", f"write {RENAMED[key]} instead (the run key is the same)")
-
-
 def nested(dotted: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in dotted.items():
-        _refuse_renamed_key(key)
         if key == SCHEDULE and isinstance(value, str):
             key = SCHEDULE + ".family"
         node = out
@@ -239,7 +242,8 @@ def merge_checked(base: Any, node: Any, where: str):
 def _default_of(dotted: str) -> Any:
     from omegaconf import OmegaConf
 
-    _refuse_renamed_key(dotted)
+    if dotted in RENAMED:  # refused here: the default of an old name cannot be looked up
+        raise _renamed(dotted, "the `~` overrides")
     node = typed_defaults()
     value = OmegaConf.select(node, dotted, default="<missing>")
     if isinstance(value, str) and value == "<missing>":
@@ -253,12 +257,12 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     from omegaconf.errors import OmegaConfBaseException
 
     ov = overrides if isinstance(overrides, Overrides) else parse_overrides(list(overrides or []))
-    primary = load_yaml(sweeps_dir() / "train.yaml")
+    primary = plain_yaml(sweeps_dir() / "train.yaml")
     chosen: dict[str, str | None] = {
-        k: v for d in primary.get("defaults", []) if not isinstance(d, str) for k, v in d.items()}
+        k: v for d in primary.pop("defaults", []) if not isinstance(d, str) for k, v in d.items()}
     chosen.update(groups or {})
     chosen.update(ov.groups)
-    nodes = [({k: v for k, v in plain_yaml(sweeps_dir() / "train.yaml").items() if k != "defaults"}, "train.yaml")]
+    nodes = [(primary, "train.yaml")]
     nodes += [(plain_yaml(group_file(g, chosen[g])), f"{g}/{chosen[g]}.yaml") for g in GROUPS if chosen.get(g)]
     # an ad-hoc run is named after its presets; an experiment's identity layer renames it
     nodes.append(({"variant": chosen.get("model") or "conventional", "scale": chosen.get("scale") or "tiny"},
@@ -274,8 +278,6 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
         plain = merge_plain(plain, node)
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))
-    except StudyError:
-        raise
     except OmegaConfBaseException as exc:  # only now merge layer by layer, to name the layer and field at fault
         merged = typed_defaults()
         for node, where in nodes:
@@ -302,11 +304,6 @@ def _build(cls: type, node: dict[str, Any]):
 
 
 def _value(kind: Any, value: Any) -> tuple[bool, Any]:
-    import dataclasses
-    import enum
-    import types
-    import typing
-
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if kind is Any:
         return True, value
@@ -351,9 +348,6 @@ def _resolved(value: str) -> tuple[bool, Any]:
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 

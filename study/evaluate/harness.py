@@ -207,9 +207,7 @@ def evaluate_model(
     task_dir = Path(task_dir) if task_dir is not None else LOCAL_TASK_DIR
     if not task_dir.is_dir():
         raise StudyError("task_dir", f"{task_dir} is not a directory", "pass a folder of task YAML and JSONL files")
-    hub = [name for name in names if name not in local_task_names(task_dir)]
-    if any(name.endswith("_local") for name in hub):
-        check_tasks(names, task_dir)
+    hub = check_tasks(names, task_dir, index=False)  # a typo of a local task is said before anything loads
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
@@ -227,7 +225,8 @@ def evaluate_model(
     model.eval()
     try:
         manager = TaskManager(include_path=str(task_dir), include_defaults=bool(hub))
-        check_tasks(names, task_dir, manager=manager)
+        if hub:
+            check_tasks(hub, task_dir, manager=manager)
         if num_fewshot:
             check_fewshot(_quietly_load(manager, names), num_fewshot)
         try:

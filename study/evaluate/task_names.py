@@ -29,14 +29,16 @@ def local_task_names(task_dir: Path) -> list[str]:
     return sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path in task_dir.glob("*.yaml"))
 
 
-def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None) -> None:
-    """Every name is a local task of `task_dir` or one of lm-eval's: the one check of task names (launch, eval).
-    lm-eval's catalogue (seconds to index) is read only for names that are not local, and a name shaped like a
-    local task (`*_local`) is a typo, said without indexing it."""
+def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None,
+                index: bool = True) -> list[str]:
+    """Every name is a local task of `task_dir` or one of lm-eval's: the one check of task names (launch, eval);
+    returns the names that are lm-eval's. lm-eval's catalogue (seconds to index; `manager`'s when given) is read only
+    for names that are not local, and never with `index=False`; a name shaped like a local task (`*_local`) is a
+    typo, said without indexing it."""
     local = local_task_names(task_dir)
     hub = [name for name in names if name not in local]
     unknown = [name for name in hub if name.endswith("_local")]
-    if hub and not unknown:
+    if hub and not unknown and (index or manager is not None):
         from lm_eval.tasks import TaskManager
 
         manager = manager or TaskManager(include_path=str(task_dir))
@@ -46,3 +48,4 @@ def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: st
                          f"use the offline local tasks {local}, or lm-eval task names such as "
                          f"{list(HUB_TASK_EXAMPLES)}, which download their data from the Hugging Face Hub and so "
                          "need network access")
+    return hub

@@ -395,10 +395,7 @@ def load_experiment(name: str) -> Experiment:
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
     """An `at:` block: scale name -> dotted overrides, every name a scale of the experiment."""
-    at = at or {}
-    if not isinstance(at, dict) or any(not isinstance(v, dict) for v in at.values()):
-        raise StudyError(where, "must map scale names to dotted overrides",
-                         "write e.g. `at: {113M: {model.n_layers: 6, model.d_model: 1280}}`")
+    at = at or {}  # a mapping of mappings: ExperimentFile's types checked that
     stray = sorted(set(map(str, at)) - set(scales))
     if stray:
         raise StudyError(f"{where}.{stray[0]}", "is not a scale of the experiment", f"use one of {', '.join(scales)}")
