@@ -385,9 +385,13 @@ def test_a_branch_waits_held_and_its_trunk_releases_it_while_training_on(workdir
     checkpoint: the first branch starts before its trunk ends, and every run finishes once."""
     import json
 
+    from datetime import datetime
+
     from study.config.run import Role
     from study.launch.submit import launch
     from study.plan.planner import plan_experiment
+    from study.schema import submitit_dir
+    from study.train.checkpoint import at_step
 
     name = "branched" + cluster_env
     common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "lr_schedule": "wsd", "ckpt_interval": 100},
@@ -421,6 +425,12 @@ def test_a_branch_waits_held_and_its_trunk_releases_it_while_training_on(workdir
     jobs = dict(zip([r.key for r in stages[[s.name for s in stages].index("train")].runs],
                     stages[[s.name for s in stages].index("train")].job_ids))
     branch_jobs = dict(zip([r.key for r in branch_stage.runs], branch_stage.job_ids))
-    # the branch from step 6 started while its trunk trained on to step 12 (ISO times compare as strings)
-    assert times(branch_jobs[first.key])[0] < times(jobs[trunk.key])[1]
+    # the trunk's own job released the branch from step 6 when it wrote that checkpoint, while training on to step
+    # 12 (when the branch then starts depends on free slots: other tests share this cluster)
+    trunk_job = jobs[trunk.key]
+    trunk_log = submitit_dir(workdir / "runs", name) / trunk_job / f"{trunk_job}_0_log.err"
+    assert f"released branch jobs {branch_jobs[first.key]} at step 6" in trunk_log.read_text()
+    # held until then: the branch never started before its start checkpoint existed (ISO times compare as strings)
+    written = datetime.fromtimestamp(at_step(workdir / "runs" / name / trunk.key, 6).stat().st_mtime)
+    assert times(branch_jobs[first.key])[0] >= written.strftime("%Y-%m-%dT%H:%M:%S")
     assert sorted(r.data.tags["study.run_key"] for r in mlflow_runs(name)) == sorted(r.key for r in plan.runs)
