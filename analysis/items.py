@@ -2,7 +2,7 @@
 
 A task score is a mean over a fixed set of items, so its noise has two sources: which seeds were trained and which
 items the benchmark happens to hold. Each run's evaluation of record keeps its per-item scores (the ``items.jsonl``
-artifact in ``evals/<id>/``, the evaluation the run's ``study.eval.<task>`` tag names; :mod:`study.evaluate.records`),
+artifact in ``evals/<id>/``, the evaluation the run's ``study.eval.<task>`` tag names; :mod:`study.eval.records`),
 so limited or few-shot re-evaluations never enter. Paired runs scored the same items, so the per-(seed, item) difference
 ``variant - baseline`` is the unit. One bootstrap draw resamples the seeds and, independently, the items (the same
 items for every seed, as a new benchmark of the same size would be), and takes the mean difference. The interval

@@ -233,7 +233,7 @@ def _log_items(client, run_id: str, final: float, tasks: Sequence[str], n: int, 
         ll = -3.0 * final - 2.0 * difficulty + rng.normal(0.0, 0.3, n)
         lines += [json.dumps({"task": task, "doc_id": i, "acc": float(c), "acc_norm": float(c), "ll_correct": float(v),
                               "n_choices": round(1 / chance)}) for i, (c, v) in enumerate(zip(correct, ll))]
-    # laid out as study.evaluate.records files a run's evaluation of record
+    # laid out as study.eval.records files a run's evaluation of record
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / ITEMS_ARTIFACT
         path.write_text("\n".join(lines) + "\n")

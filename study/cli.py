@@ -181,8 +181,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from study.evaluate.locate import find_run
-    from study.jobs.evaluate import evaluate_run
+    from study.eval.locate import find_run
+    from study.jobs.eval import evaluate_run
 
     settings = command_options(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
@@ -199,7 +199,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from study.evaluate.locate import find_run
+    from study.eval.locate import find_run
     from study.jobs.export import check_options, describe, export_run
 
     settings = command_options(args.overrides, ("paths.runs",), "export")
@@ -280,7 +280,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from study.config.geometry import AllocationConfig
-    from study.evaluate.locate import find_run
+    from study.eval.locate import find_run
     from study.jobs.profile import profile_run
 
     settings = command_options(args.overrides, ("geometry", "paths.runs"), "profile")

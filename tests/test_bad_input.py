@@ -476,7 +476,7 @@ def test_a_damaged_profile_is_refused_naming_the_file_the_field_and_the_layer(ba
 
 def test_num_fewshot_past_a_tasks_documents_is_refused_naming_its_count(workdir, capsys):
     from conftest import TINY
-    from study.evaluate.harness import LOCAL_TASK_DIR
+    from study.eval.harness import LOCAL_TASK_DIR
     from study.plan.planner import select_run
     from study.train.loop import train
 

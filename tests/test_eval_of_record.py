@@ -10,8 +10,8 @@ import json
 import pytest
 from conftest import TINY, TRAINING_RUNS
 from study.cli import main
-from study.evaluate.records import evaluated, read_records
-from study.jobs.evaluate import evaluate_run
+from study.eval.records import evaluated, read_records
+from study.jobs.eval import evaluate_run
 from study.plan.planner import select_run
 from study.schema import EVAL_RECORD, TAG_EVAL
 from study.train import checkpoint

@@ -1,5 +1,5 @@
 """`study eval RUN_KEY`: lm-eval on a trained run's checkpoint; scores land in that run's MLflow record and in its
-run directory alike. lm-eval's own CLI (`python -m study.evaluate --model study ...`) scores the same run the same."""
+run directory alike. lm-eval's own CLI (`python -m study.eval --model study ...`) scores the same run the same."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, TINY, TRAINING_RUNS
 from study.cli import main
 from study.errors import StudyError
-from study.evaluate.harness import LOCAL_TASK_DIR
+from study.eval.harness import LOCAL_TASK_DIR
 from study.plan.planner import select_run
 from study.schema import EVAL_RECORD, ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 from study.train.loop import train
@@ -69,7 +69,7 @@ def test_lm_eval_cli_scores_a_run_from_another_directory_as_study_eval_does(work
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from study.evaluate.harness import StudyLM
+    from study.eval.harness import StudyLM
 
     spec = trained()
     capsys.readouterr()
@@ -80,7 +80,7 @@ def test_lm_eval_cli_scores_a_run_from_another_directory_as_study_eval_does(work
 
     elsewhere, out = tmp_path / "elsewhere", tmp_path / "lm-eval-out"
     elsewhere.mkdir()  # no runs/ and no mlflow.db here: the run is found through the store's record of it
-    command = [sys.executable, "-m", "study.evaluate", "--model", "study",
+    command = [sys.executable, "-m", "study.eval", "--model", "study",
                "--model_args", f"run={spec.key},tracking_uri=sqlite:///{workdir}/mlflow.db",
                "--tasks", "arc_easy_local", "--include_path", str(LOCAL_TASK_DIR), "--limit", "6",
                "--num_fewshot", "1", "--batch_size", "16", "--output_path", str(out)]

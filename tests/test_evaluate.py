@@ -1,6 +1,6 @@
 """lm-eval on the project's model: continuation scoring, the shipped local tasks, and task-name errors.
 
-Everything runs lm-eval's real code path offline on the tasks in study/evaluate/tasks/, with tiny torch models whose
+Everything runs lm-eval's real code path offline on the tasks in study/eval/tasks/, with tiny torch models whose
 scores are known in advance and a byte-level BPE trained here on the tasks' own text.
 """
 
@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from study.errors import StudyError
-from study.evaluate.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, task_summary
+from study.eval.harness import LOCAL_TASK_DIR, StudyLM, evaluate_model, local_task_names, task_summary
 
 LOCAL_TASKS = ["arc_easy_local", "hellaswag_local", "piqa_local", "sciq_local"]
 EOS = "<|endoftext|>"
@@ -336,7 +336,7 @@ def test_unknown_hub_task_is_a_study_error_that_says_hub_tasks_need_network(toke
 
 
 def test_model_args_recover_a_run_key_that_lm_eval_parsed_as_a_number():
-    from study.evaluate.model_args import parse_run_key
+    from study.eval.model_args import parse_run_key
 
     # lm-eval turns an all-digit value into an int, dropping leading zeros; keys are 12 characters
     assert parse_run_key(12345) == "000000012345" and parse_run_key("0a1b2c3d4e5f") == "0a1b2c3d4e5f"
@@ -354,7 +354,7 @@ def test_model_args_the_study_model_does_not_take_are_refused_by_name():
 def test_the_study_model_is_an_lm_eval_plugin_entry_point_which_this_lm_eval_release_does_not_read():
     """pyproject.toml registers `study` under lm-eval's `lm_eval.models` entry-point group. lm-eval 0.4.13 looks
     models up in its own table only: a fresh process that has not imported study answers "no model for this name"
-    (hence `python -m study.evaluate`). Its registry does take lazy placeholders: the entry point's value as a
+    (hence `python -m study.eval`). Its registry does take lazy placeholders: the entry point's value as a
     "module:attr" string resolves to StudyLM, while the EntryPoint object itself breaks when the decorated class
     registers over it (the upgrade lm-eval's plugin support added after 0.4.13)."""
     import subprocess
@@ -362,7 +362,7 @@ def test_the_study_model_is_an_lm_eval_plugin_entry_point_which_this_lm_eval_rel
     from importlib.metadata import entry_points
 
     (found,) = [e for e in entry_points(group="lm_eval.models") if e.name == "study"]
-    assert found.value == "study.evaluate.harness:StudyLM" and found.load() is StudyLM
+    assert found.value == "study.eval.harness:StudyLM" and found.load() is StudyLM
     probe = """
 import sys
 from importlib.metadata import entry_points
@@ -377,12 +377,12 @@ def outcome(target):
     except AttributeError:
         return "broke"
 
-print(outcome(None), "study.evaluate.harness" in sys.modules)
+print(outcome(None), "study.eval.harness" in sys.modules)
 (ep,) = [e for e in entry_points(group="lm_eval.models") if e.name == "study"]
 model_registry.register("study", target=ep)
 print(outcome(ep))
 model_registry._objs.pop("study", None)
-sys.modules.pop("study.evaluate.harness", None)
+sys.modules.pop("study.eval.harness", None)
 model_registry.register("study", target=ep.value)
 cls = get_model("study")
 print(cls.__module__ + ":" + cls.__qualname__)
@@ -391,4 +391,4 @@ print(cls.__module__ + ":" + cls.__qualname__)
     if out[0] == "resolved":  # a release that reads the group: `--model study` works without the wrapper
         assert out[1] == "True", "the registry found the model without importing it through the entry point"
         return
-    assert out == ["unknown", "False", "broke", "study.evaluate.harness:StudyLM"]
+    assert out == ["unknown", "False", "broke", "study.eval.harness:StudyLM"]

@@ -14,7 +14,7 @@ import torch
 from conftest import TINY
 from study.cli import main
 from study.config.model import FFNConfig, ModelConfig, RopeScaling
-from study.evaluate.locate import load_trained_model
+from study.eval.locate import load_trained_model
 from study.export import hf, load
 from study.models.transformer import build_model
 from study.plan.planner import select_run
@@ -128,8 +128,8 @@ def test_lm_eval_hf_model_scores_the_export_as_the_study_evaluator_does(runs, mo
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from study.evaluate.locate import run_tokenizer
-    from study.evaluate.harness import LOCAL_TASK_DIR, evaluate_model, item_scores
+    from study.eval.locate import run_tokenizer
+    from study.eval.harness import LOCAL_TASK_DIR, evaluate_model, item_scores
 
     pytest.importorskip("accelerate", reason="lm-eval's hf model imports accelerate (the dev and hf extras have it)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -226,7 +226,7 @@ def test_a_two_rank_bf16_run_exports_consolidated_bf16_weights(tmp_path, data_ca
     """FSDP2 over 2 gloo ranks with the bf16 policy: the DCP shards become one file, in what the run computed in."""
     from safetensors.torch import load_file
 
-    from study.evaluate.locate import find_run
+    from study.eval.locate import find_run
 
     overrides = [*TINY, "experiment=export2", "train.max_steps=2", "train.global_batch=8", "train.precision=bf16",
                  f"paths.runs={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
@@ -251,8 +251,8 @@ def test_evaluation_and_export_end_documents_with_the_eos_the_tokenizer_director
     from tokenizers import AddedToken, Tokenizer
 
     from study.data import prepare_data
-    from study.evaluate.harness import StudyLM
-    from study.evaluate.model_args import from_model_args
+    from study.eval.harness import StudyLM
+    from study.eval.model_args import from_model_args
 
     root, trained = runs
     tok = Tokenizer.from_file(str(trained["llama"].run_dir.tokenizer))

@@ -47,7 +47,6 @@ def test_sigkill_at_random_steps_resumes_to_the_uninterrupted_result(workdir):
     want = reference_result(workdir)
     rng = random.Random(7)
     cmd = [sys.executable, "-m", "study.cli", "train", *COMMON, "faults.sleep_per_step=0.15"]
-    ckpts = None
     kills = 0
     for target in sorted(rng.sample(range(4, STEPS - 3), 3)):
         proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

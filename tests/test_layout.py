@@ -20,12 +20,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("study.config",),  # typed configs, the run key, the run spec, secret masking
     ("study.models", "study.data", "study.geometry", "study.track"),  # pure libraries, each on its own
     ("study.train",),  # the training loop and what it needs to resume
-    ("study.evaluate", "study.export"),  # reading trained runs: lm-eval's adapter, export formats
+    ("study.eval", "study.export"),  # reading trained runs: lm-eval's adapter, export formats
     ("study.plan", "study.jobs"),  # the planner; what a job does with a run directory
     ("analysis",),  # reading a study back from MLflow: decisions, fits, the report
     ("study.launch",),  # submitting jobs, the queue's view, status
     ("study.parser", "study.command_options"),  # the command line's shape and its own options
-    ("study.cli", "study.train.__main__", "study.evaluate.__main__"),  # entry points
+    ("study.cli", "study.train.__main__", "study.eval.__main__"),  # entry points
 )
 """A module may import from its own package (the longest prefix it matches here) or from a lower layer; packages
 that share a layer never import each other."""
@@ -102,7 +102,7 @@ def test_the_layout_rules_see_function_local_imports():
     """The graph the rules read includes imports inside functions: the loop imports the data loader lazily."""
     g = graph()
     assert "study.data" in g["study.train.loop"]
-    assert "study.jobs.evaluate" in g["study.launch.callables"]
+    assert "study.jobs.eval" in g["study.launch.callables"]
 
 
 def test_no_import_cycles_counting_every_import():
@@ -127,7 +127,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_jobs_never_import_the_planner():
     g = graph()
     # entry points (`python -m study.train`, like the CLI) plan a run before handing its spec to the loop
-    libraries = ("study.train", "study.evaluate", "study.geometry", "study.models", "study.data", "study.track",
+    libraries = ("study.train", "study.eval", "study.geometry", "study.models", "study.data", "study.track",
                  "study.config", "study.jobs", "study.export")
     upward = {m: sorted(i for i in deps if i.startswith("study.plan")) for m, deps in g.items()
               if m.startswith(libraries) and not m.endswith("__main__")}

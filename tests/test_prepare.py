@@ -147,7 +147,7 @@ def test_bad_input_is_refused_before_any_token_is_written(corpus, tmp_path, caps
 
 @pytest.mark.integration
 def test_train_after_prepare_reads_the_prepared_shards_and_keeps_the_tokenizer(corpus, workdir, capsys):
-    from study.evaluate.locate import run_tokenizer
+    from study.eval.locate import run_tokenizer
     from study.plan.planner import select_run
     from study.train.loop import train
 

@@ -142,7 +142,7 @@ def test_an_outage_then_a_kill_loses_no_point(workdir):
 @pytest.mark.integration
 def test_a_re_evaluation_with_other_settings_is_a_record_of_its_own_in_mlflow_and_files(workdir, capsys, tmp_path):
     from study.cli import main
-    from study.evaluate.records import read_records
+    from study.eval.records import read_records
     from study.schema import EVAL_RECORD, TAG_EVAL, eval_artifact
 
     spec = select_run([*RUN, "model.max_seq_len=128", "data.seq_len=32", "eval.limit=4"])
@@ -205,7 +205,7 @@ def test_a_checkpoint_or_spec_of_another_run_is_refused_by_name(workdir):
     shutil.copyfile(a.run_dir.spec, b.run_dir.spec)
     with pytest.raises(StudyError, match=f"holds run {a.key}"):
         train(b)
-    from study.evaluate.locate import find_run
+    from study.eval.locate import find_run
 
     with pytest.raises(StudyError, match=f"holds the spec of run {a.key}"):
         find_run(b.key)

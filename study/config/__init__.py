@@ -1,5 +1,5 @@
 """Configuration: every config dataclass (`run`, `model`, `data`, `geometry`,
-`training`, `evaluation`, `budget`, `tracking`, `cluster`, `faults`), the one composer
+`training`, `eval`, `budget`, `tracking`, `cluster`, `faults`), the one composer
 (`compose`), the checks (`validate`), run identity (`identity`) and the run spec a job is given (`spec`)."""
 
 # before any config is resolved: values read through ${oc.env:...} are recorded, and written out masked

@@ -8,7 +8,7 @@ from enum import StrEnum
 from study.config.budget import BudgetConfig
 from study.config.cluster import ClusterConfig, PathsConfig
 from study.config.data import DataConfig
-from study.config.evaluation import EvalConfig
+from study.config.eval import EvalConfig
 from study.config.faults import FaultsConfig
 from study.config.geometry import AllocationConfig
 from study.config.model import ModelConfig

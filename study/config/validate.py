@@ -91,15 +91,11 @@ def _check_tracking(cfg: RunConfig) -> None:
 
 
 def _check_eval(cfg: RunConfig) -> None:
-    from pathlib import Path
+    from study.config.tasks import check_tasks
 
     if not cfg.eval.tasks:
         raise StudyError("eval.tasks", "no task given", "name at least one task, e.g. [arc_easy_local]")
-    local = {p.stem for p in (Path(__file__).resolve().parents[1] / "evaluate" / "tasks").glob("*.yaml")}
-    unknown = [t for t in cfg.eval.tasks if t.endswith("_local") and t not in local]
-    if unknown:  # a name shaped like a shipped offline task is a typo, not a hub task
-        raise StudyError("eval.tasks", f"unknown task {unknown[0]!r}", f"use the offline tasks {', '.join(sorted(local))}"
-                         " or lm-eval task names (arc_easy, hellaswag, piqa)")
+    check_tasks(cfg.eval.tasks, field="eval.tasks", index=False)  # lm-eval's names are checked where a run launches
 
 
 def validate_run(cfg: RunConfig) -> None:

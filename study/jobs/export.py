@@ -68,7 +68,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     import torch
 
     from study.data.tokenizer import eos_id, id_bound, load_tokenizer
-    from study.evaluate.locate import load_trained_model, run_eos_token, run_tokenizer
+    from study.eval.locate import load_trained_model, run_eos_token, run_tokenizer
     from study.train.state import TrainState
 
     check_options(fmt, dtype)

@@ -25,7 +25,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
     """Profile the latest checkpoint of the run the spec describes; returns the profile.json path. `geometry`
     replaces the spec's profiling settings (`study profile RUN_KEY geometry.n_tokens=...`)."""
     from study.data import prepare_data
-    from study.evaluate.locate import load_trained_model
+    from study.eval.locate import load_trained_model
     from study.geometry.allocate import geometry_widths
     from study.geometry.clouds import collect_clouds, perturbation_sensitivity
     from study.geometry.plots import plot_profile, plot_widths

@@ -77,7 +77,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         if outcome.status == "DIVERGED":  # a tune point's result: its LR is too high (the tuning reads it)
             return {"run_key": spec.key, "diverged": outcome.reason, "step": outcome.step}
         if spec.config.eval.after_train and _is_rank0():
-            from study.jobs.evaluate import evaluate_run
+            from study.jobs.eval import evaluate_run
 
             evaluate_run(spec)
         if spec.role == Role.branch and _is_rank0():  # its rung may now be complete: decide it (a racing experiment)

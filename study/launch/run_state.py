@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from study.config.spec import RunSpec, diverged
-from study.evaluate.records import evaluated, final_step
+from study.eval.records import evaluated, final_step
 from study.launch.scheduler import ACTIVE, STUCK as NEVER_STARTS, job_states, journal, local_alive
 from study.track.query import runs_by_key
 from study.train.lease import held_by

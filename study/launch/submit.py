@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from study.config.cluster import ClusterConfig
 from study.config.spec import held_spec, write_spec
-from study.evaluate.records import final_step
+from study.eval.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
 from study.launch.executor import build_executor, job_name, sbatch_preview
@@ -233,7 +233,7 @@ def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
 def _check_tasks(plan: Plan) -> None:
     """Tasks evaluated after training must exist: lm-eval's catalogue is indexed only when a run names a task that
     is not one of the shipped offline ones (indexing takes seconds)."""
-    from study.evaluate.task_names import check_tasks
+    from study.config.tasks import check_tasks
 
     check_tasks(sorted({t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}),
                 field="eval.tasks")

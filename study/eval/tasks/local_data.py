@@ -1,7 +1,7 @@
 """The data loader the shipped task YAMLs name (`custom_dataset: !function local_data.load_jsonl`).
 
 `datasets` resolves a YAML's relative `data_files` against the working directory, so `lm_eval --include_path
-study/evaluate/tasks` would look for the JSONL files wherever it was started. lm-eval imports this module from the
+study/eval/tasks` would look for the JSONL files wherever it was started. lm-eval imports this module from the
 folder of the YAML that names it; resolving against this file's folder makes the tasks load from any directory.
 """
 

@@ -1,5 +1,5 @@
 """lm-eval's CLI builds the `study` model from strings (`--model_args run=KEY,...`): this turns them into a loaded
-run, resolved by study.evaluate.locate as `study eval` resolves it."""
+run, resolved by study.eval.locate as `study eval` resolves it."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def from_model_args(cls, args: dict[str, Any]):
     """`cls` (StudyLM) on the run `args` names, with the tokenizer, context length and EOS token it was trained
     with; lm-eval's --device and --batch_size arrive in `args` too."""
     from study.data.tokenizer import load_tokenizer
-    from study.evaluate.locate import find_run, open_trained, run_eos_token, run_of_checkpoint
+    from study.eval.locate import find_run, open_trained, run_eos_token, run_of_checkpoint
 
     if unknown := sorted(set(args) - set(MODEL_ARGS)):
         raise StudyError("model_args", f"the study model takes no argument(s) {unknown}",

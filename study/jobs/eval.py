@@ -1,6 +1,6 @@
 """Evaluate a trained run on downstream tasks and file the scores under the same MLflow run.
 
-Each evaluation is its own record (study.evaluate.records): a folder in the run directory, the same folder among
+Each evaluation is its own record (study.eval.records): a folder in the run directory, the same folder among
 the MLflow run's artifacts, and metric points at the checkpoint's step, under `eval/<task>/<metric>` for the
 evaluation of record and `evals/<id>/<task>/<metric>` for any other. MLflow cannot delete a point, so a repeated
 evaluation replaces its points by logging only what the run does not hold yet: a score equal to the one already at
@@ -15,7 +15,7 @@ import json
 
 from study.config.spec import RunSpec
 from study.errors import StudyError
-from study.evaluate.records import is_of_record, settings_for, write_record
+from study.eval.records import is_of_record, settings_for, write_record
 from study.schema import EVAL_RECORD, TAG_EVAL, eval_artifact
 
 
@@ -25,8 +25,8 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
 
     `limit` (0: every document) and `num_fewshot` default to the run's `eval` config, `tasks` to `eval.tasks`.
     """
-    from study.evaluate.harness import evaluate_model, task_summary
-    from study.evaluate.locate import open_trained, run_eos_token
+    from study.eval.harness import evaluate_model, task_summary
+    from study.eval.locate import open_trained, run_eos_token
     from study.track.tracker import Tracker
 
     cfg = spec.config

@@ -3,7 +3,7 @@
 `StudyLM` wraps any causal module `model(idx) -> logits` (idx: LongTensor (B, T), logits: (B, T, V)) and a
 `tokenizers.Tokenizer` as an lm-eval model, scoring continuations the way lm-eval's HFLM does. `evaluate_model`
 runs lm-eval on the real hub tasks (`arc_easy`, `hellaswag`, `piqa`; they download their data) or on the small
-tasks shipped in `study/evaluate/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`, `sciq_local`; offline,
+tasks shipped in `study/eval/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`, `sciq_local`; offline,
 same prompts and metrics), and flattens the scores to the MLflow names `eval/<task>/<metric>`.
 
 CPU recipe:
@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 
 from study.data.tokenizer import eos_id, load_tokenizer
 from study.errors import StudyError
-from study.evaluate.task_names import LOCAL_TASK_DIR, check_tasks, local_task_names
-from study.evaluate.model_args import check_model_embeds_tokenizer, model_max_length
+from study.config.tasks import LOCAL_TASK_DIR, check_tasks, local_task_names
+from study.eval.model_args import check_model_embeds_tokenizer, model_max_length
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenised request: the (context, continuation) strings (None for rolling windows), their tokens."""
@@ -143,7 +143,7 @@ class StudyLM(TemplateLM):
         or `checkpoint=<run dir>/checkpoints/step_N`): the run is found and loaded as `study eval` does, with the
         tokenizer, context length and EOS token it was trained with. A `--batch_size` that is not a number
         (`auto`) takes the run's `eval.batch_size`."""
-        from study.evaluate.model_args import from_model_args
+        from study.eval.model_args import from_model_args
 
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return from_model_args(cls, {**arg_dict, **extra})
@@ -198,7 +198,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Score `model` with lm-eval; returns {"lm_eval": lm-eval's results dict, "metrics": flatten_scores(...)}.
 
-    Local tasks (the YAML templates in `task_dir`, default `study/evaluate/tasks/`) run offline; any other name is looked
+    Local tasks (the YAML templates in `task_dir`, default `study/eval/tasks/`) run offline; any other name is looked
     up among lm-eval's built-in tasks, which index slowly and fetch data from the Hugging Face Hub. `limit` caps
     the documents per task (a fraction below 1 is a share). The model is moved to `device` and put in eval mode
     for the call; its train/eval mode is restored afterwards.

@@ -1,5 +1,5 @@
-"""Task names: which tasks exist, checked once wherever names enter (`study launch`, `study eval`, the harness).
-Light on purpose: a launch checks its runs' tasks without importing torch or lm-eval's models."""
+"""Task names: which tasks exist, checked once wherever names enter (a run config, `study launch`, `study eval`, the
+harness). Light on purpose: a launch checks its runs' tasks without importing torch or lm-eval's models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import yaml
 
 from study.errors import StudyError
 
-LOCAL_TASK_DIR = Path(__file__).parent / "tasks"
+LOCAL_TASK_DIR = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 """Templates (YAML) and data (JSONL) of the offline tasks shipped with the package."""
 
 HUB_TASK_EXAMPLES = ("arc_easy", "hellaswag", "piqa")
