@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from study.errors import StudyError
@@ -38,8 +40,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
-
     from study.config.spec import read_spec, write_spec
 
     if args.nproc < 1:
@@ -88,8 +88,6 @@ def _planned_here(spec):
     """A spec handed to `study train --spec`, held to what the planner writes: its experiment is one name and its
     `dir` the run directory its experiment and key give under its `paths.runs` (a relative root is the working
     directory's, as when it was planned), so training writes nowhere else."""
-    from pathlib import Path
-
     from study.schema import RunDir, check_name
 
     check_name("experiment", spec.config.experiment, "a usable experiment name")
@@ -171,8 +169,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     plan = _filtered(args, launched_plan(args.experiment, args.overrides))
     rows = experiment_status(args.experiment, args.overrides, plan)
     if args.json:
-        from dataclasses import asdict
-
         print(json.dumps({"experiment": args.experiment, "runs": [asdict(r) for r in rows]}, indent=1))
     else:
         launched = f", launched with {' '.join(plan.overrides)}" if plan.overrides else ""
@@ -210,8 +206,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from analysis.headline import print_headline
     from analysis.report import build_report
     from study.schema import check_name
@@ -234,8 +228,6 @@ def _report_folder(out: Path, experiment: str) -> None:
     """Refuse an --out the report cannot be written under before anything is read or written: the nearest folder
     that exists on the way to <out>/<experiment> must be a folder this process can write in (a read-only file
     system answers no too), so no report is left half-written and no folder is made for one that is not."""
-    import os
-
     target = out / experiment
     found = next(p for p in (target, *target.parents) if p.exists() or p == Path(p.anchor))
     fix = f"give a folder you can write to (it is created; the report goes to {out}/{experiment}/)"
@@ -254,8 +246,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from analysis.headline import print_headline
     from analysis.report import build_report
     from study.launch.submit import LaunchFailed, launch
@@ -277,9 +267,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from study.config.geometry import AllocationConfig
     from study.eval.locate import find_run
     from study.jobs.profile import profile_run
 
@@ -292,8 +279,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from study.config.compose import merge_checked, nested, parse_overrides
 
         values = {k: v for k, v in parse_overrides(args.overrides).values.items() if k.startswith("geometry.")}
-        node = merge_checked(OmegaConf.structured(AllocationConfig(**asdict(spec.config.geometry))),
-                             OmegaConf.create(nested(values)["geometry"]), "the overrides")
+        node = merge_checked(OmegaConf.structured(spec.config.geometry), nested(values)["geometry"], "the overrides")
         geometry = OmegaConf.to_object(node)
     print(profile_run(spec, geometry=geometry))
     return 0
@@ -320,7 +306,7 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     widths, m = allocated(cfg, read_profile(args.profile, cfg.model.n_layers), budget)
     out = {"statistic": args.statistic, "geometry": args.geometry, "reverse": args.reverse, "scale": scale,
            "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
-           "params": m.params.as_dict(), "budget": budget, "mismatch": m.mismatch}
+           "params": asdict(m.params), "budget": budget, "mismatch": m.mismatch}
     if args.json:
         print(json.dumps(out))
     else:
@@ -353,8 +339,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `study plan hourglass | head`: the reader left, nothing is wrong
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 

@@ -10,24 +10,24 @@ PIPED_WIDTH = 200
 """Table width when stdout is not a terminal and COLUMNS is unset: wide enough that a run's row stays one line."""
 
 
+def _columns() -> int | None:
+    """COLUMNS when it is set to a positive number."""
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
 def console():
     """A rich console as wide as the terminal, or COLUMNS when it is set, or PIPED_WIDTH into a pipe or file."""
     from rich.console import Console
 
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return Console(width=int(columns))  # said outright: rich alone does not apply it in every environment
-    if sys.stdout.isatty():
-        return Console()
-    return Console(width=PIPED_WIDTH)
+    if _columns():
+        return Console(width=_columns())  # said outright: rich alone does not apply it in every environment
+    return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
 
 
 def text_width() -> int | None:
     """Characters a line may take: COLUMNS when set, else the terminal's width; None into a pipe or file."""
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    return _columns() or (shutil.get_terminal_size().columns if sys.stdout.isatty() else None)
 
 
 def plain_table(title: str, columns: list[str], rows: list[list[str]], left: set[str] = frozenset(),

@@ -47,6 +47,11 @@ class ClusterConfig:
     prepare_cpus: int = 0
     """CPUs of the data-preparation job (the tokenizer uses them all); 0 means `cpus_per_task`."""
 
+    @property
+    def ranks(self) -> int:
+        """Ranks a job of this profile runs: one per GPU, else `tasks_per_node` CPU ranks per node."""
+        return self.nodes * (self.gpus_per_node or self.tasks_per_node)
+
 
 @dataclass
 class PathsConfig:

@@ -114,32 +114,20 @@ def _load_yaml_cached(path: Path, mtime_ns: int) -> Any:
     if loaded is None:
         raise StudyError(str(path), f"expands to more than {MAX_YAML_NODES:,} values through its YAML aliases "
                          "(`*name`)", "write the values out, or use fewer aliases")
-    return loaded
+    return OmegaConf.to_container(loaded)
 
 
 def clear_cache() -> None:
     """Forget every parsed YAML file and composed config (benchmarks time a cold plan)."""
     _load_yaml_cached.cache_clear()
-    _plain_cached.cache_clear()
     _typed.cache_clear()
 
 
-def load_yaml(path: Path) -> Any:
-    """A YAML file of the tree, cached until the file changes."""
-    return _load_yaml_cached(Path(path), Path(path).stat().st_mtime_ns)
-
-
 def plain_yaml(path: Path) -> Any:
-    """A YAML file of the tree as plain containers (interpolations kept), a copy of the cached one for the caller."""
+    """A YAML file of the tree as plain containers (interpolations kept), cached until the file changes; a copy of
+    the cached one for the caller."""
     path = Path(path)
-    return copy.deepcopy(_plain_cached(path, path.stat().st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=None)
-def _plain_cached(path: Path, mtime_ns: int) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(_load_yaml_cached(path, mtime_ns))
+    return copy.deepcopy(_load_yaml_cached(path, path.stat().st_mtime_ns))
 
 
 def group_file(group: str, option: str) -> Path:

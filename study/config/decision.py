@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from study.config.validate import is_number
 from study.errors import StudyError
 
 
@@ -46,20 +46,16 @@ class DecisionRule:
             raise StudyError(f"{where}.metric", "must be a metric name", "e.g. metric: val/loss")
         for key in ("margin", "prior_sd"):
             value = raw.get(key)
-            if value is not None and (not _is_number(value) or value <= 0):
+            if value is not None and (not is_number(value) or value <= 0):
                 raise StudyError(f"{where}.{key}", f"must be a positive number, got {value!r}",
                                  f"e.g. {key}: 0.01 (in the metric's own units)")
         margins = raw.get("margins") or {}
-        if not isinstance(margins, dict) or any(not _is_number(v) or v <= 0 for v in margins.values()):
+        if not isinstance(margins, dict) or any(not is_number(v) or v <= 0 for v in margins.values()):
             raise StudyError(f"{where}.margins", "must map metric names to positive numbers",
                              "e.g. margins: {eval/arc_easy/acc: 0.01}")
         for key, low, high in (("alpha", 0.0, 0.5), ("power", 0.5, 1.0)):
             value = raw.get(key, getattr(cls, key))
-            if not _is_number(value) or not low < value < high:
+            if not is_number(value) or not low < value < high:
                 raise StudyError(f"{where}.{key}", f"must lie strictly between {low} and {high}, got {value!r}",
                                  f"e.g. {key}: {getattr(cls, key)}")
         return cls(**{**raw, "margins": {str(k): float(v) for k, v in margins.items()} or None})
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

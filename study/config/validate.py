@@ -7,8 +7,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict
+from operator import attrgetter
+from typing import Any
 
 from study.config.data import validate_data
+from study.config.geometry import one_of
 from study.config.recipe import batch_layout
 from study.config.run import Role, RunConfig, leaves
 from study.errors import StudyError
@@ -41,11 +44,9 @@ SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@%&|()\[\]*!-]*$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def _get(cfg: RunConfig, dotted: str):
-    value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+def is_number(value: Any) -> bool:
+    """A finite int or float, never a bool (YAML's true and false are Python ints)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_values(cfg: RunConfig) -> None:
@@ -70,8 +71,7 @@ def _check_cluster(cfg: RunConfig) -> None:
                          f"the job even starts (time limit {c.time_min} min)",
                          "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
     t = cfg.train
-    world = c.nodes * (c.gpus_per_node or c.tasks_per_node)
-    batch_layout(t.global_batch or t.micro_batch * t.grad_accum, t.micro_batch, world,
+    batch_layout(t.global_batch or t.micro_batch * t.grad_accum, t.micro_batch, c.ranks,
                  "train.global_batch" if t.global_batch else "train.grad_accum")
 
 
@@ -102,23 +102,22 @@ def validate_run(cfg: RunConfig) -> None:
     _check_values(cfg)
     _check_eval(cfg)
     for name, allowed in CHOICES.items():
-        if _get(cfg, name) not in allowed:
-            raise StudyError(name, f"unknown value {_get(cfg, name)!r}", f"use one of {', '.join(allowed)}")
+        one_of(name, attrgetter(name)(cfg), allowed)
     for name in POSITIVE:
-        if _get(cfg, name) <= 0:
-            raise StudyError(name, f"must be positive, got {_get(cfg, name)}", "use a value > 0")
+        if (value := attrgetter(name)(cfg)) <= 0:
+            raise StudyError(name, f"must be positive, got {value}", "use a value > 0")
     for name in NON_NEGATIVE:
-        if _get(cfg, name) < 0:
-            raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0")
+        if (value := attrgetter(name)(cfg)) < 0:
+            raise StudyError(name, f"cannot be negative, got {value}", "use a value >= 0")
     for name in ("init_seed", "data_seed"):
-        if _get(cfg, name) is not None and _get(cfg, name) < 0:
-            raise StudyError(name, f"cannot be negative, got {_get(cfg, name)}", "use a value >= 0, or null for `seed`")
+        if (value := getattr(cfg, name)) is not None and value < 0:
+            raise StudyError(name, f"cannot be negative, got {value}", "use a value >= 0, or null for `seed`")
     for name in ("seed", "init_seed", "data_seed"):
-        if _get(cfg, name) is not None and _get(cfg, name) > SEED_MAX:
-            raise StudyError(name, f"{_get(cfg, name)} is past the largest seed torch takes", "use a seed below 2**64")
+        if (value := getattr(cfg, name)) is not None and value > SEED_MAX:
+            raise StudyError(name, f"{value} is past the largest seed torch takes", "use a seed below 2**64")
     for name, bound in AT_MOST.items():
-        if _get(cfg, name) > bound:
-            raise StudyError(name, f"must be at most {bound}, got {_get(cfg, name)}", f"use a value <= {bound}")
+        if (value := attrgetter(name)(cfg)) > bound:
+            raise StudyError(name, f"must be at most {bound}, got {value}", f"use a value <= {bound}")
     t = cfg.train
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise StudyError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")

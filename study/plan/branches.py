@@ -22,6 +22,7 @@ from study.config.identity import branch_key, run_key
 from study.config.recipe import BranchPoint
 from study.config.run import Role, RunConfig
 from study.config.spec import RunSpec
+from study.config.validate import is_number
 from study.errors import StudyError
 from study.schema import RunDir
 
@@ -79,12 +80,12 @@ def parse_branches(raw: Any, where: str) -> Branches:
         raise StudyError(f"{where}.{unknown[0]}", "is not a branches key", "use only at and decay")
     at, decay = raw.get("at"), raw.get("decay", 0.2)
     if (not isinstance(at, list) or not at
-            or any(isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a <= 64 for a in at)):
+            or any(not is_number(a) or not 0 < a <= 64 for a in at)):
         raise StudyError(f"{where}.at", f"{at!r} is not a list of branch lengths",
                          "list fractions of the run's planned steps in (0, 64], e.g. at: [0.25, 0.5, 1.0]")
     if len(set(at)) != len(at):
         raise StudyError(f"{where}.at", f"{at!r} lists a point twice", "list every point once")
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+    if not is_number(decay) or not 0 < decay < 1:
         raise StudyError(f"{where}.decay", f"{decay!r} is not a fraction in (0, 1)",
                          "write the share of each branch spent decaying, e.g. decay: 0.2")
     return Branches(tuple(sorted(float(a) for a in at)), float(decay))
@@ -115,8 +116,7 @@ def check_schedule(cfg: RunConfig, where: str) -> None:
                          "from", "set train: {lr_schedule: wsd} in the experiment's common block")
 
 
-def expand(spec: RunSpec, branches: Branches, where: str, upstream: list[str] | None = None,
-           tuning: dict[str, Any] | None = None) -> list[RunSpec]:
+def expand(spec: RunSpec, branches: Branches, where: str, tuning: dict[str, Any] | None = None) -> list[RunSpec]:
     """A planned run as its trunk and its branches. The trunk's recipe is the longest branch's (so its LR is stable
     to its last branch start); each branch's recipe is the straight WSD run of its length, with the full run's
     warm-up."""
@@ -127,7 +127,7 @@ def expand(spec: RunSpec, branches: Branches, where: str, upstream: list[str] | 
     # weights (evaluation is outside the key)
     quiet = replace(spec.config.eval, after_train=False)
     cfg = replace(spec.config, role=Role.trunk, eval=quiet)
-    trunk_key = run_key(cfg, upstream, tuning, branches.identity())
+    trunk_key = run_key(cfg, tuning=tuning, trunk=branches.identity())
     longest = points[-1].length
     trunk = replace(spec, key=trunk_key, name=f"{spec.name}-trunk", config=cfg, points=points,
                     dir=str(RunDir.of(cfg.paths.runs, cfg.experiment, trunk_key).path),

@@ -35,7 +35,7 @@ one layer is off the multiple, and for hourglass they spread over that layer's s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from study.config.budget import BudgetConfig
 from study.errors import StudyError
@@ -54,9 +54,6 @@ class ParamCount:
     norm: int
     total: int
     counted: int
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -260,14 +257,14 @@ def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     return out
 
 
-def _with_target_widths(cfg: ModelConfig) -> ModelConfig:
+def _counted_at_target(cfg: ModelConfig, mode: str) -> int:
+    """Counted parameters of the shape with every layer at the variant's target FFN width."""
     w = target_width(cfg) * cfg.ffn.k
-    return replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers))
+    return count_params(replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers)), mode).counted
 
 
 def _solve_depth(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    one = count_params(_with_target_widths(replace(cfg, n_layers=1)), mode).counted
-    two = count_params(_with_target_widths(replace(cfg, n_layers=2)), mode).counted
+    one, two = (_counted_at_target(replace(cfg, n_layers=n), mode) for n in (1, 2))
     per_layer, fixed = two - one, 2 * one - two
     layers = max(1, round((budget - fixed) / per_layer))
     if layers > MAX_LAYERS:
@@ -283,8 +280,7 @@ def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
         raise StudyError("budget.match", "the attention strategy grows multi-head attention only",
                          "set model.n_kv_heads=0 or use budget.match=ffn")
     hd = cfg.dim_head
-    one = count_params(_with_target_widths(replace(cfg, n_heads=1, head_dim=hd)), mode).counted
-    two = count_params(_with_target_widths(replace(cfg, n_heads=2, head_dim=hd)), mode).counted
+    one, two = (_counted_at_target(replace(cfg, n_heads=n, head_dim=hd), mode) for n in (1, 2))
     heads = math.floor((budget - (2 * one - two)) / (two - one))
     if heads < 1:
         raise StudyError("budget", "no attention head fits next to the target FFN", "lower the hourglass d_h or K")
@@ -292,9 +288,9 @@ def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
 
 
 WIDTH_STEP = 8
+"""`width` solves d_model in steps of this many units (the hourglass release's widths 2496, 3696, 4992 are such)."""
 MAX_D_MODEL = 65_536
 """Widest residual stream the width strategy solves for."""
-"""`width` solves d_model in steps of this many units (the hourglass release's widths 2496, 3696, 4992 are such)."""
 
 
 def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
@@ -304,7 +300,7 @@ def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     best, best_gap = None, None
     for d in range(WIDTH_STEP, MAX_D_MODEL + 1, WIDTH_STEP):
         trial = replace(cfg, d_model=d, head_dim=hd)
-        gap = abs(count_params(_with_target_widths(trial), mode).counted - budget)
+        gap = abs(_counted_at_target(trial, mode) - budget)
         if best_gap is not None and gap > best_gap:
             return best
         best, best_gap = trial, gap
@@ -324,12 +320,9 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
     if strategy not in ("ffn", "none") and cfg.ffn.schedule.family == "layerwise" and cfg.ffn.schedule.alpha:
         raise StudyError("budget.match", f"`{strategy}` re-solves a shape whose heads the layerwise schedule fixes "
                          "layer by layer", "use budget.match=ffn (the FFN widths meet the budget around those heads)")
-    if strategy == "depth":
-        cfg = _solve_depth(cfg, budget, mode)
-    elif strategy == "attention":
-        cfg = _solve_heads(cfg, budget, mode)
-    elif strategy == "width":
-        cfg = _solve_width(cfg, budget, mode)
+    solve = {"depth": _solve_depth, "attention": _solve_heads, "width": _solve_width}.get(strategy)
+    if solve is not None:  # the free dimension first; the FFN widths then meet the budget exactly
+        cfg = solve(cfg, budget, mode)
     if strategy == "none":
         cfg, shape = with_schedule(cfg)
         widths = None if shape is None else [max(cfg.ffn.k, round(s)) for s in shape]

@@ -6,7 +6,7 @@ is written back to the run directory; `study plan` uses the same function to sho
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from study.config.run import RunConfig
@@ -39,6 +39,6 @@ def complete_spec(spec: RunSpec) -> RunSpec:
         _, matched = allocated(cfg, read_profile(path, cfg.model.n_layers), spec.budget)
     except StudyError as err:
         raise StudyError(err.field, f"{err.problem} (variant {cfg.variant}, scale {cfg.scale})", err.fix) from None
-    return replace(spec, config=replace(cfg, model=matched.model), params=matched.params.as_dict(),
+    return replace(spec, config=replace(cfg, model=matched.model), params=asdict(matched.params),
                    mismatch=matched.mismatch, flops_per_token=flops_per_token(matched.model, cfg.data.seq_len),
                    pending=None)

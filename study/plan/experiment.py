@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from study.config.compose import group_file, group_options, load_yaml, sweeps_dir
+from study.config.compose import group_file, group_options, plain_yaml, sweeps_dir
 from study.config.decision import DecisionRule
 from study.config.validate import SEED_MAX
 from study.errors import StudyError
@@ -257,7 +257,7 @@ class ExperimentFile:
     """Racing: true, or a mapping (`parse_racing`)."""
 
 
-def _read_file(name: str, raw) -> dict[str, Any]:
+def _read_file(name: str, raw: dict[str, Any]) -> dict[str, Any]:
     """The file checked against `ExperimentFile`, as plain containers (interpolations kept for the composer)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -266,8 +266,7 @@ def _read_file(name: str, raw) -> dict[str, Any]:
     try:
         typed = OmegaConf.merge(schema, raw)
     except OmegaConfBaseException as exc:
-        plain = OmegaConf.to_container(raw, resolve=False)
-        key = getattr(exc, "full_key", None) or ".".join(map(str, _failing_path(schema, plain) or ()))
+        key = getattr(exc, "full_key", None) or ".".join(map(str, _failing_path(schema, raw) or ()))
         kind = "is not an experiment key" if "not in" in str(exc) else "has the wrong type"
         raise StudyError(f"{name}.yaml: {key}".rstrip(": "), f"{kind} ({str(exc).splitlines()[0]})",
                          "see sweeps/experiment/demo.yaml for the shape of an experiment file") from None
@@ -304,10 +303,8 @@ def load_experiment(name: str) -> Experiment:
     if not path.is_file():
         raise StudyError("EXPERIMENT", f"no experiment named {name!r}",
                          f"use one of {', '.join(group_options('experiment'))} (files in {path.parent})")
-    from omegaconf import OmegaConf
-
-    raw = load_yaml(path)
-    if not OmegaConf.is_dict(raw):
+    raw = plain_yaml(path)
+    if not isinstance(raw, dict):
         raise StudyError(f"{name}.yaml", "is not a mapping of experiment keys",
                          "see sweeps/experiment/demo.yaml for the shape of an experiment file")
     f = _read_file(name, raw)
@@ -383,20 +380,18 @@ def load_experiment(name: str) -> Experiment:
                          "(a scheduled run's widths come from the reference's final checkpoint)",
                          "remove the branches block, or split the geometry-scheduled variants into their own experiment")
     check_owned(common, f"{name}.yaml: common")
-    for scale, settings in per_scale.items():
-        check_owned(settings, f"{name}.yaml: at.{scale}")
     for v in variants:
         check_owned(v.settings, f"{name}.yaml: variants.{v.name}.set")
-        for scale, settings in v.per_scale.items():
-            check_owned(settings, f"{name}.yaml: variants.{v.name}.at.{scale}")
     return Experiment(name, f["baseline"], scales, seeds, variants, reference, common, per_scale, f["description"],
                       published, tuning, decision, compares, branches, racing)
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
-    """An `at:` block: scale name -> dotted overrides, every name a scale of the experiment."""
+    """An `at:` block: scale name -> dotted overrides, every name a scale of the experiment, none placing a run."""
     at = at or {}  # a mapping of mappings: ExperimentFile's types checked that
     stray = sorted(set(map(str, at)) - set(scales))
     if stray:
         raise StudyError(f"{where}.{stray[0]}", "is not a scale of the experiment", f"use one of {', '.join(scales)}")
+    for scale, settings in at.items():
+        check_owned(settings, f"{where}.{scale}")
     return {str(k): v for k, v in at.items()}

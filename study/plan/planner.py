@@ -183,7 +183,7 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
         return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
                        profile=profile, pending=pending, reference_total=ref_total, recipe=recipe)
     return RunSpec(key, run_name(cfg), replace(cfg, model=matched.model), str(rdir.path), matched.budget,
-                   matched.params.as_dict(), matched.mismatch, flops_per_token(matched.model, cfg.data.seq_len),
+                   asdict(matched.params), matched.mismatch, flops_per_token(matched.model, cfg.data.seq_len),
                    list(depends_on or []), profile, None, ref_total, recipe)
 
 

@@ -18,17 +18,11 @@ def scaled_lr(n_params: int) -> float:
     return 0.0047 * (n_params / 108e6) ** (-1 / 3)
 
 
-def planned_world(cfg: RunConfig) -> int:
-    """Ranks a job of this cluster profile runs (one per GPU, else `tasks_per_node` CPU ranks per node)."""
-    c = cfg.cluster
-    return c.nodes * (c.gpus_per_node or c.tasks_per_node)
-
-
 def resolve_recipe(cfg: RunConfig, budget: int) -> Recipe:
     """The run's recipe at the budget `budget` (the scale's reference count, shared by every arm)."""
     t = cfg.train
     global_batch = t.global_batch or t.micro_batch * t.grad_accum
-    world = planned_world(cfg)
+    world = cfg.cluster.ranks
     micro, accum = batch_layout(global_batch, t.micro_batch, world)
     tokens_per_step = global_batch * cfg.data.seq_len
     steps = t.max_steps or max(1, math.ceil(t.tokens_per_param * budget / tokens_per_step))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import groupby
+
 from study.plan.planner import Plan
 
 
@@ -30,12 +32,7 @@ def fmt_tokens(tokens: int) -> str:
 
 def fmt_heads(heads: list[int]) -> str:
     """Query heads per layer, repeats run-length encoded: `8 10 13 15x2 13 10 8`, `16x8`."""
-    runs: list[list[int]] = []
-    for h in heads:
-        if runs and runs[-1][0] == h:
-            runs[-1][1] += 1
-        else:
-            runs.append([h, 1])
+    runs = [(h, len(list(same))) for h, same in groupby(heads)]
     return " ".join(f"{h}x{n}" if n > 1 else str(h) for h, n in runs)
 
 
@@ -55,12 +52,11 @@ def per_job(run) -> str:
     return f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu")
 
 
-def print_plan(plan: Plan, power: list, note: str, cost: dict | None = None) -> None:
+def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
     from study.console import plain_table, text_width, wrapped
 
     from study.plan.throughput import devices
 
-    cost = cost if cost is not None else estimates(plan)
     width = text_width()
 
     def say(text: str) -> None:

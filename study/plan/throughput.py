@@ -23,8 +23,7 @@ TOKENS_PER_S, PER_DEVICE, MFU = ("calibration/tokens_per_s", "calibration/tokens
 
 def devices(spec: RunSpec) -> int:
     """Devices one job of the run uses: its GPUs, or its processes on a CPU-only profile."""
-    c = spec.config.cluster
-    return max(1, c.nodes * (c.gpus_per_node or c.tasks_per_node))
+    return max(1, spec.config.cluster.ranks)
 
 
 def shape_key(spec: RunSpec) -> str:

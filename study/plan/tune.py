@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.config.validate import SEED_MAX
+from study.config.validate import SEED_MAX, is_number
 from study.errors import StudyError
 
 DEFAULT_EXTEND = 2
@@ -66,9 +66,7 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
     if unknown:
         raise StudyError(f"{where}.{unknown[0]}", "is not a tuning key", "use lr, scale (or scales), seeds, extend")
     lr = raw.get("lr")
-    if (not isinstance(lr, list) or len(lr) < 3 or any(isinstance(m, bool) or not isinstance(m, (int, float))
-                                                       or not math.isfinite(m) or m <= 0 for m in lr)
-            or len(set(lr)) != len(lr)):
+    if not isinstance(lr, list) or len(lr) < 3 or not all(map(_number, lr)) or len(set(lr)) != len(lr):
         raise StudyError(f"{where}.lr", f"{lr!r} is not a list of three or more distinct positive multiples",
                          "list multiples of the recipe's peak LR, e.g. [0.25, 0.5, 1, 2, 4]")
     if ("scale" in raw) == ("scales" in raw):
@@ -229,7 +227,8 @@ def _damaged(path: Path, problem: str) -> StudyError:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    """A positive finite number."""
+    return is_number(x) and x > 0
 
 
 def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[float, int], str]],
@@ -312,7 +311,7 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         for loss in p["losses"]:
             if loss == DIVERGED_LOSS:
                 losses.append(math.inf)
-            elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+            elif is_number(loss):
                 losses.append(float(loss))
             else:
                 raise _damaged(path, f"{at}: loss {loss!r} is neither a finite number nor {DIVERGED_LOSS!r}")
