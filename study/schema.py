@@ -14,13 +14,12 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 letter or digit (so never `.`, `..` or a path), since they become directory, MLflow and job names."""
 
 
-def check_name(field: str, value: str, what: str = "name") -> str:
-    """`value`, refused by `field` unless it is one NAME: `experiment=../../x` would put a run directory outside
+def check_name(field: str, value: str, what: str = "name") -> None:
+    """Refuse `value`, naming `field`, unless it is one NAME: `experiment=../../x` would put a run directory outside
     `paths.runs`, `data=../../evil` would merge any YAML file."""
     if not isinstance(value, str) or not NAME.match(value):
         raise StudyError(field, f"{str(value)[:120]!r} is not {what}",
                          "use letters, digits, _ . - (starting with a letter or digit, at most 100 characters)")
-    return value
 
 
 # MLflow tags (users filter the UI by these; analysis reads them)

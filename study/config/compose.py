@@ -148,8 +148,6 @@ class Overrides:
     """Field values by dotted key."""
     reset: list[str] = field(default_factory=list)
     """Fields restored to their typed default (`~train.lr`)."""
-    raw: list[str] = field(default_factory=list)
-    """The overrides as given."""
 
     def keys(self) -> list[str]:
         return [*self.groups, *self.values, *self.reset]
@@ -157,7 +155,7 @@ class Overrides:
 
 def parse_overrides(items: list[str]) -> Overrides:
     """Hydra's override grammar into selections, values and resets; a sweep (`a,b`) is Hydra multirun's, not ours."""
-    out = Overrides(raw=list(items))
+    out = Overrides()
     if not items:  # Hydra's parser takes a tenth of a second to import
         return out
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -261,9 +259,7 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     for node, where in nodes:
         refuse_renamed(node, where)
     nodes = [(with_family(node), where) for node, where in nodes]
-    plain: dict[str, Any] = {}
-    for node, _ in nodes:
-        plain = merge_plain(plain, node)
+    plain = functools.reduce(merge_plain, (node for node, _ in nodes), {})
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))
     except OmegaConfBaseException as exc:  # only now merge layer by layer, to name the layer and field at fault

@@ -153,7 +153,7 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
               (nested(exp.per_scale.get(scale, {})), f"{exp.name}.yaml: at.{scale}"),
               (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}"),
               (nested(variant.per_scale.get(scale, {})), f"{exp.name}.yaml: variants.{variant.name}.at.{scale}")]
-    run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset, raw=ov.raw)
+    run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset)
     return compose({**groups, "scale": scale, "model": variant.model}, layers=layers, overrides=run_ov)
 
 
@@ -214,17 +214,15 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
     runs: list[RunSpec] = []
     for scale in exp.scales:
         reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
-        ref_cfg = ref_key = None
-        if exp.reference:
-            ref_variant = next(v for v in exp.variants if v.name == exp.reference[0])
-            ref_cfg = replace(with_budget(compose_run(exp, ref_variant, scale, ov, per_variant.get(ref_variant.name)),
-                                          reference), seed=exp.reference[1], role=Role.reference)
-            # the reference trains at its variant's tuned LR where the experiment tunes: its key hashes that tuning,
-            # and the scheduled runs wait on the profile of exactly that run
-            ref_key = run_key(ref_cfg, tuning=tunings[ref_variant.name].identity(exp.tuning) if exp.tuning else None)
         bases = {v.name: with_budget(compose_run(exp, v, scale, ov, per_variant.get(v.name)), reference)
                  for v in exp.variants}
         check_arms(name, scale, exp.baseline, bases, exp.compares)
+        ref_cfg = ref_key = None
+        if exp.reference:
+            ref_cfg = replace(bases[exp.reference[0]], seed=exp.reference[1], role=Role.reference)
+            # the reference trains at its variant's tuned LR where the experiment tunes: its key hashes that tuning,
+            # and the scheduled runs wait on the profile of exactly that run
+            ref_key = run_key(ref_cfg, tuning=tunings[exp.reference[0]].identity(exp.tuning) if exp.tuning else None)
         for variant in exp.variants:
             base = bases[variant.name]
             scheduled = base.model.ffn.schedule.family == "geometry"
@@ -401,5 +399,5 @@ def filter_runs(plan: Plan, variant: list[str] | None = None, scale: list[str] |
             raise StudyError(flag, f"{missing[0]} is not in experiment {plan.experiment.name}",
                              f"use one of {', '.join(map(str, sorted(have, key=str)))}")
     runs = [r for r in plan.runs if (not variant or r.config.variant in variant)
-            and (not scale or r.config.scale in scale) and (seed is None or not seed or r.config.seed in seed)]
+            and (not scale or r.config.scale in scale) and (not seed or r.config.seed in seed)]
     return replace(plan, runs=runs)
