@@ -204,12 +204,6 @@ def target_width(cfg: ModelConfig) -> int:
     return cfg.ffn.width
 
 
-def ideal_widths(shape: list[float], units: int) -> list[float]:
-    """The schedule's shape scaled so its widths sum to `units` hidden units: the widths before rounding."""
-    total = sum(shape)
-    return [units * s / total for s in shape]
-
-
 def round_widths(ideal: list[float], units: int, multiple: int) -> list[int]:
     """Integer widths summing to `units`: multiples of `multiple` by largest remainder, leftovers on one layer."""
     scaled = [x / multiple for x in ideal]
@@ -242,7 +236,8 @@ def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
     if units < k * cfg.n_layers:
         raise StudyError("budget", f"the budget {budget:,} leaves no room for the FFN of this variant "
                          f"({fixed:,} parameters outside the FFN)", "use a larger scale or fewer layers/heads")
-    widths = round_widths(ideal_widths(shape, units), units, cfg.ffn.multiple_of)
+    total = sum(shape)  # the shape scaled to `units` hidden units, then rounded
+    widths = round_widths([units * s / total for s in shape], units, cfg.ffn.multiple_of)
     least = max(k, cfg.ffn.multiple_of)
     if min(widths) < least:
         layer = widths.index(min(widths))
