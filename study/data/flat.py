@@ -321,7 +321,7 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
         # what MLflow's dataset digest is made of (study.track.lineage): the tokenizer file's SHA-256, and per split
         # the SHA-256 of its files' content digests (see content_digest) with the rule that cut it
         "sha256": {"tokenizer.json": sha256_file(out / "tokenizer.json"),
-                   **{split: _sha256_json([split, dtype.name, digests, rule]) for split in ("train", "val")}},
+                   **{split: json_digest([split, dtype.name, digests, rule], 64) for split in ("train", "val")}},
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     record.unlink(missing_ok=True)
@@ -380,7 +380,3 @@ def _streams(records: dict[str, list[dict[str, Any]]], dtype: np.dtype,
         return TokenStream(files["tokens"], dtype), TokenStream(files["val_tokens"], dtype)
     held = held_out_blocks(sum(f.tokens for f in files["tokens"]), val_fraction)
     return TokenStream(files["tokens"], dtype, held), TokenStream(files["tokens"], dtype, held, keep_held=True)
-
-
-def _sha256_json(value: Any) -> str:
-    return json_digest(value, 64)
