@@ -67,11 +67,13 @@ def to_tensors(windows: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, to
 
 
 def get_batch(tokens: np.ndarray, seq_len: int, data_seed: int, step: int, micro_batch: int, accum_steps: int = 1,
-              accum_index: int = 0, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training micro batch (x, y), each [micro_batch, seq_len]; a pure function of its arguments."""
+              accum_index: int = 0, rank: int = 0, world_size: int = 1,
+              pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training micro batch (x, y), each [micro_batch, seq_len]; a pure function of its arguments (`pin`: in pinned
+    host memory)."""
     ids = window_ids(num_windows(len(tokens), seq_len), data_seed, step, micro_batch=micro_batch,
                      accum_steps=accum_steps, accum_index=accum_index, rank=rank, world_size=world_size)
-    return to_tensors(gather_windows(tokens, seq_len, ids))
+    return to_tensors(gather_windows(tokens, seq_len, ids), pin)
 
 
 def check_val_split(tokens, seq_len: int, batch_size: int, from_files: bool = False) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import uuid
@@ -17,13 +16,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from study.config.identity import json_digest
+
 TMP_MARK = ".tmp-"
+PARTIAL = ".partial"
 
 
 def cache_key(*parts: object) -> str:
     """A short stable hash of JSON-serialisable parts."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return json_digest(parts, 16)
 
 
 def fingerprint_path(path: Path) -> str:
@@ -52,6 +53,14 @@ def file_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def replace_file(path: Path, content: str | bytes) -> None:
+    """Write `path` whole: into a hidden file of this process beside it, then renamed over it, so a reader (or another
+    process writing it) never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(content if isinstance(content, bytes) else content.encode())
+    os.replace(tmp, path)
+
+
 @contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive advisory lock held for the duration of the block (released by the kernel if we die)."""
@@ -64,8 +73,12 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_once(entry: Path, build: Callable[[Path], None]) -> Path:
-    """Return `entry`, first calling `build(tmp_dir)` and renaming tmp_dir to it if it does not exist yet."""
+def build_once(entry: Path, build: Callable[[Path], None], resumable: bool = False) -> Path:
+    """Return `entry`, first calling `build(work_dir)` and renaming work_dir to it if it does not exist yet.
+
+    A failed build's directory is removed; with `resumable` it is `<entry>.partial` and survives a crash: the next
+    builder (under the same lock) calls `build` on it again, and `build` continues from whatever progress record it
+    left there."""
     if entry.is_dir():
         return entry
     with file_lock(entry.with_name(entry.name + ".lock")):
@@ -74,32 +87,16 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> Path:
         # Holding the lock means no one else is building this entry: any temporary sibling is a dead build's.
         for stale in entry.parent.glob(f"{entry.name}{TMP_MARK}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = entry.with_name(f"{entry.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir()
+        if resumable:
+            work = entry.with_name(entry.name + PARTIAL)
+            work.mkdir(exist_ok=True)
+        else:
+            work = entry.with_name(f"{entry.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            work.mkdir()
         try:
-            build(tmp)
-            os.rename(tmp, entry)
+            build(work)
+            os.rename(work, entry)
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return entry
-
-
-PARTIAL = ".partial"
-
-
-def build_resumable(entry: Path, build: Callable[[Path], None]) -> Path:
-    """Like :func:`build_once`, but the build directory `<entry>.partial` survives a crash: the next builder (under
-    the same lock) calls `build` on it again, and `build` continues from whatever progress record it left there."""
-    if entry.is_dir():
-        return entry
-    with file_lock(entry.with_name(entry.name + ".lock")):
-        if entry.is_dir():
-            return entry
-        for stale in entry.parent.glob(f"{entry.name}{TMP_MARK}*"):  # a dead build_once's (before resumable builds)
-            shutil.rmtree(stale, ignore_errors=True)
-        work = entry.with_name(entry.name + PARTIAL)
-        work.mkdir(parents=True, exist_ok=True)
-        build(work)
-        os.rename(work, entry)
+            if not resumable and work.exists():
+                shutil.rmtree(work, ignore_errors=True)
     return entry

@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -243,14 +243,6 @@ class TokenStream:
     def __len__(self) -> int:
         return self.size
 
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.size,)
-
-    @property
-    def ndim(self) -> int:
-        return 1
-
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             index = np.arange(*key.indices(self.size), dtype=np.int64)
@@ -321,7 +313,7 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
         # what MLflow's dataset digest is made of (study.track.lineage): the tokenizer file's SHA-256, and per split
         # the SHA-256 of its files' content digests (see content_digest) with the rule that cut it
         "sha256": {"tokenizer.json": sha256_file(out / "tokenizer.json"),
-                   **{split: _sha256_json([split, dtype.name, digests, rule]) for split in ("train", "val")}},
+                   **{split: json_digest([split, dtype.name, digests, rule], 64) for split in ("train", "val")}},
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     record.unlink(missing_ok=True)
@@ -338,18 +330,15 @@ def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: 
                desc=f"scanning {name}", disable=not progress, mininterval=1.0, dynamic_ncols=True)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="scan")
     try:
-        running = {pool.submit(scan_file, f, dtype) for f in todo}
-        while running:
-            done, running = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                result = future.result()
-                scanned[result["path"]] = result
-                tmp = record.with_suffix(".tmp")
-                tmp.write_text(json.dumps(scanned))
-                os.replace(tmp, record)  # the record only ever names finished scans
-                bar.update(result["tokens"] * dtype.itemsize)
-                if after_file:
-                    after_file(len(scanned))
+        for future in as_completed([pool.submit(scan_file, f, dtype) for f in todo]):
+            result = future.result()
+            scanned[result["path"]] = result
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(scanned))
+            os.replace(tmp, record)  # the record only ever names finished scans
+            bar.update(result["tokens"] * dtype.itemsize)
+            if after_file:
+                after_file(len(scanned))
     finally:
         pool.shutdown(cancel_futures=True)
         bar.close()
@@ -380,7 +369,3 @@ def _streams(records: dict[str, list[dict[str, Any]]], dtype: np.dtype,
         return TokenStream(files["tokens"], dtype), TokenStream(files["val_tokens"], dtype)
     held = held_out_blocks(sum(f.tokens for f in files["tokens"]), val_fraction)
     return TokenStream(files["tokens"], dtype, held), TokenStream(files["tokens"], dtype, held, keep_held=True)
-
-
-def _sha256_json(value: Any) -> str:
-    return json_digest(value, 64)

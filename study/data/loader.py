@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from study.data.batches import gather_windows, num_windows, to_tensors, window_ids
+from study.data.batches import get_batch
 
 if TYPE_CHECKING:
     import torch
@@ -44,12 +44,8 @@ class BatchStream:
         self._thread.start()
 
     def build(self, step: int) -> Step:
-        n = num_windows(len(self.tokens), self.seq_len)
-        return [to_tensors(gather_windows(self.tokens, self.seq_len,
-                                          window_ids(n, self.data_seed, step, micro_batch=self.micro_batch,
-                                                     accum_steps=self.accum_steps, accum_index=a, rank=self.rank,
-                                                     world_size=self.world_size)), pin=self._pin)
-                for a in range(self.accum_steps)]
+        return [get_batch(self.tokens, self.seq_len, self.data_seed, step, self.micro_batch, self.accum_steps, a,
+                          self.rank, self.world_size, pin=self._pin) for a in range(self.accum_steps)]
 
     def _fill(self, step: int) -> None:
         while not self._stop.is_set():

@@ -11,6 +11,7 @@ was never interrupted. Nothing but the token files and the record is written whi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -51,15 +52,8 @@ def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, c
             p = parts.passes[index]
             if index != state["pass"]:
                 state.update({"pass": index, "docs": 0, "bytes": 0})
-            chunk: list[str] = []
-            for batch in capped(source, p, state["docs"], state["bytes"]):
-                chunk += batch
-                while len(chunk) >= cfg.chunk_docs:
-                    _write_chunk(chunk[:cfg.chunk_docs], p, state, encoder, tok.eos_id, dtype, files, out, bar)
-                    chunk = chunk[cfg.chunk_docs:]
-                    if after_chunk:
-                        after_chunk(state["chunks"])
-            if chunk:
+            texts = itertools.chain.from_iterable(capped(source, p, state["docs"], state["bytes"]))
+            while chunk := list(itertools.islice(texts, cfg.chunk_docs)):
                 _write_chunk(chunk, p, state, encoder, tok.eos_id, dtype, files, out, bar)
                 if after_chunk:
                     after_chunk(state["chunks"])

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from study.config.data import TRAIN_BPE, DataConfig, cache_root, validate_data
-from study.data.cache import build_resumable, cache_key, file_lock, sha256_file
+from study.data.cache import build_once, cache_key, file_lock, replace_file, sha256_file
 from study.data.flat import TokenStream, flat_streams, write_flat
 from study.data.sources import Layout, Source, capped, layout, source_key
 from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS
@@ -97,7 +97,7 @@ def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool,
             parts()  # the splits and the text column exist, before the build directory is made
         build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
         open_fn = lambda: open_shards(entry, cfg.seq_len)  # noqa: E731
-    build_resumable(entry, build_fn)
+    build_once(entry, build_fn, resumable=True)
     try:
         return open_fn()
     except BrokenEntry as broken:
@@ -105,7 +105,7 @@ def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool,
 
         print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
         discard(entry)
-        build_resumable(entry, build_fn)
+        build_once(entry, build_fn, resumable=True)
         return open_fn()
 
 
@@ -188,10 +188,8 @@ def verify(entry: Path, names: tuple[str, ...] = CHECKED) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BrokenEntry(f"{type(err).__name__}: {err}") from None
     if stamp != seen:
-        tmp = stamp_path.with_name(f".verified.{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(seen))
-            os.replace(tmp, stamp_path)
+            replace_file(stamp_path, json.dumps(seen))
         except OSError:
             pass  # a read-only cache is still verified, only again next time
     return meta

@@ -11,6 +11,8 @@ rule and the caps are those of the former whole-corpus loader, so existing shard
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -77,7 +79,6 @@ class Source:
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
-        self._splits: dict[str, Any] | None = None
         local = Path(cfg.name).expanduser()
         if cfg.name == EMBEDDED:
             self.kind = "jsonl"
@@ -87,13 +88,9 @@ class Source:
         else:
             self.kind, self.path = "stream", local
 
+    @functools.cached_property
     def splits(self) -> dict[str, Any]:
-        """Split name -> a `datasets` object (or, for the embedded corpus, its JSONL path)."""
-        if self._splits is None:
-            self._splits = self._open()
-        return self._splits
-
-    def _open(self) -> dict[str, Any]:
+        """Split name -> a `datasets` object (or, for the embedded corpus, its JSONL path), opened on first use."""
         import datasets
 
         cfg = self.cfg
@@ -119,7 +116,7 @@ class Source:
 
     def check(self) -> None:
         """The training split and the text column exist (read from the first document at most)."""
-        cfg, splits = self.cfg, self.splits()
+        cfg, splits = self.cfg, self.splits
         if cfg.train_split not in splits:
             raise StudyError("data.train_split", f"{cfg.name} has no split {cfg.train_split!r} (it has "
                              f"{sorted(splits)})", f"use one of {sorted(splits)}")
@@ -130,7 +127,7 @@ class Source:
                                  f"{columns})", f"use one of {columns}")
 
     def _columns(self, split: str) -> list[str] | None:
-        ds = self.splits()[split]
+        ds = self.splits[split]
         if self.kind == "jsonl":
             return None
         names = ds.column_names
@@ -157,19 +154,13 @@ class Source:
     def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
         """Batches of `size` of the split's texts from document `start` on, in source order (a null text is
         empty)."""
-        ds, field = self.splits()[split], self.cfg.text_field
+        ds, field = self.splits[split], self.cfg.text_field
         try:
             if self.kind == "jsonl":
-                batch: list[str] = []
                 with open(ds, encoding="utf-8") as f:
-                    for i, line in enumerate(f):
-                        if i >= start:
-                            batch.append(json.loads(line).get(field) or "")
-                            if len(batch) == size:
-                                yield batch
-                                batch = []
-                if batch:
-                    yield batch
+                    lines = itertools.islice(f, start, None)
+                    while batch := [json.loads(line).get(field) or "" for line in itertools.islice(lines, size)]:
+                        yield batch
             else:
                 for table in self._tables(split, start, size):
                     yield [t or "" for t in table.column(field).to_pylist()]
@@ -198,7 +189,7 @@ class Source:
 
     def _tables(self, split: str, start: int, size: int):
         """Arrow tables of `size` rows of the text column from row `start` on."""
-        ds, field = self.splits()[split], self.cfg.text_field
+        ds, field = self.splits[split], self.cfg.text_field
         if self.kind == "disk":
             arrow = ds.select_columns([field]).with_format("arrow")
             for lo in range(start, len(ds), size):
@@ -250,7 +241,7 @@ def layout(cfg: DataConfig, source: Source) -> Layout:
     """The passes that give train and validation documents. A fraction split must know how many documents the
     capped training split has, so it counts them first (reading text lengths only, stopping at the caps)."""
     source.check()
-    splits = source.splits()
+    splits = source.splits
     if cfg.val_split in splits and cfg.val_split != cfg.train_split:
         return Layout([Pass(cfg.train_split, cfg.max_docs, cfg.max_bytes, "train"),
                        Pass(cfg.val_split, _share(cfg.max_docs, cfg.val_fraction),
@@ -271,12 +262,10 @@ def layout(cfg: DataConfig, source: Source) -> Layout:
 
 def _known_length(source: Source, p: Pass) -> int | None:
     """The capped split's length when known without reading texts (a byte cap needs the texts)."""
-    if p.max_bytes is not None:
+    if p.max_bytes is not None or source.kind != "disk":
         return None
-    ds = source.splits()[p.split]
-    if source.kind == "disk":
-        return len(ds) if p.max_docs is None else min(len(ds), p.max_docs)
-    return None
+    n = len(source.splits[p.split])
+    return n if p.max_docs is None else min(n, p.max_docs)
 
 
 def _first_line(err: BaseException) -> str:

@@ -60,7 +60,7 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
                              "transformers tokenizer directory")
         return None
     else:
-        entry = _converted_entry(given, cache)
+        entry = cache / "tokenizers" / f"hf-{file_digest(sorted(p for p in given.iterdir() if p.is_file()))}"
         if not build and not entry.is_dir():
             return None
         path, declared = _convert_transformers(given, entry), declared_eos(given)
@@ -119,10 +119,6 @@ def declared_eos(directory: Path) -> str | None:
         return None
     eos = json.loads(config.read_text()).get("eos_token")
     return eos.get("content") if isinstance(eos, dict) else eos
-
-
-def _converted_entry(directory: Path, cache: Path) -> Path:
-    return cache / "tokenizers" / f"hf-{file_digest(sorted(p for p in directory.iterdir() if p.is_file()))}"
 
 
 def _convert_transformers(directory: Path, entry: Path) -> Path:

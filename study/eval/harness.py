@@ -192,22 +192,18 @@ def evaluate_model(
     batch_size: int = 16,
     device: str = "cpu",
     num_fewshot: int = 0,
-    task_dir: str | Path | None = None,
     max_length: int | None = None,
     eos_token: str | None = None,
 ) -> dict[str, Any]:
     """Score `model` with lm-eval; returns {"lm_eval": lm-eval's results dict, "metrics": flatten_scores(...)}.
 
-    Local tasks (the YAML templates in `task_dir`, default `study/eval/tasks/`) run offline; any other name is looked
+    Local tasks (the YAML templates in `study/eval/tasks/`) run offline; any other name is looked
     up among lm-eval's built-in tasks, which index slowly and fetch data from the Hugging Face Hub. `limit` caps
     the documents per task (a fraction below 1 is a share). The model is moved to `device` and put in eval mode
     for the call; its train/eval mode is restored afterwards.
     """
     names = _task_list(tasks)
-    task_dir = Path(task_dir) if task_dir is not None else LOCAL_TASK_DIR
-    if not task_dir.is_dir():
-        raise StudyError("task_dir", f"{task_dir} is not a directory", "pass a folder of task YAML and JSONL files")
-    hub = check_tasks(names, task_dir, index=False)  # a typo of a local task is said before anything loads
+    hub = check_tasks(names, index=False)  # a typo of a local task is said before anything loads
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
@@ -224,9 +220,9 @@ def evaluate_model(
     was_training = model.training
     model.eval()
     try:
-        manager = TaskManager(include_path=str(task_dir), include_defaults=bool(hub))
+        manager = TaskManager(include_path=str(LOCAL_TASK_DIR), include_defaults=bool(hub))
         if hub:
-            check_tasks(hub, task_dir, manager=manager)
+            check_tasks(hub, manager=manager)
         if num_fewshot:
             check_fewshot(_quietly_load(manager, names), num_fewshot)
         try:
@@ -250,7 +246,7 @@ def evaluate_model(
                 "tasks",
                 f"the data of hub task(s) {hub} could not be downloaded ({error})",
                 f"run where the Hugging Face Hub is reachable (or with the datasets already in "
-                f"HF_DATASETS_CACHE), or use the offline local tasks {local_task_names(task_dir)}",
+                f"HF_DATASETS_CACHE), or use the offline local tasks {local_task_names(LOCAL_TASK_DIR)}",
             ) from error
     finally:
         model.train(was_training)

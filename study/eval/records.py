@@ -68,16 +68,11 @@ def is_of_record(spec: RunSpec, settings: EvalSettings) -> bool:
                                                                     final_step(spec))
 
 
-def metric_prefix(settings: EvalSettings, of_record: bool) -> str:
-    """`eval/` for the evaluation of record, `evals/<id>/` for any other."""
-    return EVAL_PREFIX if of_record else eval_artifact(settings.id) + "/"
-
-
 def write_record(spec: RunSpec, settings: EvalSettings, result: dict, summary: dict) -> Path:
     """The evaluation's folder with its record (settings, item counts and chance levels, scores under the names
     MLflow holds them by), lm-eval's results and the per-item scores; written whole, then moved into place."""
     of_record = is_of_record(spec, settings)
-    prefix = metric_prefix(settings, of_record)
+    prefix = EVAL_PREFIX if of_record else eval_artifact(settings.id) + "/"  # any other: `evals/<id>/`
     record = {"id": settings.id, "run_key": spec.key, "checkpoint": f"step_{settings.step:08d}", **asdict(settings),
               "of_record": of_record, "time": time.time(), "tasks_summary": summary,
               "metrics": {prefix + name[len(EVAL_PREFIX):]: value for name, value in result["metrics"].items()}}

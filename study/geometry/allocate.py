@@ -124,18 +124,13 @@ def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) 
     return widths(log_mu)
 
 
-def profile_cost(profile: dict, cfg: AllocationConfig) -> np.ndarray:
-    """c_l for the configured statistic and geometry, smoothed."""
-    work = np.asarray(profile["stats"][cfg.statistic][cfg.geometry], dtype=np.float64)
-    return smooth_profile(work, cfg.smoothing, cfg.smoothing_width)
-
-
 def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig,
                           reverse: bool = False) -> list[float]:
     """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer;
     `reverse` (the geometry schedule's) reflects them against the allocation's direction (`reflect_allocation`)."""
     layers = int(profile["layers"])
-    cost = profile_cost(profile, cfg)
+    # c_l: the configured statistic under the configured geometry, smoothed
+    cost = smooth_profile(profile["stats"][cfg.statistic][cfg.geometry], cfg.smoothing, cfg.smoothing_width)
     if cfg.exponent == "intrinsic":
         exponents = intrinsic_exponents(profile.get("intrinsic_dim"))
     else:

@@ -62,11 +62,6 @@ class TokenClouds:
         return self.before.shape[1]
 
 
-def ffn_sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(input module, branch module) of each layer's FFN, in depth order."""
-    return [(a, b) for a, b, _ in _sites(model)]
-
-
 def _sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module | None]]:
     """(input module, branch module, the FFN module itself) of each layer, in depth order."""
     layers = getattr(model, "layers", None)
@@ -138,21 +133,15 @@ def collect_clouds(
         cols = torch.as_tensor(current["cols"], device=h.device)
         return h[rows, cols].detach().float().cpu()
 
-    def input_hook(layer: int):
+    def input_hook(into: list[torch.Tensor]):
         def hook(module, args, kwargs):
-            before[layer].append(take(args[0] if args else kwargs["hidden_states"]))
+            into.append(take(args[0] if args else kwargs["hidden_states"]))
 
         return hook
 
-    def received_hook(layer: int):
-        def hook(module, args, kwargs):
-            received[layer].append(take(args[0] if args else kwargs["hidden_states"]))
-
-        return hook
-
-    def branch_hook(layer: int):
+    def branch_hook(into: list[torch.Tensor]):
         def hook(module, args, output):
-            branch[layer].append(take(_first(output)))
+            into.append(take(_first(output)))
 
         return hook
 
@@ -161,10 +150,10 @@ def collect_clouds(
     was_training = model.training
     try:
         for layer, (input_module, branch_module, ffn_module) in enumerate(sites):
-            handles.append(input_module.register_forward_pre_hook(input_hook(layer), with_kwargs=True))
-            handles.append(branch_module.register_forward_hook(branch_hook(layer)))
+            handles.append(input_module.register_forward_pre_hook(input_hook(before[layer]), with_kwargs=True))
+            handles.append(branch_module.register_forward_hook(branch_hook(branch[layer])))
             if ffn_module is not None:
-                handles.append(ffn_module.register_forward_pre_hook(received_hook(layer), with_kwargs=True))
+                handles.append(ffn_module.register_forward_pre_hook(input_hook(received[layer]), with_kwargs=True))
         model.eval()
         with torch.no_grad():
             for index, ids in enumerate(batches):
@@ -209,7 +198,7 @@ def perturbation_sensitivity(model: nn.Module, batches: Sequence[torch.Tensor], 
     """
     import torch
 
-    sites = ffn_sites(model)
+    sites = _sites(model)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -217,7 +206,7 @@ def perturbation_sensitivity(model: nn.Module, batches: Sequence[torch.Tensor], 
         with torch.no_grad():
             base = _mean_loss(model, batches, device)
             sensitivity = []
-            for _, branch_module in sites:
+            for _, branch_module, _ in sites:
                 losses = []
                 for factor in (1.0 + eps, 1.0 - eps):
                     handle = branch_module.register_forward_hook(lambda m, a, out, f=factor: _scaled(out, f))

@@ -19,12 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from study.config.geometry import GEOMETRIES, check_radius
-from study.errors import StudyError
-
-def check_geometry(geometry: str) -> None:
-    if geometry not in GEOMETRIES:
-        raise StudyError("geometry", f"unknown geometry {geometry!r}", f"use one of {', '.join(GEOMETRIES)}")
+from study.config.geometry import GEOMETRIES, check_radius, one_of
 
 
 def unit_normalise(x: np.ndarray) -> np.ndarray:
@@ -63,7 +58,7 @@ def pairwise_distances(x: np.ndarray, geometry: str, radius: float = 0.9) -> np.
     Raw distances are computed on the centred cloud: they are translation invariant, and centring keeps the Gram
     expansion from cancelling large norms (residual streams carry a big common component).
     """
-    check_geometry(geometry)
+    one_of("geometry", geometry, GEOMETRIES)
     x = np.asarray(x, dtype=np.float64)
     if geometry == "raw":
         return np.sqrt(_squared_euclidean(x - x.mean(axis=0)))
@@ -73,7 +68,7 @@ def pairwise_distances(x: np.ndarray, geometry: str, radius: float = 0.9) -> np.
 
 def pointwise_distances(x: np.ndarray, y: np.ndarray, geometry: str, radius: float = 0.9) -> np.ndarray:
     """(n,) distances between corresponding rows of `x` and `y` (token i before and after)."""
-    check_geometry(geometry)
+    one_of("geometry", geometry, GEOMETRIES)
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if geometry == "raw":
         return np.linalg.norm(x - y, axis=1)

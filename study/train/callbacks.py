@@ -80,39 +80,29 @@ class Callback:
         """The loop has ended (finished, stopped, diverged or failed)."""
 
 
+def _each(hook: str):
+    """`hook` called on every member of a `Callbacks`, in list order."""
+
+    def call(self: Callbacks, *args) -> None:
+        for cb in self.members:
+            getattr(cb, hook)(*args)
+
+    return call
+
+
 class Callbacks(Callback):
     """The run's callbacks, each hook called on each of them in list order."""
 
     def __init__(self) -> None:
         self.members: list[Callback] = []
 
-    def on_step(self, step, out):
-        for cb in self.members:
-            cb.on_step(step, out)
-
-    def on_log(self, step, loss, tokens_per_s):
-        for cb in self.members:
-            cb.on_log(step, loss, tokens_per_s)
-
-    def on_validation(self, step, loss):
-        for cb in self.members:
-            cb.on_validation(step, loss)
-
-    def before_stop(self, step, stop):
-        for cb in self.members:
-            cb.before_stop(step, stop)
-
-    def on_step_end(self, step, stopping):
-        for cb in self.members:
-            cb.on_step_end(step, stopping)
-
-    def before_checkpoint(self, step):
-        for cb in self.members:
-            cb.before_checkpoint(step)
-
-    def close(self):
-        for cb in self.members:
-            cb.close()
+    on_step = _each("on_step")
+    on_log = _each("on_log")
+    on_validation = _each("on_validation")
+    before_stop = _each("before_stop")
+    on_step_end = _each("on_step_end")
+    before_checkpoint = _each("before_checkpoint")
+    close = _each("close")
 
 
 @dataclass

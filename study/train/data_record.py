@@ -16,11 +16,11 @@ computed again on every start. A record from before these digests gains them at 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from study.config.data import tokenize_procs
 from study.config.spec import RunSpec
+from study.data.cache import replace_file
 from study.data.flat import spot_digests
 from study.errors import StudyError
 from study.schema import not_a_link
@@ -52,14 +52,14 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
                         "the run started (their sampled content digests, study.data.flat.spot_digest), whatever "
                         "their size and modification time say")
         elif files and write:
-            _write(path, {**record, "files": files})
+            replace_file(path, json.dumps({**record, "files": files}, indent=1))
         return
     copy = spec.run_dir.tokenizer
     if copy.is_file() and copy.read_bytes() != Path(data.tokenizer_path).read_bytes():
         _refuse(spec, data, f"its tokenizer {data.tokenizer_path} differs from the run's copy {copy}")
     if write:
         record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
-        _write(path, {**record, "files": files} if files else record)
+        replace_file(path, json.dumps({**record, "files": files} if files else record, indent=1))
 
 
 def _flat_files(spec: RunSpec, data) -> dict[str, str]:
@@ -69,12 +69,6 @@ def _flat_files(spec: RunSpec, data) -> dict[str, str]:
         return {}
     paths = [f["path"] for records in data.meta["files"].values() for f in records]
     return spot_digests(paths, tokenize_procs(spec.config.data))
-
-
-def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{RECORD}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
 
 
 def _refuse(spec: RunSpec, data, what: str) -> None:

@@ -170,12 +170,12 @@ def spawn_local(nproc: int, argv: list[str]) -> int:
     store = tempfile.mkdtemp(prefix="study-rendezvous-")
     procs: list = []
 
-    def forward(signum, frame):  # a signal to this parent stops its ranks too (they checkpoint on TERM)
+    def stop_ranks(*_) -> None:  # also on a signal to this parent: its ranks stop too (they checkpoint on TERM)
         for q in procs:
             if q.poll() is None:
-                q.send_signal(signal.SIGTERM)
+                q.terminate()
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop_ranks) for sig in (signal.SIGTERM, signal.SIGHUP)}
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "STUDY_INIT_METHOD": f"file://{store}/store",
@@ -189,9 +189,7 @@ def spawn_local(nproc: int, argv: list[str]) -> int:
                 if i not in codes and p.poll() is not None:
                     codes[i] = p.returncode
                     if p.returncode not in (0, 75):
-                        for q in procs:
-                            if q.poll() is None:
-                                q.terminate()
+                        stop_ranks()
             time.sleep(0.2)
     finally:
         for sig, handler in previous.items():

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from study import schema
 from study.config.recipe import batch_layout
+from study.config.identity import json_digest
 from study.config.run import Role
 from study.config.spec import DIVERGED, RunSpec
 from study.errors import StudyError
@@ -143,7 +144,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     model, step_model = parallelize(build_model(spec.model, d.device, seed=cfg.weights_seed), cfg, d)
     optimizer = build_optimizer(model, cfg.train, recipe.lr)
 
-    shape = model_hash(spec.model)
+    shape = json_digest(asdict(spec.model))  # a checkpoint of another model shape is refused
     state = (checkpoint.load_latest(spec.run_dir.path, model, optimizer, d, key, shape)
              or _branch_start(spec, model, optimizer, d)
              or TrainState(max_steps=max_steps, run_key=key))
@@ -224,9 +225,3 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
         from study.track.groups import refresh_quietly
 
         tracker.record("parent summary", refresh_quietly)
-
-
-def model_hash(model_cfg) -> str:
-    from study.config.identity import json_digest
-
-    return json_digest(asdict(model_cfg))

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from study.data.cache import replace_file
 from study.train.callbacks import Callback
 from study.train.distributed import Dist
 
@@ -43,8 +44,4 @@ class Progress(Callback):
 
 def write_progress(path: Path, figures: dict) -> None:
     """Replaces progress.json whole (write, then rename), so a reader never sees half of it."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({**figures, "time": time.time()}))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({**figures, "time": time.time()}))

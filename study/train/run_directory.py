@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from study.config.spec import RunSpec, held_spec, write_spec
+from study.data.cache import replace_file
 from study.errors import StudyError
 from study.train import checkpoint
 
@@ -43,11 +44,8 @@ def keep_tokenizer(source: Path, copy: Path, eos_id: int) -> None:
 
     config = json.dumps({"eos_token": load_tokenizer(source).id_to_token(eos_id)}).encode()
     for path, content in ((copy, source.read_bytes()), (copy.with_name(TOKENIZER_CONFIG), config)):
-        if path.is_file() and path.read_bytes() == content:
-            continue
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
+        if not (path.is_file() and path.read_bytes() == content):
+            replace_file(path, content)
 
 
 def out_of_space(err: OSError) -> bool:

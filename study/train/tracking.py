@@ -35,6 +35,7 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     from study.track import lineage
     from study.track.groups import parent_for, share_datasets
     from study.track.params import flatten
+    from study.track.store import find_runs
     from study.track.tags import run_tags
     from study.track.tracker import Tracker
 
@@ -62,10 +63,9 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
         run = client.get_run(run_id)
         parent = None
         if spec.role == Role.branch:  # a branch nests under its trunk, which nests under its (variant, scale)
-            parent = trunk_run(client, run.info.experiment_id, spec.trunk)
-            if parent is not None:
-                client.set_tag(run_id, lineage.PARENT, parent)
-            parent = None
+            trunk = find_runs(client, run.info.experiment_id, str(spec.trunk))  # it trained to the branch's start
+            if trunk:
+                client.set_tag(run_id, lineage.PARENT, trunk[0].info.run_id)
         elif spec.role != Role.calibrate:  # a calibration measures a shape: it has no seeds to group
             parent = parent_for(client, run.info.experiment_id, run.data.tags)
             client.set_tag(run_id, lineage.PARENT, parent)
@@ -97,14 +97,6 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
                       "params": spec.params, "ffn_widths": m.ffn.widths}, "param_table.json")
     spec.run_dir.config.write_text(yaml.safe_dump(redact(asdict(cfg)), sort_keys=False))
     return tracker
-
-
-def trunk_run(client, experiment_id: str, trunk_key: str | None) -> str | None:
-    """The MLflow run id of a branch's trunk (it trained to the branch's start, so it is there)."""
-    from study.track.store import find_runs
-
-    found = find_runs(client, experiment_id, str(trunk_key))
-    return found[0].info.run_id if found else None
 
 
 def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
