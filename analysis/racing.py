@@ -45,7 +45,7 @@ decision code are imported where a rung is decided.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class RungVerdict:
+class RungVerdict(JsonRecord):
     """One (variant, scale) decided at one rung, and whether it stops there."""
 
     variant: str
@@ -91,14 +91,7 @@ class RungVerdict:
     """The arm stops here: its trunks are cancelled and no later branch trains (never at the last rung, after
     which nothing is left to train)."""
     decision: Decision
-    """The full decision row at this rung."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; the decision row nested under ``decision``; NaN becomes None."""
-        from analysis.records import json_ready
-
-        out = {k: v for k, v in asdict(self).items() if k != "decision"}
-        return json_ready({**out, "decision": self.decision.to_dict()})
+    """The full decision row at this rung (nested under ``decision`` in :meth:`to_dict`)."""
 
 
 def decide_rung(

@@ -264,7 +264,7 @@ def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
     for family in ("primary", "secondary"):
         decided = [d for d in a.decisions if d.family == family and d.n > 0]
         if decided:
-            name = f"forest_{_slug(a.rule.metric)}.png" if family == "primary" else "forest_secondary.png"
+            name = f"forest_{a.rule.metric.replace('/', '_')}.png" if family == "primary" else "forest_secondary.png"
             metrics = ", ".join(dict.fromkeys(d.metric for d in decided))
             plots["decisions" if family == "primary" else "secondary"] = Plot(
                 plot_decisions(decided, out / name),
@@ -353,9 +353,3 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
         mlflow_client.set_tag(row["run_id"], REPORT_LINK_TAG, run_id)
     mlflow_client.set_terminated(run_id, "FINISHED")
     return run_id
-
-
-def _slug(metric: str) -> str:
-    return metric.replace("/", "_")
-
-

@@ -40,7 +40,6 @@ variant's planned tokens, over the variant's planned compute.
 from __future__ import annotations
 
 import math
-import warnings
 from functools import partial
 from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
@@ -48,12 +47,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.compute import PERCENTILE, RANGE, Multiplier, training_compute
+from analysis.compute import PERCENTILE, RANGE, Multiplier, interval, training_compute
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.paired import CONFIDENCE, enclosing
 from analysis.records import json_ready
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import HUBER_DELTA, huber_descent, seed_draws
+from analysis.scaling import huber_descent, huber_fit, seed_draws
 
 SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
 """The two forms: the surface over (N, D), and the curve over D at one size."""
@@ -419,7 +417,7 @@ def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric:
     point = _uncentred(form, theta, refs)
     kind = PERCENTILE if len(seeds) >= BOOTSTRAP_MIN_N else RANGE
     finite = boots[np.all(np.isfinite(boots), axis=1)]
-    intervals = {name: _interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
+    intervals = {name: interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
     status = "ok" if distinct > len(theta) else (
         f"ok, exactly determined: {distinct} distinct points for {len(theta)} parameters, so the fit cannot show "
         "its own misfit")
@@ -470,26 +468,11 @@ def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
 
 def _fit(form: str, n: np.ndarray, d: np.ndarray, log_loss: np.ndarray, refs: tuple[float, float],
          starts: np.ndarray) -> np.ndarray | None:
-    """The centred parameters with the lowest Huber loss of the log residuals: the starts descended together
-    (:func:`analysis.scaling.huber_descent`), then scipy's ``least_squares`` from the best end that converges, as
-    :mod:`analysis.scaling` fits; None when none does."""
-    from scipy.optimize import least_squares
-
+    """The centred parameters with the lowest Huber loss of the log residuals, as :mod:`analysis.scaling` fits
+    (:func:`analysis.scaling.huber_fit`); None when no start converges."""
     model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
-    lower, upper = _bounds(form, float(np.exp(log_loss).min()))
-    ceiling = np.nextafter(upper, -np.inf)
-    ends, cost = huber_descent(model, log_loss, np.ones((len(starts), len(n))), np.clip(starts, lower, ceiling),
-                               np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)))
-    finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
-    for start in ends[finite[np.argsort(cost[finite], kind="stable")]]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = least_squares(lambda th: model(th[None, :])[0][0] - log_loss, np.clip(start, lower, ceiling),
-                                jac=lambda th: model(th[None, :])[1][0], bounds=(lower, upper), loss="huber",
-                                f_scale=HUBER_DELTA, x_scale="jac", max_nfev=2000)
-        if np.all(np.isfinite(res.x)):
-            return res.x
-    return None
+    res = huber_fit(model, log_loss, starts, *_bounds(form, float(np.exp(log_loss).min())))
+    return None if res is None else res.x
 
 
 def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> np.ndarray:
@@ -528,25 +511,13 @@ def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, 
     return fitted[which]
 
 
-def _interval(values: np.ndarray, point: float, kind: str) -> tuple[float, float]:
-    """The percentile interval (or range) of ``values``, taken out to ``point``; NaN without values. Infinite
-    values stay infinite (inverted_cdf picks drawn values)."""
-    values = values[~np.isnan(values)]
-    if not len(values):
-        return (math.nan, math.nan)
-    if kind == RANGE:
-        low, high = float(values.min()), float(values.max())
-    else:
-        low, high = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
-    return enclosing(float(low), float(high), float(point))
-
-
 def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
     """The optima, iso-FLOP lines and multipliers of a surface report at each scale's planned compute."""
     points = report.points
     fitted = {f.variant: f for f in report.fits if f.form == SURFACE}
     rules = {v: flops_rule(g) for v, g in points.groupby("variant")}
     bounds = {v: (f.n_range[0] / SEARCH, f.n_range[1] * SEARCH) for v, f in fitted.items()}
+    reference = fitted.get(report.baseline)
     optima, isoflops, multipliers = [], [], []
     for variant, fit in fitted.items():
         scales = [s for s in order if (variant, s) in planned.index]
@@ -561,21 +532,16 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
             n_plan, d_plan = planned.loc[(variant, scale), ["n", "planned_d"]]
             optima.append(Optimum(variant, scale, float(compute[k]), float(n_plan), float(d_plan),
                                   float(fit.predict(n_plan, d_plan)), float(n_opt[k]), float(d_opt[k]),
-                                  float(loss_opt[k]), _interval(drawn_n[:, k], n_opt[k], fit.interval),
-                                  _interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
+                                  float(loss_opt[k]), interval(drawn_n[:, k], n_opt[k], fit.interval),
+                                  interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
             ends = [n_plan, n_opt[k]] if math.isfinite(n_opt[k]) else [n_plan]
             line = np.geomspace(min(ends) / 10, max(ends) * 10, 64)  # the planned run and the optimum, and around
             isoflops.append(IsoFlop(variant, scale, float(compute[k]), line.tolist(),
                                     fit.predict(line, compute[k] / rules[variant](line)).tolist()))
-    reference = fitted.get(report.baseline)
-    for variant, fit in fitted.items() if reference is not None else ():
-        if variant == report.baseline:
-            continue
-        scales = [s for s in order if (variant, s) in planned.index]
-        compute = np.array([planned.loc[(variant, s), "planned_c"] for s in scales])
-        read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
-                       baseline=(rules[report.baseline], bounds[report.baseline]))
-        multipliers += _multipliers(variant, scales, compute, fit, reference, read)
+        if reference is not None and variant != report.baseline:
+            read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
+                           baseline=(rules[report.baseline], bounds[report.baseline]))
+            multipliers += _multipliers(variant, scales, compute, fit, reference, read)
     return replace(report, optima=optima, isoflops=isoflops, multipliers=multipliers)
 
 
@@ -634,7 +600,7 @@ def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: Surf
     kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
     rows = []
     for k, scale in enumerate(scales):
-        low, high = _interval(drawn[:, k], float(k_point[k]), kind) if pairs else (math.nan, math.nan)
+        low, high = interval(drawn[:, k], float(k_point[k]), kind)
         rows.append(Multiplier(variant, scale, float(compute[k]), float(k_point[k]), low, high, pairs,
                                interval=kind, seeds=seeds))
     return rows
