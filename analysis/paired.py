@@ -214,11 +214,6 @@ def _narrow(df: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
     return narrow.astype({c: object for c in narrow.columns if pd.api.types.is_string_dtype(narrow[c])})
 
 
-def _usable(runs: pd.DataFrame, metrics: Sequence[str]) -> pd.Series:
-    finite = np.isfinite(runs[list(metrics)].to_numpy(float)).all(axis=1)
-    return (runs["status"] == FINISHED) & finite
-
-
 def _pairs(
     at_scale: pd.DataFrame, variant: str, baseline: str, metrics: Sequence[str]
 ) -> tuple[pd.DataFrame, list[UnpairedRun]]:
@@ -227,7 +222,7 @@ def _pairs(
     chosen = {}
     for name in (variant, baseline):
         runs = at_scale[at_scale["variant"] == name]
-        usable = _usable(runs, metrics)
+        usable = (runs["status"] == FINISHED) & np.isfinite(runs[list(metrics)].to_numpy(float)).all(axis=1)
         for _, run in runs[~usable].iterrows():
             why = f"status {run['status']}" if run["status"] != FINISHED else f"no final {', '.join(metrics)}"
             if isinstance(run.get("failure_reason"), str):

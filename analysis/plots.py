@@ -28,8 +28,7 @@ DPI = 110
 def variant_colors(variants: Sequence[str], baseline: str) -> dict[str, str]:
     """A stable colour per variant, the baseline always first (black)."""
     others = [v for v in sorted(variants) if v != baseline]
-    palette = [f"C{i}" for i in range(10)]
-    return {baseline: "black", **{v: palette[i % 10] for i, v in enumerate(others)}}
+    return {baseline: "black", **{v: f"C{i % 10}" for i, v in enumerate(others)}}
 
 
 def plot_loss_curves(

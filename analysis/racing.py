@@ -135,19 +135,16 @@ def decide_rung(
                                      for v, s, seed in zip(frame["variant"], frame["scale"], frame["seed"])])
     results = paired_deltas(frame, rule.metric, baseline, n_resamples=0)
     decisions = decide({rule.metric: results}, rule, alpha=rung.alpha)
+    stopping = ("worse", "equivalent") if stop_equivalent else ("worse",)
     return [RungVerdict(variant=d.variant, scale=d.scale, baseline=baseline, rung=rung.index, at=rung.at,
                         verdict=d.verdict, n=d.n, mean_delta=d.mean_delta, ci_low=d.ci_low, ci_high=d.ci_high,
-                        alpha=rung.alpha, stops=_stops(d.verdict, stop_equivalent) and not rung.last, decision=d)
+                        alpha=rung.alpha, stops=d.verdict in stopping and not rung.last, decision=d)
             for d in decisions]
 
 
 _PAIRING_DEFAULTS = {"status": "FINISHED", "run_key": None, "start_time": 0, "failure_reason": None,
                      "params_counted": math.nan}
 """What pairing reads besides the endpoints' own columns, for rows that do not come from the run table."""
-
-
-def _stops(verdict: str, stop_equivalent: bool) -> bool:
-    return verdict == "worse" or (stop_equivalent and verdict == "equivalent")
 
 
 def race(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
+from typing import ClassVar
 
 import numpy as np
 
@@ -25,11 +26,14 @@ def json_ready(value):
 
 
 class JsonRecord:
-    """A dataclass result whose record is every field, JSON-ready (NaN and infinity become None)."""
+    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready (NaN and infinity
+    become None)."""
+
+    UNRECORDED: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict:
-        """JSON-ready dict of every field; NaN and infinity become None."""
-        return json_ready(asdict(self))
+        """JSON-ready dict of every recorded field; NaN and infinity become None."""
+        return json_ready({k: v for k, v in asdict(self).items() if k not in self.UNRECORDED})
 
 
 def latest_record(client, experiment_id: str, role: str, artifact: str):

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE
-from analysis.records import json_ready
+from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED
 
 MIN_SCALES_SATURATING = 4
@@ -41,7 +41,7 @@ EXTRAPOLATE = 100.0
 
 
 @dataclass(frozen=True)
-class ScalingFit:
+class ScalingFit(JsonRecord):
     """One variant's fit of a final metric against a size N: counted parameters, or training compute."""
 
     variant: str
@@ -81,9 +81,10 @@ class ScalingFit:
     log_ref: float = math.nan
     """ln N_ref of the centred form (the geometric mean of the observed sizes)."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
-    """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted."""
+    """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted (not recorded)."""
     size: str = "params_counted"
     """Column N is read from: ``params_counted``, or ``compute`` (training FLOPs, :mod:`analysis.compute`)."""
+    UNRECORDED = ("boots",)
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """The fitted metric at parameter counts ``n``."""
@@ -99,10 +100,6 @@ class ScalingFit:
     def draws(self) -> list[ScalingFit | None]:
         """The fit of every bootstrap draw in draw order (None where that draw could not be fitted)."""
         return [_from_theta(self, row) if np.all(np.isfinite(row)) else None for row in self.boots]
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
-        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
 
 
 @dataclass(frozen=True)
@@ -271,10 +268,8 @@ def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: i
 
     sizes = np.geomspace(lo, hi, grid)
     values = a.predict(sizes) - b.predict(sizes)
-    roots = []
-    for i in np.flatnonzero(np.sign(values[:-1]) * np.sign(values[1:]) < 0):
-        roots.append(float(brentq(gap, sizes[i], sizes[i + 1], rtol=1e-10)))
-    return roots
+    return [float(brentq(gap, sizes[i], sizes[i + 1], rtol=1e-10))
+            for i in np.flatnonzero(np.sign(values[:-1]) * np.sign(values[1:]) < 0)]
 
 
 def _fit(
@@ -434,23 +429,20 @@ def _bootstrap(
     reused by every draw that repeats it. A multiset is the same points weighted by how often each seed was drawn,
     so all of them are fitted in one batched descent (:func:`huber_descent`).
     """
-    seeds = np.sort(points["seed"].unique())
-    if len(seeds) < 2 or n_boot <= 0:
+    if points["seed"].nunique() < 2 or n_boot <= 0:
         return np.empty((0, 3))
     n = points[size].to_numpy(float)
     loss = points[metric].to_numpy(float)
     scale_codes = pd.factorize(points["scale"])[0]
-    seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
     needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
-    multisets, which = seed_draws(len(seeds), n_boot, seed)
-    weights = np.array([np.bincount(d, minlength=len(seeds))[seed_of] for d in multisets], float)
+    weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
     drawn = weights > 0
     spans = np.array([len(np.unique(scale_codes[mask])) for mask in drawn])
-    starts = np.tile(np.asarray(theta, float), (len(multisets), 1))
+    starts = np.tile(np.asarray(theta, float), (len(weights), 1))
     for j, i in enumerate(np.unique(which, return_index=True)[1]):  # the draw that first made each multiset
         if i < len(draw_starts) and np.all(np.isfinite(draw_starts[i])):
             starts[j] = np.asarray(draw_starts[i], float)
-    fitted = np.full((len(multisets), 3), math.nan)
+    fitted = np.full((len(weights), 3), math.nan)
     ok = np.flatnonzero(spans >= needed)
     if len(ok):
         floors = np.where(drawn[ok], loss, np.inf).min(axis=1)
@@ -462,14 +454,17 @@ def _bootstrap(
     return fitted[which]
 
 
-def seed_draws(n_seeds: int, n_boot: int, seed: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """The seed-cluster bootstrap's draws: (each distinct multiset of seed indices in the order first drawn, the
-    multiset of each of the ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws
-    the same seeds in draw i, so draw i of two fits is a paired resample."""
+def seed_draws(point_seeds: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seed-cluster bootstrap's draws over points whose seeds are ``point_seeds``: (per distinct multiset of
+    seeds, in the order first drawn, each point's weight: how often its seed was drawn; the multiset of each of the
+    ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws the same seeds in draw i,
+    so draw i of two fits is a paired resample."""
+    seeds = np.unique(point_seeds)
     rng = np.random.default_rng(seed)
     first: dict[tuple[int, ...], int] = {}
     which = np.empty(n_boot, int)
     for i in range(n_boot):
-        draw = tuple(sorted(rng.integers(0, n_seeds, size=n_seeds).tolist()))
+        draw = tuple(sorted(rng.integers(0, len(seeds), size=len(seeds)).tolist()))
         which[i] = first.setdefault(draw, len(first))
-    return list(first), which
+    seed_of = np.searchsorted(seeds, point_seeds)
+    return np.array([np.bincount(m, minlength=len(seeds))[seed_of] for m in first], float), which

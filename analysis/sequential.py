@@ -114,16 +114,15 @@ def until_decided(
                 frozen[d.scale, d.variant] = d
         current = {(d.scale, d.variant): frozen.get((d.scale, d.variant), d) for d in decisions}
         open_ = sorted(k for k in ((scale, v) for scale in seeds for v in others) if k not in frozen)
-        look = {"round": round_, "n": n_now, "alpha": alpha, "alpha_spent": spent,
-                "verdicts": _counts(current.values(), len(seeds) * len(others)), "added": [],
-                "decisions": [current[k].to_dict() for k in sorted(current)]}
         added, stop = _next_round(open_, seeds, baseline, n_now, caps, out.gpu_hours, cost)
-        if stop:
-            out.stopped = stop
-        look["added"] = [f"{v}@{scale} seed {s}" for v, scale, s in added]
+        look = {"round": round_, "n": n_now, "alpha": alpha, "alpha_spent": spent,
+                "verdicts": _counts(current.values(), len(seeds) * len(others)),
+                "added": [f"{v}@{scale} seed {s}" for v, scale, s in added],
+                "decisions": [current[k].to_dict() for k in sorted(current)]}
         out.looks.append(look)
         record(look)
         if stop:
+            out.stopped = stop
             return out
         out.gpu_hours += sum(cost(r) for r in added)
         for _, scale, s in added:

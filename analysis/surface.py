@@ -49,7 +49,7 @@ import pandas as pd
 
 from analysis.compute import PERCENTILE, RANGE, Multiplier, interval, training_compute
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.records import json_ready
+from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import huber_descent, huber_fit, seed_draws
 
@@ -73,7 +73,7 @@ _GRID = 129
 
 
 @dataclass(frozen=True)
-class SurfaceFit:
+class SurfaceFit(JsonRecord):
     """One arm's fit of a final metric: the surface over (N, D), or the curve over D at one scale."""
 
     variant: str
@@ -113,7 +113,9 @@ class SurfaceFit:
     d_range: tuple[float, float] = (math.nan, math.nan)
     """Smallest and largest D fitted."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
-    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted."""
+    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted
+    (not recorded)."""
+    UNRECORDED = ("boots",)
 
     def predict(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
         """The fitted metric at N = ``n`` (ignored by an L(D) fit) and D = ``d``."""
@@ -132,10 +134,6 @@ class SurfaceFit:
             zeros = np.where(np.isfinite(rows[:, :1]), 0.0, math.nan)
             return np.column_stack([rows[:, 0], zeros, zeros, rows[:, 1], rows[:, 2]])
         return rows.reshape(len(rows), 5)
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
-        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
 
 
 @dataclass(frozen=True)
@@ -270,22 +268,10 @@ def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/los
            f"needs {MIN_SIZES}, " + ("since one N says nothing about how loss falls with N" if sizes == 1 else
                                       "since at two sizes E, A and alpha meet the data only through the two values "
                                       "E + A N^-alpha"))
-    fits = [fit_tokens(g, v, s, metric, n_boot, seed)
+    fits = [fit_surface(g, v, metric, n_boot, seed, TOKENS, s)
             for (v, s), g in points.groupby(["variant", "scale"], sort=True)]
     report = SurfaceReport(form=TOKENS, why=why, fits=fits, **base)
     return _tokens_readings(report, planned, order)
-
-
-def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200,
-                seed: int = 0) -> SurfaceFit:
-    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``)."""
-    return _fit_form(points, SURFACE, variant, "", metric, n_boot, seed)
-
-
-def fit_tokens(points: pd.DataFrame, variant: str, scale: str, metric: str = "val/loss", n_boot: int = 200,
-               seed: int = 0) -> SurfaceFit:
-    """One arm's L(D) at one scale from its endpoints there (columns scale, seed, n, d and ``metric``)."""
-    return _fit_form(points, TOKENS, variant, scale, metric, n_boot, seed)
 
 
 def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
@@ -398,12 +384,13 @@ def _enough(form: str, sizes: int, distinct: int) -> str:
     return ""
 
 
-def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric: str, n_boot: int,
-              seed: int) -> SurfaceFit:
+def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200, seed: int = 0,
+                form: str = SURFACE, scale: str = "") -> SurfaceFit:
+    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``), or with ``form``
+    :data:`TOKENS` its L(D) at ``scale`` from its endpoints there."""
     sizes, distinct = _counts(_codes(points))
-    seeds = np.sort(points["seed"].unique())
-    base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct,
-                seeds=len(seeds))
+    seeds = points["seed"].nunique()
+    base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct, seeds=seeds)
     why = _enough(form, sizes, distinct)
     if why:
         return SurfaceFit(form="none", status=why, **base)
@@ -415,7 +402,7 @@ def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric:
         return SurfaceFit(form="none", status="no fit: no start converged", **base)
     boots = _bootstrap(points, form, metric, refs, theta, seeds, n_boot, seed)
     point = _uncentred(form, theta, refs)
-    kind = PERCENTILE if len(seeds) >= BOOTSTRAP_MIN_N else RANGE
+    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
     finite = boots[np.all(np.isfinite(boots), axis=1)]
     intervals = {name: interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
     status = "ok" if distinct > len(theta) else (
@@ -485,20 +472,18 @@ def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> 
 
 
 def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, float], theta: np.ndarray,
-               seeds: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the seeds (analysis.scaling's
-    draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points; a multiset of seeds
-    is the points weighted by how often their seed was drawn, each multiset fitted once from the point fit and
-    reused by every draw that repeats it, all of them in one batched descent."""
+               seeds: int, n_boot: int, seed: int) -> np.ndarray:
+    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the ``seeds`` distinct seeds
+    (analysis.scaling's draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points;
+    a multiset of seeds is the points weighted by how often their seed was drawn, each multiset fitted once from the
+    point fit and reused by every draw that repeats it, all of them in one batched descent."""
     k = len(PARAMETERS[form])
-    if len(seeds) < 2 or n_boot <= 0:
+    if seeds < 2 or n_boot <= 0:
         return np.empty((0, k))
-    multisets, which = seed_draws(len(seeds), n_boot, seed)
-    seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
-    weights = np.array([np.bincount(m, minlength=len(seeds))[seed_of] for m in multisets], float)
+    weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
     codes = _codes(points)
     ok = np.flatnonzero([not _enough(form, *_counts(codes, w > 0)) for w in weights])
-    fitted = np.full((len(multisets), k), math.nan)
+    fitted = np.full((len(weights), k), math.nan)
     if len(ok):
         loss = points[metric].to_numpy(float)
         floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
@@ -513,9 +498,8 @@ def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, 
 
 def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
     """The optima, iso-FLOP lines and multipliers of a surface report at each scale's planned compute."""
-    points = report.points
     fitted = {f.variant: f for f in report.fits if f.form == SURFACE}
-    rules = {v: flops_rule(g) for v, g in points.groupby("variant")}
+    rules = {v: flops_rule(g) for v, g in report.points.groupby("variant")}
     bounds = {v: (f.n_range[0] / SEARCH, f.n_range[1] * SEARCH) for v, f in fitted.items()}
     reference = fitted.get(report.baseline)
     optima, isoflops, multipliers = [], [], []
