@@ -193,14 +193,20 @@ def _multiplier(fit: ScalingFit, reference: ScalingFit, pairs: list[tuple[Scalin
     """k at ``compute`` from the point fits, its interval from the paired draws (variant fit, baseline fit): their
     percentile interval from BOOTSTRAP_MIN_N seeds on, their range below, either one taken out to k."""
     k = multiplier(fit, reference, compute)
-    drawn = [multiplier(v, b, compute) for v, b in pairs]
     kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
-    if not drawn:
-        low, high = math.nan, math.nan
-    elif kind == RANGE:
-        low, high = min(drawn), max(drawn)
+    low, high = interval(np.array([multiplier(v, b, compute) for v, b in pairs]), k, kind)
+    return Multiplier(fit.variant, scale, compute, k, low, high, len(pairs), fitted_range, kind, seeds)
+
+
+def interval(values: np.ndarray, point: float, kind: str) -> tuple[float, float]:
+    """The percentile interval (:data:`PERCENTILE`) or range (:data:`RANGE`) of ``values``, taken out to ``point``
+    (:func:`analysis.paired.enclosing`); NaN without values. Infinite values stay infinite (inverted_cdf picks drawn
+    values instead of interpolating to NaN)."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return (math.nan, math.nan)
+    if kind == RANGE:
+        low, high = float(values.min()), float(values.max())
     else:
-        # inverted_cdf picks drawn values, so draws with an infinite k stay infinite instead of interpolating to NaN
-        low, high = np.quantile(drawn, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
-    low, high = enclosing(float(low), float(high), k)
-    return Multiplier(fit.variant, scale, compute, k, low, high, len(drawn), fitted_range, kind, seeds)
+        low, high = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
+    return enclosing(float(low), float(high), float(point))

@@ -126,8 +126,7 @@ def decide(
     alpha = rule.alpha if alpha is None else alpha
     rows = [_statistics(r, rule, alpha, (baseline_means or {}).get((r.metric, r.scale, r.variant)))
             for metric in results for r in results[metric]]
-    families = {"primary": "holm", "secondary": "fdr_bh"}
-    for family, method in families.items():
+    for family, method in {"primary": "holm", "secondary": "fdr_bh"}.items():
         members = [i for i, row in enumerate(rows) if row["family"] == family]
         for p_key, adjusted_key in (("p_t", "p_adjusted"), ("p_tost", "p_tost_adjusted")):
             idx = [i for i in members if math.isfinite(rows[i][p_key])]

@@ -425,12 +425,11 @@ def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
 
 def _with_interval(fit: SurfaceFit, name: str) -> str:
     """A fitted parameter with its bootstrap interval: ``0.312 [0.298, 0.330]``."""
-    value = getattr(fit, name)
+    digits, general = (4, True) if name in ("A", "B") else (3, False)
     low, high = fit.intervals.get(name, (math.nan, math.nan))
-    general = name in ("A", "B")
-    text = _num(value, 4 if general else 3, general)
-    return text + (f" [{_num(low, 4 if general else 3, general)}, {_num(high, 4 if general else 3, general)}]"
-                   if math.isfinite(low) and math.isfinite(high) else "")
+    return _num(getattr(fit, name), digits, general) + (
+        f" [{_num(low, digits, general)}, {_num(high, digits, general)}]" if math.isfinite(low) and math.isfinite(high)
+        else "")
 
 
 def _sized(value: float, interval: tuple[float, float]) -> str:
@@ -542,10 +541,8 @@ def _pct(x: float) -> str:
 
 
 def _mean_sd(values: pd.Series) -> str:
-    if not len(values):
-        return "—"
-    sd = values.std(ddof=1) if len(values) > 1 else math.nan
-    return f"{values.mean():.4f} ± {_num(sd)}"
+    # the sample sd (ddof=1) of a single value is NaN, shown as —
+    return f"{values.mean():.4f} ± {_num(values.std(ddof=1))}" if len(values) else "—"
 
 
 _TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tune runs found best "

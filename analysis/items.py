@@ -98,11 +98,9 @@ def item_deltas(runs: pd.DataFrame, items: dict[str, pd.DataFrame], baseline: st
                 continue
             tables = {s: (items[base.loc[s, "run_id"]], items[var.loc[s, "run_id"]]) for s in seeds}
             tasks = sorted(set.intersection(*(set(b["task"]) & set(v["task"]) for b, v in tables.values())))
-            for task in tasks:
-                for metric in ITEM_METRICS:
-                    row = _one(task, metric, scale, variant, baseline, tables, n_resamples, seed)
-                    if row is not None:
-                        out.append(row)
+            rows = (_one(task, metric, scale, variant, baseline, tables, n_resamples, seed)
+                    for task in tasks for metric in ITEM_METRICS)
+            out += [row for row in rows if row is not None]
     return out
 
 

@@ -174,8 +174,6 @@ def joint_bootstrap(
         raise StudyError(
             "metrics", f"{metrics} mix higher- and lower-is-better metrics", "average only metrics of one direction"
         )
-    from scipy import stats
-
     df = _narrow(df, metrics)
     results = []
     for scale in scale_order(df):
@@ -186,11 +184,7 @@ def joint_bootstrap(
             # so resampling rows of that per-seed vector is exactly resampling seeds jointly for every task.
             per_seed = np.mean([paired[f"{m}|v"].to_numpy(float) - paired[f"{m}|b"].to_numpy(float)
                                 for m in metrics], axis=0)
-            low, high, method = _bootstrap(
-                lambda m: stats.bootstrap((per_seed,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
-                                          n_resamples=n_resamples, method=m, rng=seed),
-                per_seed,
-            )
+            low, high, method = _bootstrap(per_seed, n_resamples, seed)
             mean = float(per_seed.mean()) if len(per_seed) else math.nan
             low, high = enclosing(low, high, mean)
             results.append(JointResult(scale, variant, baseline, metrics, len(per_seed), mean, low, high, method,
@@ -220,11 +214,6 @@ def _narrow(df: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
     return narrow.astype({c: object for c in narrow.columns if pd.api.types.is_string_dtype(narrow[c])})
 
 
-def _usable(runs: pd.DataFrame, metrics: Sequence[str]) -> pd.Series:
-    finite = np.isfinite(runs[list(metrics)].to_numpy(float)).all(axis=1)
-    return (runs["status"] == FINISHED) & finite
-
-
 def _pairs(
     at_scale: pd.DataFrame, variant: str, baseline: str, metrics: Sequence[str]
 ) -> tuple[pd.DataFrame, list[UnpairedRun]]:
@@ -233,7 +222,7 @@ def _pairs(
     chosen = {}
     for name in (variant, baseline):
         runs = at_scale[at_scale["variant"] == name]
-        usable = _usable(runs, metrics)
+        usable = (runs["status"] == FINISHED) & np.isfinite(runs[list(metrics)].to_numpy(float)).all(axis=1)
         for _, run in runs[~usable].iterrows():
             why = f"status {run['status']}" if run["status"] != FINISHED else f"no final {', '.join(metrics)}"
             if isinstance(run.get("failure_reason"), str):
@@ -288,11 +277,8 @@ def _summarise(
         ci = (mean, mean)
     else:
         ci = tuple(float(x) for x in stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=sd / math.sqrt(n)))
-    boot_low, boot_high, method = _bootstrap(
-        lambda m: stats.bootstrap((deltas,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
-                                  n_resamples=n_resamples, method=m, rng=seed),
-        deltas,
-    ) if n_resamples > 0 else (math.nan, math.nan, "none")
+    boot_low, boot_high, method = (_bootstrap(deltas, n_resamples, seed) if n_resamples > 0
+                                   else (math.nan, math.nan, "none"))
     boot_low, boot_high = enclosing(boot_low, boot_high, mean)
     p = float(stats.wilcoxon(deltas).pvalue) if n >= 2 and np.any(deltas != 0) else math.nan
     wins = deltas > 0 if better_high else deltas < 0
@@ -305,18 +291,25 @@ def _summarise(
     )
 
 
-def _bootstrap(run, per_seed: np.ndarray) -> tuple[float, float, str]:
-    """BCa where it is defined, percentile where it is degenerate, nothing below two seeds."""
+def _bootstrap(per_seed: np.ndarray, n_resamples: int, seed: int) -> tuple[float, float, str]:
+    """The bootstrap interval of the mean over seeds: BCa where it is defined, percentile where it is degenerate,
+    nothing below two seeds."""
+    from scipy import stats
+
+    def run(method: str):
+        return stats.bootstrap((per_seed,), np.mean, vectorized=True, confidence_level=CONFIDENCE,
+                               n_resamples=n_resamples, method=method, rng=seed).confidence_interval
+
     n = len(per_seed)
     if n < 2:
         return math.nan, math.nan, "none"
     if n >= 3 and np.ptp(per_seed) > 0:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ci = run("BCa").confidence_interval
+            ci = run("BCa")
         if np.isfinite(ci.low) and np.isfinite(ci.high):
             return float(ci.low), float(ci.high), "BCa"
-    ci = run("percentile").confidence_interval
+    ci = run("percentile")
     return float(ci.low), float(ci.high), "percentile"
 
 

@@ -28,8 +28,7 @@ DPI = 110
 def variant_colors(variants: Sequence[str], baseline: str) -> dict[str, str]:
     """A stable colour per variant, the baseline always first (black)."""
     others = [v for v in sorted(variants) if v != baseline]
-    palette = [f"C{i}" for i in range(10)]
-    return {baseline: "black", **{v: palette[i % 10] for i, v in enumerate(others)}}
+    return {baseline: "black", **{v: f"C{i % 10}" for i, v in enumerate(others)}}
 
 
 def plot_loss_curves(
@@ -203,12 +202,8 @@ def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
             if math.isfinite(o.n_opt):
                 ax.plot(o.n_opt, o.loss_opt, "o", color=color, ms=5)
             ax.plot(o.planned_n, o.planned_loss, "x", color=color, ms=6, mew=1.5)
-        ax.set_xscale("log")
-        ax.set_xlabel("counted parameters N")
-        ax.set_ylabel(f"fitted final {report.metric}")
-        ax.set_title(f"{variant}: iso-FLOP lines (● optimum, × planned)", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _log_panel(ax, "counted parameters N", f"fitted final {report.metric}",
+                   f"{variant}: iso-FLOP lines (● optimum, × planned)")
     for ax in axes[len(variants):]:
         ax.set_visible(False)
     return _save(fig, path)
@@ -235,12 +230,7 @@ def plot_loss_tokens(report: SurfaceReport, path: Path) -> Path:
                 ax.plot(tokens, fit.predict(math.nan, tokens), color=color, lw=1.2)
                 label += f": E={fit.E:.3f}, β={fit.beta:.3f}"
             ax.plot([], [], "o-", color=color, ms=4, lw=1.2, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("training tokens D")
-        ax.set_ylabel(f"final {report.metric}")
-        ax.set_title(f"Branch ends at {scale} with fitted L(D)", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _log_panel(ax, "training tokens D", f"final {report.metric}", f"Branch ends at {scale} with fitted L(D)")
     return _save(fig, path)
 
 
@@ -271,13 +261,19 @@ def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: 
                 label += f": chosen ×{c.chosen_multiple:.3g} ({c.status or 'status not recorded'})"
             lrs = [np.median([p["lr"] for p in c.points if p["multiple"] == m]) for m in c.multiples]
             ax.plot(lrs, c.mean_losses, "-o", color=color, ms=4, lw=1.2, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("peak LR")
-        ax.set_ylabel(f"final {metric}")
-        ax.set_title(f"LR grid at {scale}: seeds (dots), mean (line), chosen LR (dashed)", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _log_panel(ax, "peak LR", f"final {metric}",
+                   f"LR grid at {scale}: seeds (dots), mean (line), chosen LR (dashed)")
     return _save(fig, path)
+
+
+def _log_panel(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """A panel's log x axis, labels, small title, grid and legend."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
 
 
 def _fitted(ax, lo: float, hi: float, top: float, curve, color: str, label: str | None = None) -> None:

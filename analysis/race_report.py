@@ -7,12 +7,11 @@ decision row) and the stops with the GPU-hours their arms did not train (analysi
 
 from __future__ import annotations
 
-import json
 import math
 
+from analysis.records import latest_record
 from analysis.render import Block, Heading, Paragraph, Table
 from study.schema import ROLE_RACING
-from study.track.query import runs_with_role
 
 RACE_ARTIFACT = "racing.json"
 """Artifact of the racing run holding the record."""
@@ -20,19 +19,7 @@ RACE_ARTIFACT = "racing.json"
 
 def read_race(client, experiment_id: str) -> dict | None:
     """The race's record, None when the experiment never raced (or its record has not reached MLflow)."""
-    import tempfile
-
-    found = runs_with_role(client, [experiment_id], ROLE_RACING, order_by=["attributes.start_time DESC"],
-                           max_results=1)
-    if not found:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = client.download_artifacts(found[0].info.run_id, RACE_ARTIFACT, tmp)
-        except Exception:  # noqa: BLE001 - a record still uploading: the report says nothing of the race yet
-            return None
-        with open(path) as f:
-            return json.load(f)
+    return latest_record(client, experiment_id, ROLE_RACING, RACE_ARTIFACT)
 
 
 def race_blocks(record: dict | None, metric: str) -> list[Block]:

@@ -45,7 +45,7 @@ decision code are imported where a rung is decided.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class RungVerdict:
+class RungVerdict(JsonRecord):
     """One (variant, scale) decided at one rung, and whether it stops there."""
 
     variant: str
@@ -91,14 +91,7 @@ class RungVerdict:
     """The arm stops here: its trunks are cancelled and no later branch trains (never at the last rung, after
     which nothing is left to train)."""
     decision: Decision
-    """The full decision row at this rung."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; the decision row nested under ``decision``; NaN becomes None."""
-        from analysis.records import json_ready
-
-        out = {k: v for k, v in asdict(self).items() if k != "decision"}
-        return json_ready({**out, "decision": self.decision.to_dict()})
+    """The full decision row at this rung (nested under ``decision`` in :meth:`to_dict`)."""
 
 
 def decide_rung(
@@ -142,19 +135,16 @@ def decide_rung(
                                      for v, s, seed in zip(frame["variant"], frame["scale"], frame["seed"])])
     results = paired_deltas(frame, rule.metric, baseline, n_resamples=0)
     decisions = decide({rule.metric: results}, rule, alpha=rung.alpha)
+    stopping = ("worse", "equivalent") if stop_equivalent else ("worse",)
     return [RungVerdict(variant=d.variant, scale=d.scale, baseline=baseline, rung=rung.index, at=rung.at,
                         verdict=d.verdict, n=d.n, mean_delta=d.mean_delta, ci_low=d.ci_low, ci_high=d.ci_high,
-                        alpha=rung.alpha, stops=_stops(d.verdict, stop_equivalent) and not rung.last, decision=d)
+                        alpha=rung.alpha, stops=d.verdict in stopping and not rung.last, decision=d)
             for d in decisions]
 
 
 _PAIRING_DEFAULTS = {"status": "FINISHED", "run_key": None, "start_time": 0, "failure_reason": None,
                      "params_counted": math.nan}
 """What pairing reads besides the endpoints' own columns, for rows that do not come from the run table."""
-
-
-def _stops(verdict: str, stop_equivalent: bool) -> bool:
-    return verdict == "worse" or (stop_equivalent and verdict == "equivalent")
 
 
 def race(

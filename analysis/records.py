@@ -1,10 +1,13 @@
-"""JSON records of analysis results: strict JSON (no NaN or infinity) from dataclasses, in one place. Numpy only, so
-modules that must not import pandas (the race's records) can use it."""
+"""JSON records of analysis results: strict JSON (no NaN or infinity) from dataclasses, and the records an experiment
+keeps in MLflow read back, in one place. Numpy only, so modules that must not import pandas (the race's records) can
+use it."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict
+from typing import ClassVar
 
 import numpy as np
 
@@ -23,8 +26,30 @@ def json_ready(value):
 
 
 class JsonRecord:
-    """A dataclass result whose record is every field, JSON-ready (NaN and infinity become None)."""
+    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready (NaN and infinity
+    become None)."""
+
+    UNRECORDED: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict:
-        """JSON-ready dict of every field; NaN and infinity become None."""
-        return json_ready(asdict(self))
+        """JSON-ready dict of every recorded field; NaN and infinity become None."""
+        return json_ready({k: v for k, v in asdict(self).items() if k not in self.UNRECORDED})
+
+
+def latest_record(client, experiment_id: str, role: str, artifact: str):
+    """The JSON artifact ``artifact`` of the experiment's latest run tagged ``study.role=role``; None when there is no
+    such run or its artifact cannot be read yet."""
+    import tempfile
+
+    from study.track.query import runs_with_role
+
+    found = runs_with_role(client, [experiment_id], role, order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(found[0].info.run_id, artifact, tmp)
+        except Exception:  # noqa: BLE001 - a record still uploading, or whose first write never finished
+            return None
+        with open(path) as f:
+            return json.load(f)

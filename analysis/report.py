@@ -19,6 +19,7 @@ from analysis import run_table
 from analysis.compute import effective_compute
 from analysis.decide import Decision, decide
 from analysis.document import document
+from analysis.items import item_deltas, read_items
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
 from analysis.race_report import read_race
 from analysis.published import published_deltas, published_figures
@@ -133,7 +134,9 @@ def analyse(
     finished = runs.loc[(runs["status"] == run_table.FINISHED) & runs[HEADLINE].notna(), "run_id"] if logged else []
     curves = run_table.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
     decisions = decide(results, rule, _baseline_means(runs, results))
-    looks = _looks(uri, experiment)
+    client = open_store(uri, required=True)
+    exp_id = run_table.experiment_id(client, experiment)
+    looks = read_looks(client, exp_id)
     note = ""
     if looks:
         # An adaptive launch decided its primary family look by look; those verdicts stand (recomputing them at
@@ -144,7 +147,8 @@ def analyse(
         note = (f"The primary verdicts come from an adaptive launch with {len(looks)} looks: each row is the look "
                 "that decided it (or the last), at that look's spent alpha (Bonferroni alpha spending, "
                 "analysis.sequential).")
-    items = _item_deltas(uri, runs, baseline, n_resamples, seed) if any(m.startswith("eval/") for m in metrics) else []
+    items = (item_deltas(runs, read_items(client, runs.loc[runs["status"] == run_table.FINISHED, "run_id"]),
+                         baseline, n_resamples, seed) if any(m.startswith("eval/") for m in metrics) else [])
     time = time_to_target(runs, curves, baseline, rule, uri) if logged and len(curves) else None
     shared = study.shared_lr
     pairs = (verdict_pairs(_shared_decisions(shared, baseline, metrics, rule), decisions)
@@ -153,14 +157,7 @@ def analyse(
                     looks, note, items, curves, tuned=bool((runs["lr_source"] == run_table.TUNED).any()),
                     tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
                     verdict_pairs=pairs, compute=compute, time=time, surface=surface,
-                    race=_race(experiment, uri) if len(study.branches) else None, run_notes=study.notes)
-
-
-def _race(experiment: str, uri: str) -> dict | None:
-    """The racing record of a branched experiment (analysis.race_report), None when it never raced."""
-    client = open_store(uri)
-    found = client.get_experiment_by_name(experiment) if client is not None else None
-    return read_race(client, found.experiment_id) if found is not None else None
+                    race=read_race(client, exp_id) if len(study.branches) else None, run_notes=study.notes)
 
 
 def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str], rule: DecisionRule
@@ -170,13 +167,6 @@ def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str
     present = [m for m in metrics if m in shared.columns]
     results = {m: paired_deltas(shared, m, baseline, n_resamples=0) for m in present}
     return decide(results, rule, _baseline_means(shared, results))
-
-
-def _item_deltas(uri: str, runs: pd.DataFrame, baseline: str, n_resamples: int, seed: int) -> list:
-    from analysis.items import item_deltas, read_items
-
-    finished = runs.loc[runs["status"] == run_table.FINISHED, "run_id"]
-    return item_deltas(runs, read_items(open_store(uri, required=True), finished), baseline, n_resamples, seed)
 
 
 def decision_rule(experiment: str) -> DecisionRule:
@@ -200,11 +190,6 @@ def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) 
             if len(newest):
                 out[metric, r.scale, r.variant] = float(newest[metric].mean())
     return out
-
-
-def _looks(uri: str, experiment: str) -> list[dict]:
-    client = open_store(uri, required=True)
-    return read_looks(client, run_table.experiment_id(client, experiment))
 
 
 def choose_baseline(runs: pd.DataFrame, baseline: str | None) -> str:
@@ -264,7 +249,7 @@ def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
     for family in ("primary", "secondary"):
         decided = [d for d in a.decisions if d.family == family and d.n > 0]
         if decided:
-            name = f"forest_{_slug(a.rule.metric)}.png" if family == "primary" else "forest_secondary.png"
+            name = f"forest_{a.rule.metric.replace('/', '_')}.png" if family == "primary" else "forest_secondary.png"
             metrics = ", ".join(dict.fromkeys(d.metric for d in decided))
             plots["decisions" if family == "primary" else "secondary"] = Plot(
                 plot_decisions(decided, out / name),
@@ -306,11 +291,9 @@ def _unpaired(results: list[PairedResult]) -> list[dict]:
 
 
 def _csv_row(r: PairedResult) -> dict:
-    row = {k: v for k, v in vars(r).items() if k not in ("seeds", "deltas", "unpaired")}
-    row["seeds"] = ";".join(map(str, r.seeds))
-    row["deltas"] = ";".join(f"{d:.6g}" for d in r.deltas)
-    row["unpaired"] = len(r.unpaired)
-    return row
+    # seeds, deltas and unpaired are PairedResult's last fields, so they stay the CSV's last columns
+    return {**vars(r), "seeds": ";".join(map(str, r.seeds)), "deltas": ";".join(f"{d:.6g}" for d in r.deltas),
+            "unpaired": len(r.unpaired)}
 
 
 REPORT_RUNS_TAG, REPORT_RUNS_ARTIFACT, REPORT_LINK_TAG = "study.report.runs", "runs.json", "study.report_run_id"
@@ -353,9 +336,3 @@ def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path],
         mlflow_client.set_tag(row["run_id"], REPORT_LINK_TAG, run_id)
     mlflow_client.set_terminated(run_id, "FINISHED")
     return run_id
-
-
-def _slug(metric: str) -> str:
-    return metric.replace("/", "_")
-
-

@@ -328,16 +328,14 @@ def _first(values: Mapping[str, str], *keys: str) -> float:
     return math.nan
 
 
-def read_curves(
-    run_ids: Iterable[str], metric: str = "val/loss", tracking_uri: str | None = None, workers: int = 4
-) -> pd.DataFrame:
+def read_curves(run_ids: Iterable[str], metric: str = "val/loss", tracking_uri: str | None = None) -> pd.DataFrame:
     """Full history of ``metric`` for each run, long form: columns run_id, step, value.
 
-    A few threads overlap the per-run round trips, which matters against a tracking server over HTTP.
+    A few threads (four) overlap the per-run round trips, which matters against a tracking server over HTTP.
     """
     store = open_store(tracking_uri, required=True)
     ids = list(run_ids)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         histories = list(pool.map(lambda rid: store.get_metric_history(rid, metric), ids))
     records = [
         (rid, m.step, m.value, m.timestamp) for rid, history in zip(ids, histories, strict=True) for m in history

@@ -102,7 +102,5 @@ def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, 
     delta lies inside the margin); None when neither is reachable (no spread, or a delta of exactly zero and no
     margin).
     """
-    options = [seeds_for_difference(abs(mean), sd, alpha, power),
-               seeds_for_equivalence(mean, margin, sd, alpha, power)]
-    options = [o for o in options if o is not None]
-    return min(options) if options else None
+    options = (seeds_for_difference(abs(mean), sd, alpha, power), seeds_for_equivalence(mean, margin, sd, alpha, power))
+    return min((o for o in options if o is not None), default=None)

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.paired import CONFIDENCE
-from analysis.records import json_ready
+from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED
 
 MIN_SCALES_SATURATING = 4
@@ -41,7 +41,7 @@ EXTRAPOLATE = 100.0
 
 
 @dataclass(frozen=True)
-class ScalingFit:
+class ScalingFit(JsonRecord):
     """One variant's fit of a final metric against a size N: counted parameters, or training compute."""
 
     variant: str
@@ -81,9 +81,10 @@ class ScalingFit:
     log_ref: float = math.nan
     """ln N_ref of the centred form (the geometric mean of the observed sizes)."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
-    """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted."""
+    """(E, b, alpha) of every bootstrap draw in draw order, NaN where a draw could not be fitted (not recorded)."""
     size: str = "params_counted"
     """Column N is read from: ``params_counted``, or ``compute`` (training FLOPs, :mod:`analysis.compute`)."""
+    UNRECORDED = ("boots",)
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """The fitted metric at parameter counts ``n``."""
@@ -99,10 +100,6 @@ class ScalingFit:
     def draws(self) -> list[ScalingFit | None]:
         """The fit of every bootstrap draw in draw order (None where that draw could not be fitted)."""
         return [_from_theta(self, row) if np.all(np.isfinite(row)) else None for row in self.boots]
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
-        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
 
 
 @dataclass(frozen=True)
@@ -243,19 +240,13 @@ def holdout(points: pd.DataFrame, variant: str, metric: str, size: str = "params
 
 def _crossing_with_interval(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float]) -> Crossing:
     sizes = crossing(a, b, n_range)
-    firsts, draws = [], 0
-    for row_a, row_b in zip(a.boots, b.boots):
-        if not (np.all(np.isfinite(row_a)) and np.all(np.isfinite(row_b))):
-            continue
-        draws += 1
-        found = crossing(_from_theta(a, row_a), _from_theta(b, row_b), n_range, grid=128)
-        if found:
-            firsts.append(found[0])
-    if not draws:
+    pairs = [(x, y) for x, y in zip(a.draws(), b.draws()) if x is not None and y is not None]
+    if not pairs:
         return Crossing(sizes)
+    firsts = [found[0] for found in (crossing(x, y, n_range, grid=128) for x, y in pairs) if found]
     quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
     low, high = (np.quantile(firsts, quantiles) if firsts else (math.nan, math.nan))
-    return Crossing(sizes, float(low), float(high), len(firsts) / draws, draws)
+    return Crossing(sizes, float(low), float(high), len(firsts) / len(pairs), len(pairs))
 
 
 def _from_theta(fit: ScalingFit, theta: Sequence[float]) -> ScalingFit:
@@ -277,26 +268,8 @@ def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: i
 
     sizes = np.geomspace(lo, hi, grid)
     values = a.predict(sizes) - b.predict(sizes)
-    roots = []
-    for i in np.flatnonzero(np.sign(values[:-1]) * np.sign(values[1:]) < 0):
-        roots.append(float(brentq(gap, sizes[i], sizes[i + 1], rtol=1e-10)))
-    return roots
-
-
-def _model(log_ref: float, saturating: bool):
-    """The curve in the centred form and its analytic Jacobian (several times faster than finite differences)."""
-
-    def power(n, b, alpha):
-        return np.exp(b - alpha * (np.log(n) - log_ref))
-
-    def power_jac(n, b, alpha):
-        term = power(n, b, alpha)
-        return np.column_stack([term, -(np.log(n) - log_ref) * term])
-
-    if not saturating:
-        return power, power_jac
-    return (lambda n, E, b, alpha: E + power(n, b, alpha),
-            lambda n, E, b, alpha: np.column_stack([np.ones_like(n), power_jac(n, b, alpha)]))
+    return [float(brentq(gap, sizes[i], sizes[i + 1], rtol=1e-10))
+            for i in np.flatnonzero(np.sign(values[:-1]) * np.sign(values[1:]) < 0)]
 
 
 def _fit(
@@ -305,14 +278,10 @@ def _fit(
     """(E, b, alpha) and their 3x3 covariance; E is 0 with zero variance for the pure power law.
 
     Huber loss on log residuals from every start of a small grid (or from ``start`` alone, for bootstrap refits
-    near the full fit); the lowest loss wins. The grid's starts are descended together (:func:`huber_descent`) and
-    scipy's ``least_squares`` takes over from the best of them, so the fit and its covariance are scipy's; the
+    near the full fit); the lowest loss wins (:func:`huber_fit`), so the fit and its covariance are scipy's; the
     covariance is the Gauss-Newton one of the log residuals.
     """
-    from scipy.optimize import least_squares
-
     lower, upper = _bounds(float(loss.min()), saturating)
-    model, jac = _model(log_ref, saturating)
     if start is not None:
         starts = np.asarray([start if saturating else start[1:]], float)
     elif saturating:
@@ -321,31 +290,7 @@ def _fit(
                            for e in (0.0, 0.5, 0.9) for a in (0.1, 0.3, 0.6)])
     else:
         starts = np.array([[math.log(float(loss.mean())), a] for a in (0.05, 0.1, 0.3, 0.6)])
-    starts = np.clip(starts, lower, np.nextafter(upper, -np.inf))
-    if len(starts) > 1:
-        # nine scipy descents cost nine times scipy's per-call overhead; one batched descent finds the best basin
-        ends, cost = huber_descent(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss),
-                                   np.ones((len(starts), len(n))), starts, np.tile(lower, (len(starts), 1)),
-                                   np.tile(upper, (len(starts), 1)))
-        finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
-        starts = ends[finite[np.argsort(cost[finite], kind="stable")]] if len(finite) else starts
-
-    def residuals(theta):
-        return np.log(model(n, *theta)) - np.log(loss)
-
-    def jacobian(theta):
-        return jac(n, *theta) / model(n, *theta)[:, None]
-
-    best = None
-    for p0 in starts:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = least_squares(residuals, np.clip(p0, lower, np.nextafter(upper, -np.inf)), jac=jacobian,
-                                bounds=(lower, upper), loss="huber", f_scale=HUBER_DELTA, x_scale="jac",
-                                max_nfev=2000)
-        if np.all(np.isfinite(res.x)):
-            best = res
-            break
+    best = huber_fit(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss), starts, lower, upper)
     if best is None:
         raise RuntimeError("no start converged")
     dof = max(len(n) - len(best.x), 1)
@@ -447,6 +392,31 @@ def huber_descent(
     return theta, cost
 
 
+def huber_fit(model, log_loss: np.ndarray, starts: np.ndarray, lower: np.ndarray, upper: np.ndarray):
+    """scipy's ``least_squares`` result minimising the Huber loss of ``model(theta)[0][0] - log_loss`` within
+    ``lower``..``upper`` (``model`` as :func:`huber_descent` takes it), from the first start whose fit is finite; None
+    when none is. Several starts are first descended together and tried from the lowest cost: nine scipy descents
+    cost nine times scipy's per-call overhead, and one batched descent finds the best basin."""
+    from scipy.optimize import least_squares
+
+    ceiling = np.nextafter(upper, -np.inf)
+    starts = np.clip(starts, lower, ceiling)
+    if len(starts) > 1:
+        ends, cost = huber_descent(model, log_loss, np.ones((len(starts), len(log_loss))), starts,
+                                   np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)))
+        finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
+        starts = ends[finite[np.argsort(cost[finite], kind="stable")]]
+    for start in starts:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = least_squares(lambda th: model(th[None, :])[0][0] - log_loss, np.clip(start, lower, ceiling),
+                                jac=lambda th: model(th[None, :])[1][0], bounds=(lower, upper), loss="huber",
+                                f_scale=HUBER_DELTA, x_scale="jac", max_nfev=2000)
+        if np.all(np.isfinite(res.x)):
+            return res
+    return None
+
+
 def _bootstrap(
     points: pd.DataFrame, metric: str, size: str, log_ref: float, saturating: bool, theta: np.ndarray, n_boot: int,
     seed: int, draw_starts: Sequence[Sequence[float]] = (),
@@ -459,23 +429,20 @@ def _bootstrap(
     reused by every draw that repeats it. A multiset is the same points weighted by how often each seed was drawn,
     so all of them are fitted in one batched descent (:func:`huber_descent`).
     """
-    seeds = np.sort(points["seed"].unique())
-    if len(seeds) < 2 or n_boot <= 0:
+    if points["seed"].nunique() < 2 or n_boot <= 0:
         return np.empty((0, 3))
     n = points[size].to_numpy(float)
     loss = points[metric].to_numpy(float)
     scale_codes = pd.factorize(points["scale"])[0]
-    seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
     needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
-    multisets, which = seed_draws(len(seeds), n_boot, seed)
-    weights = np.array([np.bincount(d, minlength=len(seeds))[seed_of] for d in multisets], float)
+    weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
     drawn = weights > 0
     spans = np.array([len(np.unique(scale_codes[mask])) for mask in drawn])
-    starts = np.tile(np.asarray(theta, float), (len(multisets), 1))
-    for j, i in enumerate(_first_draws(which)):
+    starts = np.tile(np.asarray(theta, float), (len(weights), 1))
+    for j, i in enumerate(np.unique(which, return_index=True)[1]):  # the draw that first made each multiset
         if i < len(draw_starts) and np.all(np.isfinite(draw_starts[i])):
             starts[j] = np.asarray(draw_starts[i], float)
-    fitted = np.full((len(multisets), 3), math.nan)
+    fitted = np.full((len(weights), 3), math.nan)
     ok = np.flatnonzero(spans >= needed)
     if len(ok):
         floors = np.where(drawn[ok], loss, np.inf).min(axis=1)
@@ -487,22 +454,17 @@ def _bootstrap(
     return fitted[which]
 
 
-def seed_draws(n_seeds: int, n_boot: int, seed: int) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """The seed-cluster bootstrap's draws: (each distinct multiset of seed indices in the order first drawn, the
-    multiset of each of the ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws
-    the same seeds in draw i, so draw i of two fits is a paired resample."""
+def seed_draws(point_seeds: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seed-cluster bootstrap's draws over points whose seeds are ``point_seeds``: (per distinct multiset of
+    seeds, in the order first drawn, each point's weight: how often its seed was drawn; the multiset of each of the
+    ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws the same seeds in draw i,
+    so draw i of two fits is a paired resample."""
+    seeds = np.unique(point_seeds)
     rng = np.random.default_rng(seed)
     first: dict[tuple[int, ...], int] = {}
     which = np.empty(n_boot, int)
     for i in range(n_boot):
-        draw = tuple(sorted(rng.integers(0, n_seeds, size=n_seeds).tolist()))
+        draw = tuple(sorted(rng.integers(0, len(seeds), size=len(seeds)).tolist()))
         which[i] = first.setdefault(draw, len(first))
-    return list(first), which
-
-
-def _first_draws(which: np.ndarray) -> list[int]:
-    """For each multiset, in the order first drawn, the index of the draw that first made it."""
-    seen: dict[int, int] = {}
-    for i, j in enumerate(which.tolist()):
-        seen.setdefault(j, i)
-    return [seen[j] for j in range(len(seen))]
+    seed_of = np.searchsorted(seeds, point_seeds)
+    return np.array([np.bincount(m, minlength=len(seeds))[seed_of] for m in first], float), which

@@ -20,7 +20,7 @@ the finished looks exactly (their runs are found finished and not trained again)
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -28,10 +28,10 @@ import pandas as pd
 
 from analysis.decide import Decision, decide
 from analysis.paired import paired_deltas
+from analysis.records import latest_record
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.schema import ROLE_SEQUENTIAL, TAG_ROLE
-from study.track.query import runs_with_role
 
 LOOKS_ARTIFACT = "looks.json"
 """Artifact of that run holding every look with its full decision rows."""
@@ -114,16 +114,15 @@ def until_decided(
                 frozen[d.scale, d.variant] = d
         current = {(d.scale, d.variant): frozen.get((d.scale, d.variant), d) for d in decisions}
         open_ = sorted(k for k in ((scale, v) for scale in seeds for v in others) if k not in frozen)
-        look = {"round": round_, "n": n_now, "alpha": alpha, "alpha_spent": spent,
-                "verdicts": _counts(current.values(), len(seeds) * len(others)), "added": [],
-                "decisions": [current[k].to_dict() for k in sorted(current)]}
         added, stop = _next_round(open_, seeds, baseline, n_now, caps, out.gpu_hours, cost)
-        if stop:
-            out.stopped = stop
-        look["added"] = [f"{v}@{scale} seed {s}" for v, scale, s in added]
+        look = {"round": round_, "n": n_now, "alpha": alpha, "alpha_spent": spent,
+                "verdicts": _counts(current.values(), len(seeds) * len(others)),
+                "added": [f"{v}@{scale} seed {s}" for v, scale, s in added],
+                "decisions": [current[k].to_dict() for k in sorted(current)]}
         out.looks.append(look)
         record(look)
         if stop:
+            out.stopped = stop
             return out
         out.gpu_hours += sum(cost(r) for r in added)
         for _, scale, s in added:
@@ -165,13 +164,10 @@ def _next_round(open_: list[tuple[str, str]], seeds: dict[str, list[int]], basel
 
 
 def _counts(decisions, total: int) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for d in decisions:
-        counts[d.verdict] = counts.get(d.verdict, 0) + 1
-    missing = total - sum(counts.values())
-    if missing > 0:
-        counts["undecided"] = counts.get("undecided", 0) + missing
-    return counts
+    counts = Counter(d.verdict for d in decisions)
+    if total > counts.total():
+        counts["undecided"] += total - counts.total()
+    return dict(counts)
 
 
 def final_decisions(looks: Sequence[dict]) -> dict[tuple[str, str], dict]:
@@ -187,9 +183,6 @@ def final_decisions(looks: Sequence[dict]) -> dict[tuple[str, str], dict]:
 
 def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: list[dict]) -> str:
     """Record one look in the experiment's sequential MLflow run (created at the first look)."""
-    import tempfile
-    from pathlib import Path
-
     from mlflow.entities import Metric
 
     if run_id is None:
@@ -206,25 +199,11 @@ def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: 
     client.log_batch(run_id, metrics=metrics)
     for row in look["decisions"]:
         client.set_tag(run_id, f"study.verdict.{row['scale']}.{row['variant']}", row["verdict"])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / LOOKS_ARTIFACT
-        path.write_text(json.dumps(looks, indent=1) + "\n")
-        client.log_artifact(run_id, str(path))
+    client.log_dict(run_id, looks, LOOKS_ARTIFACT)
     return run_id
 
 
 def read_looks(client, experiment_id: str) -> list[dict]:
-    """The looks of the experiment's latest sequential run; [] when it was never run adaptively."""
-    import tempfile
-
-    found = runs_with_role(client, [experiment_id], ROLE_SEQUENTIAL, order_by=["attributes.start_time DESC"],
-                           max_results=1)
-    if not found:
-        return []
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = client.download_artifacts(found[0].info.run_id, LOOKS_ARTIFACT, tmp)
-        except Exception:  # a run whose first look never finished uploading
-            return []
-        with open(path) as f:
-            return json.load(f)
+    """The looks of the experiment's latest sequential run; [] when it was never run adaptively (or its first look
+    never finished uploading)."""
+    return latest_record(client, experiment_id, ROLE_SEQUENTIAL, LOOKS_ARTIFACT) or []

@@ -40,7 +40,6 @@ variant's planned tokens, over the variant's planned compute.
 from __future__ import annotations
 
 import math
-import warnings
 from functools import partial
 from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
@@ -48,12 +47,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.compute import PERCENTILE, RANGE, Multiplier, training_compute
+from analysis.compute import PERCENTILE, RANGE, Multiplier, interval, training_compute
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.paired import CONFIDENCE, enclosing
-from analysis.records import json_ready
+from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import HUBER_DELTA, huber_descent, seed_draws
+from analysis.scaling import huber_descent, huber_fit, seed_draws
 
 SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
 """The two forms: the surface over (N, D), and the curve over D at one size."""
@@ -75,7 +73,7 @@ _GRID = 129
 
 
 @dataclass(frozen=True)
-class SurfaceFit:
+class SurfaceFit(JsonRecord):
     """One arm's fit of a final metric: the surface over (N, D), or the curve over D at one scale."""
 
     variant: str
@@ -115,7 +113,9 @@ class SurfaceFit:
     d_range: tuple[float, float] = (math.nan, math.nan)
     """Smallest and largest D fitted."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
-    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted."""
+    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted
+    (not recorded)."""
+    UNRECORDED = ("boots",)
 
     def predict(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
         """The fitted metric at N = ``n`` (ignored by an L(D) fit) and D = ``d``."""
@@ -134,10 +134,6 @@ class SurfaceFit:
             zeros = np.where(np.isfinite(rows[:, :1]), 0.0, math.nan)
             return np.column_stack([rows[:, 0], zeros, zeros, rows[:, 1], rows[:, 2]])
         return rows.reshape(len(rows), 5)
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict without the bootstrap draws; NaN becomes None."""
-        return json_ready({k: v for k, v in asdict(self).items() if k != "boots"})
 
 
 @dataclass(frozen=True)
@@ -272,22 +268,10 @@ def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/los
            f"needs {MIN_SIZES}, " + ("since one N says nothing about how loss falls with N" if sizes == 1 else
                                       "since at two sizes E, A and alpha meet the data only through the two values "
                                       "E + A N^-alpha"))
-    fits = [fit_tokens(g, v, s, metric, n_boot, seed)
+    fits = [fit_surface(g, v, metric, n_boot, seed, TOKENS, s)
             for (v, s), g in points.groupby(["variant", "scale"], sort=True)]
     report = SurfaceReport(form=TOKENS, why=why, fits=fits, **base)
     return _tokens_readings(report, planned, order)
-
-
-def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200,
-                seed: int = 0) -> SurfaceFit:
-    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``)."""
-    return _fit_form(points, SURFACE, variant, "", metric, n_boot, seed)
-
-
-def fit_tokens(points: pd.DataFrame, variant: str, scale: str, metric: str = "val/loss", n_boot: int = 200,
-               seed: int = 0) -> SurfaceFit:
-    """One arm's L(D) at one scale from its endpoints there (columns scale, seed, n, d and ``metric``)."""
-    return _fit_form(points, TOKENS, variant, scale, metric, n_boot, seed)
 
 
 def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
@@ -400,12 +384,13 @@ def _enough(form: str, sizes: int, distinct: int) -> str:
     return ""
 
 
-def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric: str, n_boot: int,
-              seed: int) -> SurfaceFit:
+def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200, seed: int = 0,
+                form: str = SURFACE, scale: str = "") -> SurfaceFit:
+    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``), or with ``form``
+    :data:`TOKENS` its L(D) at ``scale`` from its endpoints there."""
     sizes, distinct = _counts(_codes(points))
-    seeds = np.sort(points["seed"].unique())
-    base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct,
-                seeds=len(seeds))
+    seeds = points["seed"].nunique()
+    base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct, seeds=seeds)
     why = _enough(form, sizes, distinct)
     if why:
         return SurfaceFit(form="none", status=why, **base)
@@ -417,9 +402,9 @@ def _fit_form(points: pd.DataFrame, form: str, variant: str, scale: str, metric:
         return SurfaceFit(form="none", status="no fit: no start converged", **base)
     boots = _bootstrap(points, form, metric, refs, theta, seeds, n_boot, seed)
     point = _uncentred(form, theta, refs)
-    kind = PERCENTILE if len(seeds) >= BOOTSTRAP_MIN_N else RANGE
+    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
     finite = boots[np.all(np.isfinite(boots), axis=1)]
-    intervals = {name: _interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
+    intervals = {name: interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
     status = "ok" if distinct > len(theta) else (
         f"ok, exactly determined: {distinct} distinct points for {len(theta)} parameters, so the fit cannot show "
         "its own misfit")
@@ -470,26 +455,11 @@ def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
 
 def _fit(form: str, n: np.ndarray, d: np.ndarray, log_loss: np.ndarray, refs: tuple[float, float],
          starts: np.ndarray) -> np.ndarray | None:
-    """The centred parameters with the lowest Huber loss of the log residuals: the starts descended together
-    (:func:`analysis.scaling.huber_descent`), then scipy's ``least_squares`` from the best end that converges, as
-    :mod:`analysis.scaling` fits; None when none does."""
-    from scipy.optimize import least_squares
-
+    """The centred parameters with the lowest Huber loss of the log residuals, as :mod:`analysis.scaling` fits
+    (:func:`analysis.scaling.huber_fit`); None when no start converges."""
     model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
-    lower, upper = _bounds(form, float(np.exp(log_loss).min()))
-    ceiling = np.nextafter(upper, -np.inf)
-    ends, cost = huber_descent(model, log_loss, np.ones((len(starts), len(n))), np.clip(starts, lower, ceiling),
-                               np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)))
-    finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
-    for start in ends[finite[np.argsort(cost[finite], kind="stable")]]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = least_squares(lambda th: model(th[None, :])[0][0] - log_loss, np.clip(start, lower, ceiling),
-                                jac=lambda th: model(th[None, :])[1][0], bounds=(lower, upper), loss="huber",
-                                f_scale=HUBER_DELTA, x_scale="jac", max_nfev=2000)
-        if np.all(np.isfinite(res.x)):
-            return res.x
-    return None
+    res = huber_fit(model, log_loss, starts, *_bounds(form, float(np.exp(log_loss).min())))
+    return None if res is None else res.x
 
 
 def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> np.ndarray:
@@ -502,20 +472,18 @@ def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> 
 
 
 def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, float], theta: np.ndarray,
-               seeds: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the seeds (analysis.scaling's
-    draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points; a multiset of seeds
-    is the points weighted by how often their seed was drawn, each multiset fitted once from the point fit and
-    reused by every draw that repeats it, all of them in one batched descent."""
+               seeds: int, n_boot: int, seed: int) -> np.ndarray:
+    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the ``seeds`` distinct seeds
+    (analysis.scaling's draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points;
+    a multiset of seeds is the points weighted by how often their seed was drawn, each multiset fitted once from the
+    point fit and reused by every draw that repeats it, all of them in one batched descent."""
     k = len(PARAMETERS[form])
-    if len(seeds) < 2 or n_boot <= 0:
+    if seeds < 2 or n_boot <= 0:
         return np.empty((0, k))
-    multisets, which = seed_draws(len(seeds), n_boot, seed)
-    seed_of = np.searchsorted(seeds, points["seed"].to_numpy())
-    weights = np.array([np.bincount(m, minlength=len(seeds))[seed_of] for m in multisets], float)
+    weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
     codes = _codes(points)
     ok = np.flatnonzero([not _enough(form, *_counts(codes, w > 0)) for w in weights])
-    fitted = np.full((len(multisets), k), math.nan)
+    fitted = np.full((len(weights), k), math.nan)
     if len(ok):
         loss = points[metric].to_numpy(float)
         floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
@@ -528,25 +496,12 @@ def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, 
     return fitted[which]
 
 
-def _interval(values: np.ndarray, point: float, kind: str) -> tuple[float, float]:
-    """The percentile interval (or range) of ``values``, taken out to ``point``; NaN without values. Infinite
-    values stay infinite (inverted_cdf picks drawn values)."""
-    values = values[~np.isnan(values)]
-    if not len(values):
-        return (math.nan, math.nan)
-    if kind == RANGE:
-        low, high = float(values.min()), float(values.max())
-    else:
-        low, high = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
-    return enclosing(float(low), float(high), float(point))
-
-
 def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
     """The optima, iso-FLOP lines and multipliers of a surface report at each scale's planned compute."""
-    points = report.points
     fitted = {f.variant: f for f in report.fits if f.form == SURFACE}
-    rules = {v: flops_rule(g) for v, g in points.groupby("variant")}
+    rules = {v: flops_rule(g) for v, g in report.points.groupby("variant")}
     bounds = {v: (f.n_range[0] / SEARCH, f.n_range[1] * SEARCH) for v, f in fitted.items()}
+    reference = fitted.get(report.baseline)
     optima, isoflops, multipliers = [], [], []
     for variant, fit in fitted.items():
         scales = [s for s in order if (variant, s) in planned.index]
@@ -561,21 +516,16 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
             n_plan, d_plan = planned.loc[(variant, scale), ["n", "planned_d"]]
             optima.append(Optimum(variant, scale, float(compute[k]), float(n_plan), float(d_plan),
                                   float(fit.predict(n_plan, d_plan)), float(n_opt[k]), float(d_opt[k]),
-                                  float(loss_opt[k]), _interval(drawn_n[:, k], n_opt[k], fit.interval),
-                                  _interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
+                                  float(loss_opt[k]), interval(drawn_n[:, k], n_opt[k], fit.interval),
+                                  interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
             ends = [n_plan, n_opt[k]] if math.isfinite(n_opt[k]) else [n_plan]
             line = np.geomspace(min(ends) / 10, max(ends) * 10, 64)  # the planned run and the optimum, and around
             isoflops.append(IsoFlop(variant, scale, float(compute[k]), line.tolist(),
                                     fit.predict(line, compute[k] / rules[variant](line)).tolist()))
-    reference = fitted.get(report.baseline)
-    for variant, fit in fitted.items() if reference is not None else ():
-        if variant == report.baseline:
-            continue
-        scales = [s for s in order if (variant, s) in planned.index]
-        compute = np.array([planned.loc[(variant, s), "planned_c"] for s in scales])
-        read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
-                       baseline=(rules[report.baseline], bounds[report.baseline]))
-        multipliers += _multipliers(variant, scales, compute, fit, reference, read)
+        if reference is not None and variant != report.baseline:
+            read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
+                           baseline=(rules[report.baseline], bounds[report.baseline]))
+            multipliers += _multipliers(variant, scales, compute, fit, reference, read)
     return replace(report, optima=optima, isoflops=isoflops, multipliers=multipliers)
 
 
@@ -634,7 +584,7 @@ def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: Surf
     kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
     rows = []
     for k, scale in enumerate(scales):
-        low, high = _interval(drawn[:, k], float(k_point[k]), kind) if pairs else (math.nan, math.nan)
+        low, high = interval(drawn[:, k], float(k_point[k]), kind)
         rows.append(Multiplier(variant, scale, float(compute[k]), float(k_point[k]), low, high, pairs,
                                interval=kind, seeds=seeds))
     return rows

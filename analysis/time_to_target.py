@@ -31,7 +31,7 @@ import pandas as pd
 from analysis import run_table
 from analysis.decide import decide
 from analysis.paired import paired_deltas
-from analysis.records import JsonRecord, json_ready
+from analysis.records import JsonRecord
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store
@@ -95,7 +95,7 @@ class TimeToTarget(JsonRecord):
 
 
 @dataclass(frozen=True)
-class TimeReport:
+class TimeReport(JsonRecord):
     """Time to target for every variant and scale, and what its hours rest on."""
 
     baseline: str
@@ -104,11 +104,6 @@ class TimeReport:
     """One per (scale, variant other than the baseline)."""
     devices_unknown: list[str] = field(default_factory=list)
     """Runs whose spec could not be read, counted as one device each."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN and infinity become None."""
-        return json_ready({"baseline": self.baseline, "rows": [r.to_dict() for r in self.rows],
-                           "devices_unknown": self.devices_unknown})
 
 
 def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule: DecisionRule, uri: str,
@@ -164,8 +159,7 @@ def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
             out[run.run_id] = Throughput(found.tokens_per_s / n, n, found.source)
         else:
             own.append((run.run_id, devices(spec) if spec is not None else None))
-    history = run_table.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"]
-    medians = history.median()
+    medians = run_table.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"].median()
     for run_id, n in own:
         if run_id in medians.index:
             out[run_id] = Throughput(float(medians[run_id]) / (n or 1), n, f"own {THROUGHPUT}")

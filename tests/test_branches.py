@@ -275,6 +275,5 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
 
     text = to_markdown(race_blocks(read_race(client, client.get_experiment_by_name(name).experiment_id), "val/loss"))
     assert "1 arm(s) stopped" in text and "| b | tiny | 0.5 | worse | 4 |" in text
-    from analysis.report import _race
-
-    assert _race(name, f"sqlite:///{workdir}/mlflow.db") == record  # what the report reads is what the launch wrote
+    # what the report reads (analysis.report.analyse: read_race) is what the launch wrote
+    assert read_race(client, client.get_experiment_by_name(name).experiment_id) == record
