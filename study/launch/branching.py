@@ -18,15 +18,12 @@ from study.config.spec import RunSpec
 from study.schema import RunDir
 
 
-def trunk_dir(branch: RunSpec) -> RunDir:
-    return RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
-
-
 def branch_ready(branch: RunSpec) -> bool:
     """The branch's start exists: its trunk's complete checkpoint at the branch step."""
     from study.train.checkpoint import at_step
 
-    return at_step(trunk_dir(branch).path, branch.first_step) is not None
+    trunk = RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
+    return at_step(trunk.path, branch.first_step) is not None
 
 
 def release(job_ids: list[str]) -> None:
@@ -35,9 +32,9 @@ def release(job_ids: list[str]) -> None:
         subprocess.run(["scontrol", "release", ",".join(job_ids)], capture_output=True, text=True)
 
 
-def release_branches(trunk: RunSpec, step: int) -> list[str]:
+def release_branches(trunk: RunSpec, step: int) -> None:
     """Release the SLURM jobs of the trunk's branches that start at `step` (the trunk's job calls this after writing
-    that checkpoint); returns their job ids."""
+    that checkpoint)."""
     from study.launch.scheduler import journal
 
     keys = {branch_key(trunk.key, p.at, trunk.config.train.decay_fraction) for p in trunk.points if p.start == step}
@@ -46,7 +43,6 @@ def release_branches(trunk: RunSpec, step: int) -> list[str]:
     release(ids)
     if ids:
         print(f"released branch jobs {', '.join(ids)} at step {step}", file=sys.stderr, flush=True)
-    return ids
 
 
 def release_ready(runs: list[RunSpec], jobs: dict[str, dict], states: dict[str, str]) -> list[str]:

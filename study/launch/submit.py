@@ -194,8 +194,7 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
     cfg = plan.runs[0].config
     # `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                        job_name(f"{cfg.experiment}-after-tuning"), "controller")
-    ex.update_parameters(dependency="afterany:" + ":".join(after))
+                        job_name(f"{cfg.experiment}-after-tuning"), "controller", after=after, condition="afterany")
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
     record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",

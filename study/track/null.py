@@ -21,10 +21,6 @@ class RunTracker(Protocol):
 
     def sync(self) -> None: ...
 
-    def pending(self) -> int: ...
-
-    def dropped(self) -> int: ...
-
     def flush(self, timeout_s: float = 30.0) -> bool: ...
 
     def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int: ...
@@ -47,12 +43,6 @@ class NullTracker:
 
     def sync(self) -> None:
         pass
-
-    def pending(self) -> int:
-        return 0
-
-    def dropped(self) -> int:
-        return 0
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return True
