@@ -14,7 +14,9 @@ import subprocess
 import sys
 
 from study.config.identity import branch_key
+from study.config.run import Role
 from study.config.spec import RunSpec
+from study.launch.scheduler import journal
 from study.schema import RunDir
 
 
@@ -35,8 +37,6 @@ def release(job_ids: list[str]) -> None:
 def release_branches(trunk: RunSpec, step: int) -> None:
     """Release the SLURM jobs of the trunk's branches that start at `step` (the trunk's job calls this after writing
     that checkpoint)."""
-    from study.launch.scheduler import journal
-
     keys = {branch_key(trunk.key, p.at, trunk.config.train.decay_fraction) for p in trunk.points if p.start == step}
     entries = journal(trunk.config.paths.runs, trunk.config.experiment)
     ids = [e["job_id"] for k, e in entries.items() if k in keys and e.get("scheduler") == "slurm"]
@@ -47,8 +47,6 @@ def release_branches(trunk: RunSpec, step: int) -> None:
 
 def release_ready(runs: list[RunSpec], jobs: dict[str, dict], states: dict[str, str]) -> list[str]:
     """Release the pending SLURM jobs of branches whose start exists (a relaunch's repair); returns their ids."""
-    from study.config.run import Role
-
     ids = [jobs[r.key]["job_id"] for r in runs
            if r.role == Role.branch and r.key in jobs and jobs[r.key].get("scheduler") == "slurm"
            and states.get(jobs[r.key]["job_id"]) == "PENDING" and branch_ready(r)]

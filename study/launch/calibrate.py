@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -123,8 +124,6 @@ def record(spec: RunSpec) -> float:
     metrics = {TOKENS_PER_S: tps, PER_DEVICE: tps / devices(spec)}
     if mfu := steady(schema.TRAIN_MFU):
         metrics[MFU] = statistics.median(mfu)
-    import time
-
     now = int(time.time() * 1000)
     client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
                      tags=[RunTag(TAG_SHAPE, spec.key.split("-", 1)[0]), RunTag(TAG_CLUSTER, spec.config.cluster.name)],

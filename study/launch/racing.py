@@ -22,7 +22,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from study.config.run import Role
-from study.data.cache import file_lock
 from study.launch.scheduler import append_lines, read_lines
 from study.schema import RunDir, launch_dir
 
@@ -34,13 +33,10 @@ def write_roster(plan) -> Path | None:
     exp = plan.experiment
     if exp.racing is None or exp.branches is None:
         return None
-    runs = []
-    for r in plan.runs:
-        if r.role not in (Role.trunk, Role.branch):
-            continue
-        runs.append({"key": r.key, "role": r.role.value, "variant": r.config.variant, "scale": r.config.scale,
-                     "seed": r.config.seed, "trunk": r.trunk, "at": r.points[0].at if r.role == Role.branch else None,
-                     "starts": [p.start for p in r.points], "gpu_hours": r.gpu_hours()})
+    runs = [{"key": r.key, "role": r.role.value, "variant": r.config.variant, "scale": r.config.scale,
+             "seed": r.config.seed, "trunk": r.trunk, "at": r.points[0].at if r.role == Role.branch else None,
+             "starts": [p.start for p in r.points], "gpu_hours": r.gpu_hours()}
+            for r in plan.runs if r.role in (Role.trunk, Role.branch)]
     roster = {"baseline": exp.baseline, "at": list(exp.branches.at), "decay": exp.branches.decay,
               "stop_equivalent": exp.racing.stop_equivalent, "decision": asdict(exp.decision), "runs": runs}
     path = launch_dir(plan.runs[0].config.paths.runs, exp.name) / ROSTER
@@ -80,6 +76,8 @@ def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict
     folder = launch_dir(runs_root, experiment)
     if not (folder / ROSTER).is_file():
         return []
+    from study.data.cache import file_lock  # here: `study status` reads the race without loading study.data
+
     with file_lock(folder / LOCK):
         roster = json.loads((folder / ROSTER).read_text())
         new = _decide_ready(roster, runs_root, experiment)
@@ -140,7 +138,7 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
             and (r["role"] == Role.trunk.value or r["at"] > arms[(r["variant"], r["scale"])])}
     jobs = journal(runs_root, experiment)
     ids = [jobs[k]["job_id"] for k in keys if k in jobs and jobs[k].get("scheduler") == "slurm"]
-    live = [j for j, state in slurm_states(ids).items() if state in ACTIVE] if ids else []
+    live = [j for j, state in slurm_states(ids).items() if state in ACTIVE]
     if live:
         import subprocess
 

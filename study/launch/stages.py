@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from study.config.run import Role
 from study.config.spec import RunSpec
-from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
+from study.data.shards import find_shards
+from study.jobs.prepare import PREPARE, DataGroup, data_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
 from study.launch.executor import build_executor, job_name
@@ -131,7 +132,8 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not queue.busy(f"profile:{r.key}")]
     scheduled = [r for r in ready if r.role == Role.scheduled and wanted(r)]
-    prepare = [g for g in missing_groups(train + scheduled) if not queue.busy(g.key)]
+    # the shard entries not in the cache yet
+    prepare = [g for g in data_groups(train + scheduled) if find_shards(g.data) is None and not queue.busy(g.key)]
     return prepare, train, profile, scheduled
 
 

@@ -38,7 +38,7 @@ from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_ro
     submit_stage
 from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
-from study.schema import submitit_dir
+from study.schema import TAG_FAILURE_REASON, submitit_dir
 from study.track.groups import ensure_parents
 from study.config.secrets import mask_text, redact
 
@@ -173,8 +173,6 @@ def _tune_keys(stages: list[Stage]) -> frozenset[str]:
 
 def _without_tried(stages: list[Stage], tried: frozenset[str], queue: Queue, experiment: str, echo) -> list[Stage]:
     """The stages less the tune runs this chain of relaunches already trained, each named with why it is unsettled."""
-    from study.schema import TAG_FAILURE_REASON
-
     out = []
     for stage in stages:
         again = [r for r in stage.runs if r.key in tried] if stage.name == "tune" else []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections.abc import Mapping
 
 from study import schema
@@ -115,8 +116,6 @@ def refresh(client, run_id: str) -> None:
     metrics, n = summary(children, keys)
     share_datasets(client, parent, children)
     if metrics:
-        import time
-
         now = int(time.time() * 1000)
         points = [Metric(k, v, now, n) for k, v in metrics.items()]
         for i in range(0, len(points), 1000):

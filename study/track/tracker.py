@@ -58,7 +58,7 @@ class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
     Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 opens
-    one; other ranks hold a `NullTracker` (both satisfy `study.track.null.RunTracker`). Uses `MlflowClient`, never
+    one; other ranks hold a `NullTracker` (`study.track.null.RunTracker` is either). Uses `MlflowClient`, never
     the fluent global run, so several trackers coexist in one process.
     """
 
