@@ -12,6 +12,7 @@ record holds it.
 from __future__ import annotations
 
 import json
+import time
 
 from study.config.spec import RunSpec
 from study.errors import StudyError
@@ -65,8 +66,6 @@ def _held(client, run_id: str, metrics: dict[str, float], step: int) -> set[str]
 
 def _set_tags(spec: RunSpec, run_id: str, tags: dict[str, str]) -> None:
     """Tags on the run now, retrying a transient failure for tracking.open_timeout_s as the tracker does."""
-    import time
-
     from mlflow.entities import RunTag
 
     from study.track.store import call_with_retries, mlflow_client, resolve_tracking_uri

@@ -43,13 +43,6 @@ def data_groups(runs: list[RunSpec]) -> list[DataGroup]:
             for key, members in groups.items()]
 
 
-def missing_groups(runs: list[RunSpec]) -> list[DataGroup]:
-    """The groups whose shards are not in the cache yet."""
-    from study.data.shards import find_shards
-
-    return [g for g in data_groups(runs) if find_shards(g.data) is None]
-
-
 def prepare_group(group: DataGroup, progress: bool = True) -> None:
     from study.data.shards import prepare_data
 

@@ -21,9 +21,9 @@ def profiling_batches(data, n_sequences: int, n_tokens: int):
     return [x for x, _ in val_batches(data.val, data.seq_len, per_batch, max(wanted, 1))]
 
 
-def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
-    """Profile the latest checkpoint of the run the spec describes; returns the profile.json path. `geometry`
-    replaces the spec's profiling settings (`study profile RUN_KEY geometry.n_tokens=...`)."""
+def profile_run(spec: RunSpec, geometry=None) -> Path:
+    """Profile the latest checkpoint of the run the spec describes, on the CPU; returns the profile.json path.
+    `geometry` replaces the spec's profiling settings (`study profile RUN_KEY geometry.n_tokens=...`)."""
     from study.data import prepare_data
     from study.eval.locate import load_trained_model
     from study.geometry.allocate import geometry_widths
@@ -34,7 +34,7 @@ def profile_run(spec: RunSpec, device: str = "cpu", geometry=None) -> Path:
 
     cfg, key = spec.config, spec.key
     g = geometry or cfg.geometry
-    model, ckpt = load_trained_model(spec, device)
+    model, ckpt = load_trained_model(spec)
     data = prepare_data(cfg.data, build=False)  # reads the run's validation tokens, never tokenises
     batches = profiling_batches(data, g.n_sequences, g.n_tokens)
     sensitivity = perturbation_sensitivity(model, batches, g.sensitivity_eps) if g.measure_sensitivity else None

@@ -18,8 +18,9 @@ from study.errors import StudyError
 
 
 @dataclass
-class Adaptive:
-    """Everything one adaptive launch needs, so the same object runs in the shell or in a controller job."""
+class Adaptive(submitit.helpers.Checkpointable):
+    """Everything one adaptive launch needs, so the same object runs in the shell or as a controller job (called):
+    on a time-limit warning the job is requeued and replays to where it was."""
 
     experiment: str
     """Experiment name."""
@@ -89,16 +90,8 @@ class Adaptive:
              f"(about {outcome.gpu_hours:,.1f} GPU-hours of training)")
         return outcome
 
-
-@dataclass
-class ControllerJob(submitit.helpers.Checkpointable):
-    """The adaptive loop as a SLURM job: on a time-limit warning it is requeued and replays to where it was."""
-
-    adaptive: Adaptive
-
     def __call__(self) -> str:
-        outcome = self.adaptive.run(echo=lambda line: print(line, flush=True))
-        return outcome.stopped
+        return self.run(echo=lambda line: print(line, flush=True)).stopped
 
 
 def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, max_gpu_hours: float | None,
@@ -122,7 +115,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
     ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, experiment) / "%j",
                         job_name(f"{experiment}-until-decided"), "controller")
     with outside_allocation():
-        job = ex.submit(ControllerJob(adaptive))
+        job = ex.submit(adaptive)
     echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "
          f"'until-decided' of experiment {experiment}, its log to {job.paths.stdout}")
     sys.stdout.flush()

@@ -14,19 +14,18 @@ import subprocess
 import sys
 
 from study.config.identity import branch_key
+from study.config.run import Role
 from study.config.spec import RunSpec
+from study.launch.scheduler import journal
 from study.schema import RunDir
-
-
-def trunk_dir(branch: RunSpec) -> RunDir:
-    return RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
 
 
 def branch_ready(branch: RunSpec) -> bool:
     """The branch's start exists: its trunk's complete checkpoint at the branch step."""
     from study.train.checkpoint import at_step
 
-    return at_step(trunk_dir(branch).path, branch.first_step) is not None
+    trunk = RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
+    return at_step(trunk.path, branch.first_step) is not None
 
 
 def release(job_ids: list[str]) -> None:
@@ -35,24 +34,19 @@ def release(job_ids: list[str]) -> None:
         subprocess.run(["scontrol", "release", ",".join(job_ids)], capture_output=True, text=True)
 
 
-def release_branches(trunk: RunSpec, step: int) -> list[str]:
+def release_branches(trunk: RunSpec, step: int) -> None:
     """Release the SLURM jobs of the trunk's branches that start at `step` (the trunk's job calls this after writing
-    that checkpoint); returns their job ids."""
-    from study.launch.scheduler import journal
-
+    that checkpoint)."""
     keys = {branch_key(trunk.key, p.at, trunk.config.train.decay_fraction) for p in trunk.points if p.start == step}
     entries = journal(trunk.config.paths.runs, trunk.config.experiment)
     ids = [e["job_id"] for k, e in entries.items() if k in keys and e.get("scheduler") == "slurm"]
     release(ids)
     if ids:
         print(f"released branch jobs {', '.join(ids)} at step {step}", file=sys.stderr, flush=True)
-    return ids
 
 
 def release_ready(runs: list[RunSpec], jobs: dict[str, dict], states: dict[str, str]) -> list[str]:
     """Release the pending SLURM jobs of branches whose start exists (a relaunch's repair); returns their ids."""
-    from study.config.run import Role
-
     ids = [jobs[r.key]["job_id"] for r in runs
            if r.role == Role.branch and r.key in jobs and jobs[r.key].get("scheduler") == "slurm"
            and states.get(jobs[r.key]["job_id"]) == "PENDING" and branch_ready(r)]

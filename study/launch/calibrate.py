@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from study.plan.planner import plan_experiment
 from study.plan.throughput import (CALIBRATION_EXPERIMENT, MFU, PER_DEVICE, TAG_CLUSTER, TAG_SHAPE, TOKENS_PER_S,
                                    devices, measured, shape_key)
 from study.plan.recipe import resolve_recipe
-from study.schema import RunDir
+from study.schema import RunDir, submitit_dir
 
 WARMUP_FRACTION = 0.25
 MIN_STEPS = 8
@@ -72,12 +73,13 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
             echo(f"  calibrated  {spec.name}: {figure.tokens_per_s_per_device:,.0f} tokens/s per device")
     if todo:
         from study.launch.callables import TrainJob
-        from study.schema import submitit_dir
+        from study.launch.local import failure_reason
+        from study.track.store import retire_runs
 
         for spec in todo:
-            if again:
-                shutil.rmtree(spec.run_dir.path, ignore_errors=True)  # a fresh measurement, not a resumed one
-                _retire(spec)
+            if again:  # a fresh measurement, not a resumed one, and the only run of its key
+                shutil.rmtree(spec.run_dir.path, ignore_errors=True)
+                retire_runs(spec.key, CALIBRATION_EXPERIMENT, spec.config.tracking, "measured again (--again)")
             write_spec(spec)
         ex = build_executor(cluster, submitit_dir(specs[0].config.paths.runs, CALIBRATION_EXPERIMENT) / "%j",
                             f"{experiment}-calibrate")
@@ -90,7 +92,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
             try:
                 job.results()  # every task's: a job of several ranks (or nodes) has no single result
             except Exception as err:  # noqa: BLE001 - every shape is waited for, then the failures are named
-                failed.append(f"{spec.name}: {str(err).strip().splitlines()[-1] if str(err).strip() else err}")
+                failed.append(f"{spec.name}: {failure_reason(err)}")
                 continue
             figure = record(spec)
             echo(f"  measured    {spec.name}: {figure:,.0f} tokens/s per device")
@@ -110,31 +112,20 @@ def record(spec: RunSpec) -> float:
 
     run = runs_by_key(CALIBRATION_EXPERIMENT, spec.config.tracking.uri)[spec.key]
     client = mlflow_client(resolve_tracking_uri(spec.config.tracking.uri))
-    history = sorted(client.get_metric_history(run.info.run_id, schema.TRAIN_TOKENS_PER_S), key=lambda m: m.step)
-    steady = [m.value for m in history if m.step > WARMUP_FRACTION * spec.config.train.max_steps]
-    if not steady:
+
+    def steady(metric: str) -> list[float]:
+        return [m.value for m in client.get_metric_history(run.info.run_id, metric)
+                if m.step > WARMUP_FRACTION * spec.config.train.max_steps]
+
+    if not (tokens := steady(schema.TRAIN_TOKENS_PER_S)):
         raise StudyError("calibrate", f"{spec.name} logged no tokens/s after warm-up",
                          "calibrate with more --steps")
-    tps = statistics.median(steady)
+    tps = statistics.median(tokens)
     metrics = {TOKENS_PER_S: tps, PER_DEVICE: tps / devices(spec)}
-    mfu = [m.value for m in client.get_metric_history(run.info.run_id, schema.TRAIN_MFU)
-           if m.step > WARMUP_FRACTION * spec.config.train.max_steps]
-    if mfu:
+    if mfu := steady(schema.TRAIN_MFU):
         metrics[MFU] = statistics.median(mfu)
-    import time
-
     now = int(time.time() * 1000)
     client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
                      tags=[RunTag(TAG_SHAPE, spec.key.split("-", 1)[0]), RunTag(TAG_CLUSTER, spec.config.cluster.name)],
                      synchronous=True)
     return metrics[PER_DEVICE]
-
-
-def _retire(spec: RunSpec) -> None:
-    """Deletes the earlier calibration run of this key, so the new measurement is the only one."""
-    from study.track.query import runs_by_key
-    from study.track.store import mlflow_client, resolve_tracking_uri
-
-    old = runs_by_key(CALIBRATION_EXPERIMENT, spec.config.tracking.uri).get(spec.key)
-    if old is not None:
-        mlflow_client(resolve_tracking_uri(spec.config.tracking.uri)).delete_run(old.info.run_id)

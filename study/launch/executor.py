@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,12 +15,15 @@ if TYPE_CHECKING:
     from study.plan.planner import Plan
 
 
-def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False):
+def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False,
+                   after: Sequence[str] = (), condition: str = "afterok", held: bool = False):
     """The one way to build a submitit executor (every stage, the relaunch after tuning, `--until-decided`'s controller
     and `study calibrate`): profiling jobs get one rank (and at most one GPU), data preparation one
     CPU-only task on the preparation partition and CPUs, a controller (the relaunch after tuning, the adaptive loop)
-    one CPU and no GPU for as long as the preset lets a job run (a requeue replays it). A `preview` one only writes the sbatch script a dry run
-    shows, so it is built where SLURM is not installed (a laptop checking a cluster launch)."""
+    one CPU and no GPU for as long as the preset lets a job run (a requeue replays it). A `preview` one only writes the
+    sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking a cluster launch).
+    On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted `held`
+    (`sbatch --hold`) when asked; local processes run in order and wait for nothing."""
     import submitit
 
     if stage == "profile":
@@ -41,7 +45,9 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str =
     params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
                   cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
                   array_parallelism=cluster.array_parallelism, setup=list(cluster.setup),
-                  additional_parameters={"requeue": True})
+                  additional_parameters={"requeue": True, **({"hold": True} if held else {})})
+    if after:
+        params["dependency"] = f"{condition}:" + ":".join(after)
     if cluster.gpus_per_node:
         params["gpus_per_node"] = cluster.gpus_per_node
     for key in ("partition", "account", "qos", "constraint"):
@@ -76,11 +82,8 @@ def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str], held: b
     """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage}"), stage, preview=True)
-    if after:
-        ex.update_parameters(dependency="afterok:" + ":".join(after))
-    if held:
-        ex.update_parameters(additional_parameters={**ex.parameters["additional_parameters"], "hold": True})
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage}"), stage, preview=True, after=after,
+                        held=held)
     from submitit.slurm.slurm import _make_sbatch_string
 
     # submitit's own writer, as submission uses it; `map_count` is how it writes the --array line

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
 from study.config.spec import RunSpec
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
@@ -111,14 +112,10 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
 def _chunks(stage: Stage, parallel: int) -> list[list[int]]:
     """The stage's runs `parallel` at a time; branches rung by rung (no batch mixes two branch points), so a race
     decides each rung before the next one trains."""
-    n = len(stage.runs)
-    if stage.name != "branch":
-        return [list(range(i, min(i + parallel, n))) for i in range(0, n, parallel)]
-    out: list[list[int]] = []
-    for at in sorted({r.points[0].at for r in stage.runs}):
-        mine = [i for i, r in enumerate(stage.runs) if r.points[0].at == at]
-        out += [mine[i:i + parallel] for i in range(0, len(mine), parallel)]
-    return out
+    rungs: dict[float, list[int]] = {}
+    for i, r in enumerate(stage.runs):
+        rungs.setdefault(r.points[0].at if stage.name == "branch" else 0.0, []).append(i)
+    return [mine[i:i + parallel] for _, mine in sorted(rungs.items()) for i in range(0, len(mine), parallel)]
 
 
 def failure_reason(err: BaseException) -> str:
@@ -165,10 +162,7 @@ def follow(plan: Plan, echo, poll_s: float = 5.0) -> None:
             jobs = journal(runs_root(plan), plan.experiment.name)
             ids = [e["job_id"] for e in jobs.values() if e.get("scheduler") == "slurm"]
             states = job_states(jobs)
-            counts: dict[str, int] = {}
-            for j in ids:
-                st = states.get(j, "VANISHED")
-                counts[st] = counts.get(st, 0) + 1
+            counts = Counter(states.get(j, "VANISHED") for j in ids)
             live.update(" ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
             if not any(states.get(j) in ACTIVE for j in ids):
                 break

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from study.errors import StudyError
+from study.launch.scheduler import append_lines
 from study.schema import launch_dir, not_a_link
 
 
@@ -20,7 +21,7 @@ def manifest_path(runs_root: str | Path, experiment: str) -> Path:
 
 
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
-                   tracking_uri: str = "", extra_seeds: dict | None = None) -> dict:
+                   tracking_uri: str = "", extra_seeds: dict | None = None) -> None:
     from study.config.secrets import redact
 
     # the masked form, here and in the MLflow tags: an override may carry a secret (`cluster.setup=[...--token X]`)
@@ -33,12 +34,9 @@ def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str],
 
     uri = resolve_tracking_uri(tracking_uri)
     check_answers(uri)  # before the line is written: a launch refused for its store leaves no manifest behind
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(entry) + "\n")
+    append_lines(path, [entry])
     client = mlflow_client(uri)
     write_manifest_tags(client, get_or_create_experiment(client, uri, experiment), entry)
-    return entry
 
 
 def latest_manifest(runs_root: str | Path, experiment: str, tracking_uri: str = "") -> dict | None:

@@ -15,15 +15,14 @@ decided. The same record goes to MLflow as the experiment's `racing` run (artifa
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from study.config.run import Role
+from study.launch.scheduler import append_lines, read_lines
 from study.schema import RunDir, launch_dir
 
 ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
@@ -34,13 +33,10 @@ def write_roster(plan) -> Path | None:
     exp = plan.experiment
     if exp.racing is None or exp.branches is None:
         return None
-    runs = []
-    for r in plan.runs:
-        if r.role not in (Role.trunk, Role.branch):
-            continue
-        runs.append({"key": r.key, "role": r.role.value, "variant": r.config.variant, "scale": r.config.scale,
-                     "seed": r.config.seed, "trunk": r.trunk, "at": r.points[0].at if r.role == Role.branch else None,
-                     "starts": [p.start for p in r.points], "gpu_hours": r.gpu_hours()})
+    runs = [{"key": r.key, "role": r.role.value, "variant": r.config.variant, "scale": r.config.scale,
+             "seed": r.config.seed, "trunk": r.trunk, "at": r.points[0].at if r.role == Role.branch else None,
+             "starts": [p.start for p in r.points], "gpu_hours": r.gpu_hours()}
+            for r in plan.runs if r.role in (Role.trunk, Role.branch)]
     roster = {"baseline": exp.baseline, "at": list(exp.branches.at), "decay": exp.branches.decay,
               "stop_equivalent": exp.racing.stop_equivalent, "decision": asdict(exp.decision), "runs": runs}
     path = launch_dir(plan.runs[0].config.paths.runs, exp.name) / ROSTER
@@ -52,29 +48,17 @@ def write_roster(plan) -> Path | None:
 
 
 def decided(runs_root: str, experiment: str) -> list[dict]:
-    """Every verdict recorded so far, in the order the rungs were decided."""
-    path = launch_dir(runs_root, experiment) / RECORD
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a killed job: the rung is decided again by the next settle
-    return out
-
-
-def stopped_arms(runs_root: str, experiment: str) -> dict[tuple[str, str], dict]:
-    """(variant, scale) -> the verdict that stopped it."""
-    return {(v["variant"], v["scale"]): v for v in decided(runs_root, experiment) if v.get("stops")}
+    """Every verdict recorded so far, in the order the rungs were decided (a rung whose line a killed job cut short
+    is decided again by the next settle)."""
+    return read_lines(launch_dir(runs_root, experiment) / RECORD)
 
 
 def stopped_keys(plan) -> dict[str, str]:
     """Run key -> why it is not trained: the trunks and the later branches of every arm the race stopped."""
     if plan.experiment.racing is None or not plan.runs:
         return {}
-    stops = stopped_arms(plan.runs[0].config.paths.runs, plan.experiment.name)
+    stops = {(v["variant"], v["scale"]): v for v in decided(plan.runs[0].config.paths.runs, plan.experiment.name)
+             if v.get("stops")}  # (variant, scale) -> the verdict that stopped it
     out = {}
     for r in plan.runs:
         v = stops.get((r.config.variant, r.config.scale))
@@ -87,29 +71,18 @@ def stopped_keys(plan) -> dict[str, str]:
     return out
 
 
-@contextmanager
-def _locked(folder: Path):
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict]:
     """Decide every rung that is ready and not yet decided, stop what it stops; returns the new verdicts."""
     folder = launch_dir(runs_root, experiment)
     if not (folder / ROSTER).is_file():
         return []
-    with _locked(folder):
+    from study.data.cache import file_lock  # here: `study status` reads the race without loading study.data
+
+    with file_lock(folder / LOCK):
         roster = json.loads((folder / ROSTER).read_text())
         new = _decide_ready(roster, runs_root, experiment)
         if new:
-            with (folder / RECORD).open("a") as f:
-                for v in new:
-                    f.write(json.dumps(v) + "\n")
+            append_lines(folder / RECORD, new)
     if new:
         _cancel_stopped(roster, runs_root, experiment, [v for v in new if v["stops"]])
         _to_mlflow(roster, runs_root, experiment, tracking_uri)
@@ -165,7 +138,7 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
             and (r["role"] == Role.trunk.value or r["at"] > arms[(r["variant"], r["scale"])])}
     jobs = journal(runs_root, experiment)
     ids = [jobs[k]["job_id"] for k in keys if k in jobs and jobs[k].get("scheduler") == "slurm"]
-    live = [j for j, state in slurm_states(ids).items() if state in ACTIVE] if ids else []
+    live = [j for j, state in slurm_states(ids).items() if state in ACTIVE]
     if live:
         import subprocess
 

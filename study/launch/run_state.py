@@ -12,6 +12,7 @@ on a node, or can never start. `study launch` (what to submit), `study status` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from study.config.spec import RunSpec, diverged
@@ -79,16 +80,6 @@ class RunState:
     def done(self) -> bool:
         return self.needs == NOTHING
 
-    @property
-    def taken(self) -> bool:
-        """A job queued or running, or a live process, works on it: a launch does not submit it twice."""
-        return self.worker.what in (RUNNING, QUEUED)
-
-    @property
-    def to_submit(self) -> bool:
-        """Whether a launch submits it: it needs something and nothing works on it (a stuck job is replaced)."""
-        return not self.done and not self.taken
-
 
 class Sources:
     """What the scheduler says of an experiment's jobs (the job journal and SLURM's states now), read once, and MLflow's
@@ -98,18 +89,11 @@ class Sources:
         self.jobs = journal(runs_root, experiment)
         self.states = job_states(self.jobs)
         self._store = experiment, tracking_uri
-        self._mlflow: dict[str, object] | None = None
 
-    @property
+    @cached_property
     def mlflow(self) -> dict[str, object]:
         """The MLflow run of each run key."""
-        if self._mlflow is None:
-            self._mlflow = runs_by_key(*self._store)
-        return self._mlflow
-
-    def mlflow_status(self, key: str) -> str:
-        run = self.mlflow.get(key)
-        return run.info.status if run is not None else "-"
+        return runs_by_key(*self._store)
 
     def job(self, key: str) -> Worker:
         """What the journal's latest job of `key` (a run key, `profile:<key>`, `prepare:<shards>`) is doing now."""
@@ -154,7 +138,8 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
     else:
         needs = NOTHING
     worker = worker_of(spec, sources)
-    mlflow = sources.mlflow_status(spec.key)
+    run = sources.mlflow.get(spec.key)
+    mlflow = run.info.status if run is not None else "-"
     disagreement = ""
     if trained and mlflow != settled_as:
         said = "holds no run of it" if mlflow == "-" else f"says {mlflow}"

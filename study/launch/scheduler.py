@@ -47,27 +47,33 @@ def journal_path(runs_root: str | Path, experiment: str) -> Path:
     return not_a_link(launch_dir(runs_root, experiment) / "jobs.jsonl")
 
 
-def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
-    """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
-    name, the job ids it waits for (`after`) and the launcher's host."""
-    path = journal_path(runs_root, experiment)
-    out: dict[str, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-                out[entry["key"]] = entry
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a killed launcher: the entries around it still count
+def read_lines(path: Path) -> list:
+    """The JSON lines of a launch record (none before the first is written). A line cut short by a killed writer is
+    skipped: the lines around it still count."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
     return out
 
 
-def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
-    path = journal_path(runs_root, experiment)
+def append_lines(path: Path, entries: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         for e in entries:
             f.write(json.dumps(e) + "\n")
+
+
+def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
+    """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
+    name, the job ids it waits for (`after`) and the launcher's host."""
+    return {e["key"]: e for e in read_lines(journal_path(runs_root, experiment)) if isinstance(e, dict) and "key" in e}
+
+
+def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
+    append_lines(journal_path(runs_root, experiment), entries)
 
 
 def _scheduler_lines(cmd: list[str]) -> list[str]:

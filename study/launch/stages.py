@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from study.config.run import Role
 from study.config.spec import RunSpec
-from study.jobs.prepare import PREPARE, DataGroup, missing_groups, shards_id
+from study.data.shards import find_shards
+from study.jobs.prepare import PREPARE, DataGroup, data_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
 from study.launch.executor import build_executor, job_name
@@ -131,7 +132,8 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not queue.busy(f"profile:{r.key}")]
     scheduled = [r for r in ready if r.role == Role.scheduled and wanted(r)]
-    prepare = [g for g in missing_groups(train + scheduled) if not queue.busy(g.key)]
+    # the shard entries not in the cache yet
+    prepare = [g for g in data_groups(train + scheduled) if find_shards(g.data) is None and not queue.busy(g.key)]
     return prepare, train, profile, scheduled
 
 
@@ -140,19 +142,16 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
 
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.name)
-    if stage.after and cfg.cluster.name != "local":
-        ex.update_parameters(dependency="afterok:" + ":".join(stage.after))
-    if stage.held and cfg.cluster.name != "local":
-        ex.update_parameters(additional_parameters={**ex.parameters["additional_parameters"], "hold": True})
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.name,
+                        after=stage.after, held=stage.held)
     if stage.name == "prepare":
         callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
     else:
         make = ProfileJob if stage.name == "profile" else TrainJob
         callables = [make(r.dir) for r in stage.runs]
     try:
-        with outside_allocation():
-            jobs = _submit_array(ex, callables)
+        with outside_allocation(), ex.batch():
+            jobs = [ex.submit(c) for c in callables]
     except Exception as err:  # sbatch's own message is the useful part
         raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
                          "check the cluster preset (partition, account, qos, time limit) against `sinfo`") from None
@@ -163,12 +162,6 @@ def submit_stage(plan: Plan, stage: Stage) -> list:
                    "name": n, "after": stage.after, "host": socket.gethostname(), "time": time.time()}
                   for k, n, j in zip(stage.keys(), names, ids)])
     stage.job_ids = ids
-    return jobs
-
-
-def _submit_array(ex, callables: list) -> list:
-    with ex.batch():
-        jobs = [ex.submit(c) for c in callables]
     return jobs
 
 

@@ -8,6 +8,7 @@ Without overrides the runs are those of the experiment's last launch (its manife
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from study import schema
@@ -140,8 +141,5 @@ def print_status(rows: list[RunStatus], title: str) -> None:
                       str(s.last_step) if s.last_step is not None else "-",
                       f"{s.val_loss:.4f}" if s.val_loss is not None else "-", str(s.restarts), s.verdict)
     console().print(table)
-    counts: dict[str, int] = {}
-    for s in rows:
-        word = s.verdict.split(" (")[0]
-        counts[word] = counts.get(word, 0) + 1
+    counts = Counter(s.verdict.split(" (")[0] for s in rows)
     console().print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

@@ -38,7 +38,7 @@ from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_ro
     submit_stage
 from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
-from study.schema import submitit_dir
+from study.schema import TAG_FAILURE_REASON, submitit_dir
 from study.track.groups import ensure_parents
 from study.config.secrets import mask_text, redact
 
@@ -173,8 +173,6 @@ def _tune_keys(stages: list[Stage]) -> frozenset[str]:
 
 def _without_tried(stages: list[Stage], tried: frozenset[str], queue: Queue, experiment: str, echo) -> list[Stage]:
     """The stages less the tune runs this chain of relaunches already trained, each named with why it is unsettled."""
-    from study.schema import TAG_FAILURE_REASON
-
     out = []
     for stage in stages:
         again = [r for r in stage.runs if r.key in tried] if stage.name == "tune" else []
@@ -194,8 +192,7 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
     cfg = plan.runs[0].config
     # `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                        job_name(f"{cfg.experiment}-after-tuning"), "controller")
-    ex.update_parameters(dependency="afterany:" + ":".join(after))
+                        job_name(f"{cfg.experiment}-after-tuning"), "controller", after=after, condition="afterany")
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
     record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",

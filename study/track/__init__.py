@@ -1,2 +1,2 @@
-"""Tracking in MLflow: the buffered tracker (`tracker`), store access and retries (`store`), a local tracking server
-(`server`), config as params (`params`), run tags (`tags`) and the one query module for reading back (`query`)."""
+"""Tracking in MLflow: the buffered tracker (`tracker`), store access and retries (`store`), config as params
+(`params`), run tags (`tags`) and the one query module for reading back (`query`)."""

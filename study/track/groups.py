@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections.abc import Mapping
 
 from study import schema
@@ -98,8 +99,8 @@ def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, flo
     return out, len(done)
 
 
-def refresh(client, run_id: str) -> dict[str, float]:
-    """Recomputes the summary on the parent of seed run `run_id` (nothing when it has none) and returns it."""
+def refresh(client, run_id: str) -> None:
+    """Recomputes the summary on the parent of seed run `run_id` (nothing when it has none)."""
     from mlflow.entities import Metric
 
     from study.track.query import read_manifest_tags
@@ -107,7 +108,7 @@ def refresh(client, run_id: str) -> dict[str, float]:
     run = client.get_run(run_id)
     parent = run.data.tags.get(PARENT)
     if not parent:
-        return {}
+        return
     experiment_id = run.info.experiment_id
     children = client.search_runs([experiment_id], filter_string=f"tags.`{PARENT}` = '{parent}'", max_results=1000)
     manifest = read_manifest_tags(client, client.get_experiment(experiment_id).name)
@@ -115,17 +116,14 @@ def refresh(client, run_id: str) -> dict[str, float]:
     metrics, n = summary(children, keys)
     share_datasets(client, parent, children)
     if metrics:
-        import time
-
         now = int(time.time() * 1000)
         points = [Metric(k, v, now, n) for k, v in metrics.items()]
         for i in range(0, len(points), 1000):
             client.log_batch(parent, metrics=points[i:i + 1000], synchronous=True)
-    return metrics
 
 
-def share_datasets(client, parent_id: str, children: list) -> list[str]:
-    """Log on the parent every dataset input its seed runs carry and it lacks (one per digest); the digests added.
+def share_datasets(client, parent_id: str, children: list) -> None:
+    """Log on the parent every dataset input its seed runs carry and it lacks (one per digest).
 
     The runs table folds seed runs under their parent, so the folded row is the one read: its Dataset column shows
     the shards the cell trained on, as each seed run's row does (`study.track.lineage.dataset_input`)."""
@@ -137,7 +135,6 @@ def share_datasets(client, parent_id: str, children: list) -> list[str]:
                 new.setdefault(found.dataset.digest, found)
     if new:
         client.log_inputs(parent_id, datasets=list(new.values()))
-    return list(new)
 
 
 def refresh_quietly(client, run_id: str) -> None:

@@ -47,10 +47,10 @@ def _checkout() -> tuple[str | None, bool, str | None]:
     return commit, dirty, git("remote", "get-url", "origin")
 
 
-def source_tags(entry: str = "study train") -> dict[str, str]:
-    """MLflow's source tags for a run started by `entry`, with the git commit of the code when it is a checkout
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags for a run started by `study train`, with the git commit of the code when it is a checkout
     (`study.git_dirty` says whether tracked files differed from it) and the package version."""
-    tags = {SOURCE_NAME: entry, SOURCE_TYPE: "JOB", "study.version": installed_version()}
+    tags = {SOURCE_NAME: "study train", SOURCE_TYPE: "JOB", "study.version": installed_version()}
     commit, dirty, remote = _checkout()
     if commit is not None:
         tags[GIT_COMMIT] = commit

@@ -66,23 +66,17 @@ class MetricLog:
 
 def reconcile(log: MetricLog, logged_upto: dict[str, int], stored_steps) -> list[Point]:
     """Raise `logged_upto` to every step the log holds (a resumed run's recomputed points are repeats) and return
-    the log's points the store lacks; `stored_steps(key)` gives the steps the store has for a key."""
+    the log's points whose (key, step) the store lacks, first occurrence per (key, step); `stored_steps(key)` gives
+    the steps the store has for a key."""
     points = log.read()
-    for key, _, _, step in points:
+    stored = {k: stored_steps(k) for k in {p[0] for p in points}}
+    missing, seen = [], set()
+    for point in points:
+        key, step = point[0], point[3]
         logged_upto[key] = max(logged_upto.get(key, step), step)
-    missing = missing_from_store(points, {k: stored_steps(k) for k in {p[0] for p in points}})
+        if step not in stored[key] and (key, step) not in seen:
+            missing.append(point)
+        seen.add((key, step))
     if missing:
         logger.warning("sending %d metric points the store lacks from %s", len(missing), log.path)
     return missing
-
-
-def missing_from_store(log: list[Point], stored: dict[str, set[int]]) -> list[Point]:
-    """The log's points whose (key, step) the store does not hold, first occurrence per (key, step)."""
-    out, seen = [], set()
-    for point in log:
-        key, step = point[0], point[3]
-        if step in stored.get(key, ()) or (key, step) in seen:
-            continue
-        seen.add((key, step))
-        out.append(point)
-    return out

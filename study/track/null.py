@@ -1,33 +1,15 @@
-"""What training code may call on a run's tracker (`RunTracker`), and the tracker of ranks other than 0, which
-satisfies it by doing nothing. Which rank gets which is the caller's decision (`study.train.tracking`)."""
+"""The tracker of ranks other than 0, which takes a run's calls and does nothing, and `RunTracker`, what training code
+holds: that or `study.track.tracker.Tracker`, which talks to MLflow. Which rank gets which is the caller's decision
+(`study.train.tracking`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Union
 
-
-class RunTracker(Protocol):
-    """The calls a training run makes on its tracker; `study.track.tracker.Tracker` talks to MLflow."""
-
-    run_id: str | None
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def log_artifact(self, source: Path | str, name: str) -> None: ...
-
-    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any: ...
-
-    def sync(self) -> None: ...
-
-    def pending(self) -> int: ...
-
-    def dropped(self) -> int: ...
-
-    def flush(self, timeout_s: float = 30.0) -> bool: ...
-
-    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int: ...
+if TYPE_CHECKING:
+    from study.track.tracker import Tracker
 
 
 class NullTracker:
@@ -48,14 +30,13 @@ class NullTracker:
     def sync(self) -> None:
         pass
 
-    def pending(self) -> int:
-        return 0
-
-    def dropped(self) -> int:
-        return 0
-
     def flush(self, timeout_s: float = 30.0) -> bool:
         return True
 
     def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
         return 0
+
+
+RunTracker = Union["Tracker", NullTracker]
+"""What training code may call on a run's tracker: what both define (log_metrics, log_artifact, record, sync, flush,
+close and run_id)."""

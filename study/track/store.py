@@ -210,12 +210,6 @@ def params_to_log(existing: Mapping[str, str], params: Mapping[str, str]) -> dic
     return {k: v for k, v in wanted.items() if k not in existing}
 
 
-def slurm_job_id() -> str | None:
-    """`<array job>_<task>` for an array task (as squeue shows it), the job id otherwise, None outside SLURM."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
-
-
 def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapping[str, str],
              params: Mapping[str, str]) -> tuple:
     """The run for `run_key` and the params it still lacks: resumed (RUNNING again, `study.restarts` + 1) if it
@@ -223,8 +217,6 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
     from mlflow.entities import RunTag
 
     tags = {**tags, schema.TAG_RUN_KEY: run_key}
-    if (job := slurm_job_id()) is not None:
-        tags.setdefault(schema.TAG_SLURM_JOB, job)
     runs = find_runs(client, experiment_id, run_key)
     if runs:
         run_id, old_tags = runs[0].info.run_id, runs[0].data.tags

@@ -25,9 +25,9 @@ def run_tags(spec: RunSpec) -> dict[str, str]:
         point = spec.points[0]
         tags |= {schema.TAG_TRUNK_KEY: str(spec.trunk), schema.TAG_BRANCH_STEP: str(point.start),
                  schema.TAG_BRANCH_AT: f"{point.at:g}"}
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")
-    if job:
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    # `<array job>_<task>` for an array task (as squeue shows it), the job id otherwise
+    if job := f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID"):
         tags[schema.TAG_SLURM_JOB] = job
         tags[schema.TAG_SLURM_RESTARTS] = os.environ.get("SLURM_RESTART_COUNT", "0")
     return tags

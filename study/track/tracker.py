@@ -58,8 +58,8 @@ class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
     Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 opens
-    one; other ranks hold a `NullTracker` (both satisfy `study.track.null.RunTracker`). Uses `MlflowClient`, never the fluent global run, so several trackers
-    coexist in one process. Usable as a context manager: an exception closes the run FAILED with its message.
+    one; other ranks hold a `NullTracker` (`study.track.null.RunTracker` is either). Uses `MlflowClient`, never
+    the fluent global run, so several trackers coexist in one process.
     """
 
     def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool,
@@ -133,11 +133,16 @@ class Tracker:
             return run
 
         tracker = cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
-        if system_metrics:
-            from study.track.system import system_metrics_monitor
-
-            uri = tracker._client.tracking_uri
-            tracker._monitor = system_metrics_monitor(tracker.run_id, cfg.system_metrics_s, uri)
+        if system_metrics:  # MLflow's monitor: CPU, memory, disk, network (GPU with pynvml) as `system/...` metrics
+            try:
+                import psutil  # noqa: F401  (the monitor needs it)
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+            except ImportError:
+                logger.info("system metrics are off: install psutil (and pynvml for GPUs) to record them")
+            else:
+                tracker._monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=cfg.system_metrics_s,
+                                                        resume_logging=True, tracking_uri=tracker._client.tracking_uri)
+                tracker._monitor.start()
         return tracker
 
     @classmethod
@@ -242,10 +247,6 @@ class Tracker:
         with self._lock:
             return len(self._buffer) + len(self._inflight) + len(self._artifacts)
 
-    def dropped(self) -> int:
-        """Metric points given up: the buffer overflowed during an outage, or MLflow rejected them."""
-        return self._dropped
-
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Ships everything buffered now (call before a checkpoint); True when it all landed within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -279,17 +280,6 @@ class Tracker:
         if left:
             logger.error("MLflow run %s closed with %d points/artifacts undelivered", self.run_id, left)
         return left
-
-    def __enter__(self) -> Tracker:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None:
-            self.close()
-        elif isinstance(exc, KeyboardInterrupt):
-            self.close("KILLED", reason="interrupted")
-        else:
-            self.close("FAILED", reason=f"{type(exc).__name__}: {exc}")
 
     def _close_at_exit(self) -> None:
         self.close("FAILED", reason="process exited without closing its tracker", timeout_s=5.0)
