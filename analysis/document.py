@@ -19,6 +19,7 @@ from analysis.race_report import race_blocks
 from analysis.result import Analysis
 from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
 from analysis.scaling import ScalingReport
+from study.config.secrets import mask_text
 from study.schema import TAG_EVAL, TAG_LR_SOURCE
 from analysis.surface import SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
@@ -58,7 +59,7 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
                   + (f" {a.sequential_note}" if a.sequential_note else "")),
         Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
                   + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
-                  + f"). Metrics: {', '.join(a.metrics)}. Store: {_without_credentials(a.uri)}. "
+                  + f"). Metrics: {', '.join(a.metrics)}. Store: {mask_text(a.uri)}. "
                   f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."
                   + "".join(f" {note}" for note in a.run_notes)),
         *([Paragraph(_TUNED + (f"; the {a.shared_runs} runs at the shared LR are decided beside them under 'Shared "
@@ -481,12 +482,6 @@ def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> li
     if len(blocks) == 1:
         blocks.append(Paragraph("None: every run finished and every seed has its baseline partner."))
     return blocks
-
-
-def _without_credentials(uri: str) -> str:
-    """The tracking URI as it may appear in a shared report: any ``user:password@`` dropped."""
-    scheme, sep, rest = uri.partition("://")
-    return f"{scheme}{sep}{rest.split('@', 1)[-1]}" if sep and "@" in rest.split("/", 1)[0] else uri
 
 
 def _task_label(metrics: Sequence[str]) -> str:

@@ -32,7 +32,7 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
     from study.plan.planner import plan_experiment
 
     before = plan_experiment("geo")
-    pending = [r for r in before.runs if r.cfg.role == "scheduled"]
+    pending = [r for r in before.runs if r.config.role == "scheduled"]
     assert pending and all(r.pending and r.params is None for r in pending)
 
     stages = launch("geo", ["cluster=local"], echo=lambda m: None)
@@ -40,14 +40,14 @@ def test_reference_profile_then_scheduled_runs_train_at_the_budget(geometry_expe
     assert [s.name for s in stages if s.name != "prepare"] == ["train", "profile", "scheduled"]
 
     after = plan_experiment("geo")
-    ref = next(r for r in after.runs if r.cfg.role == "reference")
+    ref = next(r for r in after.runs if r.config.role == "reference")
     profile = json.loads((workdir / "runs" / "geo" / ref.key / "profile.json").read_text())
     assert profile["layers"] == 4 and set(profile["stats"]) == {"shift", "gw", "topo"}
     assert all(len(profile["stats"][s][g]) == 4 for s in profile["stats"] for g in ("raw", "spherical", "hyperbolic"))
     assert len(profile["intrinsic_dim"]) == 4
-    scheduled = {r.cfg.variant: r for r in after.runs if r.cfg.role == "scheduled"}
+    scheduled = {r.config.variant: r for r in after.runs if r.config.role == "scheduled"}
     for run in scheduled.values():
-        assert run.pending is None and abs(run.mismatch) <= run.cfg.budget.tolerance
+        assert run.pending is None and abs(run.mismatch) <= run.config.budget.tolerance
         assert run.params['counted'] == ref.params['counted'] or abs(run.mismatch) > 0
     geo, anti = scheduled["geometry"].model.ffn.widths, scheduled["anti"].model.ffn.widths
     assert geo != anti and len(set(geo)) > 1

@@ -58,7 +58,7 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
     # the session's data cache may not hold these shards yet: then a prepare job comes first
     assert [s.name for s in stages if s.name != "prepare"] == ["train"] and len(stages[-1].runs) == 2
     plan = plan_experiment(name, over)
-    victim = next(r for r in plan.runs if r.cfg.variant == "hourglass")
+    victim = next(r for r in plan.runs if r.config.variant == "hourglass")
     victim_job = journal(plan.runs[0].config.paths.runs, name)[victim.key]["job_id"]
     ckpts = workdir / "runs" / name / victim.key / "checkpoints"
     deadline = time.time() + 300
@@ -108,7 +108,7 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
     stages = launch(name, over, echo=lambda m: None)
     plan = plan_experiment(name, over)
     jobs = journal(plan.runs[0].config.paths.runs, name)
-    a, b = [r for r in plan.runs if r.cfg.variant == "conventional"]
+    a, b = [r for r in plan.runs if r.config.variant == "conventional"]
     deadline = time.time() + 300
     for run in (a, b):  # both past their first checkpoint, neither finished
         ckpts = workdir / "runs" / name / run.key / "checkpoints"

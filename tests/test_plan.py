@@ -161,7 +161,7 @@ def test_demo_is_tiny_and_matched(capsys):
 
 def test_seeds_share_a_shape_and_differ_in_key():
     plan = plan_experiment("demo")
-    hg = [r for r in plan.runs if r.cfg.variant == "hourglass" and r.role != "tune"]
+    hg = [r for r in plan.runs if r.config.variant == "hourglass" and r.role != "tune"]
     assert len({r.key for r in hg}) == 3 and len({tuple(r.model.ffn.widths) for r in hg}) == 1
 
 

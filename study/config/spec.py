@@ -65,10 +65,6 @@ class RunSpec:
     """Key and spec schema version."""
 
     @property
-    def cfg(self) -> RunConfig:
-        return self.config
-
-    @property
     def model(self):
         return self.config.model
 

@@ -52,9 +52,9 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     if is_of_record(spec, settings):
         # which evaluation the eval/<task>/* scores are: tagged once its points and artifacts have landed
         _set_tags(spec, tracker.run_id, {TAG_EVAL + task: settings.id for task in settings.tasks})
-        from study.track.groups import refresh_quietly
+        from study.track.groups import refresh
 
-        tracker.record("parent summary", refresh_quietly)  # the variant's mean and spread include these scores
+        tracker.record("parent summary", refresh)  # the variant's mean and spread include these scores
     return record
 
 

@@ -14,7 +14,6 @@ it is never the only record of anything.
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import time
@@ -24,7 +23,6 @@ from study import schema
 from study.config.run import Role
 from study.track.lineage import DESCRIPTION, PARENT
 
-logger = logging.getLogger(__name__)
 TAG_GROUP = "study.group"
 SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)
 """Final metrics a parent summarises, besides every `eval/...` score."""
@@ -135,11 +133,3 @@ def share_datasets(client, parent_id: str, children: list) -> None:
                 new.setdefault(found.dataset.digest, found)
     if new:
         client.log_inputs(parent_id, datasets=list(new.values()))
-
-
-def refresh_quietly(client, run_id: str) -> None:
-    """`refresh`, with a failure logged rather than raised: the seed runs hold every number it would show."""
-    try:
-        refresh(client, run_id)
-    except Exception as exc:  # noqa: BLE001 - a summary must never fail a training run or an evaluation
-        logger.warning("could not update the parent run of %s: %s", run_id, str(exc).splitlines()[0][:200])
