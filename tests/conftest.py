@@ -38,16 +38,24 @@ TINY = ["scale=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """A test that only reads what a module fixture trained is an integration test too: the quick tier would
-    otherwise train that fixture for it. Such fixtures are the module-scoped ones an `integration` test uses."""
+    """Tests that share a module fixture run on one xdist worker (each worker would otherwise build the fixture
+    again: a module-scoped fixture lives per process), unless they already name a group. A test that only reads what
+    a module fixture trained is an integration test too: the quick tier would otherwise train that fixture for it.
+    Such fixtures are the module-scoped ones an `integration` test uses."""
     heavy = set()
     for item in items:
+        shared = [name for name in item.fixturenames if _module_scoped(item, name)]
+        if shared and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         if item.get_closest_marker("integration"):
-            for name in item.fixturenames:
-                defs = item._fixtureinfo.name2fixturedefs.get(name)
-                if defs and defs[-1].scope == "module":
-                    heavy.add((item.module.__name__, name))
+            heavy.update((item.module.__name__, name) for name in shared)
     for item in items:
         if not item.get_closest_marker("integration") and any(
                 (item.module.__name__, name) in heavy for name in item.fixturenames):
             item.add_marker(pytest.mark.integration)
+
+
+def _module_scoped(item, name: str) -> bool:
+    """The fixture `name` the test uses is one of its module's (or a conftest's) module-scoped fixtures."""
+    defs = item._fixtureinfo.name2fixturedefs.get(name)
+    return bool(defs) and defs[-1].scope == "module"
