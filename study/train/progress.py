@@ -34,14 +34,11 @@ class Progress(Callback):
         self.last = step
         if self.path is not None:
             rate = (step - self.start) / max(time.monotonic() - self.t0, 1e-9)
-            write_progress(self.path, {"step": step, "max_steps": self.total, "loss": loss, "tokens_per_s": tps,
-                                       "eta_s": (self.total - step) / rate if rate > 0 else None})
+            # replaced whole (write, then rename): a reader never sees half of it
+            replace_file(self.path, json.dumps({"step": step, "max_steps": self.total, "loss": loss,
+                                                "tokens_per_s": tps, "time": time.time(),
+                                                "eta_s": (self.total - step) / rate if rate > 0 else None}))
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def write_progress(path: Path, figures: dict) -> None:
-    """Replaces progress.json whole (write, then rename), so a reader never sees half of it."""
-    replace_file(path, json.dumps({**figures, "time": time.time()}))
