@@ -405,7 +405,8 @@ def huber_fit(model, log_loss: np.ndarray, starts: np.ndarray, lower: np.ndarray
         ends, cost = huber_descent(model, log_loss, np.ones((len(starts), len(log_loss))), starts,
                                    np.tile(lower, (len(starts), 1)), np.tile(upper, (len(starts), 1)))
         finite = np.flatnonzero(np.isfinite(cost) & np.all(np.isfinite(ends), axis=1))
-        starts = ends[finite[np.argsort(cost[finite], kind="stable")]]
+        # where no batched end is finite, scipy still tries the starts themselves
+        starts = ends[finite[np.argsort(cost[finite], kind="stable")]] if len(finite) else starts
     for start in starts:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
