@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,20 @@ def _module_scoped(item, name: str) -> bool:
     """The fixture `name` the test uses is one of its module's (or a conftest's) module-scoped fixtures."""
     defs = item._fixtureinfo.name2fixturedefs.get(name)
     return bool(defs) and defs[-1].scope == "module"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With STUDY_TEST_CPU=<file>, one JSON line per test: the CPU seconds its worker spent on it (setup, call and
+    teardown) and those of the child processes it reaped (local jobs, `study` subprocesses; SLURM jobs are not
+    children), beside its wall time. The suite is CPU-bound on two cores: this says which tests to shrink."""
+    path = os.environ.get("STUDY_TEST_CPU")
+    before, start = os.times(), time.monotonic()
+    yield
+    if path:
+        after = os.times()
+        own = after.user + after.system - before.user - before.system
+        children = after.children_user + after.children_system - before.children_user - before.children_system
+        with open(path, "a") as out:
+            out.write(json.dumps({"test": item.nodeid, "cpu": round(own, 2), "children_cpu": round(children, 2),
+                                  "wall": round(time.monotonic() - start, 2)}) + "\n")
