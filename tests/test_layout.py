@@ -15,7 +15,7 @@ from conftest import ROOT
 PACKAGES = ("study", "analysis")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("study", "study.errors", "study.console"),  # user errors, where tables are printed
+    ("study", "study.errors", "study.console", "study.files"),  # user errors, tables, files written whole and locked
     ("study.schema",),  # names other tools rely on: MLflow tags, metric names, the run directory
     ("study.config",),  # typed configs, the run key, the run spec, secret masking
     ("study.models", "study.data", "study.geometry", "study.track"),  # pure libraries, each on its own

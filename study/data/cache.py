@@ -7,16 +7,15 @@ makes the parallel jobs of a sweep wait for one builder instead of each building
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from study.config.identity import json_digest
+from study.files import file_lock
 
 TMP_MARK = ".tmp-"
 PARTIAL = ".partial"
@@ -53,24 +52,6 @@ def file_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def replace_file(path: Path, content: str | bytes) -> None:
-    """Write `path` whole: into a hidden file of this process beside it, then renamed over it, so a reader (or another
-    process writing it) never sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(content if isinstance(content, bytes) else content.encode())
-    os.replace(tmp, path)
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock held for the duration of the block (released by the kernel if we die)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_once(entry: Path, build: Callable[[Path], None], resumable: bool = False) -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -39,6 +38,7 @@ from study.config.identity import json_digest
 from study.config.data import VAL_BLOCK, VAL_SPLIT_SEED, DataConfig, tokenize_procs
 from study.data.cache import cache_key, fingerprint_path, sha256_file
 from study.errors import StudyError
+from study.files import replace_file
 
 if TYPE_CHECKING:
     from study.data.tokenizer import TokenizerFile
@@ -333,9 +333,7 @@ def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: 
         for future in as_completed([pool.submit(scan_file, f, dtype) for f in todo]):
             result = future.result()
             scanned[result["path"]] = result
-            tmp = record.with_suffix(".tmp")
-            tmp.write_text(json.dumps(scanned))
-            os.replace(tmp, record)  # the record only ever names finished scans
+            replace_file(record, json.dumps(scanned))  # the record only ever names finished scans
             bar.update(result["tokens"] * dtype.itemsize)
             if after_file:
                 after_file(len(scanned))

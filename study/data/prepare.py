@@ -26,6 +26,7 @@ import numpy as np
 from study.config.data import DataConfig
 from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS, token_dtype
 from study.data.sources import Layout, Source, capped
+from study.files import replace_file
 
 if TYPE_CHECKING:
     from study.data.tokenizer import TokenizerFile
@@ -119,9 +120,7 @@ def _write_chunk(texts: list[str], p, state: dict[str, Any], encoder, eos_id: in
     state["bytes"] += sum(len(t.encode()) for t in texts)
     state["chunks"] += 1
     state["seconds"] += time.perf_counter() - start
-    tmp = out / f"{PROGRESS}.tmp"
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, out / PROGRESS)  # the record only ever names bytes that are on disk
+    replace_file(out / PROGRESS, json.dumps(state))  # the record only ever names bytes that are on disk
     tokens = sum(s["tokens"] for s in state["splits"].values())
     bar.update(len(texts))
     bar.set_postfix_str(f"{tokens:,} tokens, {tokens / max(state['seconds'], 1e-9) / 1e6:.2f} M tokens/s",

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from study.config.data import TRAIN_BPE, DataConfig, cache_root, validate_data
-from study.data.cache import build_once, cache_key, file_lock, replace_file, sha256_file
+from study.data.cache import build_once, cache_key, sha256_file
+from study.files import file_lock, replace_file
 from study.data.flat import TokenStream, flat_streams, write_flat
 from study.data.sources import Layout, Source, capped, layout, source_key
 from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS

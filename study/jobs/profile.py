@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from study.config.spec import RunSpec
+from study.files import replace_file
 
 
 def profiling_batches(data, n_sequences: int, n_tokens: int):
@@ -44,9 +44,7 @@ def profile_run(spec: RunSpec, geometry=None) -> Path:
 
     out = spec.run_dir.path
     path = spec.run_dir.profile
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    os.replace(tmp, path)  # scheduled runs never see a half-written profile
+    replace_file(path, json.dumps(profile, indent=1))  # scheduled runs never see a half-written profile
     plot_profile(profile, out / "profile.png")
 
     uniform = spec.model.ffn.widths  # the reference's own (uniform) widths

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 from study.config.run import Role
 from study.launch.scheduler import append_lines, read_lines
+from study.files import file_lock, replace_file
 from study.schema import RunDir, launch_dir
 
 ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
@@ -41,9 +41,7 @@ def write_roster(plan) -> Path | None:
               "stop_equivalent": exp.racing.stop_equivalent, "decision": asdict(exp.decision), "runs": runs}
     path = launch_dir(plan.runs[0].config.paths.runs, exp.name) / ROSTER
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(roster, indent=1))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(roster, indent=1))
     return path
 
 
@@ -76,8 +74,6 @@ def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict
     folder = launch_dir(runs_root, experiment)
     if not (folder / ROSTER).is_file():
         return []
-    from study.data.cache import file_lock  # here: `study status` reads the race without loading study.data
-
     with file_lock(folder / LOCK):
         roster = json.loads((folder / ROSTER).read_text())
         new = _decide_ready(roster, runs_root, experiment)

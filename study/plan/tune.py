@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from study.config.validate import SEED_MAX, is_number
 from study.errors import StudyError
+from study.files import replace_file
 
 DEFAULT_EXTEND = 2
 """Grid points added beyond an edge, per direction, unless `tune.extend` says otherwise."""
@@ -332,7 +332,5 @@ def write_record(path: Path, tuning: Tuning, choices: dict[str, Choice]) -> dict
                              "points": [point(p) for p in c.points]} for s, c in choices.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     confined(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(record, indent=1, allow_nan=False))
     return record

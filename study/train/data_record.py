@@ -20,7 +20,7 @@ from pathlib import Path
 
 from study.config.data import tokenize_procs
 from study.config.spec import RunSpec
-from study.data.cache import replace_file
+from study.files import replace_file
 from study.data.flat import spot_digests
 from study.errors import StudyError
 from study.schema import not_a_link

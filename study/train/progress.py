@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from study.data.cache import replace_file
+from study.files import replace_file
 from study.train.callbacks import Callback
 from study.train.distributed import Dist
 

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from study.config.spec import RunSpec, held_spec, write_spec
-from study.data.cache import replace_file
+from study.files import replace_file
 from study.errors import StudyError
 from study.train import checkpoint
 
