@@ -3,6 +3,7 @@ harness). Light on purpose: a launch checks its runs' tasks without importing to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +27,15 @@ _TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_sca
 
 def local_task_names(task_dir: Path) -> list[str]:
     """Names of the tasks whose YAML templates lie in task_dir."""
-    return sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path in task_dir.glob("*.yaml"))
+    templates = sorted(task_dir.glob("*.yaml"))
+    return list(_task_names(tuple((path, path.stat().st_mtime_ns) for path in templates)))
+
+
+@functools.lru_cache(maxsize=16)
+def _task_names(templates: tuple[tuple[Path, int], ...]) -> tuple[str, ...]:
+    """The task names of these templates, parsed once per file version: a plan checks every run's tasks, and parsing
+    the YAMLs for each run was most of a large plan's validation."""
+    return tuple(sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path, _ in templates))
 
 
 def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None,
