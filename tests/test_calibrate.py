@@ -35,6 +35,7 @@ def test_plan_hours_come_from_the_measurement_of_each_runs_shape_else_from_the_a
                                               / (t.gpu_peak_tflops * 1e12 * t.assumed_mfu) / 3600, rel=1e-12)
 
 
+@pytest.mark.no_store
 def test_too_few_calibration_steps_are_refused_before_anything_is_submitted(workdir, capsys):
     assert main(["calibrate", "demo", "--steps", "3"]) == 2
     assert "--steps" in capsys.readouterr().err

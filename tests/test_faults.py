@@ -136,6 +136,7 @@ def test_a_non_finite_validation_loss_fails_the_run_with_its_step(workdir, capsy
     assert not list(workdir.glob("runs/faults/*/result.json"))
 
 
+@pytest.mark.no_store
 def test_unwritable_run_directory_is_refused_before_anything_is_tracked(workdir):
     from study.errors import StudyError
 

@@ -83,6 +83,7 @@ def test_a_report_out_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys):
 # links in a run directory
 
 
+@pytest.mark.no_store
 @pytest.mark.parametrize("name", [".lease", "config.yaml", "result.json", "metrics.jsonl", "export"])
 def test_training_refuses_a_link_in_its_run_directory_and_leaves_its_target_alone(name, workdir, capsys):
     spec = select_run(RUN)
@@ -111,6 +112,7 @@ def test_export_refuses_a_linked_export_folder(workdir, capsys):
     assert (outside / "config.json").read_text() == "not the run's"
 
 
+@pytest.mark.no_store
 @pytest.mark.parametrize("linked", ["_launch", "_launch/manifest.jsonl", "_launch/jobs.jsonl"])
 def test_a_linked_launch_folder_or_journal_is_refused_and_nothing_is_written_through_it(linked, workdir, capsys):
     from study.launch.manifest import write_manifest
@@ -342,6 +344,7 @@ def _port_nothing_listens_on() -> int:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv", [["status", "demo"], ["launch", "demo"], ["report", "demo"], ["train", *RUN]],
                          ids=["status", "launch", "report", "train"])
+@pytest.mark.no_store
 def test_a_tracking_server_that_does_not_answer_is_refused_at_first_contact_with_its_uri_masked(argv, workdir,
                                                                                                 monkeypatch, capsys):
     port = _port_nothing_listens_on()

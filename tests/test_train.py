@@ -125,6 +125,7 @@ def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
     assert a["val_loss"] == b["val_loss"]
 
 
+@pytest.mark.no_store
 def test_a_validation_split_smaller_than_one_batch_is_refused_before_the_first_step(workdir):
     from study.errors import StudyError
 

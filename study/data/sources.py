@@ -91,11 +91,11 @@ class Source:
     @functools.cached_property
     def splits(self) -> dict[str, Any]:
         """Split name -> a `datasets` object (or, for the embedded corpus, its JSONL path), opened on first use."""
+        cfg = self.cfg
+        if self.kind == "jsonl":  # read line by line: no need to import `datasets` (0.6 s in every training process)
+            return {cfg.train_split: self.path}
         import datasets
 
-        cfg = self.cfg
-        if self.kind == "jsonl":
-            return {cfg.train_split: self.path}
         if self.kind == "disk":
             loaded = datasets.load_from_disk(str(self.path))
         else:
