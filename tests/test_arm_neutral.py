@@ -41,11 +41,14 @@ def test_every_arm_of_a_shipped_comparison_starts_corresponding_matrices_at_the_
     enters its init. The olmo2 arm keeps its block's own rule (truncated normal), at the same std."""
     per_scale: dict[str, dict[str, set[float]]] = defaultdict(lambda: defaultdict(set))
     rules: dict[str, set[str]] = defaultdict(set)
+    built: dict[str, dict[str, set[float]]] = {}  # seeds and tune points share their arm's model: built once
     for run in plan_experiment(experiment).runs:
         m = run.model
         if m.ffn.widths is None:  # a scheduled run whose widths wait for its profile: its rule is its config's
             m = ModelConfig(**{**m.__dict__, "ffn": FFNConfig(widths=[m.ffn.width] * m.n_layers)})
-        for role, stds in role_stds(m).items():
+        if repr(m) not in built:
+            built[repr(m)] = role_stds(m)
+        for role, stds in built[repr(m)].items():
             per_scale[run.config.scale][role] |= stds
         if m.block == "llama":
             rules[run.config.scale].add(m.init_rule)
