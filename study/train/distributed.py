@@ -25,15 +25,32 @@ class Dist:
         return self.world_size // self.nodes
 
 
+STORE_PORTS = (20000, 32768)
+"""Where a SLURM job's rendezvous port is taken from: below Linux's default ephemeral range (32768-60999), from
+which every outgoing connection of the host (to the tracking server, to slurmctld) takes its local port. submitit's
+own draw spans 20000-60000: job 10's port, 57447, was once a live connection's on the first host, and rank 0 could
+not bind it (the other ranks then waited out the collective timeout)."""
+
+
+def store_port(job_id: str) -> int:
+    """The rendezvous port of SLURM job `job_id`: the same on every rank, different for jobs whose ids are closer
+    than the range's width (an array's elements, a sweep's jobs)."""
+    low, high = STORE_PORTS
+    return low + int(job_id) % (high - low)
+
+
 def _export_slurm_env() -> bool:
     """Under `srun`/submitit with several tasks, derive torch.distributed's variables from SLURM's: RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT (the first host of the job's node list, a port submitit
-    draws from the job id). True when it did."""
+    WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT (the first host of the job's node list, a port drawn
+    from the job id by :func:`store_port` unless MASTER_PORT is set). True when it did."""
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return False
     import submitit
 
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    if "MASTER_PORT" not in os.environ and os.environ.get("SLURM_JOB_ID", "").isdigit():
+        os.environ["MASTER_PORT"] = str(store_port(os.environ["SLURM_JOB_ID"]))
+    # overwrite: MASTER_PORT is set (here, or by the user), and submitit refuses to export over any variable
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return True
 
 
@@ -83,7 +100,15 @@ def _job_store(rank: int, world: int, timeout):
     if rank == 0:
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a requeued job binds its port again at once
-        server.bind((address, port))
+        try:
+            server.bind((address, port))
+        except OSError as err:
+            server.close()
+            from study.errors import StudyError
+
+            raise StudyError("MASTER_PORT", f"rank 0 cannot serve the job's rendezvous on {host}:{port} "
+                             f"({err.strerror})", "relaunch (a requeued job binds again), or export MASTER_PORT=<a "
+                             "free port> in `cluster.setup`") from None
         server.listen(max(world, 128))
         fd = server.detach()  # the store owns the socket from here
     return dist.TCPStore(address, port, world, rank == 0, timeout, master_listen_fd=fd)
