@@ -87,7 +87,8 @@ TUNED = {
     # `slow` starts far below a good LR and `fast` far above it: slow's grid must grow upward, fast's downward
     "variants": {"slow": {"model": "conventional", "set": {"train.lr": 3.0e-4}},
                  "fast": {"model": "hourglass", "set": {"train.lr": 0.1}, "at": {"tiny": {"model.n_layers": 1}}}},
-    "tune": {"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [0], "extend": 2},
+    # one point past an edge shows the grid growing (each point is a training process)
+    "tune": {"lr": [0.5, 1, 2], "scale": "tiny", "seeds": [0], "extend": 1},
     "compares": ["train.lr"],  # the recipe LR each variant starts its grid from, on purpose
     "common": {
         "model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "ffn": {"width": 128}, "max_seq_len": 32,
