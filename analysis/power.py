@@ -89,22 +89,32 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     tracking server is asked once with a short timeout; a store that cannot be read is named in the note.
     """
     from study.errors import StudyError
-    from study.track.store import resolve_tracking_uri, sqlite_path
+    from study.track.store import read_per_version, resolve_tracking_uri, sqlite_path
 
     uri = resolve_tracking_uri(tracking_uri)
     db = sqlite_path(uri)
     if db is not None and not db.exists():
         return {}, f"no store at {db} yet"
-    from analysis.paired import paired_deltas  # pandas and MLflow: only where there is a store to read
-    from analysis.run_table import read_runs
+
+    def read() -> list:
+        from analysis.paired import paired_deltas  # pandas and MLflow: only where there is a store to read
+        from analysis.run_table import read_runs
+
+        try:
+            runs = read_runs(experiment, uri)
+        except StudyError as err:  # the experiment is not in this version of the store: an answer, kept
+            return [[], err.problem]
+        if rule.metric not in runs.columns or baseline not in set(runs["variant"]):
+            return [[], f"no finished {baseline} runs with {rule.metric} in the store yet"]
+        results = paired_deltas(runs, rule.metric, baseline, n_resamples=0)
+        rows = [[r.scale, r.variant, r.sd_delta, r.n] for r in results
+                if r.n >= MIN_PAIRS_FOR_SD and math.isfinite(r.sd_delta) and r.sd_delta > 0]
+        return [rows, f"measured for {len(rows)} comparisons with at least {MIN_PAIRS_FOR_SD} finished pairs"]
 
     saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
     try:
-        runs = read_runs(experiment, uri)
-        if rule.metric not in runs.columns or baseline not in set(runs["variant"]):
-            return {}, f"no finished {baseline} runs with {rule.metric} in the store yet"
-        results = paired_deltas(runs, rule.metric, baseline, n_resamples=0)
+        rows, note = read_per_version(uri, ["paired noise", experiment, baseline, rule.metric], read)
     except StudyError as err:
         return {}, err.problem
     except Exception as err:  # a server that is down must not stop planning; the note says so
@@ -115,9 +125,7 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    found = {(r.scale, r.variant): (r.sd_delta, r.n) for r in results
-             if r.n >= MIN_PAIRS_FOR_SD and math.isfinite(r.sd_delta) and r.sd_delta > 0}
-    return found, f"measured for {len(found)} comparisons with at least {MIN_PAIRS_FOR_SD} finished pairs"
+    return {(scale, variant): (sd, n) for scale, variant, sd, n in rows}, note
 
 
 def plan_power_rows(plan) -> tuple[list, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -209,6 +210,45 @@ def test_plan_shows_the_seeds_each_comparison_needs_from_the_prior_then_from_mea
     assert ("50M", "short") not in measured and "3 finished pairs" in note
     absent, why = measured_noise(EXPERIMENT, "base", RULE, "sqlite:////nonexistent/dir/mlflow.db")
     assert absent == {} and why.startswith("no store at")
+
+
+def test_a_plan_reads_the_measured_noise_once_per_version_of_the_store(truth, tmp_path, monkeypatch):
+    """The second plan of an unchanged SQLite store takes the noise from study's cache without importing MLflow (about
+    3 s of a plan that is otherwise under 1); a store written since is read again."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    from analysis.power import measured_noise
+
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(truth[0].removeprefix("sqlite:///"), db)
+    uri = f"sqlite:///{db}"
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "cache"))
+    first = measured_noise(EXPERIMENT, "base", RULE, uri)
+    again = subprocess.run([sys.executable, "-c", f"""
+import json, sys
+from analysis.power import measured_noise
+from study.config.decision import DecisionRule
+found, note = measured_noise({EXPERIMENT!r}, "base", DecisionRule(metric="val/loss", margin=0.01), {uri!r})
+print(json.dumps([sorted([*k, *v] for k, v in found.items()), note, "mlflow" in sys.modules]))
+"""], capture_output=True, text=True, env=os.environ, check=True)
+    found, note, imported = json.loads(again.stdout)
+    assert found == sorted([*k, *v] for k, v in first[0].items()) and note == first[1] and not imported
+
+    client = MlflowClient(uri)  # a later final loss for one `worse` seed: its paired sd changes
+    runs = read_runs(EXPERIMENT, uri)
+    moved = runs[(runs["variant"] == "worse") & (runs["seed"] == 0)].iloc[0]
+    client.log_metric(moved["run_id"], "val/loss", moved["val/loss"] + 0.3, step=10**6)
+    changed, _ = measured_noise(EXPERIMENT, "base", RULE, uri)
+    runs = read_runs(EXPERIMENT, uri)
+    base = runs[runs["variant"] == "base"].set_index("seed")["val/loss"]
+    worse = runs[runs["variant"] == "worse"].set_index("seed")["val/loss"]
+    assert changed["50M", "worse"] == pytest.approx(((worse - base).std(ddof=1), 6), rel=1e-9)
+    assert changed["50M", "worse"][0] != pytest.approx(first[0]["50M", "worse"][0], rel=1e-3)
 
 
 def test_task_deltas_carry_a_two_level_interval_over_the_runs_own_items(truth):

@@ -72,6 +72,11 @@ def cache_root(cfg: DataConfig) -> Path:
     """The cache directory every run of a sweep shares."""
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
+    return study_cache()
+
+
+def study_cache() -> Path:
+    """study's own cache directory: $STUDY_CACHE, else ~/.cache/study."""
     return Path(os.environ.get("STUDY_CACHE") or Path.home() / ".cache" / "study").expanduser()
 
 

@@ -47,20 +47,25 @@ class Measured:
 
 def measured(tracking_uri: str = "") -> dict[str, dict[str, Measured]]:
     """shape key -> cluster profile -> its latest finished calibration; empty when nothing was calibrated."""
-    from study.track.query import all_runs, experiment_of, open_store, readable
-    from study.track.store import resolve_tracking_uri
+    from study.track.store import read_per_version, resolve_tracking_uri
 
-    client = open_store(tracking_uri)
-    with readable(resolve_tracking_uri(tracking_uri)):
-        exp = experiment_of(client, CALIBRATION_EXPERIMENT)
-        runs = [] if exp is None else list(all_runs(client, exp.experiment_id, "attributes.status = 'FINISHED'"))
-    out: dict[str, dict[str, Measured]] = {}
-    for run in sorted(runs, key=lambda r: r.info.start_time):
-        m, tags = run.data.metrics, run.data.tags
-        if PER_DEVICE in m and TAG_SHAPE in tags:
-            out.setdefault(tags[TAG_SHAPE], {})[tags.get(TAG_CLUSTER, "?")] = Measured(
-                m[PER_DEVICE], tags.get(TAG_CLUSTER, "?"), m.get(MFU))
-    return out
+    def read() -> dict:
+        from study.track.query import all_runs, experiment_of, open_store, readable
+
+        client = open_store(tracking_uri)
+        with readable(resolve_tracking_uri(tracking_uri)):
+            exp = experiment_of(client, CALIBRATION_EXPERIMENT)
+            runs = [] if exp is None else list(all_runs(client, exp.experiment_id, "attributes.status = 'FINISHED'"))
+        out: dict[str, dict[str, list]] = {}
+        for run in sorted(runs, key=lambda r: r.info.start_time):  # the latest calibration of a shape wins
+            m, tags = run.data.metrics, run.data.tags
+            if PER_DEVICE in m and TAG_SHAPE in tags:
+                out.setdefault(tags[TAG_SHAPE], {})[tags.get(TAG_CLUSTER, "?")] = [
+                    m[PER_DEVICE], tags.get(TAG_CLUSTER, "?"), m.get(MFU)]
+        return out
+
+    kept = read_per_version(tracking_uri, ["calibrations"], read)
+    return {shape: {cluster: Measured(*fields) for cluster, fields in per.items()} for shape, per in kept.items()}
 
 
 @dataclass(frozen=True)
