@@ -52,8 +52,6 @@ def file_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-
-
 def build_once(entry: Path, build: Callable[[Path], None], resumable: bool = False) -> Path:
     """Return `entry`, first calling `build(work_dir)` and renaming work_dir to it if it does not exist yet.
 

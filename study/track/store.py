@@ -80,25 +80,29 @@ def sqlite_path(uri: str) -> Path | None:
 def read_per_version(uri: str, what: list, read: Callable[[], T]) -> T:
     """`read()`'s answer (JSON) about the store at `uri`, kept in study's cache until the SQLite file changes (its size
     or modification time, or its WAL file's): a plan reads measured noise and calibrations from the store, and
-    importing MLflow to open it takes about 3 s, three times the plan's own work. `what` names the question. A
-    tracking server has no file version to key on: it is asked every time. `read()` raising keeps nothing."""
+    importing MLflow to open it takes about 3 s, three times the plan's own work. `what` names the question; each
+    question keeps one answer per store, that of the store's latest version read. A tracking server has no file
+    version to key on: it is asked every time. `read()` raising keeps nothing."""
     from study.config.data import study_cache
     from study.config.identity import json_digest
     from study.files import replace_file
 
-    db = sqlite_path(resolve_tracking_uri(uri))
+    db = sqlite_path(resolve_tracking_uri(uri))  # resolved
     if db is None or not db.exists():
         return read()
-    version = [[p.stat().st_size, p.stat().st_mtime_ns] for p in (db, db.with_name(db.name + "-wal")) if p.exists()]
-    kept = study_cache() / "store-reads" / f"{json_digest([str(db.resolve()), version, what], 20)}.json"
+    version = [[st.st_size, st.st_mtime_ns] for st in (p.stat() for p in (db, db.with_name(db.name + "-wal"))
+                                                       if p.exists())]
+    kept = study_cache() / "store-reads" / f"{json_digest([str(db), what], 20)}.json"
     try:
-        return json.loads(kept.read_text())
-    except (OSError, ValueError):
+        held = json.loads(kept.read_text())
+        if held["version"] == version:
+            return held["answer"]
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     answer = read()
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(kept, json.dumps(answer))
+        replace_file(kept, json.dumps({"version": version, "answer": answer}))
     except OSError:  # an unwritable cache only costs the next plan the read
         pass
     return answer
