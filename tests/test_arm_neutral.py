@@ -46,9 +46,10 @@ def test_every_arm_of_a_shipped_comparison_starts_corresponding_matrices_at_the_
         m = run.model
         if m.ffn.widths is None:  # a scheduled run whose widths wait for its profile: its rule is its config's
             m = ModelConfig(**{**m.__dict__, "ffn": FFNConfig(widths=[m.ffn.width] * m.n_layers)})
-        if repr(m) not in built:
-            built[repr(m)] = role_stds(m)
-        for role, stds in built[repr(m)].items():
+        key = repr(m)  # every field of the config
+        if key not in built:
+            built[key] = role_stds(m)
+        for role, stds in built[key].items():
             per_scale[run.config.scale][role] |= stds
         if m.block == "llama":
             rules[run.config.scale].add(m.init_rule)
