@@ -16,14 +16,16 @@ if TYPE_CHECKING:
 
 
 def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False,
-                   after: Sequence[str] = (), condition: str = "afterok", held: bool = False):
+                   after: Sequence[str] = (), condition: str = "afterok", held: bool = False,
+                   python: str | None = None):
     """The one way to build a submitit executor (every stage, the relaunch after tuning, `--until-decided`'s controller
     and `study calibrate`): profiling jobs get one rank (and at most one GPU), data preparation one
     CPU-only task on the preparation partition and CPUs, a controller (the relaunch after tuning, the adaptive loop)
     one CPU and no GPU for as long as the preset lets a job run (a requeue replays it). A `preview` one only writes the
     sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking a cluster launch).
     On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted `held`
-    (`sbatch --hold`) when asked; local processes run in order and wait for nothing."""
+    (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by `python` when
+    given (a local launch's `study.launch.warm.WarmStarter`), else by this interpreter."""
     import submitit
 
     if stage == "profile":
@@ -36,7 +38,7 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str =
                           partition=cluster.prepare_partition or cluster.partition)
 
     if cluster.name == "local":
-        ex = submitit.LocalExecutor(folder=str(folder))
+        ex = submitit.LocalExecutor(folder=str(folder), python=python)
         ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
         return ex
     kind = _preview_executor() if preview else submitit.SlurmExecutor

@@ -39,6 +39,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    warm = _warm_starter(plan)
     try:
         with LiveTable([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
             for stage in stages:
@@ -70,7 +71,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                             board.mark(key, "taken elsewhere")
                         if not chunk.runs:
                             continue
-                    live[:] = submit_stage(plan, chunk)
+                    live[:] = submit_stage(plan, chunk, python=warm.python if warm else None)
                     for run in chunk.runs if shown else []:
                         board.mark(run.key, RUNNING)
                     for run, line, job in zip(chunk.runs, stage_lines(chunk), live):
@@ -99,6 +100,8 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
              "`study launch` again resumes them")
         raise SystemExit(128 + signum) from None
     finally:
+        if warm is not None:
+            warm.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failures:
@@ -107,6 +110,19 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages
+
+
+def _warm_starter(plan: Plan):
+    """The launch's warm-start server (its log beside submitit's job folders), or None when the preset turns it off."""
+    from study.launch.warm import WarmStarter
+    from study.schema import submitit_dir
+
+    cfg = plan.runs[0].config
+    if not cfg.cluster.warm_start:
+        return None
+    folder = submitit_dir(cfg.paths.runs, cfg.experiment)
+    folder.mkdir(parents=True, exist_ok=True)
+    return WarmStarter(folder / "warm.log")
 
 
 def _chunks(stage: Stage, parallel: int) -> list[list[int]]:

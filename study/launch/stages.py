@@ -137,13 +137,13 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     return prepare, train, profile, scheduled
 
 
-def submit_stage(plan: Plan, stage: Stage) -> list:
+def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
     from study.launch.callables import PrepareJob, ProfileJob, TrainJob
 
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
     ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.name,
-                        after=stage.after, held=stage.held)
+                        after=stage.after, held=stage.held, python=python)
     if stage.name == "prepare":
         callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
     else:
