@@ -13,6 +13,7 @@ from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
+from study.launch.warm import shared
 from study.plan.planner import Plan
 
 
@@ -39,7 +40,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    warm = _warm_starter(plan)
+    warm = shared() if plan.runs[0].config.cluster.warm_start else None
     try:
         with LiveTable([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
             for stage in stages:
@@ -100,8 +101,6 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
              "`study launch` again resumes them")
         raise SystemExit(128 + signum) from None
     finally:
-        if warm is not None:
-            warm.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failures:
@@ -110,19 +109,6 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
     return stages
-
-
-def _warm_starter(plan: Plan):
-    """The launch's warm-start server (its log beside submitit's job folders), or None when the preset turns it off."""
-    from study.launch.warm import WarmStarter
-    from study.schema import submitit_dir
-
-    cfg = plan.runs[0].config
-    if not cfg.cluster.warm_start:
-        return None
-    folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    folder.mkdir(parents=True, exist_ok=True)
-    return WarmStarter(folder / "warm.log")
 
 
 def _chunks(stage: Stage, parallel: int) -> list[list[int]]:

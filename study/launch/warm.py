@@ -1,8 +1,8 @@
-"""Warm starts for a local launch's jobs: one process imports torch and MLflow once, and each job's task is forked
-from it instead of importing them anew (about 5 of the 7 CPU seconds a tiny run takes on a laptop).
+"""Warm starts for local jobs: one process per launching process imports torch and MLflow once, and each job's task
+is forked from it instead of importing them anew (about 5 of the 7 CPU seconds a tiny run takes on a laptop).
 
-`WarmStarter` (used by `study.launch.local.run_local`) starts the server, `python -m study.launch.warm serve DIR`,
-which listens on `DIR/socket` (a folder only this user can enter, and peers of another user are refused) before it
+`shared()` (used by `study.launch.local.run_local`) starts the launcher's server, `python -m study.launch.warm serve
+DIR`, which listens on `DIR/socket` (a folder only this user can enter, and peers of another user are refused) before it
 imports anything, so a job never waits on a server that is not there. submitit's local controller runs each task as
 `python -m study.launch.warm SOCKET -u -m submitit.core._submit FOLDER` (the executor's `python`): that client hands the
 server its command, working directory, environment and standard streams, and stands in for the forked task: the
@@ -71,30 +71,25 @@ def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict, list[in
 # --- the launcher's side -----------------------------------------------------------------------------------------
 
 class WarmStarter:
-    """The server of one local launch: `python` is the executor's interpreter command while it runs (None when the
-    server could not start: jobs then start as plain processes). Closing it lets the server finish its running tasks
-    and exit; it takes no new ones."""
+    """A server: `python` is the executor's interpreter command while it serves (None when it could not start: jobs
+    then start as plain processes). Closing it lets the server finish its running tasks and exit; it takes no new
+    ones. Its own messages (a module it could not preload, a refused client) go to this process's standard error."""
 
-    def __init__(self, log_path: str | os.PathLike | None = None, ready_s: float = 10.0,
-                 preload: tuple[str, ...] = PRELOAD):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_s: float = 10.0):
         import shutil
         import subprocess
         import tempfile
 
         self.python: str | None = None
+        self.pythonpath = os.environ.get("PYTHONPATH")
         self._dir = tempfile.mkdtemp(prefix="study-warm-")  # 0700: only this user reaches the socket
         self._proc = None
-        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__, "serve", self._dir,
-                                           ",".join(preload)],
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, "serve", self._dir, ",".join(preload)],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         except OSError:
             shutil.rmtree(self._dir, ignore_errors=True)
             return
-        finally:
-            if log_path:
-                log.close()
         sock = os.path.join(self._dir, "socket")
         deadline = time.monotonic() + ready_s
         while not os.path.exists(sock) and self._proc.poll() is None and time.monotonic() < deadline:
@@ -109,12 +104,20 @@ class WarmStarter:
         """The server's process id."""
         return self._proc.pid if self._proc is not None else None
 
-    def close(self) -> None:
+    def serving(self) -> bool:
+        return self.python is not None and self._proc is not None and self._proc.poll() is None
+
+    def close(self, wait_s: float = 5.0) -> None:
         import shutil
+        import subprocess
 
         self.python = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)  # no new tasks; it exits once its running ones have
+            try:
+                self._proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass  # tasks still running: it exits after them
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> WarmStarter:
@@ -122,6 +125,23 @@ class WarmStarter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_SHARED: list[WarmStarter] = []
+
+
+def shared() -> WarmStarter:
+    """This process's server, started on its first local launch and closed when the process exits: a process that
+    launches again (`--until-decided`'s rounds, a script or a test session) forks every job from one. Started again
+    when it has died or PYTHONPATH has changed (it could import other code than the launcher's)."""
+    import atexit
+
+    if not _SHARED or not _SHARED[0].serving() or _SHARED[0].pythonpath != os.environ.get("PYTHONPATH"):
+        if _SHARED:
+            _SHARED.pop().close(wait_s=0)
+        _SHARED.append(WarmStarter())
+        atexit.register(_SHARED[0].close)
+    return _SHARED[0]
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -139,6 +159,7 @@ class _Task:
             os.dup2(fd, target)
             if fd > 2:
                 os.close(fd)
+        print(f"warm start: task {os.getpid()} forked by server {os.getppid()}", file=sys.stderr, flush=True)
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.env)
@@ -235,8 +256,6 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -
         return _Task(request, fds)
     for fd in fds:
         os.close(fd)
-    print(f"warm start: task {pid} in {request['cwd']}: {' '.join(request['argv'])}", file=sys.stderr,
-          flush=True)
     tasks[pid] = conn
     try:
         _send(conn, {"pid": pid})
