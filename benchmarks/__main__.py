@@ -26,6 +26,7 @@ FIGURES = {
     "geometry": "benchmarks.geometry_bench",
     "report": "benchmarks.report_bench",
     "racing": "benchmarks.racing_bench",
+    "launch": "benchmarks.launch_bench",
 }
 """CPU figures, in the order they run: name for --only -> module with `run(quick) -> list[dict]`."""
 

@@ -42,9 +42,26 @@ def _store(root: Path, tune: bool, shared: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory):
+def built(tmp_path_factory) -> Path:
+    """The store with shared-LR, tuned and tune runs, built once (about 7 s of MLflow writes); each test that reads it
+    takes its own copy (`_copy`), so none sees another's writes."""
+    root = tmp_path_factory.mktemp("built")
+    _store(root, tune=True, shared=True)
+    return root / "mlflow.db"
+
+
+def _copy(built: Path, root: Path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(built) as source, sqlite3.connect(root / "mlflow.db") as copy:
+        source.backup(copy)  # a consistent copy, whatever the write-ahead log still holds
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def full(built, tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
-    uri = _store(root, tune=True, shared=True)
+    uri = _copy(built, root)
     result = build_report("tuned", tracking_uri=uri, out_dir=root / "reports", n_resamples=99, log_to_mlflow=False)
     return uri, result, root / "reports" / "tuned"
 
@@ -132,8 +149,8 @@ def test_a_verdict_that_flips_between_shared_and_tuned_lr_is_flagged_and_the_tun
 
 
 @pytest.mark.integration
-def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missing_tag_means_shared(tmp_path):
-    uri = _store(tmp_path, tune=True, shared=True)
+def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missing_tag_means_shared(built, tmp_path):
+    uri = _copy(built, tmp_path)
     client = MlflowClient(uri)
     exp_id = client.get_experiment_by_name("tuned").experiment_id
     everything = client.search_runs([exp_id], max_results=1000)
@@ -152,8 +169,8 @@ def test_each_lr_source_is_the_last_launchs_runs_when_it_trained_any_and_a_missi
 
 
 @pytest.mark.integration
-def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside_the_tuned_runs(tmp_path):
-    uri = _store(tmp_path, tune=True, shared=True)
+def test_shared_runs_reused_as_tune_points_leave_every_shared_seed_paired_beside_the_tuned_runs(built, tmp_path):
+    uri = _copy(built, tmp_path)
     client = MlflowClient(uri)
     exp_id = client.get_experiment_by_name("tuned").experiment_id
     everything = client.search_runs([exp_id], max_results=1000)

@@ -23,7 +23,10 @@ TASK = '''
 import json, os, signal, sys, time
 if sys.argv[1] == "report":
     print(json.dumps({"cwd": os.getcwd(), "env": os.environ.get("WARM_PROBE"), "argv": sys.argv[1:],
-                      "pid": os.getpid(), "ppid": os.getppid(), "json": "json" in sys.modules}))
+                      "pid": os.getpid(), "ppid": os.getppid(), "json": "json" in sys.modules,
+                      "signals": [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                                  signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+                                  signal.getsignal(signal.SIGTERM) == signal.SIG_DFL]}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
 if sys.argv[1] == "wait":  # exits 7 on TERM, after saying it started
@@ -75,6 +78,7 @@ def test_a_forked_task_runs_in_the_clients_directory_environment_and_streams_and
     seen = json.loads(out)
     assert seen["cwd"] == str(task_dir) and seen["env"] == "mine" and seen["argv"] == ["report", "3"]
     assert seen["ppid"] == server and seen["pid"] != proc.pid  # forked by the server, not started by the client
+    assert seen["signals"] == [True, True, True]  # as a fresh interpreter sets them
     assert seen["json"] is True and err == f"warm start: task {seen['pid']} forked by server {server}\nto stderr\n"
 
 
@@ -84,6 +88,7 @@ def test_without_a_server_the_client_runs_the_command_itself(task_dir, tmp_path)
     out, _ = proc.communicate(timeout=60)
     seen = json.loads(out)
     assert proc.returncode == 0 and seen["pid"] == proc.pid and seen["env"] == "cold"  # the client became the task
+    assert seen["signals"] == [True, True, True]
 
 
 def test_a_signal_to_the_client_reaches_the_task_and_a_killed_task_kills_its_client_the_same_way(task_dir):

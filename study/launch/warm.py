@@ -153,8 +153,8 @@ class _Task:
         self.argv, self.cwd, self.env, self.fds = request["argv"], request["cwd"], request["env"], fds
 
     def run(self) -> None:
-        for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (*FORWARDED, signal.SIGCHLD):  # as a fresh interpreter has them (SIGPIPE stays ignored)
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         for target, fd in enumerate(self.fds):
             os.dup2(fd, target)
             if fd > 2:
