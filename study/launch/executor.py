@@ -25,7 +25,7 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str =
     sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking a cluster launch).
     On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted `held`
     (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by `python` when
-    given (a local launch's `study.launch.warm.WarmStarter`), else by this interpreter."""
+    given (the launching process's warm server, `study.launch.warm.shared`), else by this interpreter."""
     import submitit
 
     if stage == "profile":

@@ -236,6 +236,7 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
 
 def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -> _Task | None:
     conn, _ = listener.accept()
+    fds: list[int] = []
     try:
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
         if uid != me:
@@ -245,6 +246,8 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -
         _parse(request["argv"])
     except (OSError, ValueError, KeyError, ConnectionError) as err:
         print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
+        for fd in fds:  # the streams of a refused client
+            os.close(fd)
         conn.close()
         return None
     pid = os.fork()
