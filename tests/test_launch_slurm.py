@@ -94,12 +94,13 @@ def test_launch_relaunch_and_resume_of_a_cancelled_run(workdir, cluster_env):
 
 
 @pytest.mark.integration
-def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env, monkeypatch):
+def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_loss(workdir, cluster_env):
     import json
 
     from study.launch.scheduler import journal
     from study.launch.submit import launch
     from study.plan.planner import plan_experiment
+    from study.train.loop import train
 
     name = "small" + cluster_env
     common = {**SMALL["common"], "faults": {"sleep_per_step": 0.4}}
@@ -121,14 +122,15 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
     time.sleep(3)
     wait_jobs(job_ids(stages), timeout=900)  # a requeued job is pending again before it restarts
 
-    # the same two runs, uninterrupted, in a separate runs folder and store (launch-only settings: same keys)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir}/clean.db")
-    clean = launch(name, over + ["paths.runs=clean", "faults.sleep_per_step=0"], echo=lambda m: None)
-    wait_jobs(job_ids(clean))
+    # the same two runs, uninterrupted, trained here in a separate runs folder and store (launch-only settings: same
+    # keys)
+    clean = plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db",
+                                          "faults.sleep_per_step=0"]).runs
+    assert [r.key for r in clean] == [r.key for r in plan.runs]
     for run in (a, b):
         got = json.loads((workdir / "runs" / name / run.key / "result.json").read_text())
-        want = json.loads((workdir / "clean" / name / run.key / "result.json").read_text())
-        assert got["val_loss"] == want["val_loss"] and got["step"] == want["step"] == 16
+        want = train(next(r for r in clean if r.key == run.key))
+        assert got["val_loss"] == want.val_loss and got["step"] == want.step == 16
 
 
 @pytest.mark.integration

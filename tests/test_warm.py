@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TRAINING_RUNS
+from conftest import TRAINING_RUNS
+from study.launch import warm
 from study.launch.warm import WarmStarter
 
 TASK = '''
@@ -47,7 +48,7 @@ def task_dir(tmp_path):
 
 def client(starter_or_python, cwd: Path, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     python = starter_or_python if isinstance(starter_or_python, str) else starter_or_python.python
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {**os.environ, **(env or {})}  # the PYTHONPATH the server has: another would make it refuse
     return subprocess.Popen([*python.split(), "-u", "-m", "warmtask", *args], cwd=cwd, env=env, text=True, **popen)
 
 
@@ -131,6 +132,49 @@ def test_a_closed_server_finishes_its_running_task_takes_no_new_one_and_exits(ta
     running.send_signal(signal.SIGTERM)
     assert running.wait(timeout=60) == 7
     assert server.wait(timeout=30) == 0
+
+
+def test_a_server_named_in_the_environment_serves_every_launch_and_outlives_them(task_dir, tmp_path, monkeypatch):
+    """`python -m study.launch.warm serve DIR` started on its own: `shared()` hands out its socket while it is there
+    (no server of the process's own), closing that starter leaves it serving, and it exits when its parent does."""
+    folder = tmp_path / "srv"
+    folder.mkdir(mode=0o700)
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-m', "
+                               f"'study.launch.warm', 'serve', {str(folder)!r}, '']); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, text=True)
+    sock = folder / "socket"
+    wait = time.monotonic() + 30
+    while not sock.exists() and time.monotonic() < wait:
+        time.sleep(0.02)
+    monkeypatch.setattr(warm, "_SHARED", [])
+    monkeypatch.setenv(warm.ENV, str(sock))
+    outside = warm.shared()
+    assert outside.python == f"{sys.executable} -m study.launch.warm {sock}" and outside.serving() and not warm._SHARED
+    outside.close()
+    first, second = (client(warm.shared(), task_dir, "report", str(code), stdout=subprocess.PIPE) for code in (0, 4))
+    seen = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 4)
+    server = seen[0]["ppid"]
+    assert seen[1]["ppid"] == server and server not in (os.getpid(), first.pid, second.pid, parent.pid)
+    parent.communicate("")  # the parent exits: the server stops taking jobs and removes its socket
+    wait = time.monotonic() + 30
+    while sock.exists() and time.monotonic() < wait:
+        time.sleep(0.02)
+    assert not sock.exists()
+    fallback = warm.shared()  # the named server is gone: this process starts its own
+    assert fallback.python != outside.python and warm._SHARED == [fallback]
+    fallback.close()
+
+
+def test_a_client_of_another_pythonpath_is_refused_and_runs_cold(task_dir, tmp_path):
+    """A server holds the imports of its own PYTHONPATH: a client with another would run code the launcher did not
+    mean, so it starts its command itself (and the server says why on its standard error)."""
+    with WarmStarter(preload=()) as starter:
+        proc = client(starter, task_dir, "report", "0", env={"PYTHONPATH": str(tmp_path / "elsewhere")},
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+    seen = json.loads(out)
+    assert proc.returncode == 0 and seen["pid"] == proc.pid and "warm start" not in err
 
 
 def test_the_servers_socket_is_reachable_by_its_user_alone(tmp_path):

@@ -13,6 +13,11 @@ job never depends on the server. A client that is killed takes its task with it 
 The server holds nothing a task could share by mistake: no thread, no open store, no study module (their settings are
 read from the task's own environment after the fork); it stops taking jobs when its launcher ends or dies, and exits
 once its tasks have. Only the standard library is imported here before the fork, so a client starts in milliseconds.
+
+A server started on its own (`python -m study.launch.warm serve DIR`, stopped by TERM or when its parent exits) serves
+every launch whose environment names its socket in `STUDY_WARM_SERVER`: a shell or a test session that launches many
+times pays the imports once. It forks only for clients of its own interpreter and PYTHONPATH (other code would run
+under the imports it holds); any other client, or a socket that is gone, starts its job cold.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
              signal.SIGCONT)
 """What the client passes on to its task: submitit's local controller stops and warns tasks with these."""
 _HEADER = struct.Struct("!I")
+ENV = "STUDY_WARM_SERVER"
+"""A running server's socket that `shared()` uses instead of starting one."""
 
 
 def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -75,15 +82,20 @@ class WarmStarter:
     then start as plain processes). Closing it lets the server finish its running tasks and exit; it takes no new
     ones. Its own messages (a module it could not preload, a refused client) go to this process's standard error."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_s: float = 10.0):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_s: float = 10.0, socket_path: str | None = None):
         import shutil
         import subprocess
         import tempfile
 
         self.python: str | None = None
         self.pythonpath = os.environ.get("PYTHONPATH")
-        self._dir = tempfile.mkdtemp(prefix="study-warm-")  # 0700: only this user reaches the socket
+        self._dir: str | None = None
         self._proc = None
+        self._socket = socket_path
+        if socket_path is not None:  # someone else's server: used while its socket is there, never stopped here
+            self.python = f"{sys.executable} -m {__name__} {socket_path}"
+            return
+        self._dir = tempfile.mkdtemp(prefix="study-warm-")  # 0700: only this user reaches the socket
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, "serve", self._dir, ",".join(preload)],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -105,6 +117,8 @@ class WarmStarter:
         return self._proc.pid if self._proc is not None else None
 
     def serving(self) -> bool:
+        if self._socket is not None:
+            return os.path.exists(self._socket)
         return self.python is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -112,6 +126,8 @@ class WarmStarter:
         import subprocess
 
         self.python = None
+        if self._dir is None:
+            return  # not this process's server
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)  # no new tasks; it exits once its running ones have
             try:
@@ -131,11 +147,15 @@ _SHARED: list[WarmStarter] = []
 
 
 def shared() -> WarmStarter:
-    """This process's server, started on its first local launch and closed when the process exits: a process that
-    launches again (`--until-decided`'s rounds, a script or a test session) forks every job from one. Started again
-    when it has died or PYTHONPATH has changed (it could import other code than the launcher's)."""
+    """The server named by `STUDY_WARM_SERVER` while its socket is there; else this process's server, started on its
+    first local launch and closed when the process exits: a process that launches again (`--until-decided`'s rounds, a
+    script) forks every job from one. Started again when it has died or PYTHONPATH has changed (it could import other
+    code than the launcher's)."""
     import atexit
 
+    outside = os.environ.get(ENV)
+    if outside and os.path.exists(outside):
+        return WarmStarter(socket_path=outside)
     if not _SHARED or not _SHARED[0].serving() or _SHARED[0].pythonpath != os.environ.get("PYTHONPATH"):
         if _SHARED:
             _SHARED.pop().close(wait_s=0)
@@ -244,6 +264,9 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -
         conn.settimeout(10)
         request, fds = _receive(conn, with_fds=True)
         _parse(request["argv"])
+        if (request["python"], request["env"].get("PYTHONPATH")) != (sys.executable, os.environ.get("PYTHONPATH")):
+            raise ValueError(f"a client of {request['python']} with PYTHONPATH={request['env'].get('PYTHONPATH')} "
+                             "would run other code than this server imported (it starts cold)")
     except (OSError, ValueError, KeyError, ConnectionError) as err:
         print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
         for fd in fds:  # the streams of a refused client
@@ -295,7 +318,8 @@ def client(sock: str, argv: list[str]) -> None:
         _parse(argv)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(sock)
-        _send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=[0, 1, 2])
+        _send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable},
+              fds=[0, 1, 2])
         pid = _receive(conn)[0]["pid"]
     except (OSError, ValueError, KeyError, ConnectionError):
         for sig in FORWARDED:
