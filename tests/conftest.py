@@ -26,15 +26,37 @@ def data_cache(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store with its tables made and nothing in it. MLflow makes them with its schema migrations the
-    first time a process opens a new store (about 1 s of CPU); a working directory starts from a copy instead."""
-    from mlflow import MlflowClient
+_EMPTY: list[Path] = []
 
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+
+def _empty_template() -> Path:
+    """This worker's MLflow SQLite store with its tables made and nothing in it, made on first use."""
+    if not _EMPTY:
+        import atexit
+        import tempfile
+
+        from mlflow import MlflowClient
+
+        folder = Path(tempfile.mkdtemp(prefix="study-empty-store-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+        _EMPTY.append(folder / "mlflow.db")
+    return _EMPTY[0]
+
+
+def new_store(path: Path) -> str:
+    """The URI of a new, empty SQLite MLflow store at `path`: a copy of one with its tables made. MLflow makes them with
+    its schema migrations the first time a process opens a new store (1-1.5 s of CPU, in whichever process opens it
+    first: the test's, a job's). A test about creating a store itself opens a path that does not exist instead."""
+    assert not path.exists(), f"{path} already holds a store"
+    shutil.copyfile(_empty_template(), path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture(scope="session")
+def empty_store() -> Path:
+    """An MLflow SQLite store with its tables made and nothing in it: a working directory starts from a copy."""
+    return _empty_template()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
+from conftest import new_store
 from study.config.geometry import AllocationConfig
 from study.geometry.allocate import reversed_profile, geometry_widths, read_profile, smooth_profile
 from study.plan.budget import target_width
@@ -167,7 +168,7 @@ def profile_report(tmp_path_factory) -> tuple[dict, str, str]:
     from benchmarks.synthetic_store import synthetic_store
 
     root = tmp_path_factory.mktemp("store")
-    uri, experiment = f"sqlite:///{root / 'mlflow.db'}", "geometry_profile"
+    uri, experiment = new_store(root / "mlflow.db"), "geometry_profile"
     synthetic_store(uri, experiment, ["uniform", "geometry", "anti"], {SCALE: 128_000_000}, seeds=2, steps=10,
                     eval_tasks=())
     assert reference_profile_section(read_runs(experiment, uri), uri, root).blocks == []  # no reference: no section

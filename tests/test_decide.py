@@ -17,6 +17,7 @@ from analysis.sample_size import minimum_detectable_effect, seeds_for_difference
 from analysis.paired import paired_deltas
 from analysis.report import build_report
 from analysis.run_table import experiment_id, read_runs
+from conftest import new_store
 from study.track.query import open_store
 from benchmarks.synthetic_store import synthetic_store
 from study.config.decision import DecisionRule
@@ -31,7 +32,7 @@ EFFECTS = {"base": 0.0, "better": -0.05, "same": 0.0, "worse": 0.05, "short": -0
 @pytest.fixture(scope="module")
 def truth(tmp_path_factory):
     root = tmp_path_factory.mktemp("truth")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     missing = {("short", "50M", k): "MISSING" for k in range(1, 6)}
     synthetic_store(uri, EXPERIMENT, list(EFFECTS), ["50M"], seeds=6, steps=4, eval_tasks=("arc_easy",),
                     effects=EFFECTS, statuses=missing, seed_sd=0.02, run_sd=0.002, rng_seed=3, items_per_task=40)

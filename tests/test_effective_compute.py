@@ -19,6 +19,7 @@ from analysis.run_table import read_runs
 from analysis.scaling import fit_variant
 from benchmarks.synthetic_store import synthetic_store
 from analysis.time_to_target import first_reach, time_to_target
+from conftest import new_store
 from study.config.decision import DecisionRule
 
 pytestmark = pytest.mark.xdist_group("effective_compute")
@@ -33,7 +34,7 @@ FLOPS = {"planted": 1.2, "matched": 1.2}
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     root = tmp_path_factory.mktemp("planted")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     synthetic_store(uri, "compute", ["base", "planted", "matched"], SCALES, seeds=5, steps=10, eval_tasks=(),
                     effects={}, compute_multipliers=MULTIPLIERS, flops_factors=FLOPS, rng_seed=4)
     result = build_report("compute", tracking_uri=uri, out_dir=root / "reports", n_resamples=999,
@@ -130,7 +131,7 @@ def test_five_seeds_show_the_range_of_the_draws_and_eight_their_95_percent_inter
 def test_two_seeds_give_three_resamples_and_no_95_percent_interval(tmp_path):
     from analysis.compute import multiplier
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     synthetic_store(uri, "two", ["base", "planted"], SCALES[:3], seeds=2, steps=10, eval_tasks=(), effects={},
                     compute_multipliers={"planted": 1.5}, flops_factors={"planted": 1.2}, rng_seed=4)
     report = effective_compute(read_runs("two", uri), "base", n_boot=200)
@@ -148,7 +149,7 @@ def test_two_seeds_give_three_resamples_and_no_95_percent_interval(tmp_path):
 
 @pytest.mark.integration
 def test_without_flops_and_token_params_compute_is_6ND_for_every_run_and_the_report_says_so(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     synthetic_store(uri, "legacy", ["base", "planted"], SCALES[:3], seeds=3, steps=10, eval_tasks=(), effects={},
                     compute_multipliers={"planted": 1.5}, flops_factors={"planted": 1.2}, recipe_params=False)
     runs = read_runs("legacy", uri)
@@ -184,7 +185,7 @@ def test_first_reach_interpolates_between_logged_points():
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory):
     root = tmp_path_factory.mktemp("timed")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     # `fast` is 0.03 better at the same speed, `slow` 0.03 better at half the speed, `same` is the baseline again
     synthetic_store(uri, "timed", ["base", "fast", "slow", "same"], ["20M", "40M"], seeds=4, steps=40, eval_tasks=(),
                     effects={"base": 0.0, "fast": -0.03, "slow": -0.03, "same": 0.0}, speeds={"slow": 0.5})
@@ -259,7 +260,7 @@ def test_a_calibrated_shape_sets_the_hours_of_its_runs(timed, tmp_path):
     from study.plan.planner import plan_experiment
     from study.plan.throughput import CALIBRATION_EXPERIMENT, PER_DEVICE, TAG_CLUSTER, TAG_SHAPE, devices, shape_key
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     synthetic_store(uri, "calibrated", ["base", "fast"], ["20M"], seeds=2, steps=40, eval_tasks=(),
                     effects={"base": 0.0, "fast": -0.03})
     spec = replace(plan_experiment("demo", []).runs[0], dir=str(tmp_path / "spec"))

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, new_store
 from study.cli import main
 from study.config.model import FFNConfig, ModelConfig, RopeScaling
 from study.eval.locate import load_trained_model
@@ -27,11 +27,12 @@ VARIANTS = {"llama": "conventional", "olmo2": "olmo2", "hourglass": "hourglass"}
 def runs(tmp_path_factory, data_cache):
     """One 4-step TINY run per variant (about a second each once the session's data cache is built)."""
     root = tmp_path_factory.mktemp("export")
+    store = new_store(root / "m.db")
     trained = {}
     for name, variant in VARIANTS.items():
         # a 128-token context, so lm-eval's prompts fit (the windows trained on stay 32 tokens)
         spec = select_run([*TINY, "experiment=export", f"model={variant}", "train.max_steps=4",
-                           "model.max_seq_len=128", f"paths.runs={root}/runs", f"tracking.uri=sqlite:///{root}/m.db"])
+                           "model.max_seq_len=128", f"paths.runs={root}/runs", f"tracking.uri={store}"])
         assert train(spec).status == "FINISHED"
         trained[name] = spec
     return root, trained
@@ -229,7 +230,7 @@ def test_a_two_rank_bf16_run_exports_consolidated_bf16_weights(tmp_path, data_ca
     from study.eval.locate import find_run
 
     overrides = [*TINY, "experiment=export2", "train.max_steps=2", "train.global_batch=8", "train.precision=bf16",
-                 f"paths.runs={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+                 f"paths.runs={tmp_path}/runs", f"tracking.uri={new_store(tmp_path / 'm.db')}"]
     done = subprocess.run([sys.executable, "-m", "study.cli", "train", "--nproc", "2", *overrides],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=os.environ)
     assert done.returncode == 0, done.stderr[-3000:]

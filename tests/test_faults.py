@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import TINY, TRAINING_RUNS
+from conftest import TINY, TRAINING_RUNS, new_store
 from study.cli import main
 from study.plan.planner import plan_experiment, select_run
 from study.train.loop import train
@@ -37,7 +37,7 @@ def history(db: str, experiment: str = "faults", key: str = "train/loss"):
 
 
 def reference_result(workdir) -> float:
-    out = train(select_run([*COMMON, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
+    out = train(select_run([*COMMON, "paths.runs=clean", f"tracking.uri={new_store(workdir / 'clean.db')}"]))
     assert out.status == "FINISHED"
     return out.val_loss
 
@@ -183,7 +183,7 @@ def test_tracking_server_down_for_30_s_loses_no_point_and_duplicates_no_run(work
 
     from mlflow_server import start_server
 
-    server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
+    server = start_server(new_store(workdir / "server.db"), str(workdir / "artifacts"))
     try:
         cmd = [sys.executable, "-m", "study.cli", "train", *COMMON, "train.max_steps=60",
                "faults.sleep_per_step=0.8", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.5"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TRAINING_RUNS
+from conftest import TRAINING_RUNS, new_store
 from slurm_helpers import SMALL, private_sweeps, sacct_state, slurm_available, wait_jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"),
@@ -124,7 +124,7 @@ def test_usr2_preemption_and_scontrol_requeue_end_with_the_uninterrupted_val_los
 
     # the same two runs, uninterrupted, trained here in a separate runs folder and store (launch-only settings: same
     # keys)
-    clean = plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db",
+    clean = plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri={new_store(workdir / 'clean.db')}",
                                           "faults.sleep_per_step=0"]).runs
     assert [r.key for r in clean] == [r.key for r in plan.runs]
     for run in (a, b):
@@ -185,7 +185,7 @@ def test_time_limit_warning_checkpoints_and_requeues_until_the_run_is_done(workd
     (run,) = mlflow_runs(name)
     assert run.info.status == "FINISHED" and int(run.data.tags["study.restarts"]) >= 1
     (planned,) = plan_experiment(name, over).runs
-    clean = train(plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/c.db",
+    clean = train(plan_experiment(name, over + ["paths.runs=clean", f"tracking.uri={new_store(workdir / 'c.db')}",
                                                 "faults.sleep_per_step=0"]).runs[0])
     got = json.loads((workdir / "runs" / name / planned.key / "result.json").read_text())
     assert got["val_loss"] == clean.val_loss

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 
 from analysis.report import build_report
 from benchmarks.synthetic_store import synthetic_store
+from conftest import new_store
 from study import schema
 from study.track.groups import parent_for, refresh
 from study.track.lineage import DATASET_CONTEXT, PARENT, dataset_input
@@ -40,7 +41,7 @@ class _References(HTMLParser):
 @pytest.mark.integration
 def test_report_html_artifact_is_the_page_written_with_every_figure_embedded_and_nothing_loaded_from_elsewhere(
         tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     synthetic_store(uri, "view", ["base", "new"], ["20M", "40M", "80M", "160M"], seeds=3, steps=20, eval_tasks=(),
                     effects={"new": -0.02}, rng_seed=2)
     result = build_report("view", tracking_uri=uri, out_dir=tmp_path / "reports", n_resamples=99)
@@ -123,7 +124,7 @@ def test_a_store_written_before_the_role_tag_is_read_by_its_study_stage_tag(tmp_
     from analysis.run_table import read_study
     from study.track.query import runs_with_role
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("old")
     base = {schema.TAG_EXPERIMENT: "old", schema.TAG_VARIANT: "conventional", schema.TAG_SCALE: "tiny",

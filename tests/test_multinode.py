@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, new_store
 
 UP, DOWN = ROOT / "slurm" / "local" / "up", ROOT / "slurm" / "local" / "down"
 
@@ -109,8 +109,9 @@ def spec_for(workdir: Path, runs: str, store: str, extra: list[str] = ()):
     from study.config.spec import write_spec
     from study.plan.planner import plan_adhoc
 
-    spec = plan_adhoc([*TRAIN, "experiment=multinode", f"paths.runs={workdir / runs}",
-                       f"tracking.uri=sqlite:///{workdir / store}", *extra])
+    db = workdir / store
+    uri = f"sqlite:///{db}" if db.exists() else new_store(db)
+    spec = plan_adhoc([*TRAIN, "experiment=multinode", f"paths.runs={workdir / runs}", f"tracking.uri={uri}", *extra])
     return spec, write_spec(spec)
 
 
@@ -239,7 +240,7 @@ def launch_across_two_nodes(two_nodes, workdir: Path, monkeypatch, name: str, ch
 
     for variable, value in two_nodes.items():
         monkeypatch.setenv(variable, value)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mn.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_store(workdir / "mn.db"))
     common = {**SMALL["common"], "train": {**SMALL["common"]["train"], "log_interval": 1},
               "faults": {"sleep_per_step": 0.5}}
     sweeps = private_sweeps(workdir, name, variants={"conventional": {"model": "conventional"}}, common=common)

@@ -12,7 +12,7 @@ import yaml
 from analysis.published import delta_nats, published_figures
 from analysis.report import build_report
 from benchmarks.synthetic_store import synthetic_store
-from conftest import ROOT
+from conftest import ROOT, new_store
 from study.cli import main
 from study.errors import StudyError
 from study.plan.experiment import PublishedValue, load_experiment
@@ -125,7 +125,7 @@ def test_the_cli_refuses_a_malformed_block_in_one_paragraph(sweeps, capsys):
 
 @pytest.mark.integration
 def test_report_compares_the_papers_perplexity_ratios_with_our_loss_deltas_in_nats(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     fixed, attn = math.log(36.179 / 36.441), math.log(35.101 / 36.441)
     # our hourglass_fixed lands on the paper's effect, our hourglass_attn is worse than conventional
     synthetic_store(uri, "hourglass", ["conventional", "hourglass_fixed", "hourglass_attn"], ["113M"], seeds=5,

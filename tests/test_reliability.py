@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import TINY, TRAINING_RUNS
+from conftest import TINY, TRAINING_RUNS, new_store
 from slurm_helpers import private_sweeps
 from study.errors import StudyError
 from study.plan.planner import select_run
@@ -97,7 +97,7 @@ def test_a_finished_run_trained_against_an_empty_store_brings_every_point(workdi
     client, (old,) = runs_of(workdir / "mlflow.db", "rel")
     want = {k: [(m.step, m.value) for m in sorted(client.get_metric_history(old.info.run_id, k), key=lambda m: m.step)]
             for k in ("train/loss", "train/lr", "val/loss", "val/ppl")}
-    again = train(select_run([*RUN, f"tracking.uri=sqlite:///{workdir}/other.db"]))
+    again = train(select_run([*RUN, f"tracking.uri={new_store(workdir / 'other.db')}"]))
     assert again.status == "FINISHED" and again.val_loss == first.val_loss
     client, (new,) = runs_of(workdir / "other.db", "rel")
     assert new.info.status == "FINISHED" and new.data.tags["study.run_key"] == old.data.tags["study.run_key"]
@@ -111,7 +111,7 @@ def test_a_finished_run_trained_against_an_empty_store_brings_every_point(workdi
 def test_an_outage_then_a_kill_loses_no_point(workdir):
     from mlflow_server import start_server
 
-    server = start_server(f"sqlite:///{workdir}/server.db", str(workdir / "artifacts"))
+    server = start_server(new_store(workdir / "server.db"), str(workdir / "artifacts"))
     cmd = ["train", *RUN, "train.max_steps=24", "train.ckpt_interval=2", "faults.sleep_per_step=0.25",
            f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.2", "tracking.checkpoint_flush_s=0.5"]
     env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
@@ -177,7 +177,7 @@ def test_a_re_evaluation_with_other_settings_is_a_record_of_its_own_in_mlflow_an
 
 @pytest.mark.integration
 def test_a_broken_newest_checkpoint_falls_back_to_the_previous_one(workdir, capsys):
-    clean = train(select_run([*RUN, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/clean.db"]))
+    clean = train(select_run([*RUN, "paths.runs=clean", f"tracking.uri={new_store(workdir / 'clean.db')}"]))
     spec = select_run([*RUN, "faults.stop_at_step=8"])
     assert train(spec).status == "PREEMPTED"
     newest = spec.run_dir.checkpoints / "step_00000008"

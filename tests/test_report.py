@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from analysis.report import build_report
 from analysis.run_table import read_runs
 from benchmarks.synthetic_store import synthetic_store
+from conftest import new_store
 from study.errors import StudyError
 
 # one worker builds the module's expensive fixtures once (xdist would build them on each worker it splits onto)
@@ -27,7 +27,7 @@ STATUSES = {("hourglass", "40M", 2): "FAILED", ("tapered", "80M", 1): "MISSING",
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("store")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     synthetic_store(uri, EXPERIMENT, VARIANTS, SCALES, seeds=3, steps=40, eval_tasks=("arc_easy", "piqa"),
                     effects={"conventional": 0.0, "hourglass": -0.03, "tapered": 0.0}, statuses=STATUSES)
     return uri
@@ -209,7 +209,7 @@ def test_report_reads_the_store_named_by_the_environment(store, tmp_path, monkey
 
 @pytest.mark.integration
 def test_the_papers_440m_geometry_deltas_are_shown_beside_ours_in_nats(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     # our effects: near the paper's for geometry and cosine; anti has no published counterpart
     synthetic_store(uri, "geometry", ["uniform", "cosine", "geometry", "anti"], {"440M": 438_867_456}, seeds=5,
                     steps=20, eval_tasks=(), baseline="uniform",
@@ -238,7 +238,7 @@ def test_a_malformed_seed_tag_and_an_infinite_final_loss_are_named_and_left_out(
 
     from study.cli import main
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     ids = synthetic_store(uri, "faulty", ["conventional", "hourglass"], ["20M", "40M", "80M"], seeds=3, steps=20,
                           eval_tasks=(), effects={"conventional": 0.0, "hourglass": -0.03})
     client = MlflowClient(uri)

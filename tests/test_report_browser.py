@@ -16,9 +16,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from analysis.report import build_report
 from benchmarks.synthetic_store import synthetic_store
+from conftest import new_store
 
 pytestmark = pytest.mark.xdist_group("report")
 
@@ -95,7 +95,7 @@ def assert_first_screen_answers(seen: dict, result: dict) -> None:
 
 @pytest.mark.integration
 def test_the_demo_report_answers_in_the_first_screen_of_a_1280_pixel_window(chromium, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     # shaped like `study demo`: its experiment file's decision rule, variants, one scale, 3 seeds, 3 tasks
     synthetic_store(uri, "demo", ["conventional", "hourglass", "tapered"], {"tiny": 2_000_000}, seeds=3, steps=40,
                     effects={"conventional": 0.0, "hourglass": -0.08, "tapered": 0.001})
@@ -106,7 +106,7 @@ def test_the_demo_report_answers_in_the_first_screen_of_a_1280_pixel_window(chro
 
 @pytest.mark.integration
 def test_a_four_scale_report_fits_the_window_and_every_figure_loads(chromium, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     synthetic_store(uri, "ffn_shape", ["conventional", "hourglass_attn", "hourglass_fixed", "tapered"],
                     ["113M", "256M", "440M", "906M"], seeds=4, steps=40, items_per_task=30,
                     effects={"conventional": 0.0, "hourglass_attn": -0.03, "hourglass_fixed": -0.004,

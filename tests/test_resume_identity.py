@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import TINY, TRAINING_RUNS
+from conftest import TINY, TRAINING_RUNS, new_store
 from slurm_helpers import private_sweeps
 from study.cli import main
 from study.plan.planner import select_run
@@ -87,7 +87,7 @@ def test_a_resume_on_changed_data_is_refused_and_restart_trains_on_the_new_data(
 @pytest.mark.integration
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_and_restart_replaces_its_curve(workdir, capsys):
     over = [*RUN, "train.max_steps=12"]
-    clean = train(select_run([*over, "paths.runs=clean", f"tracking.uri=sqlite:///{workdir}/c.db"]))
+    clean = train(select_run([*over, "paths.runs=clean", f"tracking.uri={new_store(workdir / 'c.db')}"]))
     spec = select_run(over)
     assert train(select_run([*over, "faults.stop_at_step=8"])).status == "PREEMPTED"
     for shard in spec.run_dir.checkpoints.glob("step_*/*.distcp"):

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-
 from analysis.surface import SURFACE, TOKENS, fit_surface, surface_report
+from conftest import new_store
 
 LAW = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 """The planted baseline: L(N, D) = E + A / N^alpha + B / D^beta."""
@@ -162,7 +162,7 @@ def branched(tmp_path_factory):
     from study import schema
 
     root = tmp_path_factory.mktemp("branched")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment(EXPERIMENT)
     names = {"trunk": [], "branch": {}}

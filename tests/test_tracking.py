@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from study.errors import StudyError
+from conftest import new_store
 from mlflow_server import start_server
 from study.track.null import NullTracker
 from study.track.tracker import Tracker, TrackingConfig, flatten, resolve_tracking_uri
@@ -26,7 +27,7 @@ PARAMS = {"model": {"d_model": 64, "widths": [96, 64]}, "train": {"lr": 1e-3, "c
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    return new_store(tmp_path_factory.mktemp("store") / "mlflow.db")
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +225,7 @@ def test_starting_a_server_on_a_taken_port_fails_naming_the_port(tmp_path):
 def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monkeypatch):
     # One try per HTTP call, so the Tracker's own backoff (not MLflow's minutes-long internal retry) is exercised.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    with start_server(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts") as server:
+    with start_server(new_store(tmp_path / "mlflow.db"), tmp_path / "mlartifacts") as server:
         cfg = TrackingConfig(uri=server.uri, flush_interval_s=0.2, retry_initial_s=0.5, retry_max_s=2.0)
         tracker = Tracker.open("key-s", "outage", "hourglass-tiny-s0", TAGS, PARAMS, cfg=cfg)
         stop, costs, steps = threading.Event(), [], []
@@ -269,7 +270,7 @@ def test_the_report_reads_the_run_tracking_takes_for_each_key_and_names_runs_of_
     from study.config.identity import SCHEMA_VERSION
     from study.track.query import runs_by_key
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     experiment = client.create_experiment("keys")
 
@@ -298,7 +299,7 @@ def test_a_report_of_failed_runs_says_they_failed_and_one_with_a_missing_cell_na
 
     from analysis.run_table import read_study
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     failed, partial = client.create_experiment("failed"), client.create_experiment("partial")
 
@@ -333,7 +334,7 @@ def a_store_with_one_run(folder) -> str:
     from mlflow import MlflowClient
 
     folder.mkdir()
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    uri = new_store(folder / "mlflow.db")
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("shelf"), tags={
         "study.run_key": "c" * 12, "study.variant": "conventional", "study.scale": "tiny", "study.seed": "0"})
@@ -387,7 +388,7 @@ def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_s
     from study.track.outbox import ARTIFACT_OUTBOX
     from study.track.tracker import Tracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path / "mlflow.db")
     blocked = tmp_path / "artifacts"
     blocked.write_text("not a folder")
     MlflowClient(uri).create_experiment("outbox", artifact_location=str(blocked / "store"))

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import TINY, TRAINING_RUNS
+from conftest import TINY, TRAINING_RUNS, new_store
 from study.train.distributed import Dist
 from study.plan.planner import select_run
 from study.train.loop import batch_stream, train
@@ -55,7 +55,7 @@ def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
 @pytest.mark.integration
 def test_resume_after_preemption_reproduces_the_uninterrupted_losses(workdir):
     common = ["train.max_steps=12", "train.ckpt_interval=4", "train.val_interval=6"]
-    full = train(cfg_for(*common, "paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db"))
+    full = train(cfg_for(*common, "paths.runs=full", f"tracking.uri={new_store(workdir / 'full.db')}"))
     first = train(cfg_for(*common, "paths.runs=cut", "faults.stop_at_step=6"))
     assert first.status == "PREEMPTED" and first.step == 6
     assert mlflow_runs()[0].info.status == "KILLED"
@@ -104,7 +104,7 @@ def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
                "train.max_steps=8", "train.ckpt_interval=4", "train.val_interval=4", "train.global_batch=8", *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
 
-    full = run("paths.runs=full", f"tracking.uri=sqlite:///{workdir}/full.db")
+    full = run("paths.runs=full", f"tracking.uri={new_store(workdir / 'full.db')}")
     assert full.returncode == 0, full.stderr[-3000:]
     cut = run("paths.runs=cut", "faults.stop_at_step=5")
     assert cut.returncode == 75, cut.stderr[-3000:]

@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 from analysis.report import build_report
 from analysis.run_table import read_runs, read_study
 from benchmarks.synthetic_store import BASE_LR, synthetic_store, synthetic_tune_runs
+from conftest import new_store
 from study.track.groups import summary
 from study.track.query import write_manifest_tags
 
@@ -30,7 +31,7 @@ TUNED = {"conventional": 0.0, "hourglass": -0.03, "tapered": 0.0}
 
 
 def _store(root: Path, tune: bool, shared: bool = False) -> str:
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root / "mlflow.db")
     if shared:
         synthetic_store(uri, "tuned", VARIANTS, SCALES, seeds=SEEDS, steps=20, eval_tasks=("arc_easy",),
                         effects=SHARED, run_sd=0.002, rng_seed=1)
