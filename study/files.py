@@ -13,8 +13,12 @@ def replace_file(path: Path, content: str | bytes) -> None:
     """Write `path` whole: into a hidden file of this process beside it, then renamed over it, so a reader (or another
     process writing it) never sees half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(content if isinstance(content, bytes) else content.encode())
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(content if isinstance(content, bytes) else content.encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise
 
 
 @contextmanager

@@ -87,6 +87,22 @@ def resize(disk, size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
 
 
+def test_a_file_written_whole_on_a_full_disk_keeps_its_old_content_and_leaves_no_partial_copy(small_disk):
+    """`replace_file` (run specs, launch records, result files): the write fails with ENOSPC, the file still holds
+    what it held, and the hidden copy it was writing is gone."""
+    import errno
+
+    from study.files import replace_file
+
+    target = small_disk / "run.json"
+    replace_file(target, "old")
+    resize(small_disk, 1 << 20)
+    with pytest.raises(OSError) as err:
+        replace_file(target, "x" * (2 << 20))
+    assert err.value.errno == errno.ENOSPC
+    assert target.read_text() == "old" and sorted(p.name for p in small_disk.iterdir()) == ["run.json"]
+
+
 @pytest.mark.integration
 def test_a_full_disk_fails_the_run_naming_it_and_its_half_written_checkpoint_is_never_loaded(workdir, small_disk,
                                                                                                capsys):

@@ -21,6 +21,7 @@ from study.config.identity import SCHEMA_VERSION
 from study.config.recipe import PENDING, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
 from study.errors import StudyError
+from study.files import replace_file
 from study.schema import RunDir
 
 
@@ -159,15 +160,13 @@ def write_spec(spec: RunSpec) -> Path:
     except OSError as err:
         raise StudyError("paths.runs", f"cannot create the run directory {path.parent} ({os.strerror(err.errno or 0)})",
                          "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
-    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
     from study.config.secrets import redact
 
     try:
-        tmp.write_text(json.dumps(redact(spec.as_dict()), indent=1, default=str))
+        replace_file(path, json.dumps(redact(spec.as_dict()), indent=1, default=str))
     except OSError as err:
         raise StudyError("paths.runs", f"cannot write the run spec {path} ({os.strerror(err.errno or 0)})",
                          "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
-    os.replace(tmp, path)
     return path
 
 

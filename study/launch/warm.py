@@ -222,7 +222,7 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
             importlib.import_module(name)
         except Exception as err:  # a task imports it again and reports the error itself
             print(f"warm start: not preloaded: {name}: {err}", file=sys.stderr, flush=True)
-    tasks: dict[int, socket.socket] = {}
+    tasks: dict[int, socket.socket | None] = {}  # a task whose client is gone: None
     me = os.getuid()
     while True:
         _reap(tasks)
@@ -235,7 +235,7 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
                 pass
         if done and not tasks:
             return None
-        watched = list(tasks.values()) + ([] if done else [listener])
+        watched = [c for c in tasks.values() if c is not None] + ([] if done else [listener])
         try:
             readable, _, _ = select.select(watched, [], [], poll_s)
         except InterruptedError:
@@ -253,9 +253,11 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                    conn.close()
+                    tasks[pid] = None  # reaped on a later pass; no client is left to tell
 
 
-def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -> _Task | None:
+def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me: int) -> _Task | None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -278,7 +280,8 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -
     if pid == 0:
         listener.close()
         for other in tasks.values():
-            other.close()
+            if other is not None:
+                other.close()
         conn.close()
         return _Task(request, fds)
     for fd in fds:
@@ -291,7 +294,7 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket], me: int) -
     return None
 
 
-def _reap(tasks: dict[int, socket.socket]) -> None:
+def _reap(tasks: dict[int, socket.socket | None]) -> None:
     while tasks:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
