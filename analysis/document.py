@@ -17,7 +17,7 @@ from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
 from analysis.race_report import race_blocks
 from analysis.result import Analysis
-from analysis.render import Block, Details, Heading, Paragraph, Plot, Table
+from analysis.render import MISSING, Block, Details, Heading, Paragraph, Plot, Table, number
 from analysis.scaling import ScalingReport
 from study.config.secrets import mask_text
 from study.schema import TAG_EVAL, TAG_LR_SOURCE
@@ -122,8 +122,8 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
                    Table(["task", "score", "scale", "variant", "seeds", "items", "chance", f"{a.baseline} mean",
                           "variant mean", "Δ", "seed × item 95% CI"],
                          [[i.task, i.metric, i.scale, i.variant, str(i.n_seeds), str(i.n_items),
-                           _num(i.chance) if math.isfinite(i.chance) else "—", _num(i.baseline_mean),
-                           _num(i.variant_mean), _signed(i.mean_delta), _ci(i.ci_low, i.ci_high)]
+                           number(i.chance) if math.isfinite(i.chance) else "—", number(i.baseline_mean),
+                           number(i.variant_mean), number(i.mean_delta, "+.4f"), _ci(i.ci_low, i.ci_high)]
                           for i in a.items])]
     if published:
         blocks += _published_blocks(published, a.baseline)
@@ -145,9 +145,10 @@ def _published_blocks(published: Sequence[PublishedDelta], baseline: str) -> lis
                   else f"{p.baseline}: {p.baseline_source}; {p.variant}: {p.variant_source}")
         verified = ("yes" if p.verified else "no" if not (p.baseline_verified or p.variant_verified)
                     else f"{p.variant if p.variant_verified else p.baseline} only")
-        rows.append([p.scale, p.variant, f"{_num(p.paper_baseline, 3)} → {_num(p.paper_variant, 3)} ({p.metric})",
-                     _signed(p.paper_delta_nats), source, verified, _signed(p.ours), _ci(p.ci_low, p.ci_high),
-                     str(p.n), {True: "yes", False: "no", None: "—"}[p.consistent]])
+        published = f"{number(p.paper_baseline, '.3f')} → {number(p.paper_variant, '.3f')} ({p.metric})"
+        rows.append([p.scale, p.variant, published, number(p.paper_delta_nats, "+.4f"), source, verified,
+                     number(p.ours, "+.4f"), _ci(p.ci_low, p.ci_high), str(p.n),
+                     {True: "yes", False: "no", None: "—"}[p.consistent]])
     return [Heading("Published figures beside ours, as deltas in nats"),
             Paragraph("The papers' absolute losses and perplexities come from another corpus and tokenizer, so they "
                       "are not compared with ours: only each design's delta against the baseline is."),
@@ -187,7 +188,7 @@ def _compact_table(rows: Sequence[Decision]) -> Table:
     one_level = len(levels) == 1
     header = ["scale", "variant", "Δ", f"t {levels.pop():.0%} CI" if one_level else "t CI (1 − α of its look)",
               "Δ %", "verdict", "seed pairs to decide"]
-    return Table(header, [[d.scale, d.variant, _signed(d.mean_delta),
+    return Table(header, [[d.scale, d.variant, number(d.mean_delta, "+.4f"),
                            _ci(d.ci_low, d.ci_high) + ("" if one_level or not math.isfinite(d.ci_low)
                                                         else f" ({1 - d.alpha:.1%})"),
                            _signed_pct(d.pct_delta), d.verdict,
@@ -202,10 +203,11 @@ def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Tabl
     for d in rows:
         level = 1 - d.alpha
         body.append(([d.metric] if with_metric else []) + [
-            d.scale, d.variant, str(d.n), _signed(d.mean_delta), _signed_pct(d.pct_delta),
+            d.scale, d.variant, str(d.n), number(d.mean_delta, "+.4f"), _signed_pct(d.pct_delta),
             f"{_ci(d.ci_low, d.ci_high)} ({level:.1%})" if math.isfinite(d.ci_low) else "—",
-            _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon), _num(d.d_z, 2), _pct(d.prob_improvement),
-            _num(d.mde), f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
+            _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon), number(d.d_z, ".2f"),
+            number(d.prob_improvement, ".0%"),
+            number(d.mde), f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
             d.verdict, str(d.seeds_to_decide) if d.seeds_to_decide else "—"])
     return Table(header, body)
 
@@ -230,12 +232,13 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
         values = at_scale.loc[at_scale["variant"] == variant, metric]
         cells = [variant, str(len(values)), _mean_sd(values)]
         if loss_like:
-            cells.append(_num(math.exp(values.mean()), 2) if len(values) else "—")
+            cells.append(number(math.exp(values.mean()), ".2f") if len(values) else MISSING)
         r = by_variant.get(variant)
         if r is None:
             cells += ["—"] * 3
         else:
-            cells += [_signed(r.mean_delta), _ci(r.ci_low, r.ci_high), verdicts.get((metric, scale, variant), "—")]
+            cells += [number(r.mean_delta, "+.4f"), _ci(r.ci_low, r.ci_high),
+                      verdicts.get((metric, scale, variant), "—")]
         if with_compute:
             k = compute.at(scale, variant)
             cells.append(_multiplier(k) if k is not None else "—")
@@ -251,14 +254,14 @@ def _boot(low: float, high: float, method: str, n: int) -> str:
 
 def _deltas_table(results: list[PairedResult]) -> Table:
     header = ["scale", "variant", "n", "Δ mean ± sd", "t 95% CI", "bootstrap 95% CI", "Wilcoxon p", "win rate"]
-    rows = [[r.scale, r.variant, str(r.n), f"{_signed(r.mean_delta)} ± {_num(r.sd_delta)}",
+    rows = [[r.scale, r.variant, str(r.n), f"{number(r.mean_delta, '+.4f')} ± {number(r.sd_delta)}",
              _ci(r.ci_low, r.ci_high), _boot(r.boot_ci_low, r.boot_ci_high, r.boot_method, r.n),
-             _p(r.p_wilcoxon), _pct(r.win_rate)] for r in results]
+             _p(r.p_wilcoxon), number(r.win_rate, ".0%")] for r in results]
     return Table(header, rows)
 
 
 def _joint_table(joint: list[JointResult]) -> Table:
-    rows = [[_task_label(j.metrics), j.scale, j.variant, str(j.n), _signed(j.mean_delta),
+    rows = [[_task_label(j.metrics), j.scale, j.variant, str(j.n), number(j.mean_delta, "+.4f"),
              _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)] for j in joint]
     header = ["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI"]
     return Table(header, rows)
@@ -281,8 +284,8 @@ def _scaling_blocks(scaling: ScalingReport) -> list[Block]:
                    f"({held.error:+.4f})")
         rows.append([
             variant, fit.form, fit.status, f"{fit.n_points} / {fit.n_scales}",
-            f"{_num(fit.E, 3)} ± {_num(fit.E_sd, 3)}", _num(fit.A, 4, general=True),
-            f"{_num(fit.alpha, 3)} ± {_num(fit.alpha_sd, 3)}", _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3),
+            f"{number(fit.E, '.3f')} ± {number(fit.E_sd, '.3f')}", number(fit.A, ".4g"),
+            f"{number(fit.alpha, '.3f')} ± {number(fit.alpha_sd, '.3f')}", _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3),
             crossing, holdout,
         ])
     header = ["variant", "form", "status", "runs / scales", "E ± se", "A", "α ± se", "α seed-bootstrap CI",
@@ -297,8 +300,9 @@ def _scaling_blocks(scaling: ScalingReport) -> list[Block]:
 def _flip_blocks(pairs: Sequence[VerdictPair]) -> list[Block]:
     flips = [p for p in pairs if p.flip]
     shown = [p for p in pairs if p.family == "primary" or p.flip]
-    rows = [[p.metric, p.scale, p.variant, _signed(p.shared_delta), p.shared_verdict, _signed(p.tuned_delta),
-             p.tuned_verdict, f"FLIP: {p.shared_verdict} → {p.tuned_verdict}" if p.flip else "—"] for p in shown]
+    rows = [[p.metric, p.scale, p.variant, number(p.shared_delta, "+.4f"), p.shared_verdict,
+             number(p.tuned_delta, "+.4f"), p.tuned_verdict,
+             f"FLIP: {p.shared_verdict} → {p.tuned_verdict}" if p.flip else "—"] for p in shown]
     return [Heading("Shared LR against tuned LR"),
             Paragraph(f"The store also holds this experiment's main runs at the shared (recipe) LR. Both sets are "
                       f"decided by the same rule; {len(flips)} of {len(pairs)} verdicts change between them"
@@ -313,7 +317,7 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
              ", ".join(f"×{m:g}: {loss:.4f}" for m, loss in zip(c.multiples, c.mean_losses)),
              str(len(c.points)) + (f" ({c.unfinished} unfinished)" if c.unfinished else ""),
              f"×{c.best_multiple:g}", f"×{c.chosen_multiple:.4g}" if math.isfinite(c.chosen_multiple) else "—",
-             _num(c.chosen_lr, 4, general=True), c.status or "—",
+             number(c.chosen_lr, ".4g"), c.status or "—",
              ", ".join(f"{s}: {lr:.4g}" for s, lr in c.main_lrs.items()) or "—"] for c in curves]
     edges = sorted({c.variant for c in curves if c.status == "edge"})
     blocks: list[Block] = [
@@ -407,7 +411,7 @@ def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
             k = surface.multiplier(o.variant, o.scale)
             rows.append([o.variant, o.scale, f"{o.compute:.3g}", f"{o.planned_n:.3g}", f"{o.planned_d:.3g}",
                          _sized(o.n_opt, o.n_interval), _sized(o.d_opt, o.d_interval),
-                         _num(o.d_opt / o.n_opt, 3, general=True), f"{_num(o.planned_loss)} → {_num(o.loss_opt)}",
+                         number(o.d_opt / o.n_opt, ".3g"), f"{number(o.planned_loss)} → {number(o.loss_opt)}",
                          _multiplier(k) if k is not None else "—"])
         blocks.append(Table(["variant", "scale", "planned C (FLOPs)", "planned N", "planned D", "compute-optimal N",
                              "compute-optimal D", "D/N there", f"fitted {metric}: planned → optimal",
@@ -426,11 +430,10 @@ def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
 
 def _with_interval(fit: SurfaceFit, name: str) -> str:
     """A fitted parameter with its bootstrap interval: ``0.312 [0.298, 0.330]``."""
-    digits, general = (4, True) if name in ("A", "B") else (3, False)
+    spec = ".4g" if name in ("A", "B") else ".3f"
     low, high = fit.intervals.get(name, (math.nan, math.nan))
-    return _num(getattr(fit, name), digits, general) + (
-        f" [{_num(low, digits, general)}, {_num(high, digits, general)}]" if math.isfinite(low) and math.isfinite(high)
-        else "")
+    return number(getattr(fit, name), spec) + (
+        f" [{number(low, spec)}, {number(high, spec)}]" if math.isfinite(low) and math.isfinite(high) else "")
 
 
 def _sized(value: float, interval: tuple[float, float]) -> str:
@@ -445,8 +448,8 @@ def _time_blocks(time: TimeReport, verdicts: dict, metric: str) -> list[Block]:
     rows = []
     for r in time.rows:
         bound = "≥ " if r.reached < r.n else ""
-        rows.append([r.scale, r.variant, _num(r.target), str(r.n), _num(r.baseline_hours, 3, general=True),
-                     bound + _num(r.variant_hours, 3, general=True), f"{r.reached}/{r.n}", bound + _times(r.ratio),
+        rows.append([r.scale, r.variant, number(r.target), str(r.n), number(r.baseline_hours, ".3g"),
+                     bound + number(r.variant_hours, ".3g"), f"{r.reached}/{r.n}", bound + _times(r.ratio),
                      f"[{_bound(r.ci_low)}, {_bound(r.ci_high)}]", _p(r.p_adjusted), r.verdict,
                      verdicts.get((metric, r.scale, r.variant), "—"), r.throughput])
     blocks: list[Block] = [
@@ -490,18 +493,9 @@ def _task_label(metrics: Sequence[str]) -> str:
     return f"{parts[0][2]} over {', '.join(p[1] for p in parts)}"
 
 
-def _num(x: float, digits: int = 4, general: bool = False) -> str:
-    if x is None or not math.isfinite(x):
-        return "—"
-    return f"{x:.{digits}g}" if general else f"{x:.{digits}f}"
-
-
-def _signed(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:+.4f}"
-
-
 def _signed_pct(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:+.2f}%"
+    shown = number(x, "+.2f")
+    return shown if shown == MISSING else f"{shown}%"
 
 
 def _ci(low: float, high: float, digits: int = 4) -> str:
@@ -531,13 +525,9 @@ def _p(p: float) -> str:
     return "—" if p is None or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
-def _pct(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:.0%}"
-
-
 def _mean_sd(values: pd.Series) -> str:
     # the sample sd (ddof=1) of a single value is NaN, shown as —
-    return f"{values.mean():.4f} ± {_num(values.std(ddof=1))}" if len(values) else "—"
+    return f"{values.mean():.4f} ± {number(values.std(ddof=1))}" if len(values) else "—"
 
 
 _TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tune runs found best "

@@ -7,10 +7,8 @@ decision row) and the stops with the GPU-hours their arms did not train (analysi
 
 from __future__ import annotations
 
-import math
-
 from analysis.records import latest_record
-from analysis.render import Block, Heading, Paragraph, Table
+from analysis.render import Block, Heading, Paragraph, Table, number
 from study.schema import ROLE_RACING
 
 RACE_ARTIFACT = "racing.json"
@@ -45,16 +43,16 @@ def race_blocks(record: dict | None, metric: str) -> list[Block]:
         blocks.append(Table(["variant", "scale", "stopped at", "verdict", "pairs", "Δ", "interval", "alpha",
                              "GPU-h saved"],
                             [[s["variant"], s["scale"], f"{s['at']:g}", s["verdict"], str(s["n"]),
-                              _num(s["mean_delta"]), f"[{_num(s['ci_low'])}, {_num(s['ci_high'])}]",
-                              f"{s['alpha']:.3g}", _num(s.get("gpu_hours_saved"), ",.1f")] for s in stops]))
+                              number(s["mean_delta"], "+.4g"), _interval(s),
+                              f"{s['alpha']:.3g}", number(s.get("gpu_hours_saved"), ",.1f")] for s in stops]))
     if verdicts:
         blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", "interval", "alpha",
                              "stops"],
                             [[f"{v['at']:g}", v["variant"], v["scale"], v["verdict"], str(v["n"]),
-                              _num(v["mean_delta"]), f"[{_num(v['ci_low'])}, {_num(v['ci_high'])}]",
+                              number(v["mean_delta"], "+.4g"), _interval(v),
                               f"{v['alpha']:.3g}", "yes" if v["stops"] else ""] for v in verdicts]))
     return blocks
 
 
-def _num(x, fmt: str = "+.4g") -> str:
-    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+def _interval(row: dict) -> str:
+    return f"[{number(row['ci_low'], '+.4g')}, {number(row['ci_high'], '+.4g')}]"

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
 
 from analysis.decide import VERDICT_COLORS
+
+
+MISSING = "—"
+"""What a table cell shows where a value is missing or not finite."""
+
+
+def number(x: float | None, spec: str = ".4f") -> str:
+    """`x` formatted by `spec` (``format``'s mini-language), or `MISSING` for None, NaN and infinities."""
+    return MISSING if x is None or not math.isfinite(x) else format(x, spec)
 
 
 @dataclass(frozen=True)
