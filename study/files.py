@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
 def replace_file(path: Path, content: str | bytes) -> None:
-    """Write `path` whole: into a hidden file of this process beside it, then renamed over it, so a reader (or another
-    process writing it) never sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    """Write `path` whole: into a hidden file of this process and thread beside it, then renamed over it, so a reader
+    (or another process or thread writing it) never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         tmp.write_bytes(content if isinstance(content, bytes) else content.encode())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        with suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
         raise
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -134,10 +135,8 @@ def test_a_closed_server_finishes_its_running_task_takes_no_new_one_and_exits(ta
     assert server.wait(timeout=30) == 0
 
 
-def test_a_server_named_in_the_environment_serves_every_launch_and_outlives_them(task_dir, tmp_path, monkeypatch):
-    """`python -m study.launch.warm serve DIR` started on its own: `shared()` hands out its socket while it is there
-    (no server of the process's own), closing that starter leaves it serving, and it exits when its parent does."""
-    folder = tmp_path / "srv"
+def _own_server(folder: Path) -> tuple[subprocess.Popen, Path]:
+    """`python -m study.launch.warm serve FOLDER` started by a parent of its own, which exits when its stdin closes."""
     folder.mkdir(mode=0o700)
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-m', "
                                f"'study.launch.warm', 'serve', {str(folder)!r}, '']); sys.stdin.read()"],
@@ -146,35 +145,87 @@ def test_a_server_named_in_the_environment_serves_every_launch_and_outlives_them
     wait = time.monotonic() + 30
     while not sock.exists() and time.monotonic() < wait:
         time.sleep(0.02)
-    monkeypatch.setattr(warm, "_SHARED", [])
-    monkeypatch.setenv(warm.ENV, str(sock))
-    outside = warm.shared()
-    assert outside.python == f"{sys.executable} -m study.launch.warm {sock}" and outside.serving() and not warm._SHARED
-    outside.close()
-    first, second = (client(warm.shared(), task_dir, "report", str(code), stdout=subprocess.PIPE) for code in (0, 4))
-    seen = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
-    assert (first.returncode, second.returncode) == (0, 4)
-    server = seen[0]["ppid"]
-    assert seen[1]["ppid"] == server and server not in (os.getpid(), first.pid, second.pid, parent.pid)
-    parent.communicate("")  # the parent exits: the server stops taking jobs and removes its socket
+    return parent, sock
+
+
+def test_a_server_named_in_the_environment_serves_every_launch_and_outlives_them(task_dir, tmp_path, monkeypatch):
+    """`python -m study.launch.warm serve DIR` started on its own: `shared()` hands out its socket while it is there
+    (no server of the process's own), closing that starter leaves it serving, and it exits when its parent does."""
+    parent, sock = _own_server(tmp_path / "srv")
+    try:
+        monkeypatch.setattr(warm, "_SHARED", [])
+        monkeypatch.setenv(warm.ENV, str(sock))
+        outside = warm.shared()
+        assert outside.python == f"{sys.executable} -m study.launch.warm {sock}" and outside.serving()
+        assert not warm._SHARED
+        outside.close()
+        first, second = (client(warm.shared(), task_dir, "report", str(code), stdout=subprocess.PIPE)
+                         for code in (0, 4))
+        seen = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
+        assert (first.returncode, second.returncode) == (0, 4)
+        server = seen[0]["ppid"]
+        assert seen[1]["ppid"] == server and server not in (os.getpid(), first.pid, second.pid, parent.pid)
+    finally:
+        parent.communicate("")  # the parent exits: the server stops taking jobs and removes its socket
     wait = time.monotonic() + 30
     while sock.exists() and time.monotonic() < wait:
         time.sleep(0.02)
     assert not sock.exists()
     fallback = warm.shared()  # the named server is gone: this process starts its own
-    assert fallback.python != outside.python and warm._SHARED == [fallback]
+    assert fallback.serving() and fallback.python != outside.python and warm._SHARED == [fallback]
     fallback.close()
 
 
-def test_a_client_of_another_pythonpath_is_refused_and_runs_cold(task_dir, tmp_path):
-    """A server holds the imports of its own PYTHONPATH: a client with another would run code the launcher did not
-    mean, so it starts its command itself (and the server says why on its standard error)."""
+def test_a_named_server_that_died_or_forks_for_another_pythonpath_is_passed_over(tmp_path, monkeypatch):
+    """A socket file its killed server left behind, or a server of another PYTHONPATH (it would refuse every job, and
+    each would start cold): `shared()` starts this process's own server instead."""
+    parent, sock = _own_server(tmp_path / "srv")
+    try:
+        monkeypatch.setattr(warm, "_SHARED", [])
+        monkeypatch.setenv(warm.ENV, str(sock))
+        mine = os.environ.get("PYTHONPATH")  # the server's too
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
+        other = warm.shared()
+        assert other.python != f"{sys.executable} -m study.launch.warm {sock}" and warm._SHARED == [other]
+        other.close()
+        if mine is None:
+            monkeypatch.delenv("PYTHONPATH")
+        else:
+            monkeypatch.setenv("PYTHONPATH", mine)
+        monkeypatch.setattr(warm, "_SHARED", [])
+        assert warm.shared().python == f"{sys.executable} -m study.launch.warm {sock}"  # the same server, matched
+        server = int(subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout)
+        os.kill(server, signal.SIGKILL)
+        wait = time.monotonic() + 30
+        while alive(server) and time.monotonic() < wait:
+            time.sleep(0.02)
+        assert sock.exists()  # left behind
+        monkeypatch.setattr(warm, "_SHARED", [])
+        own = warm.shared()
+        assert own.serving() and own.python != f"{sys.executable} -m study.launch.warm {sock}"
+        own.close()
+    finally:
+        parent.communicate("")
+
+
+def test_a_client_of_another_pythonpath_or_interpreter_is_refused_and_runs_cold(task_dir, tmp_path):
+    """A server holds the imports of its own interpreter and PYTHONPATH: a client of another would run code the
+    launcher did not mean, so it starts its command itself (and the server says why on its standard error)."""
     with WarmStarter(preload=()) as starter:
         proc = client(starter, task_dir, "report", "0", env={"PYTHONPATH": str(tmp_path / "elsewhere")},
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=60)
-    seen = json.loads(out)
-    assert proc.returncode == 0 and seen["pid"] == proc.pid and "warm start" not in err
+        seen = json.loads(out)
+        assert proc.returncode == 0 and seen["pid"] == proc.pid and "warm start" not in err
+        # the same request from another interpreter, sent by hand: refused, the connection closed without a task
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(starter.python.split()[-1])
+        with open(os.devnull) as null:
+            warm._send(conn, {"argv": ["-m", "warmtask", "report", "0"], "cwd": str(task_dir), "env": dict(os.environ),
+                              "python": str(tmp_path / "other" / "python")}, fds=[null.fileno()] * 3)
+        with pytest.raises(ConnectionError):
+            warm._receive(conn)
+        conn.close()
 
 
 def test_the_servers_socket_is_reachable_by_its_user_alone(tmp_path):

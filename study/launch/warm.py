@@ -42,6 +42,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 _HEADER = struct.Struct("!I")
 ENV = "STUDY_WARM_SERVER"
 """A running server's socket that `shared()` uses instead of starting one."""
+IDENTITY = "identity.json"
+"""Beside the socket: the interpreter and PYTHONPATH the server forks for (it refuses other clients)."""
 
 
 def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -65,15 +67,20 @@ def _exactly(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
 
 def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict, list[int]]:
     fds: list[int] = []
-    if with_fds:
-        head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-        if not head:
-            raise ConnectionError("the other end closed the connection")
-        head = _exactly(conn, _HEADER.size, head)
-    else:
-        head = _exactly(conn, _HEADER.size)
-    (size,) = _HEADER.unpack(head)
-    return json.loads(_exactly(conn, size)), fds
+    try:
+        if with_fds:
+            head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+            if not head:
+                raise ConnectionError("the other end closed the connection")
+            head = _exactly(conn, _HEADER.size, head)
+        else:
+            head = _exactly(conn, _HEADER.size)
+        (size,) = _HEADER.unpack(head)
+        return json.loads(_exactly(conn, size)), fds
+    except BaseException:
+        for fd in fds:  # a message cut short: the descriptors it carried are not kept open here
+            os.close(fd)
+        raise
 
 
 # --- the launcher's side -----------------------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def shared() -> WarmStarter:
     import atexit
 
     outside = os.environ.get(ENV)
-    if outside and os.path.exists(outside):
+    if outside and _serves_me(outside):
         return WarmStarter(socket_path=outside)
     if not _SHARED or not _SHARED[0].serving() or _SHARED[0].pythonpath != os.environ.get("PYTHONPATH"):
         if _SHARED:
@@ -163,6 +170,23 @@ def shared() -> WarmStarter:
         _SHARED.append(WarmStarter())
         atexit.register(_SHARED[0].close)
     return _SHARED[0]
+
+
+def _serves_me(sock: str) -> bool:
+    """The server at `sock` answers and forks for this interpreter and PYTHONPATH (else its every job would start
+    cold, where a server of this process's own would fork them)."""
+    try:
+        with open(os.path.join(os.path.dirname(sock), IDENTITY)) as handle:
+            identity = json.load(handle)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(sock)  # a socket file its crashed server left behind refuses
+    except (OSError, ValueError):
+        return False
+    return identity == _identity()
+
+
+def _identity() -> dict:
+    return {"python": sys.executable, "pythonpath": os.environ.get("PYTHONPATH")}
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -176,6 +200,7 @@ class _Task:
     def run(self) -> None:
         for sig in (*FORWARDED, signal.SIGCHLD):  # as a fresh interpreter has them (SIGPIPE stays ignored)
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # held since the fork: delivered now, to these
         for target, fd in enumerate(self.fds):
             os.dup2(fd, target)
             if fd > 2:
@@ -211,6 +236,8 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
 
     launcher = os.getppid()
     path = os.path.join(folder, "socket")
+    with open(os.path.join(folder, IDENTITY), "w") as handle:  # before the socket: whoever finds one finds both
+        json.dump(_identity(), handle)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)  # clients queue here while the imports below run
@@ -248,7 +275,11 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
             else:
                 # a task's client never writes: readable means it is gone (killed), and its task goes with it
                 pid = next(p for p, c in tasks.items() if c is conn)
-                if not conn.recv(1):
+                try:
+                    gone = not conn.recv(1)
+                except OSError:  # reset: the client was killed before it read its task's pid
+                    gone = True
+                if gone:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
@@ -267,7 +298,7 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
         conn.settimeout(10)
         request, fds = _receive(conn, with_fds=True)
         _parse(request["argv"])
-        if (request["python"], request["env"].get("PYTHONPATH")) != (sys.executable, os.environ.get("PYTHONPATH")):
+        if {"python": request["python"], "pythonpath": request["env"].get("PYTHONPATH")} != _identity():
             raise ValueError(f"a client of {request['python']} with PYTHONPATH={request['env'].get('PYTHONPATH')} "
                              "would run other code than this server imported (it starts cold)")
     except (OSError, ValueError, KeyError, ConnectionError) as err:
@@ -276,6 +307,9 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
             os.close(fd)
         conn.close()
         return None
+    # a signal its client forwards as soon as it learns the pid must reach the task's own handlers, not the server's
+    # (which would swallow TERM and ignore INT): held from the fork until the child has reset them
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     pid = os.fork()
     if pid == 0:
         listener.close()
@@ -284,6 +318,7 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
                 other.close()
         conn.close()
         return _Task(request, fds)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     for fd in fds:
         os.close(fd)
     tasks[pid] = conn
