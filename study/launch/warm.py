@@ -302,7 +302,8 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
             raise ValueError(f"a client of {request['python']} with PYTHONPATH={request['env'].get('PYTHONPATH')} "
                              "would run other code than this server imported (it starts cold)")
     except (OSError, ValueError, KeyError, ConnectionError) as err:
-        print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
+        if fds or not isinstance(err, ConnectionError):  # (no request at all: `shared()` probing that it answers)
+            print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
         for fd in fds:  # the streams of a refused client
             os.close(fd)
         conn.close()
