@@ -96,11 +96,11 @@ class WarmStarter:
         import tempfile
 
         self.python: str | None = None
-        self.pythonpath = os.environ.get("PYTHONPATH")
+        self.identity = _identity()  # the clients its server forks for
         self._dir: str | None = None
         self._proc = None
         self._socket = socket_path
-        if socket_path is not None:  # someone else's server: used while its socket is there, never stopped here
+        if socket_path is not None:  # someone else's server: used while it answers, never stopped here
             self.python = f"{sys.executable} -m {__name__} {socket_path}"
             return
         self._dir = tempfile.mkdtemp(prefix="study-warm-")  # 0700: only this user reaches the socket
@@ -126,7 +126,7 @@ class WarmStarter:
 
     def serving(self) -> bool:
         if self._socket is not None:
-            return os.path.exists(self._socket)
+            return _serves_me(self._socket)
         return self.python is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -155,16 +155,16 @@ _SHARED: list[WarmStarter] = []
 
 
 def shared() -> WarmStarter:
-    """The server named by `STUDY_WARM_SERVER` while its socket is there; else this process's server, started on its
-    first local launch and closed when the process exits: a process that launches again (`--until-decided`'s rounds, a
-    script) forks every job from one. Started again when it has died or PYTHONPATH has changed (it could import other
-    code than the launcher's)."""
+    """The server named by `STUDY_WARM_SERVER` while it answers and forks for this process (`_serves_me`); else this
+    process's server, started on its first local launch and closed when the process exits: a process that launches
+    again (`--until-decided`'s rounds, a script) forks every job from one. Started again when it has died or PYTHONPATH
+    has changed (it would refuse every job: it imported other code than the launcher's)."""
     import atexit
 
     outside = os.environ.get(ENV)
     if outside and _serves_me(outside):
         return WarmStarter(socket_path=outside)
-    if not _SHARED or not _SHARED[0].serving() or _SHARED[0].pythonpath != os.environ.get("PYTHONPATH"):
+    if not _SHARED or not _SHARED[0].serving() or _SHARED[0].identity != _identity():
         if _SHARED:
             _SHARED.pop().close(wait_s=0)
         _SHARED.append(WarmStarter())
