@@ -18,6 +18,45 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+USER_STATE = ("runs", "mlflow.db", "mlruns", "mlartifacts", "reports", "outputs", "multirun")
+"""What a user's own commands (`study demo`, `study launch`, `study report`) leave in the checkout: no test reads or
+writes it. The README's two commands run in order (the demo, then the tests), so the tests meet a checkout the demo
+has filled."""
+
+
+def _user_state() -> dict[str, tuple[int, int]]:
+    """Every file and folder of USER_STATE in the checkout, with its size and modification time."""
+    state = {}
+    for name in USER_STATE:
+        top = ROOT / name
+        if not top.exists():
+            continue
+        paths = [top] if top.is_file() else [top, *top.rglob("*")]
+        for path in paths:
+            try:
+                info = path.lstat()
+            except FileNotFoundError:  # a file the demo's own processes remove as the walk passes
+                continue
+            state[str(path.relative_to(ROOT))] = (info.st_size if path.is_file() else 0, info.st_mtime_ns)
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def outside_the_checkout(tmp_path_factory):
+    """Every test starts in a scratch folder of its own session, never in the checkout: a plan there would read the
+    demo's tuning records from `runs/_tune/`, a report its `mlflow.db`. At the end of the session the checkout's user
+    state is what it was at the start."""
+    before = _user_state()
+    scratch = tmp_path_factory.mktemp("cwd")
+    start = os.getcwd()
+    os.chdir(scratch)
+    yield scratch
+    os.chdir(start)
+    after = _user_state()
+    changed = sorted(set(before.items()) ^ set(after.items()))
+    assert not changed, f"tests changed the checkout's own runs, store or reports: {[p for p, _ in changed][:10]}"
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One data cache for the session: the docstring corpus, BPE and shards are built once."""
