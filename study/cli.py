@@ -331,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except StudyError as err:
         from study.config.secrets import mask_text
+        from study.console import for_terminal
 
-        # a message may quote an override or a URI as given: it is masked like everything else the tool prints
-        print(f"study {args.command}: {mask_text(err.message)}", file=sys.stderr)
+        # a message may quote an override, a URI or a file's text as given: it is masked like everything else the
+        # tool prints, and its control and format characters (a right-to-left override) are shown as escapes
+        print(f"study {args.command}: {for_terminal(mask_text(err.message))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"study {args.command}: interrupted", file=sys.stderr)

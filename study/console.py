@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import unicodedata
 
 PIPED_WIDTH = 200
 """Table width when stdout is not a terminal and COLUMNS is unset: wide enough that a run's row stays one line."""
@@ -61,3 +62,17 @@ def _wrap(text: str, width: int | None) -> list[str]:
 def wrapped(text: str, width: int | None) -> str:
     """`text` as lines of at most `width` characters (one line when None: into a pipe or file)."""
     return "\n".join(_wrap(text, width))
+
+
+_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Unicode categories a terminal does not show as themselves: controls (an escape sequence), formats (a right-to-left
+override that reorders what follows, a zero-width space), surrogates and line or paragraph separators."""
+
+
+def for_terminal(text: str) -> str:
+    """Text from an experiment file or the command line as a terminal should show it: every character of `_HIDDEN`
+    written as its escape (`\\u202e`, `\\x1b`), so what is shown is what the file holds; newlines and tabs stay."""
+    if text.isprintable():
+        return text
+    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)

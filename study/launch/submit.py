@@ -41,6 +41,7 @@ from study.plan.tune import write_record
 from study.schema import TAG_FAILURE_REASON, submitit_dir
 from study.track.groups import ensure_parents
 from study.config.secrets import mask_text, redact
+from study.console import for_terminal
 
 __all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 
@@ -255,7 +256,7 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
                 ", after the trunks' stage (each starts from its trunk's checkpoint)" if stage.held else ""))
         for line in stage_lines(stage):
             echo(f"  {line}")
-        echo(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after, stage.held))
+        echo(for_terminal(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after, stage.held)))
              if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.name)

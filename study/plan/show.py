@@ -53,7 +53,8 @@ def per_job(run) -> str:
 
 
 def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
-    from study.console import plain_table, text_width, wrapped
+    from study.config.secrets import mask_text
+    from study.console import for_terminal, plain_table, text_width, wrapped
 
     from study.plan.throughput import devices
 
@@ -96,7 +97,9 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
             f"{hours:,.1f}" if hours is not None else "-",
             per_job(run), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         ])
-    print(plain_table(f"{exp.name}: {exp.description} (baseline {exp.baseline})", list(cols), rows,
+    # the description is the experiment file's free text: masked like any config string, and shown as it is
+    title = f"{exp.name}: {for_terminal(mask_text(exp.description))} (baseline {exp.baseline})"
+    print(plain_table(title, list(cols), rows,
                       left={"variant", "role", "shape", "FFN widths", "heads/layer"}, width=width, keep=5),
           flush=True)
     n_measured = sum(e.tokens_per_s is not None for e in cost.values())
