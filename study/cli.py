@@ -233,8 +233,14 @@ def _report_folder(out: Path, experiment: str) -> None:
     fix = f"give a folder you can write to (it is created; the report goes to {out}/{experiment}/)"
     if not found.is_dir():
         raise StudyError("--out", f"{found} is a file, not a folder", fix)
-    if not os.access(found, os.W_OK | os.X_OK):
-        raise StudyError("--out", f"cannot write in {found} (permission or a read-only file system)", fix)
+    # made and removed, not asked: os.access says yes to root, and to /sys or /proc, where nothing can be made
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".study-report-", dir=found))
+    except OSError as err:
+        raise StudyError("--out", f"cannot write in {found} ({os.strerror(err.errno) if err.errno else err}: "
+                         "permission, a read-only file system or a system folder)", fix) from None
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

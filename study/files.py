@@ -1,13 +1,29 @@
-"""Files written whole and locked: what run directories, caches and launch records share."""
+"""Files written whole and locked, and records read back checked: what run directories, caches and launch records
+share.
+
+Every record a user can open, edit or damage by hand (a run's result.json, a launch record, a tuning record, a
+profile) is read through `read_json` or `read_json_lines` and its fields checked with `shape_problem`: a directory in
+its place, a file that cannot be read, text that is not UTF-8 or not JSON, a JSON of another shape, a missing field
+or a number no record holds is refused by the file's name, with the fix its reader gives (usually: delete it, and
+what then recomputes it), never met later as a traceback."""
 
 from __future__ import annotations
 
 import fcntl
+import json
+import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any, NamedTuple
+
+from study.errors import StudyError
+
+LARGEST = 1e100
+"""The largest magnitude of a number a record holds: losses, times, steps, counts and work are nowhere near it, and
+squares and sums of thousands of numbers below it stay finite in float64. A larger one (1e308) was typed or damaged."""
 
 
 def replace_file(path: Path, content: str | bytes) -> None:
@@ -33,3 +49,143 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def damaged(path: Path, problem: str, fix: str) -> StudyError:
+    """The refusal of a record that cannot be used: its file, what is wrong with it, and the fix."""
+    return StudyError(str(path), problem, fix)
+
+
+def _text(path: Path, fix: str) -> str:
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise damaged(path, "is a directory, not a file", fix) from None
+    except OSError as err:
+        raise damaged(path, f"cannot be read ({os.strerror(err.errno) if err.errno else err})", fix) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise damaged(path, f"is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start})", fix) from None
+
+
+def _parse(text: str) -> Any:
+    """JSON, or ValueError (RecursionError: nested past Python's stack; ValueError also for an integer of more digits
+    than Python converts)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """The JSON document in the file `path`, refused (naming the file and `fix`) when the path is a directory, the
+    file cannot be read, or its text is not UTF-8 or not JSON."""
+    text = _text(path, fix)
+    try:
+        return _parse(text)
+    except ValueError as err:
+        raise damaged(path, f"does not read as JSON ({err})", fix) from None
+
+
+def read_json_lines(path: Path, fix: str, check: Callable[[Any], str] | None = None) -> list:
+    """The entries of an append-only record of JSON lines, none before the first is written. Its last line, when a
+    killed writer cut it short (no newline ends it), is left out: the next append removes it (`end_cut_line`).
+    Refused (naming the file, the line and `fix`) like `read_json`, and when any other line is not JSON or `check`
+    finds a problem with its entry (`check` returns what is wrong, '' when nothing)."""
+    if not path.exists() and not path.is_symlink():
+        return []
+    text = _text(path, fix)
+    lines = text.split("\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = _parse(line)
+        except ValueError as err:
+            if number == len(lines):  # not ended by a newline: cut short by a killed writer
+                break
+            raise damaged(path, f"line {number} does not read as JSON ({err})", fix) from None
+        problem = check(entry) if check is not None else ""
+        if problem:
+            raise damaged(path, f"line {number} {problem}", fix)
+        out.append(entry)
+    return out
+
+
+def end_cut_line(fd: int) -> None:
+    """Before appending to the record open at `fd`: remove a last line a killed writer cut short (no newline ends
+    it), so that the new lines start a line of their own and no line of JSON is glued to half of one."""
+    end = os.fstat(fd).st_size
+    if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
+        return
+    while end > 0:
+        start = max(0, end - 65536)
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            os.ftruncate(fd, start + at + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)
+
+
+class Kind(NamedTuple):
+    """What a record's field must hold: `holds(value)`, and `what` says it for the refusal."""
+
+    what: str
+    holds: Callable[[Any], bool]
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= LARGEST)
+
+
+TEXT = Kind("text", lambda v: isinstance(v, str))
+NUMBER = Kind(f"a finite number of magnitude at most {LARGEST:g}", _number)
+COUNT = Kind(f"a whole number from 0 to {LARGEST:g}", lambda v: isinstance(v, int) and _number(v) and v >= 0)
+FLAG = Kind("true or false", lambda v: isinstance(v, bool))
+LIST = Kind("a list", lambda v: isinstance(v, list))
+NUMBERS = Kind("a list of finite numbers", lambda v: isinstance(v, list) and all(_number(x) for x in v))
+TEXTS = Kind("a list of text", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+MAPPING = Kind("a mapping", lambda v: isinstance(v, dict))
+
+
+def optional(kind: Kind) -> Kind:
+    """The kind, or null."""
+    return Kind(f"{kind.what}, or null", lambda v: v is None or kind.holds(v))
+
+
+def shape_problem(record: Any, fields: dict[str, Kind], present: dict[str, Kind] | None = None) -> str:
+    """What keeps `record` from being a mapping holding each of `fields` of its kind, and each of `present` it holds
+    (a field older versions did not write) of its kind; '' when nothing does."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {_json_type(record)}, not a mapping"
+    for name, kind in fields.items():
+        if name not in record:
+            return f"has no `{name}`"
+    for name, kind in {**fields, **(present or {})}.items():
+        if name in record and not kind.holds(record[name]):
+            return f"has `{name}` {_shown(record[name])}, not {kind.what}"
+    return ""
+
+
+def read_mapping(path: Path, fields: dict[str, Kind], fix: str, present: dict[str, Kind] | None = None) -> dict:
+    """The JSON mapping in the file `path` with each of `fields` (and of `present` it holds) of its kind, other
+    fields unchecked; refused as `read_json` refuses, and naming the first field missing or of another kind."""
+    record = read_json(path, fix)
+    problem = shape_problem(record, fields, present)
+    if problem:
+        raise damaged(path, problem, fix)
+    return record
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "mapping", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -21,7 +21,8 @@ from study.config.identity import SCHEMA_VERSION
 from study.config.recipe import PENDING, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
 from study.errors import StudyError
-from study.files import replace_file
+from study.files import (COUNT, LARGEST, NUMBER, TEXT, Kind, damaged, read_mapping, replace_file,
+                         shape_problem)
 from study.schema import RunDir
 
 
@@ -178,13 +179,10 @@ def read_spec(path: Path | str) -> RunSpec:
     path = Path(path)
     if path.is_dir():
         path = RunDir(path).spec
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise StudyError("run spec", f"cannot read {path} ({err})",
-                         "plan and launch the run again (study launch EXPERIMENT) to rewrite it") from None
-    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA_VERSION:
-        found = raw.get("schema") if isinstance(raw, dict) else None
+    raw = read_mapping(path, {}, f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again "
+                       "from its plan (its checkpoints stay)")
+    if raw.get("schema") != SCHEMA_VERSION:
+        found = raw.get("schema")
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
     refuse_renamed(raw.get("config"), str(path))
@@ -197,18 +195,31 @@ def read_spec(path: Path | str) -> RunSpec:
     return spec
 
 
-def finished_result(spec: RunSpec) -> dict | None:
-    """What the trainer wrote to the run directory's result.json when training finished (final `step`, `val_loss`),
-    None until it finished; a result of another run key is none of this run's."""
-    try:
-        result = json.loads(spec.run_dir.result.read_text())
-    except (OSError, ValueError):
-        return None
-    return result if isinstance(result, dict) and result.get("run_key") == spec.key else None
-
-
 DIVERGED = "diverged"
 """result.json's field saying why a tune run's loss went non-finite: the run is settled, its loss the worst there is."""
+LOSS = Kind(f"a finite loss from 0 to {LARGEST:g}", lambda v: NUMBER.holds(v) and v >= 0)
+
+
+def read_result(path: Path, key: str) -> dict | None:
+    """The result.json at `path` as the trainer wrote it when run `key` finished (final `step`, `val_loss`, or why a
+    tune run diverged); None until it finished, and for a result of another run key, which is none of this run's.
+    Refused by name when damaged: deleting it has the run finish again from its last checkpoint."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    fix = (f"delete {path}: the run's next start (`study launch EXPERIMENT`, or `study train`) finishes it again from "
+           "its last checkpoint and writes it again")
+    result = read_mapping(path, {"run_key": TEXT, "step": COUNT}, fix)
+    if result["run_key"] != key:
+        return None
+    problem = shape_problem(result, {DIVERGED: TEXT} if result.get(DIVERGED) else {"val_loss": LOSS})
+    if problem:
+        raise damaged(path, problem, fix)
+    return result
+
+
+def finished_result(spec: RunSpec) -> dict | None:
+    """What the trainer wrote to the run directory's result.json when training finished (`read_result`)."""
+    return read_result(spec.run_dir.result, spec.key)
 
 
 def finished_loss(spec: RunSpec) -> float | None:

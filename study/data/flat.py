@@ -38,7 +38,7 @@ from study.config.identity import json_digest
 from study.config.data import VAL_BLOCK, VAL_SPLIT_SEED, DataConfig, tokenize_procs
 from study.data.cache import cache_key, fingerprint_path, sha256_file
 from study.errors import StudyError
-from study.files import replace_file
+from study.files import COUNT, TEXT, damaged, read_mapping, replace_file, shape_problem
 
 if TYPE_CHECKING:
     from study.data.tokenizer import TokenizerFile
@@ -290,7 +290,7 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
         lists["val_tokens"] = list_token_files(cfg.val_tokens, "data.val_tokens")
     layouts = {str(p): read_layout(p, dtype, f"data.{field}") for field, files in lists.items() for p in files}
     record = out / SCANNED
-    scanned = json.loads(record.read_text()) if record.is_file() else {}
+    scanned = _read_scanned(record, out) if record.exists() else {}
     start = time.perf_counter()
     _scan_missing(layouts, scanned, dtype, record, tokenize_procs(cfg), progress, cfg.name, after_file)
     files = {field: [scanned[str(p)] for p in paths] for field, paths in lists.items()}
@@ -317,6 +317,17 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     record.unlink(missing_ok=True)
+
+
+def _read_scanned(record: Path, out: Path) -> dict[str, Any]:
+    """An interrupted scan's record of the files it finished, refused by name when damaged."""
+    fix = f"delete {out}: the next `study prepare` (or launch) scans the token files from the start"
+    scanned = read_mapping(record, {}, fix)
+    fields = {"path": TEXT, "offset": COUNT, "tokens": COUNT, "largest_id": COUNT, "digest": TEXT}
+    for path, entry in scanned.items():
+        if problem := shape_problem(entry, fields):
+            raise damaged(record, f"its entry for {path} {problem}", fix)
+    return scanned
 
 
 def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: np.dtype, record: Path,

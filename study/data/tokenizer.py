@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from study.data.cache import build_once, file_digest
 from study.config.data import EOS_CANDIDATES, TRAIN_BPE, DataConfig
 from study.errors import StudyError
+from study.files import damaged, read_mapping
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -115,10 +116,15 @@ def declared_eos(directory: Path) -> str | None:
     """The EOS a tokenizer directory declares in tokenizer_config.json (as transformers writes it), if any: a
     transformers tokenizer's, or the one a run directory records beside the tokenizer it trained with."""
     config = directory / TOKENIZER_CONFIG
-    if not config.is_file():
+    if not config.exists():
         return None
-    eos = json.loads(config.read_text()).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    fix = (f"repair or delete {config} (a run directory's is written again at the run's next start; without it a "
+           "tokenizer directory declares no end-of-document token: set data.eos_token)")
+    eos = read_mapping(config, {}, fix).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise damaged(config, f"declares the end-of-document token {json.dumps(eos)[:60]}, not a token's text", fix)
+    return eos
 
 
 def _convert_transformers(directory: Path, entry: Path) -> Path:

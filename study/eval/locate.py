@@ -14,6 +14,7 @@ from study.config.spec import RunSpec, read_spec
 from study.errors import StudyError
 from study.schema import TAG_RUN_KEY
 from study.train import checkpoint
+from study.train.state import TrainState
 
 _KEY_FIX = "take the key from `study plan EXPERIMENT` or `study status EXPERIMENT`"
 
@@ -84,9 +85,9 @@ def run_of_checkpoint(path: str | Path) -> tuple[RunSpec, Path]:
         raise StudyError("checkpoint", f"{path} is not a complete checkpoint",
                          "name a <run dir>/checkpoints/step_<N> folder that has its .metadata and train_state.json")
     spec = read_spec(path.parent.parent)
-    state = json.loads((path / "train_state.json").read_text())
-    if state.get("run_key") and state["run_key"] != spec.key:
-        raise StudyError("checkpoint", f"{path} belongs to run {state['run_key']}, not to {spec.key} whose "
+    state = TrainState.read(path / "train_state.json")
+    if state.run_key and state.run_key != spec.key:
+        raise StudyError("checkpoint", f"{path} belongs to run {state.run_key}, not to {spec.key} whose "
                          "directory holds it", "name a checkpoint inside its own run's directory")
     return spec, path
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from study.config.identity import json_digest
 from study.config.spec import RunSpec, finished_result
+from study.files import COUNT, FLAG, MAPPING, NUMBER, TEXT, TEXTS, read_mapping
 from study.schema import EVAL_PREFIX, EVAL_RECORD, EVAL_RESULTS, ITEMS_ARTIFACT, eval_artifact
 
 
@@ -90,21 +91,26 @@ def write_record(spec: RunSpec, settings: EvalSettings, result: dict, summary: d
     return folder
 
 
+_RECORD = {"id": TEXT, "step": COUNT, "tasks": TEXTS, "of_record": FLAG, "time": NUMBER, "metrics": MAPPING}
+"""The fields of an evaluation record that its readers use."""
+
+
 def read_records(spec: RunSpec) -> list[dict]:
-    """Every evaluation record of the run, oldest first (unreadable ones, e.g. half-written by a kill, skipped)."""
+    """Every evaluation record of the run, oldest first. A record is written whole and moved into place, so one
+    that does not read, or lacks what a record holds, was damaged or edited: refused by name."""
     folder = spec.run_dir.evals
     records = []
-    for path in folder.glob(f"*/{EVAL_RECORD}") if folder.is_dir() else []:
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+    for path in sorted(folder.glob(f"*/{EVAL_RECORD}")) if folder.is_dir() else []:
+        if path.parent.name.startswith("."):  # one being written (or left by a killed evaluation) is none yet
             continue
-    return sorted(records, key=lambda r: r.get("time", 0))
+        records.append(read_mapping(path, _RECORD, f"delete {path.parent}: `study eval {spec.key}` (for the "
+                                    "evaluation of record, the next `study launch`) evaluates again and rewrites it"))
+    return sorted(records, key=lambda r: r["time"])
 
 
 def evaluated(spec: RunSpec) -> bool:
     """Whether the run has an evaluation of record of its final checkpoint covering its configured tasks (a record
     written as of record before the run finished, by an older version, does not count)."""
     wanted, final = set(spec.config.eval.tasks), final_step(spec)
-    return final is not None and any(r.get("of_record") and r.get("step") == final
-                                     and set(r.get("tasks", [])) >= wanted for r in read_records(spec))
+    return final is not None and any(r["of_record"] and r["step"] == final and set(r["tasks"]) >= wanted
+                                     for r in read_records(spec))

@@ -11,11 +11,11 @@ package is needed to read it back:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from study.errors import StudyError
+from study.files import MAPPING, TEXT, damaged, read_mapping
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,7 @@ def load(directory: str | Path, device: str = "cpu") -> Transformer:
     """The study Transformer of an export in the study format, in eval mode. Parameters are fp32 whatever the
     file stores (bf16 weights load as their exact bf16 values)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
     from safetensors.torch import load_model
 
     from study.config.model import ModelConfig
@@ -46,14 +47,23 @@ def load(directory: str | Path, device: str = "cpu") -> Transformer:
 
     directory = Path(directory)
     manifest = directory / MANIFEST
-    if not manifest.is_file():
+    if not manifest.exists():
         raise StudyError("directory", f"{directory} has no {MANIFEST}", "give a directory written by `study export`")
-    record = json.loads(manifest.read_text())
-    if record.get("format") != "study":
-        raise StudyError("directory", f"{directory} is a {record.get('format')!r} export whose weights carry "
+    fix = f"delete {directory} and export the run again (`study export RUN_KEY --format study --out {directory}`)"
+    record = read_mapping(manifest, {"format": TEXT, "spec": MAPPING}, fix)
+    if record["format"] != "study":
+        raise StudyError("directory", f"{directory} is a {record['format']!r} export whose weights carry "
                          "transformers' names", "load it with transformers' AutoModelForCausalLM.from_pretrained")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), record["spec"]["config"]["model"]))
+    config = record["spec"].get("config")
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
+    except (OmegaConfBaseException, KeyError, TypeError, ValueError) as err:
+        raise damaged(manifest, f"has no `spec.config.model` this version builds a model from ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''})", fix) from None
     # random init then overwritten, as evaluation loads checkpoints; it also fills the RoPE tables (not stored)
     model = build_model(cfg, device)
-    load_model(model, str(directory / WEIGHTS), strict=True, device=device)  # strict: every tensor, no other
+    try:
+        load_model(model, str(directory / WEIGHTS), strict=True, device=device)  # strict: every tensor, no other
+    except Exception as err:  # noqa: BLE001 - safetensors' own error type, or an OSError: a damaged or missing file
+        raise damaged(directory / WEIGHTS, f"cannot be loaded ({type(err).__name__}: {str(err)[:300]})", fix) from None
     return model.eval()

@@ -41,6 +41,7 @@ import numpy as np
 
 from study.config.geometry import GEOMETRIES, SMOOTHING, STATISTICS, AllocationConfig, one_of
 from study.errors import StudyError
+from study.files import LARGEST
 
 # Smoothness of the function an FFN approximates, in the error rate w^(-smoothness / intrinsic dimension).
 SMOOTHNESS = 2.0
@@ -156,14 +157,15 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
 def read_profile(path, layers: int | None = None) -> dict:
     """A profile.json written by `study profile`, its values checked (`check_profile`); `layers`, where given, is
     the depth of the model the widths are for."""
-    import json
     from pathlib import Path
 
+    from study.files import read_json
+
     try:
-        profile = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 text
-        raise StudyError("profile", f"cannot read the profile {path} ({err})",
-                         "point at the profile.json that `study profile RUN_KEY` wrote") from None
+        profile = read_json(Path(path), "point at the profile.json that `study profile RUN_KEY` wrote, or "
+                            f"{PROFILE_FIX}")
+    except StudyError as err:  # the option that named it, beside the file
+        raise StudyError("profile", f"the profile {err.field} {err.problem}", err.fix) from None
     check_profile(profile, str(path), layers)
     return profile
 
@@ -212,6 +214,9 @@ def _check_layers(values, field: str, layers: int, allowed, what: str) -> None:
         raise StudyError(field, f"has {len(values)} values for {layers} layers", PROFILE_FIX)
     for layer, v in enumerate(values):
         number = isinstance(v, int | float) and not isinstance(v, bool)
+        if number and math.isfinite(v) and abs(v) > LARGEST:  # sums and products of such overflow the solver
+            raise StudyError(field, f"layer {layer} holds {v!r}, past the {LARGEST:g} no measured value comes near",
+                             PROFILE_FIX)
         if not (v is None or number) or (number and not math.isfinite(v)) or not allowed(v):
             raise StudyError(field, f"layer {layer} holds {v!r}, not {what}", PROFILE_FIX)
 

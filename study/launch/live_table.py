@@ -7,11 +7,12 @@ On a terminal the table redraws in place; into a pipe or a file there is no anim
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 
 from study.config.spec import RunSpec
+from study.errors import StudyError
+from study.files import COUNT, NUMBER, Kind, optional, read_json, shape_problem
 
 WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "FAILED"
 
@@ -75,8 +76,16 @@ class LiveTable:
             self._live.stop()
 
 
+_LOSS = Kind("a number, NaN once diverged", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+_FIGURES = {"step": COUNT, "max_steps": COUNT, "loss": _LOSS, "tokens_per_s": NUMBER, "eta_s": optional(NUMBER)}
+
+
 def _read(run: RunSpec) -> dict | None:
+    """The run's latest figures; None (shown as unknown) while it has none, or holds what is not its figures: the
+    trainer replaces the file at its next logged step, so a damaged one is never a reason to stop the launch."""
+    path = run.run_dir.progress  # a link in its place is refused, as everywhere in a run directory
     try:
-        return json.loads(run.run_dir.progress.read_text())
-    except (OSError, ValueError):
+        figures = read_json(path, "")
+    except StudyError:
         return None
+    return None if shape_problem(figures, _FIGURES) else figures

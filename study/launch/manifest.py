@@ -7,11 +7,10 @@ in the MLflow experiment's tags (readable from any machine that sees the trackin
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from study.errors import StudyError
+from study.files import COUNT, TEXT, TEXTS, read_json_lines, shape_problem
 from study.launch.scheduler import append_lines
 from study.schema import launch_dir, not_a_link
 
@@ -42,18 +41,26 @@ def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str],
 def latest_manifest(runs_root: str | Path, experiment: str, tracking_uri: str = "") -> dict | None:
     """The latest launch of the experiment: the local manifest, else the MLflow experiment's tags."""
     path = manifest_path(runs_root, experiment)
-    if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if lines:
-            try:
-                return json.loads(lines[-1])
-            except json.JSONDecodeError:
-                raise StudyError(str(path), "is not a launch manifest (its last line is not JSON)",
-                                 "remove the damaged line; the MLflow experiment's tags keep the latest launch") from None
+    launches = read_json_lines(path, f"delete the damaged line of {path}, or the whole file: the MLflow experiment's "
+                               "tags keep the latest launch", _launch_problem)
+    if launches:
+        return launches[-1]
     from study.track.query import open_store, read_manifest_tags
 
     client = open_store(tracking_uri)
     return None if client is None else read_manifest_tags(client, experiment)
+
+
+def _launch_problem(entry) -> str:
+    """What keeps a line of the manifest from being a launch ('' when nothing)."""
+    problem = shape_problem(entry, {"experiment": TEXT, "overrides": TEXTS, "keys": TEXTS})
+    if problem:
+        return problem
+    seeds = entry.get("extra_seeds", {})  # scale -> variant -> seeds an adaptive launch added
+    if not (isinstance(seeds, dict) and all(isinstance(per, dict) and all(
+            isinstance(s, list) and all(COUNT.holds(x) for x in s) for s in per.values()) for per in seeds.values())):
+        return f"has `extra_seeds` {seeds!r:.60}, not seeds per scale and variant"
+    return ""
 
 
 def new_runs(keys: list[str], manifest: dict | None) -> list[str]:

@@ -16,13 +16,14 @@ decided. The same record goes to MLflow as the experiment's `racing` run (artifa
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
 from study.config.run import Role
-from study.launch.scheduler import append_lines, read_lines
-from study.files import file_lock, replace_file
+from study.errors import StudyError
+from study.files import (COUNT, FLAG, LIST, MAPPING, NUMBER, NUMBERS, TEXT, damaged, file_lock, optional,
+                         read_json_lines, read_mapping, replace_file, shape_problem)
+from study.launch.scheduler import append_lines
 from study.schema import RunDir, launch_dir
 
 ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
@@ -45,10 +46,39 @@ def write_roster(plan) -> Path | None:
     return path
 
 
+_VERDICT = {"at": NUMBER, "variant": optional(TEXT), "scale": optional(TEXT), "stops": FLAG, "verdict": TEXT}
+_STOP = {"variant": TEXT, "scale": TEXT, "baseline": TEXT, "rung": COUNT, "n": COUNT, "mean_delta": NUMBER,
+         "ci_low": NUMBER, "ci_high": NUMBER, "alpha": NUMBER}
+"""The fields of a verdict line of racing.jsonl, and those a verdict that stops its arm adds."""
+_ROSTER = {"baseline": TEXT, "at": NUMBERS, "stop_equivalent": FLAG, "decision": MAPPING, "runs": LIST}
+_ROSTER_RUN = {"key": TEXT, "role": TEXT, "variant": TEXT, "scale": TEXT, "seed": COUNT, "trunk": optional(TEXT),
+               "at": optional(NUMBER), "starts": NUMBERS, "gpu_hours": optional(NUMBER)}
+
+
 def decided(runs_root: str, experiment: str) -> list[dict]:
     """Every verdict recorded so far, in the order the rungs were decided (a rung whose line a killed job cut short
-    is decided again by the next settle)."""
-    return read_lines(launch_dir(runs_root, experiment) / RECORD)
+    is decided again by the next settle). A line edited or damaged by hand is refused by name."""
+    path = launch_dir(runs_root, experiment) / RECORD
+    fix = (f"delete the damaged line of {path} (or the whole file): the rungs it no longer records are decided again "
+           "from their branches' result.json when the next branch finishes or a local launch settles")
+    return read_json_lines(path, fix, lambda v: shape_problem(v, _VERDICT) or (
+        shape_problem(v, _STOP) if v["stops"] else ""))
+
+
+def _read_roster(path: Path) -> dict:
+    """The race's roster, its fields checked (the decision rule as an experiment file's is)."""
+    from study.config.decision import DecisionRule
+
+    fix = f"delete {path}: the next `study launch` of the experiment writes it again from its plan"
+    roster = read_mapping(path, _ROSTER, fix)
+    for i, run in enumerate(roster["runs"]):
+        if problem := shape_problem(run, _ROSTER_RUN):
+            raise damaged(path, f"runs[{i}] {problem}", fix)
+    try:
+        DecisionRule.from_mapping(roster["decision"])
+    except StudyError as err:
+        raise damaged(path, f"`{err.field}` {err.problem}", fix) from None
+    return roster
 
 
 def stopped_keys(plan) -> dict[str, str]:
@@ -72,10 +102,10 @@ def stopped_keys(plan) -> dict[str, str]:
 def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict]:
     """Decide every rung that is ready and not yet decided, stop what it stops; returns the new verdicts."""
     folder = launch_dir(runs_root, experiment)
-    if not (folder / ROSTER).is_file():
+    if not (folder / ROSTER).exists():
         return []
     with file_lock(folder / LOCK):
-        roster = json.loads((folder / ROSTER).read_text())
+        roster = _read_roster(folder / ROSTER)
         new = _decide_ready(roster, runs_root, experiment)
         if new:
             append_lines(folder / RECORD, new)
@@ -117,12 +147,10 @@ def _decide_ready(roster: dict, runs_root: str, experiment: str) -> list[dict]:
 
 
 def _result(runs_root: str, experiment: str, key: str) -> float | None:
-    try:
-        result = json.loads(RunDir.of(runs_root, experiment, key).result.read_text())
-    except (OSError, ValueError):
-        return None
-    loss = result.get("val_loss") if isinstance(result, dict) and result.get("run_key") == key else None
-    return float(loss) if loss is not None and math.isfinite(float(loss)) else None
+    from study.config.spec import DIVERGED, read_result
+
+    result = read_result(RunDir.of(runs_root, experiment, key).result, key)
+    return None if result is None or result.get(DIVERGED) else float(result["val_loss"])
 
 
 def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[dict]) -> None:

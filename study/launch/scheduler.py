@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from study.errors import StudyError
+from study.files import TEXT, TEXTS, end_cut_line, file_lock, read_json_lines, shape_problem
 from study.schema import launch_dir, not_a_link
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
@@ -47,29 +48,28 @@ def journal_path(runs_root: str | Path, experiment: str) -> Path:
     return not_a_link(launch_dir(runs_root, experiment) / "jobs.jsonl")
 
 
-def read_lines(path: Path) -> list:
-    """The JSON lines of a launch record (none before the first is written). A line cut short by a killed writer is
-    skipped: the lines around it still count."""
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def append_lines(path: Path, entries: list[dict]) -> None:
+    """The entries appended to a launch record as JSON lines, in one write, under the record's lock: a line a killed
+    writer cut short is removed first (`end_cut_line`), so every line but a cut-short last one is whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for e in entries:
-            f.write(json.dumps(e) + "\n")
+    data = "".join(json.dumps(e) + "\n" for e in entries).encode()
+    with file_lock(path):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW)
+        try:
+            end_cut_line(fd)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
 
 def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
     """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
     name, the job ids it waits for (`after`) and the launcher's host."""
-    return {e["key"]: e for e in read_lines(journal_path(runs_root, experiment)) if isinstance(e, dict) and "key" in e}
+    path = journal_path(runs_root, experiment)
+    fields, present = {"key": TEXT, "job_id": TEXT, "scheduler": TEXT}, {"host": TEXT, "after": TEXTS}
+    fix = (f"delete the damaged line of {path}, or the whole file once none of the experiment's jobs is queued or "
+           "running (it only names the jobs each launch submitted)")
+    return {e["key"]: e for e in read_json_lines(path, fix, lambda e: shape_problem(e, fields, present))}
 
 
 def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:

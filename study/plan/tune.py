@@ -33,7 +33,7 @@ from typing import Any
 
 from study.config.validate import SEED_MAX, is_number
 from study.errors import StudyError
-from study.files import replace_file
+from study.files import LARGEST, read_json, replace_file
 
 DEFAULT_EXTEND = 2
 """Grid points added beyond an edge, per direction, unless `tune.extend` says otherwise."""
@@ -221,14 +221,17 @@ def confined(path: Path) -> Path:
     return path
 
 
+def _fix(path: Path) -> str:
+    return f"delete {path}: the next `study launch` recomputes it from the finished tune runs"
+
+
 def _damaged(path: Path, problem: str) -> StudyError:
-    return StudyError(str(path), f"is not a tuning record this plan can use: {problem}",
-                      f"delete {path}: the next `study launch` recomputes it from the finished tune runs")
+    return StudyError(str(path), f"is not a tuning record this plan can use: {problem}", _fix(path))
 
 
 def _number(x: Any) -> bool:
-    """A positive finite number."""
-    return is_number(x) and x > 0
+    """A positive finite number a record can hold (not past LARGEST)."""
+    return is_number(x) and 0 < x <= LARGEST
 
 
 def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[float, int], str]],
@@ -240,12 +243,9 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
     `result_of(key)` is a tune run's settled loss (inf: diverged; None: no result in its run directory). A record
     whose shape, values, losses or choice do not hold is refused (StudyError naming the file and the fix)."""
     path = confined(path)
-    if not path.is_file():
+    if not path.exists():
         return None, ""
-    try:
-        record = json.loads(path.read_text(), parse_constant=lambda c: math.nan)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _damaged(path, f"it does not read as JSON ({err})") from None
+    record = read_json(path, _fix(path))  # a directory in its place too: a record is never written over one
     if not isinstance(record, dict):
         raise _damaged(path, "it is not a mapping")
     if record.get("version") != RECORD_VERSION:
@@ -291,7 +291,7 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         raise _damaged(path, f"{where} must hold exactly {sorted(_CHOICE_KEYS)}")
     if not _number(raw["multiple"]) or not _number(raw["best"]):
         raise _damaged(path, f"{where}: multiple {raw['multiple']!r} and best {raw['best']!r} must be positive "
-                             "finite numbers")
+                             f"finite numbers up to {LARGEST:g}")
     if raw["status"] not in (INTERIOR, EXTENDED, EDGE):
         raise _damaged(path, f"{where}.status {raw['status']!r} is not one of {INTERIOR}, {EXTENDED}, {EDGE}")
     if not isinstance(raw["points"], list) or not raw["points"]:
@@ -302,7 +302,8 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         if not isinstance(p, dict) or set(p) != _POINT_KEYS:
             raise _damaged(path, f"{at} must hold exactly {sorted(_POINT_KEYS)}")
         if not _number(p["multiple"]) or not isinstance(p["extension"], bool):
-            raise _damaged(path, f"{at}: multiple {p['multiple']!r} must be a positive finite number")
+            raise _damaged(path, f"{at}: multiple {p['multiple']!r} must be a positive finite number up to "
+                                 f"{LARGEST:g}")
         if p["seeds"] != list(tuning.seeds) or not isinstance(p["keys"], list) or not isinstance(p["losses"], list) \
                 or len(p["keys"]) != len(tuning.seeds) or len(p["losses"]) != len(tuning.seeds) \
                 or not all(isinstance(k, str) for k in p["keys"]):
@@ -311,10 +312,11 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         for loss in p["losses"]:
             if loss == DIVERGED_LOSS:
                 losses.append(math.inf)
-            elif is_number(loss):
+            elif is_number(loss) and 0 <= loss <= LARGEST:
                 losses.append(float(loss))
             else:
-                raise _damaged(path, f"{at}: loss {loss!r} is neither a finite number nor {DIVERGED_LOSS!r}")
+                raise _damaged(path, f"{at}: loss {loss!r} is neither a finite number from 0 to {LARGEST:g} nor "
+                                     f"{DIVERGED_LOSS!r}")
         points.append(Point(float(p["multiple"]), losses, p["extension"], list(p["keys"])))
     return Choice(float(raw["multiple"]), raw["status"], float(raw["best"]), points)
 

@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from study.files import COUNT, end_cut_line, read_json_lines
+
 logger = logging.getLogger(__name__)
 Point = tuple[str, float, int, int]
 """(key, value, timestamp in ms, step)."""
@@ -25,17 +27,11 @@ class MetricLog:
         self._fd: int | None = None
 
     def read(self) -> list[Point]:
-        """Every point logged so far; a line cut short by a crash mid-write is ignored."""
-        if not self.path.is_file():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                k, v, t, s = json.loads(line)
-            except (ValueError, TypeError):
-                continue
-            out.append((str(k), float(v), int(t), int(s)))
-        return out
+        """Every point logged so far; a last line cut short by a crash mid-write is left out (the next append
+        removes it). A line edited or damaged by hand is refused by name."""
+        fix = (f"delete the damaged line of {self.path}: the MLflow run keeps the points it already received, and "
+               "the line's point is lost")
+        return [(k, float(v), t, s) for k, v, t, s in read_json_lines(self.path, fix, _point_problem)]
 
     def append(self, points: Iterable[Point]) -> None:
         lines = "".join(json.dumps([k, v, t, s]) + "\n" for k, v, t, s in points)
@@ -43,15 +39,9 @@ class MetricLog:
             return
         if self._fd is None:
             # O_NOFOLLOW: a link planted after the run directory was checked is refused, never appended through
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            if os.fstat(self._fd).st_size and not self._ends_with_newline():
-                os.write(self._fd, b"\n")  # never glue a point to a line a crash cut short
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            end_cut_line(self._fd)  # never glue a point to a line a crash cut short
         os.write(self._fd, lines.encode())
-
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as f:
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
 
     def sync(self) -> None:
         """Make every point so far durable (called with each checkpoint)."""
@@ -62,6 +52,14 @@ class MetricLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _point_problem(entry) -> str:
+    """What keeps a line from being a point [key, value, timestamp, step] ('' when nothing); a value may be NaN."""
+    ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+          and isinstance(entry[1], int | float) and COUNT.holds(entry[2]) and COUNT.holds(entry[3])
+          and not any(isinstance(x, bool) for x in entry))
+    return "" if ok else f"holds {json.dumps(entry)[:60]}, not a point [key, value, time in ms, step]"
 
 
 def reconcile(log: MetricLog, logged_upto: dict[str, int], stored_steps) -> list[Point]:

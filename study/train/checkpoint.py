@@ -177,8 +177,7 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # a damaged file of any kind (DCP's CheckpointException is a BaseException)
-            cause = _cause(err)
-            reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ''}"
+            reason = _reason(err)
             broken.append(f"{path.name} ({reason})")
             if d.is_main:
                 print(f"checkpoint {path.name} of run {run_key} cannot be loaded ({reason}); falling back to the "
@@ -210,7 +209,28 @@ def load_branch_start(trunk_dir: Path, step: int, model, optimizer, d: Dist, tru
         if state is not None and state.run_key and state.run_key != trunk_key:
             raise StudyError("trunk", f"checkpoint {path} belongs to run {state.run_key}, not trunk {trunk_key}",
                              "remove the foreign checkpoint")
-        return load(path, model, optimizer, d)
+        try:
+            return load(path, model, optimizer, d)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # a damaged file of any kind: no earlier checkpoint is this branch's start
+            raise StudyError(str(path), f"trunk {trunk_key}'s checkpoint at step {step}, where this branch starts, "
+                             f"cannot be loaded ({_reason(err)})", f"restore {path} from a copy; else train the trunk "
+                             f"again from step 0 (`study launch {trunk_dir.parent.name} --restart {trunk_key}`)"
+                             ) from None
+
+
+def _reason(err: BaseException) -> str:
+    """What failed, in one line: the exception's type (EOFError alone says little) and the start of its message."""
+    if isinstance(err, StudyError):  # a damaged train_state.json, refused by its reader
+        return f"{Path(err.field).name} {err.problem}"
+    cause = _cause(err)
+    while (cause.__cause__ or cause.__context__) is not None:  # the first failure: a .metadata cut short is an
+        cause = cause.__cause__ or cause.__context__          # EOFError, which DCP follows with a FileNotFoundError
+    if isinstance(cause, EOFError):  # torch's own message is empty, or "Ran out of input"
+        return "EOFError: one of its files ends before its data does: cut short"
+    text = str(cause).strip().splitlines()[0].split(". ")[0][:300] if str(cause).strip() else ""
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -233,19 +253,28 @@ def _nbytes(state: Any) -> int:
 
 
 def _read_state(path: Path) -> TrainState | None:
+    """The checkpoint's train state; None when damaged (loading it then says so, by name)."""
     try:
         return TrainState.read(path / "train_state.json")
-    except (OSError, ValueError, TypeError):
+    except StudyError:
         return None
 
 
 def load_model_weights(path: Path, model) -> None:
-    """Weights only (evaluation, profiling): any world size, no optimizer."""
+    """Weights only (evaluation, profiling, export): any world size, no optimizer. A damaged checkpoint is refused by
+    its folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     sd = {"model": get_model_state_dict(model)}
-    dcp.load(sd, checkpoint_id=str(path))
+    try:
+        dcp.load(sd, checkpoint_id=str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a damaged file of any kind (DCP's CheckpointException is a BaseException)
+        raise StudyError(str(path), f"the checkpoint cannot be loaded ({_reason(err)})",
+                         f"restore {path} from a copy, or delete that folder to read the run's checkpoint before "
+                         "it") from None
     set_model_state_dict(model, sd["model"])
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from study.config.data import tokenize_procs
 from study.config.spec import RunSpec
-from study.files import replace_file
+from study.files import Kind, read_mapping, replace_file
 from study.data.flat import spot_digests
 from study.errors import StudyError
 from study.schema import not_a_link
@@ -38,8 +38,8 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
     path = record_path(spec)
     now = data.meta["sha256"]
     files = _flat_files(spec, data)
-    if path.is_file():
-        record = json.loads(path.read_text())
+    if path.exists():
+        record = _read(spec, path)
         then = record["sha256"]
         changed = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
         if changed:
@@ -60,6 +60,15 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
     if write:
         record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
         replace_file(path, json.dumps({**record, "files": files} if files else record, indent=1))
+
+
+def _read(spec: RunSpec, path: Path) -> dict:
+    """The record, refused by name when damaged: the checksums it holds are what the data is compared with."""
+    fix = (f"restore {path} from a copy; or train the run again from step 0 on the data as it is now "
+           f"(`study launch EXPERIMENT --restart {spec.key}`)")
+    digests = Kind("a mapping of file names to digests", lambda v: isinstance(v, dict) and all(
+        isinstance(x, str) for x in v.values()))
+    return read_mapping(path, {"sha256": digests}, fix, {"files": digests})
 
 
 def _flat_files(spec: RunSpec, data) -> dict[str, str]:

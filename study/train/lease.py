@@ -44,7 +44,8 @@ class Lease:
 
     def holder(self) -> str:
         try:
-            return self.path.read_text().strip() or "another process"
+            # what a trainer wrote, `host pid`; anything else (not UTF-8 either) is shown, never a reason to fail
+            return self.path.read_bytes().decode(errors="replace").strip() or "another process"
         except OSError:
             return "another process"
 

@@ -26,6 +26,7 @@ from study.config.identity import json_digest
 from study.config.run import Role
 from study.config.spec import DIVERGED, RunSpec
 from study.errors import StudyError
+from study.files import replace_file
 from study.train import checkpoint
 from study.train.callbacks import Callbacks, Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
 from study.train.distributed import Dist, all_reduce_max, barrier, keep_freed_memory, setup
@@ -216,8 +217,9 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
         return
     if outcome.settled and d.is_main:
         result = {"val_loss": outcome.val_loss, "step": outcome.step, "run_key": spec.key}
-        spec.run_dir.result.write_text(json.dumps(result | ({DIVERGED: outcome.reason}
-                                                            if outcome.status == "DIVERGED" else {})))
+        # written whole: a damaged result.json is refused by its readers, so a kill must never leave half of one
+        replace_file(spec.run_dir.result, json.dumps(result | ({DIVERGED: outcome.reason}
+                                                               if outcome.status == "DIVERGED" else {})))
     log_job_output(tracker, spec)
     # MLflow calls a diverged run FAILED, with the reason, whatever its role
     tracker.close("FAILED" if outcome.status == "DIVERGED" else outcome.status, outcome.reason)

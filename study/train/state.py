@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from study.files import COUNT, TEXT, Kind, read_mapping
+
 
 @dataclass
 class TrainState:
@@ -35,5 +37,15 @@ class TrainState:
 
     @classmethod
     def read(cls, path: Path) -> TrainState:
-        raw = json.loads(path.read_text())
+        """The state a checkpoint holds, refused by name when damaged (a field absent is one an older version did
+        not write, and keeps its default; `step` every version wrote)."""
+        fix = (f"restore {path.parent} from a copy, or delete that checkpoint folder: a run continues from its "
+               "previous complete checkpoint")
+        raw = read_mapping(path, {"step": COUNT}, fix, _KINDS)
         return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+_LOSS = Kind("a number or null", lambda v: v is None or isinstance(v, int | float) and not isinstance(v, bool))
+_KINDS = {"max_steps": COUNT, "world_size": COUNT, "run_key": TEXT, "model_hash": TEXT,
+          "compute_dtype": TEXT, "val_loss": _LOSS}
+"""What each field of train_state.json holds (a validation loss may be NaN: json writes a non-finite one as such)."""
