@@ -80,9 +80,10 @@ def study(tmp_path_factory, data_cache):
                    "n": 2, "mean_delta": 0.5, "ci_low": 0.4, "ci_high": 0.6, "alpha": 0.006, "stops": True}
         (launch_dir(runs, "raced") / RECORD).write_text(json.dumps(verdict) + "\n")
         tune = next(r for r in plan.runs if r.role == Role.tune)
-        yield {"root": root, "mp": mp, "tuned": plan, "raced": raced, "main": main_run, "tune": tune,
+        yield {"root": root, "tuned": plan, "raced": raced, "main": main_run, "tune": tune,
                "journal": journal_path(runs, "tuned"), "manifest": manifest_path(runs, "tuned"),
-               "race": launch_dir(runs, "raced") / RECORD, "record": Path("runs", "tuned", "_tune", "a.json")}  # as paths.runs names it
+               "race": launch_dir(runs, "raced") / RECORD,
+               "record": Path("runs", "tuned", "_tune", "a.json")}  # as paths.runs names it
 
 
 def finish(run, loss: float) -> None:
