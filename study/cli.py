@@ -251,6 +251,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from study.launch.preflight import preflight, print_preflight
+    from study.plan.planner import plan_experiment
+
+    plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
+    shapes, pending = preflight(plan.runs, trace=not args.no_trace, again=args.again)
+    if args.json:
+        print(json.dumps({"experiment": args.experiment, "shapes": [s.as_json() for s in shapes],
+                          "pending": [r.key for r in pending]}, indent=1))
+    else:
+        print_preflight(args.experiment, shapes, pending)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from analysis.headline import print_headline
     from analysis.report import build_report
@@ -321,7 +335,7 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"allocate": cmd_allocate, "calibrate": cmd_calibrate, "demo": cmd_demo, "eval": cmd_eval, "export": cmd_export, "launch": cmd_launch, "plan": cmd_plan, "prepare": cmd_prepare, "profile": cmd_profile, "report": cmd_report, "status": cmd_status, "train": cmd_train}
+HANDLERS = {"allocate": cmd_allocate, "calibrate": cmd_calibrate, "demo": cmd_demo, "eval": cmd_eval, "export": cmd_export, "launch": cmd_launch, "plan": cmd_plan, "preflight": cmd_preflight, "prepare": cmd_prepare, "profile": cmd_profile, "report": cmd_report, "status": cmd_status, "train": cmd_train}
 """Each command's function (study/parser.py builds the parser around them)."""
 
 

@@ -71,6 +71,18 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     p.add_argument("--again", action="store_true", help="measure shapes already calibrated on this profile anew")
     p.set_defaults(func=handlers["calibrate"])
 
+    p = sub.add_parser("preflight", help="step each distinct shape once at its real size on fake tensors, over a fake "
+                       "process group of its real world size: peak memory per rank, FLOPs, graph breaks")
+    p.add_argument("experiment")
+    p.add_argument("overrides", nargs="*", help="cluster=<preset> cluster.nodes=N (the layout the runs will train at) "
+                   "and key=value")
+    p.add_argument("--variant", action="append", help="only this variant's runs (repeatable)")
+    p.add_argument("--scale", action="append", help="only this scale's runs (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with a `shapes` list")
+    p.add_argument("--no-trace", action="store_true", help="skip torch.compile's trace (the graph-break check)")
+    p.add_argument("--again", action="store_true", help="measure shapes already in the cache anew")
+    p.set_defaults(func=handlers["preflight"])
+
     p = sub.add_parser("status", help="each launched run's MLflow and scheduler state")
     p.add_argument("experiment")
     p.add_argument("overrides", nargs="*", help="none: the runs of the last launch")
