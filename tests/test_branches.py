@@ -277,3 +277,112 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
     assert "1 arm(s) stopped" in text and "| b | tiny | 0.5 | worse | 4 |" in text
     # what the report reads (analysis.report.analyse: read_race) is what the launch wrote
     assert read_race(client, client.get_experiment_by_name(name).experiment_id) == record
+
+
+@pytest.mark.parametrize("where", ["command line", "at"])
+def test_a_decay_fraction_that_contradicts_the_branches_is_refused_naming_the_field(where, workdir, monkeypatch,
+                                                                                    capsys):
+    """The branch points are placed by branches.decay, the trunk's and each branch's LR by train.decay_fraction: a
+    run at 0.5 with branches at 0.2 would decay its trunk from step 20 of 40, and no branch would be the straight
+    WSD run of its length. It is refused before anything is written or submitted; the branches' own value is no
+    contradiction."""
+    def argv_for(decay: float) -> list[str]:
+        if where == "at":
+            return [experiment(workdir, monkeypatch, at={"tiny": {"train.decay_fraction": decay}})]
+        return [experiment(workdir, monkeypatch), f"train.decay_fraction={decay}"]
+
+    for command in (["plan"], ["launch", "cluster=local"]):
+        argv = argv_for(0.5)
+        assert main([command[0], argv[0], *command[1:], *argv[1:]]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "error in `train.decay_fraction`" in err and "is 0.5 for variant a at scale tiny" in err
+        assert "decays each branch over 0.2" in err
+        assert "drop train.decay_fraction from the command line and from the experiment's at: and variants" in err
+    assert not (workdir / "runs").exists()
+    assert main(["plan", *argv_for(0.2)]) == 0
+
+
+def complete_checkpoint(run, step: int) -> None:
+    """A complete checkpoint of `run` at `step` as study.train.checkpoint counts one (its files, no weights)."""
+    folder = run.run_dir.checkpoints / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "train_state.json").write_text(json.dumps({"step": step, "run_key": run.key}))
+
+
+def test_a_branch_whose_trunk_lost_its_start_is_not_submitted_and_the_launch_names_the_trunks_restart(
+        workdir, monkeypatch, capsys):
+    """The trunk finished (result.json, checkpoints at 4 and 16) but its checkpoint at step 8 is gone: no job of the
+    trunk writes it again (each resumes at its latest), so the branch at 0.5 would fail at every launch. It is not
+    submitted, the launch and status say why and name the restart of the trunk; after that restart the trunk trains
+    again and the branch waits for it."""
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+    from study.train.restart import restart_idle
+
+    name = experiment(workdir, monkeypatch, steps=20, variants={"a": {"model": "conventional"}})
+    plan = plan_experiment(name, ["cluster=local"])
+    trunk = next(r for r in plan.runs if r.role == Role.trunk)
+    lost = next(r for r in plan.runs if r.role == Role.branch and r.points[0].start == 8)
+    trunk.run_dir.path.mkdir(parents=True)
+    trunk.run_dir.result.write_text(json.dumps({"val_loss": 4.0, "step": 16, "run_key": trunk.key}))
+    for step in (4, 16):
+        complete_checkpoint(trunk, step)
+    lines: list[str] = []
+    stages = launch(name, ["cluster=local"], dry_run=True, echo=lines.append)
+    branch_stage = [r.key for s in stages if s.name == "branch" for r in s.runs]
+    assert branch_stage == [r.key for r in plan.runs if r.role == Role.branch and r is not lost]
+    fix = f"`study launch {name} cluster=local --restart {trunk.key}`"
+    assert [line for line in lines if lost.key in line] == [
+        f"not submitted: {lost.name} ({lost.key}): its trunk {trunk.key} trained past step 8 and no longer holds its "
+        f"checkpoint there, which the branch starts from: {fix} trains the trunk again from step 0, and the branch "
+        "from that checkpoint once it is written"]
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert main(["status", name, "cluster=local"]) == 0
+    assert f"blocked (no job can train it, so `study launch` submits none: its trunk {trunk.key} trained past step 8" \
+        in " ".join(capsys.readouterr().out.split())
+
+    restart_idle(trunk)  # what the named command does before it launches
+    stages = launch(name, ["cluster=local"], dry_run=True, echo=lines.append)
+    assert trunk.key in [r.key for s in stages if s.name == "train" for r in s.runs]
+    assert lost.key in [r.key for s in stages if s.name == "branch" for r in s.runs]
+
+
+@pytest.mark.integration
+def test_a_race_arm_whose_trunk_diverged_has_no_branch_submitted_from_a_start_it_never_wrote(workdir, monkeypatch):
+    """Arm b's trunk diverges at step 6 (real training, the loss made NaN): it never writes its checkpoints at steps
+    8 and 16, and resumed it diverges again, so its branches there are never submitted, by the launch nor by a local
+    launch's branch stage, and the launch says why. Its branch at step 4 starts from a checkpoint the trunk validated
+    before it diverged, and trains."""
+    from study.launch.local import run_local
+    from study.launch.scheduler import journal
+    from study.launch.stages import Stage
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+    from study.train.loop import train
+
+    name = experiment(workdir, monkeypatch, steps=20, racing=True, seeds=[0, 1], variants={
+        "a": {"model": "conventional"}, "b": {"model": "tapered", "set": {"faults.nan_at_step": 6}}})
+    plan = plan_experiment(name, ["cluster=local"])
+    trunk = next(r for r in plan.runs if r.role == Role.trunk and r.config.variant == "b" and r.config.seed == 0)
+    outcome = train(trunk)
+    assert (outcome.status, outcome.reason) == ("FAILED", "training loss is nan at step 6")
+    mine = {r.points[0].start: r for r in plan.runs if r.trunk == trunk.key}
+    lines: list[str] = []
+    stages = launch(name, ["cluster=local"], dry_run=True, echo=lines.append)
+    branch_stage = {r.key for s in stages if s.name == "branch" for r in s.runs}
+    assert mine[4].key in branch_stage and not branch_stage & {mine[8].key, mine[16].key}
+    assert trunk.key in {r.key for s in stages if s.name == "train" for r in s.runs}  # a failed run is resubmitted
+    for step in (8, 16):
+        said = [line for line in lines if mine[step].key in line]
+        assert said == [f"not submitted: {mine[step].name} ({mine[step].key}): its trunk {trunk.key} diverged "
+                        f"(training loss is nan at step 6) before writing its checkpoint at step {step}, which the "
+                        "branch starts from, and resumed it diverges again: lower the arm's LR (train.lr; new runs), "
+                        f"or, if a fault made it diverge, `study launch {name} cluster=local --restart {trunk.key}` "
+                        "trains the trunk again"]
+    # a local launch's branch stage asks again before each batch: its trunks trained (or failed) in the same launch
+    lines.clear()
+    run_local(plan, [Stage("branch", [mine[8], mine[16]])], lines.append)
+    assert not {mine[8].key, mine[16].key} & set(journal(plan.runs[0].config.paths.runs, name))
+    assert sum(line.startswith("not submitted:") and "diverged (training loss is nan at step 6)" in line
+               for line in lines) == 2

@@ -138,3 +138,42 @@ def test_where_mlflow_and_the_run_directory_disagree_the_run_directory_wins_and_
     assert (states[done.name].needs, states[done.name].mlflow, states[done.name].disagreement) == (NOTHING, "FINISHED",
                                                                                                     "")
     assert submitted == ["conventional-tiny-s1", "conventional-tiny-s4"] and rows[done.name].verdict == "finished"
+
+
+def test_a_finished_run_whose_run_directory_was_removed_is_not_submitted_and_the_launch_names_its_repair(
+        workdir, monkeypatch):
+    """MLflow holds the run FINISHED and its run directory is gone: its job would refuse to reopen that result of
+    record at every launch (study.train.tracking.finished_elsewhere), so no launch submits it; the launch and
+    status name the one command that repairs it, and after that command's restart it is submitted."""
+    from study import schema
+    from study.launch.submit import launch
+    from study.track.query import open_store
+    from study.track.store import get_or_create_experiment
+    from study.train.restart import restart_idle
+
+    tree = private_sweeps(workdir, "states", seeds=[0, 1], variants={"conventional": {"model": "conventional"}})
+    monkeypatch.setenv("STUDY_SWEEPS", str(tree))
+    plan = plan_experiment("states", OVER)
+    gone, fresh = plan.runs
+    uri = gone.config.tracking.uri
+    client = open_store(uri, required=True)  # what a finished run leaves in MLflow; its run directory never existed
+    run = client.create_run(get_or_create_experiment(client, uri, "states"), tags={schema.TAG_RUN_KEY: gone.key})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    assert not gone.run_dir.path.exists()
+
+    lines: list[str] = []
+    stages = launch("states", OVER, dry_run=True, echo=lines.append)
+    assert [r.key for s in stages for r in s.runs] == [fresh.key]
+    fix = f"`study launch states {' '.join(OVER)} --restart {gone.key}`"
+    assert [line for line in lines if gone.key in line] == [
+        f"not submitted: {gone.name} ({gone.key}): MLflow holds it FINISHED, yet its run directory holds neither its "
+        "result.json nor its final checkpoint, so its job would refuse to reopen that result of record at every "
+        f"launch: {fix} trains it again from step 0 (that MLflow run is set aside)"]
+    rows = {r.key: r for r in experiment_status("states", OVER, plan)}
+    assert rows[gone.key].verdict.startswith("blocked (no job can train it, so `study launch` submits none: MLflow")
+    assert fix in rows[gone.key].verdict and not rows[gone.key].state.done
+
+    restart_idle(gone)  # what the named command does before it launches
+    stages = launch("states", OVER, dry_run=True, echo=lines.append)
+    assert [r.key for s in stages for r in s.runs] == [gone.key, fresh.key]
+    assert client.get_run(run.info.run_id).info.lifecycle_stage == "deleted"  # set aside, restorable

@@ -300,3 +300,74 @@ def test_study_train_of_a_run_waiting_for_its_tuning_says_so(workdir, monkeypatc
     assert main(["train", f"experiment={name}", "variant=a", "scale=tiny", "seed=0"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "tuning chooses" in err and "geometry" not in err
+
+
+def test_a_record_whose_tune_results_are_gone_is_not_used_and_the_main_runs_wait_for_the_tune_runs(
+        workdir, monkeypatch, capsys):
+    """The record's losses are checked against its tune runs' results, so a record whose results are gone cannot be
+    checked: edited consistently (losses and choice agreeing, the optimum moved to x1.35) it would train every main
+    run at another LR under the same key. It is not used: the main runs wait and the tune runs train again, whose
+    results then show the edit."""
+    from study.launch.submit import launch
+    from study.plan.planner import plan_experiment
+
+    name = sweeps(workdir, monkeypatch)
+    plan = decided(name)
+    main_a = [r for r in plan.runs if r.role != Role.tune and r.config.variant == "a"]
+    tune_a = [r for r in plan.runs if r.role == Role.tune and r.config.variant == "a"]
+    path = record_file(workdir)
+    record = json.loads(path.read_text())
+    edited = record["scales"]["tiny"]
+    for p in edited["points"]:
+        p["losses"] = [loss_at(p["multiple"], best=1.35)]
+    forged = choose([Point(p["multiple"], p["losses"]) for p in edited["points"]], False)
+    edited.update(multiple=forged.multiple, best=forged.best, status=forged.status)
+    assert forged.multiple != plan.tunings["a"].choices["tiny"].multiple
+    path.write_text(json.dumps(record))
+    for r in tune_a:
+        r.run_dir.result.unlink()
+
+    again = plan_experiment(name)
+    waiting = [r for r in again.runs if r.role != Role.tune and r.config.variant == "a"]
+    assert [r.key for r in waiting] == [r.key for r in main_a] and all(r.awaits_tuning for r in waiting)
+    assert all("names tune runs whose results are gone" in r.pending for r in waiting)
+    lines: list[str] = []
+    stages = launch(name, ["cluster=local"], dry_run=True, echo=lines.append)
+    submitted = {r.key for s in stages for r in s.runs}
+    assert {r.key for r in tune_a} <= submitted and not submitted & {r.key for r in main_a}
+    assert any(line.startswith("tuning of a:") and "results are gone" in line for line in lines)
+    # trained again, the tune runs give their own losses back: the edit shows, and is refused naming the file
+    settle(again, variant="a")
+    assert main(["plan", name]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"`{path.relative_to(workdir)}`" in err and "whose result.json says" in err
+    path.unlink()  # as the refusal says: the choice is recomputed from the results, and recorded
+    redone = decided(name)
+    assert redone.tunings["a"].choices["tiny"].multiple == plan.tunings["a"].choices["tiny"].multiple
+    assert json.loads(path.read_text())["scales"]["tiny"]["multiple"] == plan.tunings["a"].choices["tiny"].multiple
+    assert all(not r.awaits_tuning for r in redone.runs if r.role != Role.tune)
+
+
+def test_a_main_run_with_a_checkpoint_keeps_the_lr_it_started_at_when_its_tuning_is_recomputed(workdir, monkeypatch):
+    """A main run that has trained some steps resumes at the LR it trained them at: its run.json is kept, and the
+    launch names the run and the command that trains it again at the plan's LR."""
+    from study.launch.submit import write_specs
+    from study.plan.planner import plan_experiment
+
+    name = sweeps(workdir, monkeypatch)
+    plan = decided(name)
+    run = next(r for r in plan.runs if r.role != Role.tune and r.config.variant == "a")
+    step = run.run_dir.checkpoints / "step_00000004"  # a complete checkpoint, as study.train.checkpoint counts one
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "train_state.json").write_text("{}")
+    trained = run.run_dir.spec.read_bytes()
+    tune = next(r for r in plan.runs if r.role == Role.tune and r.config.variant == "a")
+    tune.run_dir.result.unlink()  # its tuning now waits for that tune run again
+    lines: list[str] = []
+    write_specs(plan_experiment(name), echo=lines.append)
+    assert run.run_dir.spec.read_bytes() == trained
+    said = [line for line in lines if run.key in line]
+    assert len(said) == 1 and f"{run.name} ({run.key}) trained at peak LR {run.planned.lr:.6g}" in said[0]
+    assert "the plan now waits for its tuning: kept as trained" in said[0]
+    assert f"`study launch {name} --restart {run.key}`" in said[0]

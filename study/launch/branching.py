@@ -5,7 +5,9 @@ dependency on the trunk's job would hold it until the trunk ends. So a branch wh
 submitted held (`sbatch --hold`: pending, never started, `JobHeldUser`), and the trunk's own job releases it
 (`scontrol release`) right after writing that checkpoint. A relaunch releases every held branch whose checkpoint
 exists (a trunk killed between its checkpoint and the release), so none waits for a step already written. Locally,
-the launch runs the trunks' stage before the branches' stage, so every branch finds its checkpoint at its start.
+the launch runs the trunks' stage before the branches' stage, so every branch finds its checkpoint at its start. A
+branch whose start no trunk job will write (the trunk trained past it without keeping it, or diverged before it) is
+a dead end, never submitted: the launch says why and how to repair it (study.launch.run_state).
 """
 
 from __future__ import annotations
@@ -18,14 +20,26 @@ from study.config.run import Role
 from study.config.spec import RunSpec
 from study.launch.scheduler import journal
 from study.schema import RunDir
+from study.train.checkpoint import _step_of, at_step, latest
+
+
+def trunk_dir(branch: RunSpec) -> RunDir:
+    """The run directory of the branch's trunk."""
+    return RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
 
 
 def branch_ready(branch: RunSpec) -> bool:
     """The branch's start exists: its trunk's complete checkpoint at the branch step."""
-    from study.train.checkpoint import at_step
+    return at_step(trunk_dir(branch).path, branch.first_step) is not None
 
-    trunk = RunDir.of(branch.config.paths.runs, branch.config.experiment, str(branch.trunk))
-    return at_step(trunk.path, branch.first_step) is not None
+
+def trunk_past(branch: RunSpec) -> bool:
+    """The trunk has trained past the branch step without keeping its checkpoint there (a later checkpoint, or its
+    result.json): no job of the trunk writes that start again, since each resumes at its latest checkpoint."""
+    trunk = trunk_dir(branch)
+    last = latest(trunk.path)
+    return not branch_ready(branch) and (trunk.result.is_file()
+                                         or (last is not None and _step_of(last) > branch.first_step))
 
 
 def release(job_ids: list[str]) -> None:

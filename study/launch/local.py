@@ -66,10 +66,14 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                         # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
                         # started yet
                         queue = Queue(plan)
-                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)]
+                        # nor a branch whose trunk failed in this launch before writing its start
+                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)
+                                      and not (stage.name == "branch" and queue.dead_end(r))]
                         say_skipped(queue, echo)
                         for key in queue.elsewhere:
                             board.mark(key, "taken elsewhere")
+                        for key in queue.blocked:
+                            board.mark(key, "not submitted")
                         if not chunk.runs:
                             continue
                     live[:] = submit_stage(plan, chunk, python=warm.python if warm else None)

@@ -7,18 +7,30 @@ who trains the run now: a live process holds its lease. MLflow mirrors the run d
 run directory wins and the disagreement is named. The scheduler (the job journal, SLURM) says what is queued, running
 on a node, or can never start. `study launch` (what to submit), `study status` (its `state` column) and
 `--until-decided` (whether a round finished) all ask this module, so they cannot answer differently.
+
+A run no job can train is a dead end, and never submitted: its job would fail the same way at every launch. That is
+a run MLflow holds FINISHED whose run directory lost its result and final checkpoint (its job refuses to reopen a
+result of record), and a decay branch whose trunk will never write the checkpoint it starts from (the trunk trained
+past it without keeping it, or diverged before it). The answer names the one command that repairs it.
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from study.config.run import Role
+from study.config.secrets import redact
 from study.config.spec import RunSpec, diverged
 from study.eval.records import evaluated, final_step
+from study.launch.branching import branch_ready, trunk_past
 from study.launch.scheduler import ACTIVE, STUCK as NEVER_STARTS, job_states, journal, local_alive
+from study.schema import TAG_FAILURE_REASON
 from study.track.query import runs_by_key
+from study.train.checkpoint import at_step, latest
 from study.train.lease import held_by
 
 # What a run still needs
@@ -75,6 +87,9 @@ class RunState:
     """Where MLflow says otherwise than the run directory, in words (the run directory wins); empty when they agree."""
     diverged: bool = False
     """A tune run settled by diverging: its result is that its LR is too high (MLflow holds it FAILED)."""
+    blocked: str = ""
+    """Why no job can give the run what it needs (its job would fail the same way at every launch), with the one
+    command that repairs it; empty when its job can."""
 
     @property
     def done(self) -> bool:
@@ -85,10 +100,13 @@ class Sources:
     """What the scheduler says of an experiment's jobs (the job journal and SLURM's states now), read once, and MLflow's
     runs of it, read once when first asked."""
 
-    def __init__(self, runs_root: str | Path, experiment: str, tracking_uri: str):
+    def __init__(self, runs_root: str | Path, experiment: str, tracking_uri: str, overrides: list[str] | None = None):
         self.jobs = journal(runs_root, experiment)
         self.states = job_states(self.jobs)
         self._store = experiment, tracking_uri
+        self.experiment = experiment
+        self.overrides = list(overrides or [])
+        """The overrides the runs were planned with: a repair command repeats them (a run key is theirs)."""
 
     @cached_property
     def mlflow(self) -> dict[str, object]:
@@ -149,4 +167,43 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
         disagreement = "MLflow says FINISHED, yet its run directory holds no result.json"
     elif mlflow == "RUNNING" and worker.what is None:
         disagreement = "MLflow says RUNNING, yet no job runs it and no live process holds its run directory's lease"
-    return RunState(spec.key, needs, worker, mlflow, disagreement, settled_as == "FAILED")
+    blocked = dead_end(spec, sources, mlflow) if needs == TRAINING and worker.what not in (RUNNING, QUEUED) else ""
+    return RunState(spec.key, needs, worker, mlflow, disagreement, settled_as == "FAILED", blocked)
+
+
+def restart_command(experiment: str, overrides: list[str], key: str) -> str:
+    """The launch that trains run `key` again from step 0, its earlier training and MLflow run set aside
+    (study.train.restart), with the overrides its plan was made with."""
+    return shlex.join(["study", "launch", experiment, *redact(list(overrides)), "--restart", key])
+
+
+DIVERGED_REASON = re.compile(r"(training|validation) loss is (nan|-?inf) at step (\d+)")
+"""The failure reason MLflow holds for a run whose loss went non-finite (study.train.callbacks.Diverged): resumed,
+it trains the same batches from the same weights into the same divergence."""
+
+
+def dead_end(spec: RunSpec, sources: Sources, mlflow: str) -> str:
+    """Why the untrained run's job would fail at every launch, and the command that repairs it; empty when it
+    would not."""
+    def restart(key: str) -> str:
+        return f"`{restart_command(sources.experiment, sources.overrides, key)}`"
+
+    if mlflow == "FINISHED" and at_step(spec.run_dir.path, spec.last_step) is None:
+        return ("MLflow holds it FINISHED, yet its run directory holds neither its result.json nor its final "
+                f"checkpoint, so its job would refuse to reopen that result of record at every launch: "
+                f"{restart(spec.key)} trains it again from step 0 (that MLflow run is set aside)")
+    if spec.role != Role.branch or latest(spec.run_dir.path) is not None or branch_ready(spec):
+        return ""  # it resumes at its own checkpoint, or starts from its trunk's
+    step, key = spec.first_step, str(spec.trunk)
+    trunk = sources.mlflow.get(key)
+    if trunk_past(spec) or (trunk is not None and trunk.info.status == "FINISHED"):
+        return (f"its trunk {key} trained past step {step} and no longer holds its checkpoint there, which the "
+                f"branch starts from: {restart(key)} trains the trunk again from step 0, and the branch from that "
+                "checkpoint once it is written")
+    reason = trunk.data.tags.get(TAG_FAILURE_REASON, "") if trunk is not None and trunk.info.status == "FAILED" else ""
+    nan = DIVERGED_REASON.search(reason)
+    if nan and int(nan.group(3)) <= step and sources.job(key).what not in (RUNNING, QUEUED):
+        return (f"its trunk {key} diverged ({reason}) before writing its checkpoint at step {step}, which the branch "
+                "starts from, and resumed it diverges again: lower the arm's LR (train.lr; new runs), or, if a fault "
+                f"made it diverge, {restart(key)} trains the trunk again")
+    return ""

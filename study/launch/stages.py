@@ -56,7 +56,7 @@ class Queue(Sources):
     asked), and what a launch says of the runs it passes over."""
 
     def __init__(self, plan: Plan):
-        super().__init__(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
+        super().__init__(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri, plan.overrides)
         self.on_slurm = plan.runs[0].config.cluster.name != "local"
         self.planned = {r.key for r in plan.runs}
         self.elsewhere: dict[str, tuple[str, str]] = {}
@@ -64,6 +64,9 @@ class Queue(Sources):
         self.disagree: dict[str, tuple[str, str]] = {}
         """(name, what MLflow says otherwise and what the run's job does) per run submitted where MLflow and its run
         directory disagree: the launch names it."""
+        self.blocked: dict[str, tuple[str, str]] = {}
+        """(name, why and the repair) per run no job can train (`RunState.blocked`): not submitted, the launch names
+        it."""
 
     def busy(self, key: str, run: RunSpec | None = None) -> bool:
         """The key's latest job may still run (a SLURM job queued or running, a local job's live process), or, for a
@@ -85,11 +88,21 @@ class Queue(Sources):
         """Whether a launch submits the run (:func:`study.launch.run_state.state_of`): it needs something and nothing
         works on it."""
         state = state_of(run, self)
-        if state.done or self.taken(run.key, run.name, state.worker):
+        if state.done or self.taken(run.key, run.name, state.worker) or self._blocked(run, state.blocked):
             return False
         if state.disagreement:
             self.disagree[run.key] = run.name, f"{state.disagreement}; the run directory wins: {JOB_DOES[state.needs]}"
         return True
+
+    def dead_end(self, run: RunSpec) -> bool:
+        """Whether no job can train the run now (a local launch asks again before each batch of branches: their
+        trunks trained, or failed, in this launch)."""
+        return self._blocked(run, state_of(run, self).blocked)
+
+    def _blocked(self, run: RunSpec, why: str) -> bool:
+        if why:
+            self.blocked[run.key] = run.name, why
+        return bool(why)
 
     def live(self) -> dict[str, str]:
         """SLURM job id per key whose job is queued or running: what new jobs wait for (afterok). A finished job
@@ -213,11 +226,14 @@ def _upstream(stage: str, run: RunSpec) -> list[str]:
 
 
 def say_skipped(queue: Queue, echo) -> None:
-    """Name each run passed over because something else works on it, and each submitted against MLflow's word."""
+    """Name each run passed over because something else works on it, each submitted against MLflow's word, and each
+    no job can train, with its repair."""
     for key, (name, why) in queue.elsewhere.items():
         echo(f"skipped {name} ({key}): {why}; it is not submitted twice")
     for key, (name, why) in queue.disagree.items():
         echo(f"{name} ({key}): {why}")
+    for key, (name, why) in queue.blocked.items():
+        echo(f"not submitted: {name} ({key}): {why}")
 
 
 def stage_lines(stage: Stage) -> list[str]:

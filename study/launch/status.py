@@ -46,15 +46,16 @@ class RunStatus:
     val_loss: float | None
     restarts: int
     verdict: str
-    """One word a person acts on (details in parentheses): finished, running, queued, stuck, not evaluated, MLflow
-    behind, failed, died, not finished, not submitted, waiting for its tuning, diverged (a settled tune point)."""
+    """One word a person acts on (details in parentheses): finished, running, queued, stuck, blocked (a dead end, with
+    its repair), not evaluated, MLflow behind, failed, died, not finished, not submitted, waiting for its tuning,
+    diverged (a settled tune point)."""
     state: RunState
     """The run's one answer: what it still needs and what works on it."""
 
 
 def _verdict(state: RunState, job_state: str, submitted: bool) -> str:
     word, details = _word(state, job_state, submitted)
-    if state.disagreement:
+    if state.disagreement and not state.blocked:  # a dead end's reason says it already
         details.append(f"{state.disagreement}: the run directory wins")
     return f"{word} ({'; '.join(details)})" if details else word
 
@@ -67,6 +68,8 @@ def _word(state: RunState, job_state: str, submitted: bool) -> tuple[str, list[s
         return "stuck", ["a job it waits for failed or was cancelled, so it never starts; `study launch` resubmits it"]
     if state.worker.what in (QUEUED, RUNNING):
         return state.worker.what, [state.worker.by] if state.worker.source == LEASE else []
+    if state.blocked:
+        return "blocked", [f"no job can train it, so `study launch` submits none: {state.blocked}"]
     if state.needs == MIRROR:
         return "MLflow behind", ["`study launch` brings MLflow the result"]
     if state.needs == EVALUATION:
@@ -95,7 +98,7 @@ def launched_plan(experiment: str, overrides: list[str]) -> Plan:
 def experiment_status(experiment: str, overrides: list[str], plan: Plan | None = None) -> list[RunStatus]:
     plan = plan or launched_plan(experiment, overrides)
     cfg0 = plan.runs[0].config
-    sources = Sources(cfg0.paths.runs, experiment, cfg0.tracking.uri)
+    sources = Sources(cfg0.paths.runs, experiment, cfg0.tracking.uri, plan.overrides)
     from study.launch.racing import stopped_keys
 
     stopped = stopped_keys(plan)

@@ -33,6 +33,7 @@ from study.launch.executor import build_executor, job_name, sbatch_preview
 from study.launch.local import LaunchFailed, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.racing import write_roster
+from study.launch.run_state import restart_command
 from study.launch.scheduler import cancel, check_slurm, outside_allocation, record
 from study.launch.stages import Queue, Stage, dependencies, plan_stages, runs_root, say_skipped, stage_lines, \
     submit_stage
@@ -40,6 +41,7 @@ from study.plan.planner import Plan, plan_experiment
 from study.plan.tune import write_record
 from study.schema import TAG_FAILURE_REASON, submitit_dir
 from study.track.groups import ensure_parents
+from study.train.checkpoint import latest
 from study.config.secrets import mask_text, redact
 from study.console import for_terminal
 
@@ -48,7 +50,8 @@ __all__ = ["LaunchFailed", "follow", "launch", "write_specs"]
 
 def write_specs(plan: Plan, echo=print) -> None:
     """Every planned run's spec into its run directory. A scheduled run completed by its job keeps its widths; a
-    finished run keeps the spec it trained at (its LR included): where its tuning now says otherwise it is named."""
+    run that finished, or holds a checkpoint, keeps the spec it trained at (its LR included), so no key ever trains
+    at two LRs: where its tuning now says otherwise it is named."""
     for t in plan.tunings.values():
         if t.choices is not None and not t.recorded:  # the choice is made once: later launches read it back
             write_record(t.record, plan.experiment.tuning, t.choices)
@@ -56,14 +59,16 @@ def write_specs(plan: Plan, echo=print) -> None:
         done = held_spec(spec)
         if done is not None and spec.pending is not None and done.pending is None and not spec.awaits_tuning:
             spec = replace(done, config=replace(spec.config, model=done.model))
-        if done is not None and final_step(done) is not None and (
-                spec.awaits_tuning or (done.planned.lr, done.planned.final_lr) != (spec.planned.lr,
-                                                                                   spec.planned.final_lr)):
+        trained = None if done is None else ("finished" if final_step(done) is not None else
+                                             "trained" if latest(done.run_dir.path) is not None else None)
+        if trained and (spec.awaits_tuning or (done.planned.lr, done.planned.final_lr) != (spec.planned.lr,
+                                                                                           spec.planned.final_lr)):
             now = ("waits for its tuning" if spec.awaits_tuning
                    else f"says {spec.planned.lr:.6g} ({spec.planned.lr_rule})")
-            echo(f"{spec.name} ({spec.key}) finished at peak LR {done.planned.lr:.6g} ({done.planned.lr_rule}); "
-                 f"the plan now {now}: kept as trained, its run.json unchanged; `study launch "
-                 f"{plan.experiment.name} --restart {spec.key}` trains it again at the plan's LR")
+            echo(f"{spec.name} ({spec.key}) {trained} at peak LR {done.planned.lr:.6g} ({done.planned.lr_rule}); "
+                 f"the plan now {now}: kept as trained, its run.json unchanged; "
+                 f"`{restart_command(plan.experiment.name, plan.overrides, spec.key)}` trains it again at the plan's "
+                 "LR")
             continue
         write_spec(spec)
 

@@ -109,11 +109,20 @@ def branch_points(branches: Branches, max_steps: int, warmup: int, where: str) -
     return points
 
 
-def check_schedule(cfg: RunConfig, where: str) -> None:
-    """Refused unless the run's schedule is WSD: a cosine run has no stable LR to branch from."""
+def check_schedule(cfg: RunConfig, branches: Branches, where: str) -> None:
+    """Refused unless the run's schedule is WSD (a cosine run has no stable LR to branch from) and decays over the
+    branches' fraction: the branch points are placed by `branches.decay`, the trunk's and each branch's LR by
+    `train.decay_fraction`, so any other value (the command line, an `at:` or variant block) would decay the trunk
+    before its branch starts and no branch would be the straight WSD run of its length."""
     if cfg.train.lr_schedule != "wsd":
         raise StudyError("train.lr_schedule", f"is {cfg.train.lr_schedule!r}, and {where} needs a stable LR to branch "
                          "from", "set train: {lr_schedule: wsd} in the experiment's common block")
+    if cfg.train.decay_fraction != branches.decay:
+        raise StudyError("train.decay_fraction", f"is {cfg.train.decay_fraction:g} for variant {cfg.variant} at scale "
+                         f"{cfg.scale}, and {where} decays each branch over {branches.decay:g}: every run of a "
+                         "branched experiment decays over the branches' fraction",
+                         "drop train.decay_fraction from the command line and from the experiment's at: and variants "
+                         "blocks; set the decay once, in branches.decay")
 
 
 def expand(spec: RunSpec, branches: Branches, where: str, tuning: dict[str, Any] | None = None) -> list[RunSpec]:

@@ -237,7 +237,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                 is_ref = exp.reference == (variant.name, seed)
                 cfg = replace(base, seed=seed, role=Role.reference if is_ref else (Role.scheduled if scheduled else Role.train))
                 if not scheduled and exp.branches:
-                    check_schedule(cfg, f"{name}.yaml: branches")
+                    check_schedule(cfg, exp.branches, f"{name}.yaml: branches")
                     runs += expand(make_spec(cfg, "", matched, reference), exp.branches, f"{name}.yaml: branches",
                                    tuning=tuning_id)
                     continue

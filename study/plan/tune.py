@@ -16,11 +16,13 @@ is and the choice goes on; a grid whose every point diverged decides nothing, an
 The choice is a result and is recorded as one, once, in `<runs>/<experiment>/_tune/<variant>.json`: the grid, every
 point's tune runs (keys) and their final losses, and the choice per tune scale. The record is used only while it
 names the tune runs the plan holds now (anything a tune run's numbers depend on changes their keys: the main runs
-then wait for the new tuning, and the plan says why), and only when its choice follows from its points and its
-losses from the runs' own results; a record damaged or edited by hand is refused, naming the file. A main run's key
-includes its tuning's grid and the keys of its declared tune runs. Other scales take the tuned multiple of the recipe's
-LR rule (the transfer assumption the report states); with two or more tune scales, log LR* is fitted linearly
-against log N (the scales' budgets) and read at each scale's budget instead.
+then wait for the new tuning, and the plan says why), only while every tune run it names holds its result (a result
+gone: the record is not used and the main runs wait while that tune run trains again, whose result then checks the
+record), and only when its choice follows from its points and its losses are the runs' own results; a record damaged
+or edited by hand is refused, naming the file. A main run's key includes its tuning's grid and the keys of its
+declared tune runs. Other scales take the tuned multiple of the recipe's LR rule (the transfer assumption the report
+states); with two or more tune scales, log LR* is fitted linearly against log N (the scales' budgets) and read at
+each scale's budget instead.
 """
 
 from __future__ import annotations
@@ -240,8 +242,9 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
 
     `grid_keys[scale][(multiple, seed)]` are the keys of the declared grid's tune runs as planned now; a record that
     names others was computed from other tune runs and is stale: not used (the caller waits for the current ones).
-    `result_of(key)` is a tune run's settled loss (inf: diverged; None: no result in its run directory). A record
-    whose shape, values, losses or choice do not hold is refused (StudyError naming the file and the fix)."""
+    `result_of(key)` is a tune run's settled loss (inf: diverged; None: no result in its run directory); a record
+    naming a tune run with no result is not used either (its choice cannot be checked). A record whose shape,
+    values, losses or choice do not hold is refused (StudyError naming the file and the fix)."""
     path = confined(path)
     if not path.exists():
         return None, ""
@@ -268,11 +271,20 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
             return None, (f"{path} was computed from other tune runs than the plan's (at {scale}, x{m:g} seed {seed} "
                           f"is {grid_keys[scale][m, seed]} now, {recorded.get((m, seed), 'absent')} in the record: "
                           "the experiment changed what they train)")
+        gone = []
         for p in choice.points:
             for key, loss in zip(p.keys, p.losses):
                 found = result_of(key)
-                if found is not None and found != loss:
+                if found is None:
+                    gone.append(key)
+                elif found != loss:
                     raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
+        if gone:
+            # a choice is only as good as the results it can be checked against: without them a consistent edit
+            # would train the main runs at another LR under the same keys
+            return None, (f"{path} names tune runs whose results are gone from their run directories ("
+                          f"{', '.join(gone)}): the main runs wait while they train again, whose results then "
+                          "check the record")
         again, decided = grid_with_extensions(tuning, {p.multiple: Point(p.multiple, list(p.losses))
                                                        for p in choice.points})
         if not decided or [p.multiple for p in again] != [p.multiple for p in choice.points] or all_diverged(again):
