@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,9 @@ from study.launch.warm import WarmStarter
 TASK = '''
 import json, os, signal, sys, time
 if sys.argv[1] == "report":
+    proc_environ = open("/proc/self/environ", "rb").read().decode(errors="replace").split("\\0")
     print(json.dumps({"cwd": os.getcwd(), "env": os.environ.get("WARM_PROBE"), "argv": sys.argv[1:],
+                      "token": os.environ.get("WARM_PROBE_TOKEN"), "proc_environ": proc_environ,
                       "pid": os.getpid(), "ppid": os.getppid(), "json": "json" in sys.modules,
                       "signals": [signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                                   signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
@@ -230,8 +234,303 @@ def test_a_client_of_another_pythonpath_or_interpreter_is_refused_and_runs_cold(
 
 def test_the_servers_socket_is_reachable_by_its_user_alone(tmp_path):
     with WarmStarter(preload=()) as starter:
-        folder = Path(starter.python.split()[-1]).parent
-        assert folder.stat().st_mode & 0o777 == 0o700
+        sock = Path(starter.python.split()[-1])
+        assert sock.parent.stat().st_mode & 0o777 == 0o700
+        assert sock.stat().st_mode & 0o777 == 0o600  # whatever the umask: connecting needs write permission
+
+
+def test_a_task_sees_its_clients_environment_and_the_server_holds_no_secret(task_dir, monkeypatch):
+    """A forked task's os.environ is its client's; its /proc/self/environ is the server's as the server started,
+    which the server cleared of secrets (by running itself again) before it listened."""
+    monkeypatch.setenv("WARM_PROBE_TOKEN", "s3cret-of-the-launcher")
+    monkeypatch.setenv("WARM_SERVER_ONLY", "plain")
+    with WarmStarter(preload=()) as starter:
+        monkeypatch.delenv("WARM_SERVER_ONLY")
+        proc = client(starter, task_dir, "report", "0", env={"WARM_PROBE": "mine",
+                                                              "WARM_PROBE_TOKEN": "s3cret-of-the-job"},
+                      stdout=subprocess.PIPE)
+        seen = json.loads(proc.communicate(timeout=60)[0])
+        server_environ = Path(f"/proc/{starter.pid}/environ").read_bytes()
+    assert proc.returncode == 0 and seen["ppid"] == starter.pid  # forked
+    assert seen["env"] == "mine" and seen["token"] == "s3cret-of-the-job"
+    assert "WARM_SERVER_ONLY=plain" in seen["proc_environ"] and "WARM_PROBE=mine" not in seen["proc_environ"]
+    assert not [e for e in seen["proc_environ"] if "s3cret" in e] and b"s3cret" not in server_environ
+
+
+def test_a_client_of_other_thread_settings_starts_cold(task_dir):
+    """torch fixes its thread count from OMP_NUM_THREADS when the server imports it: a task forked for a client of
+    another value would run with the server's."""
+    other = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
+    with WarmStarter(preload=()) as starter:
+        proc = client(starter, task_dir, "report", "0", env={"OMP_NUM_THREADS": other}, stdout=subprocess.PIPE)
+        seen = json.loads(proc.communicate(timeout=60)[0])
+    assert proc.returncode == 0 and seen["pid"] == proc.pid
+
+
+# --- another user's server: nothing is sent to it --------------------------------------------------------------
+
+FAKE = r'''
+import json, os, socket, sys
+folder, identity = sys.argv[1], sys.argv[2]
+with open(os.path.join(folder, "identity.json"), "w") as handle:
+    handle.write(identity)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(os.path.join(folder, "socket"))
+listener.listen(8)
+open(os.path.join(folder, "ready"), "w").close()
+while True:
+    conn, _ = listener.accept()
+    conn.settimeout(5)
+    data, fds = b"", 0
+    try:
+        while True:
+            chunk, got, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            fds += len(got)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    with open(os.path.join(folder, "received"), "a") as handle:
+        handle.write(json.dumps({"bytes": len(data), "fds": fds, "text": data.decode(errors="replace")}) + "\n")
+    conn.close()
+'''
+"""What another user could leave listening: it records each connection (bytes and descriptors it was sent)."""
+
+
+class OtherUsersServer:
+    def __init__(self, public: Path):
+        self.public, self.socket = public, public / "socket"
+        self.private = public.with_name(public.name + "-private")
+
+    def received(self, connections: int = 0) -> list[dict]:
+        """What it was sent, once it has recorded `connections` connections (or after a moment)."""
+        record = self.public / "received"
+        deadline = time.monotonic() + (10 if connections else 0.5)
+        while time.monotonic() < deadline and (record.read_text().count("\n") if record.exists() else 0) < connections:
+            time.sleep(0.02)
+        return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+    def behind_a_private_socket(self) -> Path:
+        """Its socket moved into a folder of this user's alone (0700, with this process's identity beside it) and
+        made this user's (0600): only the process listening on it tells."""
+        self.private.mkdir(mode=0o700)
+        sock = self.private / "socket"
+        os.rename(self.socket, sock)  # the same file system: the socket stays bound to its listener
+        os.chown(sock, os.geteuid(), os.getegid())
+        os.chmod(sock, 0o600)
+        (self.private / warm.IDENTITY).write_text(json.dumps(warm._identity()))
+        return sock
+
+
+@pytest.fixture
+def other_users_server():
+    """`FAKE` run as `nobody` in a folder everyone can write (mode 1777, under /tmp: the test's own folder is root's
+    alone), with this process's identity beside its socket. Needs root and a Python `nobody` can run."""
+    import pwd
+
+    python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root and a system python3 to run a server as another user")
+    nobody = pwd.getpwnam("nobody")
+    public = Path(tempfile.mkdtemp(prefix="warm-public-"))
+    public.chmod(0o1777)
+    proc = subprocess.Popen([python, "-c", FAKE, str(public), json.dumps(warm._identity())], cwd=public,
+                            env={"PATH": "/usr/bin:/bin"}, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[])
+    try:
+        deadline = time.monotonic() + 30
+        while not (public / "ready").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not (public / "ready").exists():
+            pytest.skip(f"{python} did not run as nobody")
+        assert (public / "socket").stat().st_uid == nobody.pw_uid
+        server = OtherUsersServer(public)
+        yield server
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(public, ignore_errors=True)
+        shutil.rmtree(public.with_name(public.name + "-private"), ignore_errors=True)
+
+
+def _refusal(server: OtherUsersServer, where: str) -> tuple[Path, str, list[dict]]:
+    """The socket a client is pointed at, why it must refuse it, and what the server records: nothing at all where
+    the folder's checks refuse it; an empty connection where only its listener's uid can (known once connected)."""
+    if where == "folder others can write":
+        return server.socket, f"other users can write the folder {server.public} (mode 1777)", []
+    sock = server.behind_a_private_socket()
+    return (sock, f"the server on {sock} runs as uid 65534, not as this user (uid 0)",
+            [{"bytes": 0, "fds": 0, "text": ""}])
+
+
+WHERE = ["folder others can write", "private socket, another user's process"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_client_sends_nothing_to_another_users_server_and_starts_cold(where, other_users_server, task_dir):
+    sock, why, recorded = _refusal(other_users_server, where)
+    proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
+                  env={"WARM_PROBE_TOKEN": "s3cret"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=60)
+    seen = json.loads(out)
+    assert proc.returncode == 0 and seen["pid"] == proc.pid and seen["token"] == "s3cret"  # started cold
+    assert err == (f"warm start: refused: {why}; nothing was sent to it, the job starts as a plain process\n"
+                   "to stderr\n")
+    assert other_users_server.received(len(recorded)) == recorded
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_named_server_of_another_user_is_refused_by_name(where, other_users_server, monkeypatch):
+    """`STUDY_WARM_SERVER` set to it: `shared()` (and so a local launch) refuses it naming the variable, starts no
+    server of its own, and sends it nothing."""
+    from study.errors import StudyError
+
+    sock, why, recorded = _refusal(other_users_server, where)
+    monkeypatch.setattr(warm, "_SHARED", [])
+    monkeypatch.setenv(warm.ENV, str(sock))
+    with pytest.raises(StudyError) as refused:
+        warm.shared()
+    assert refused.value.field == warm.ENV and refused.value.problem.startswith(f"{sock}: {why}, so ")
+    assert 'warm serve "$(mktemp -d)"' in refused.value.fix
+    assert warm._SHARED == []
+    assert other_users_server.received(len(recorded)) == recorded
+
+
+def test_a_server_refuses_a_client_of_another_user(task_dir, capfd):
+    """A socket another user can reach (its folder and socket opened up by hand): their request, though it names
+    this server's interpreter and environment, is refused before it is read, and no task is forked."""
+    import pwd
+
+    python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root and a system python3 to run a client as another user")
+    nobody = pwd.getpwnam("nobody")
+    request = {"argv": ["-m", "warmtask", "wait"], "cwd": str(task_dir), "python": sys.executable,
+               "env": {k: v for k, v in os.environ.items() if k in warm.IMPORTED_ENV}}
+    send = ("import os, socket, struct, sys\n"
+            "conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "conn.connect(sys.argv[1])\n"
+            "body = sys.argv[2].encode()\n"
+            "null = os.open(os.devnull, os.O_RDWR)\n"
+            "conn.settimeout(30)\n"
+            "try:\n"
+            "    socket.send_fds(conn, [struct.pack('!I', len(body))], [null] * 3)\n"
+            "    conn.sendall(body)\n"
+            "    print(repr(conn.recv(100)))\n"
+            "except (BrokenPipeError, ConnectionResetError):\n"  # closed before it read the request
+            "    print(repr(b''))\n")
+    with WarmStarter(preload=()) as starter:
+        sock = Path(starter.python.split()[-1])
+        sock.parent.chmod(0o711)
+        sock.chmod(0o666)
+        out = subprocess.run([python, "-c", send, str(sock), json.dumps(request)], cwd="/", capture_output=True,
+                             text=True, env={"PATH": "/usr/bin:/bin"}, user=nobody.pw_uid, group=nobody.pw_gid,
+                             extra_groups=[], timeout=60)
+        assert out.stdout == "b''\n", out.stderr  # closed without a task's pid
+        time.sleep(0.5)
+        assert not (task_dir / "started").exists()
+    assert ("warm start: request refused: a client of uid 65534 is not this server's user (uid 0)"
+            in capfd.readouterr().err)
+
+
+# --- a server that answers nonsense ------------------------------------------------------------------------------
+
+def _nonsense_server(folder: Path, answer: bytes) -> Path:
+    """A server of this user that reads one request and answers `answer`, then waits for its client to go."""
+    folder.mkdir(mode=0o700)
+    sock = folder / "socket"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    sock.chmod(0o600)
+    listener.listen(8)
+
+    def serve():  # one client
+        with listener, listener.accept()[0] as conn:
+            for fd in warm._receive(conn, with_fds=True)[1]:
+                os.close(fd)
+            conn.sendall(answer)
+            try:
+                conn.recv(1)
+            except OSError:
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock
+
+
+def _message(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return warm._HEADER.pack(len(data)) + data
+
+
+@pytest.mark.parametrize("case", ["garbage", "pid 1", "no status"])
+def test_a_server_that_answers_nonsense_fails_the_job_saying_what_it_answered(case, task_dir, tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"])  # a child of this process, which is the fake server
+    answers = {"garbage": (b"HTTP/1.1 400 Bad Request\r\n\r\n",
+                           "answered b'HTTP'..., the start of a 1213486160-byte message, where its task's pid belongs"),
+               "pid 1": (_message({"pid": 1}), "named process 1 as its task, which it did not fork"),
+               "no status": (_message({"pid": sleeper.pid}) + _message({"status": "done"}),
+                             "answered b'{\"status\": \"done\"}' where its task's wait status belongs")}
+    answer, said = answers[case]
+    sock = _nonsense_server(tmp_path / "srv", answer)
+    try:
+        proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert (proc.returncode, out) == (1, "")
+    assert err == (f"warm start: the server on {sock} {said}; the job is not run (stop the process listening there, "
+                   "or launch with cluster.warm_start=false)\n")
+
+
+def test_a_launch_names_the_nonsense_a_server_answered_as_its_jobs_failure(tmp_path):
+    """What `study launch` shows for a failed local job (`failure_reason`): the client's line, not submitit's rule."""
+    import submitit
+
+    from study.launch.local import failure_reason
+
+    sock = _nonsense_server(tmp_path / "srv", b"nonsense")
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "jobs"),
+                                      python=f"{sys.executable} -m study.launch.warm {sock}")
+    job = executor.submit(os.getpid)
+    job._results_timeout_s = 0
+    job.wait()
+    assert failure_reason(job.exception()) == (
+        f"warm start: the server on {sock} answered b'nons'..., the start of a 1852796531-byte message, where its "
+        "task's pid belongs; the job is not run (stop the process listening there, or launch with "
+        "cluster.warm_start=false)")
+
+
+# --- `serve` ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["missing", "others can write", "another user's", "a file"])
+def test_serve_refuses_a_folder_that_is_missing_another_users_or_writable_by_others(case, tmp_path):
+    folder = tmp_path / "srv"
+    problem, fix = "", 'serve from a folder that is yours and only you can write, e.g. `python -m study.launch.warm ' \
+                       'serve "$(mktemp -d)"`'
+    if case == "missing":
+        problem, fix = "no such folder", f"create it, for you alone (`mkdir -m 700 {folder}`), or {fix}"
+    elif case == "a file":
+        folder.write_text("")
+        problem = "cannot serve from it (Not a directory)"
+    else:
+        folder.mkdir()
+        folder.chmod(0o1777 if case == "others can write" else 0o700)
+        if case == "another user's":
+            if os.geteuid() != 0:
+                pytest.skip("needs root to give a folder to another user")
+            os.chown(folder, 65534, 65534)
+            problem = f"the folder {folder} belongs to uid 65534, not to this user (uid 0)"
+        else:
+            problem = f"other users can write the folder {folder} (mode 1777)"
+    before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else None
+    done = subprocess.run([sys.executable, "-m", "study.launch.warm", "serve", str(folder), ""], capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"study.launch.warm serve: error in `{folder}`: {problem}. Fix: {fix}\n"
+    assert (sorted(p.name for p in folder.iterdir()) if folder.is_dir() else None) == before  # nothing written
 
 
 @pytest.mark.integration

@@ -116,6 +116,10 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     for data in {json.dumps(asdict(r.config.data), sort_keys=True): r.config.data for r in plan.runs}.values():
         validate_data(data)  # what every job would fail on is refused before anything is submitted
     _check_tasks(plan)
+    if cluster.name == "local" and cluster.warm_start:
+        from study.launch.warm import named_server
+
+        named_server()  # a STUDY_WARM_SERVER another user could own is refused before anything is written
     write_specs(plan, echo)
     write_manifest(runs_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)

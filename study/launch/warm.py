@@ -10,23 +10,40 @@ signals it gets go to the task (TERM stops a run at a checkpoint, as before), an
 or killed by the same signal). Where no server answers, the client runs the same command as a plain process, so a
 job never depends on the server. A client that is killed takes its task with it (SIGKILL), as a killed task would be.
 
-The server holds nothing a task could share by mistake: no thread, no open store, no study module (their settings are
-read from the task's own environment after the fork); it stops taking jobs when its launcher ends or dies, and exits
-once its tasks have. Only the standard library is imported here before the fork, so a client starts in milliseconds.
+Nothing reaches a process the launching user does not own. Before it sends anything, a client checks that the
+socket and its folder belong to its user and that no other user can write them (another could have put a server of
+theirs there, or replace this one's), then that the process listening is its user's (SO_PEERCRED); one that fails
+is sent nothing and the job starts as a plain process, saying why on its standard error. A server refuses a folder
+that is missing, another user's or writable by others, and a client of another user (SO_PEERCRED). A server's answer
+that is not a task's pid (one it forked) or wait status ends the client with a line that says what came back.
+
+The server holds nothing a task could share by mistake: no thread, no open store, no study module but its error
+type (their settings are read from the task's own environment after the fork); it stops taking jobs when its launcher
+ends or dies, and exits once its tasks have. Only the standard library is imported here before the fork, so a client
+starts in milliseconds. A task's `os.environ` (and so `getenv`, and what its own children inherit) is its client's;
+`/proc/PID/environ` of a forked task still shows the server's environment as it was when the server started (the
+kernel shows the block that exec wrote, a fork copies it, and nothing short of exec replaces it). So `serve` runs
+itself again without the variables that hold secrets (tokens, passwords, credentials in URLs: `study.config.secrets`)
+before it listens: a launch's secrets reach its own tasks' `os.environ` only, and what the server was started with
+is readable there only where it is not secret. torch fixes its thread count from OMP_NUM_THREADS or MKL_NUM_THREADS
+when it is imported, so a client whose values differ from the server's starts cold, as one of another PYTHONPATH does.
 
 A server started on its own (`python -m study.launch.warm serve DIR`, stopped by TERM or when its parent exits) serves
 every launch whose environment names its socket in `STUDY_WARM_SERVER`: a shell or a test session that launches many
-times pays the imports once. It forks only for clients of its own interpreter and PYTHONPATH (other code would run
-under the imports it holds); any other client, or a socket that is gone, starts its job cold.
+times pays the imports once. It forks only for clients of its own interpreter, PYTHONPATH and thread settings (other
+code would run under the imports it holds); any other client, or a socket that is gone, starts its job cold. A named
+socket that fails the checks above is refused by name (`StudyError`), before a launch writes anything.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -43,7 +60,69 @@ _HEADER = struct.Struct("!I")
 ENV = "STUDY_WARM_SERVER"
 """A running server's socket that `shared()` uses instead of starting one."""
 IDENTITY = "identity.json"
-"""Beside the socket: the interpreter and PYTHONPATH the server forks for (it refuses other clients)."""
+"""Beside the socket: the interpreter and environment (`IMPORTED_ENV`) the server forks for (it refuses other
+clients)."""
+IMPORTED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""What the server's imports depend on besides its interpreter: the code on the path, and the thread count torch
+fixes when it is imported. A client whose values differ from the server's starts cold."""
+_SERVE = "_serve"
+"""`serve` as it runs itself again, its environment cleared of secrets (`_serve_without_secrets`)."""
+_ANSWER_MAX = 1 << 10
+"""A server's answer is one number: a longer one is nonsense, not something to wait for."""
+_PEERCRED = struct.Struct("3i")
+
+
+class Untrusted(Exception):
+    """A socket another user could have put there or could replace (it, or its folder, is theirs or writable by
+    others), or that a process of another user listens on: nothing is sent to it."""
+
+
+class _Nonsense(Exception):
+    """A server's answer that is not what the protocol says (a task's pid, its wait status)."""
+
+
+def _private(path: str, what: str, info: os.stat_result) -> None:
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise Untrusted(f"the {what} {path} belongs to uid {info.st_uid}, not to this user (uid {me})")
+    if info.st_mode & 0o022:
+        raise Untrusted(f"other users can write the {what} {path} (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _check_folder(folder: str) -> None:
+    """Raises Untrusted when `folder` is another user's or others can write it; OSError when it is missing."""
+    info = os.stat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), folder)
+    _private(folder, "folder", info)
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of `conn`, as the kernel recorded them (SO_PEERCRED)."""
+    pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def _connect(sock: str) -> tuple[socket.socket, int]:
+    """A connection to the server at `sock` and its pid, once the socket, its folder and the process listening are
+    this user's and no one else can write them: Untrusted when not (before a byte is sent), OSError when no server
+    is there."""
+    _check_folder(os.path.dirname(os.path.abspath(sock)))
+    info = os.lstat(sock)
+    if not stat.S_ISSOCK(info.st_mode):
+        raise Untrusted(f"{sock} is not a socket")
+    _private(sock, "socket", info)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(sock)  # a socket file its crashed server left behind refuses
+        # the path could have been swapped since the checks above: what counts is who listens
+        pid, uid = _peer(conn)
+        if uid != os.geteuid():
+            raise Untrusted(f"the server on {sock} runs as uid {uid}, not as this user (uid {os.geteuid()})")
+    except BaseException:
+        conn.close()
+        raise
+    return conn, pid
 
 
 def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -126,7 +205,10 @@ class WarmStarter:
 
     def serving(self) -> bool:
         if self._socket is not None:
-            return _serves_me(self._socket)
+            try:
+                return _serves_me(self._socket)
+            except Untrusted:
+                return False
         return self.python is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -155,14 +237,14 @@ _SHARED: list[WarmStarter] = []
 
 
 def shared() -> WarmStarter:
-    """The server named by `STUDY_WARM_SERVER` while it answers and forks for this process (`_serves_me`); else this
+    """The server named by `STUDY_WARM_SERVER` while it answers and forks for this process (`named_server`); else this
     process's server, started on its first local launch and closed when the process exits: a process that launches
     again (`--until-decided`'s rounds, a script) forks every job from one. Started again when it has died or PYTHONPATH
-    has changed (it would refuse every job: it imported other code than the launcher's)."""
+    or the thread settings have changed (it would refuse every job: `IMPORTED_ENV`)."""
     import atexit
 
-    outside = os.environ.get(ENV)
-    if outside and _serves_me(outside):
+    outside = named_server()
+    if outside:
         return WarmStarter(socket_path=outside)
     if not _SHARED or not _SHARED[0].serving() or _SHARED[0].identity != _identity():
         if _SHARED:
@@ -172,21 +254,39 @@ def shared() -> WarmStarter:
     return _SHARED[0]
 
 
-def _serves_me(sock: str) -> bool:
-    """The server at `sock` answers and forks for this interpreter and PYTHONPATH (else its every job would start
-    cold, where a server of this process's own would fork them)."""
+def named_server() -> str | None:
+    """The socket `STUDY_WARM_SERVER` names while a server answers there and forks for this process (`_serves_me`);
+    None when it names none, or one that is gone or forks for other code (this process then starts its own). One that
+    another user could have put there is refused by name (StudyError): every job would hand it its environment."""
+    sock = os.environ.get(ENV)
+    if not sock:
+        return None
     try:
-        with open(os.path.join(os.path.dirname(sock), IDENTITY)) as handle:
+        return sock if _serves_me(sock) else None
+    except Untrusted as err:
+        from study.errors import StudyError
+
+        raise StudyError(ENV, f"{sock}: {err}, so the process listening there could be another user's, and each job "
+                         "would hand it its environment (secrets included) and streams",
+                         "serve from a folder that is yours and only you can write: `python -m study.launch.warm serve "
+                         f"\"$(mktemp -d)\"`, then point {ENV} at that folder's socket; or unset {ENV}") from None
+
+
+def _serves_me(sock: str) -> bool:
+    """The server at `sock` answers and forks for this interpreter and environment (else its every job would start
+    cold, where a server of this process's own would fork them). Untrusted when it could be another user's."""
+    try:
+        conn, _ = _connect(sock)
+        conn.close()
+        with open(os.path.join(os.path.dirname(sock), IDENTITY)) as handle:  # in the folder just checked
             identity = json.load(handle)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.connect(sock)  # a socket file its crashed server left behind refuses
     except (OSError, ValueError):
         return False
     return identity == _identity()
 
 
-def _identity() -> dict:
-    return {"python": sys.executable, "pythonpath": os.environ.get("PYTHONPATH")}
+def _identity(python: str = sys.executable, env=os.environ) -> dict:
+    return {"python": python, **{name: env.get(name) for name in IMPORTED_ENV}}
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -236,11 +336,7 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
 
     launcher = os.getppid()
     path = os.path.join(folder, "socket")
-    with open(os.path.join(folder, IDENTITY), "w") as handle:  # before the socket: whoever finds one finds both
-        json.dump(_identity(), handle)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)  # clients queue here while the imports below run
+    listener = _listen(folder, path)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the tasks themselves; the server outlives them
@@ -250,7 +346,7 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
         except Exception as err:  # a task imports it again and reports the error itself
             print(f"warm start: not preloaded: {name}: {err}", file=sys.stderr, flush=True)
     tasks: dict[int, socket.socket | None] = {}  # a task whose client is gone: None
-    me = os.getuid()
+    me = os.geteuid()
     while True:
         _reap(tasks)
         done = bool(stopping) or os.getppid() != launcher
@@ -288,20 +384,58 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
                     tasks[pid] = None  # reaped on a later pass; no client is left to tell
 
 
+def _listen(folder: str, path: str) -> socket.socket:
+    """The server's socket at `path` in `folder`, its identity beside it, reachable by this user alone. StudyError
+    when the folder is missing, another user's or writable by others (one of them could replace the socket and be
+    handed every job's environment), or something is at `path` already."""
+    from study.errors import StudyError
+
+    fix = "serve from a folder that is yours and only you can write, e.g. `python -m study.launch.warm serve " \
+          '"$(mktemp -d)"`'
+    try:
+        _check_folder(folder)
+    except FileNotFoundError:
+        raise StudyError(folder, "no such folder", f"create it, for you alone (`mkdir -m 700 {folder}`), or {fix}") \
+            from None
+    except Untrusted as err:
+        raise StudyError(folder, str(err), fix) from None
+    except OSError as err:
+        raise StudyError(folder, f"cannot serve from it ({err.strerror or err})", fix) from None
+    if os.path.lexists(path):
+        raise StudyError(path, "is there already: a server listens on it, or one that was killed left it behind",
+                         "stop that server (TERM), or remove the file, or serve from another folder")
+    with open(os.path.join(folder, IDENTITY), "w") as handle:  # before the socket: whoever finds one finds both
+        json.dump(_identity(), handle)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)  # the socket is this user's alone from the moment it exists (connecting needs write)
+    try:
+        listener.bind(path)
+    except OSError as err:
+        listener.close()
+        raise StudyError(path, f"cannot listen there ({err.strerror or err})",
+                         "serve from a folder with a shorter path, e.g. `mktemp -d`") from None
+    finally:
+        os.umask(umask)
+    listener.listen(64)  # clients queue here while the server imports its modules
+    return listener
+
+
 def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me: int) -> _Task | None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
-        if uid != me:
-            raise PermissionError(f"a client of uid {uid} is not this server's user")
+        uid = _peer(conn)[1]
+        if uid != me:  # before a byte is read: its request would run as this user
+            raise PermissionError(f"a client of uid {uid} is not this server's user (uid {me})")
         conn.settimeout(10)
         request, fds = _receive(conn, with_fds=True)
         _parse(request["argv"])
-        if {"python": request["python"], "pythonpath": request["env"].get("PYTHONPATH")} != _identity():
-            raise ValueError(f"a client of {request['python']} with PYTHONPATH={request['env'].get('PYTHONPATH')} "
-                             "would run other code than this server imported (it starts cold)")
-    except (OSError, ValueError, KeyError, ConnectionError) as err:
+        theirs, mine = _identity(request["python"], request["env"]), _identity()
+        if theirs != mine:
+            differ = ", ".join(f"{k} {theirs[k]!r} (this server: {mine[k]!r})" for k in mine if theirs[k] != mine[k])
+            raise ValueError(f"a client of {differ} would run other code, or other threads, than this server "
+                             "imported (it starts cold)")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # a request of another shape too
         if fds or not isinstance(err, ConnectionError):  # (no request at all: `shared()` probing that it answers)
             print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
         for fd in fds:  # the streams of a refused client
@@ -356,17 +490,20 @@ def client(sock: str, argv: list[str]) -> None:
         signal.signal(sig, lambda s, _: pending.append(s))
     try:
         _parse(argv)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(sock)
+        conn, server = _connect(sock)
         _send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable},
               fds=[0, 1, 2])
-        pid = _receive(conn)[0]["pid"]
-    except (OSError, ValueError, KeyError, ConnectionError):
-        for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL)
-        for sig in pending:  # what it would have done to the task
-            os.kill(os.getpid(), sig)
-        os.execv(sys.executable, [sys.executable, *argv])  # no server: the same command, started cold
+        pid = _answer(conn, "pid")
+        if not _forked_by(server, pid):  # else its signals would go to a process it did not start
+            raise _Nonsense(f"named process {pid} as its task, which it did not fork")
+    except Untrusted as err:
+        print(f"warm start: refused: {err}; nothing was sent to it, the job starts as a plain process",
+              file=sys.stderr, flush=True)
+        _cold(argv, pending)
+    except _Nonsense as err:
+        _failed(sock, err)
+    except (OSError, ValueError):  # no server (or not a `-m` command), or it refused the request: nothing forked
+        _cold(argv, pending)
 
     def forward(sig, _frame):
         try:
@@ -379,8 +516,12 @@ def client(sock: str, argv: list[str]) -> None:
     for sig in pending:
         forward(sig, None)
     try:
-        status = _receive(conn)[0]["status"]
-    except (OSError, ConnectionError):
+        status = _answer(conn, "status")
+        if not 0 <= status <= 0xFFFF or not (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
+            raise _Nonsense(f"answered {status}, which is no wait status, for its task {pid}")
+    except _Nonsense as err:
+        _failed(sock, err)  # closing the connection ends the task too, as if this client were killed
+    except OSError:  # closed or reset before the status came
         # the server died before its task (it never exits first): wait for the task, then say what is known
         while _alive(pid):
             time.sleep(0.5)
@@ -392,6 +533,54 @@ def client(sock: str, argv: list[str]) -> None:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _cold(argv: list[str], pending: list[int]) -> None:
+    """Become `python ARGV` (no server, or none to trust), with the signals that came before as they would have."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    for sig in pending:  # what it would have done to the task
+        os.kill(os.getpid(), sig)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _failed(sock: str, err: _Nonsense) -> None:
+    # the launch names a failed job by its last line on standard error: this one says what happened
+    print(f"warm start: the server on {sock} {err}; the job is not run (stop the process listening there, or "
+          "launch with cluster.warm_start=false)", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _answer(conn: socket.socket, key: str) -> int:
+    """The number in the server's answer `{key: N}` (its task's pid, then its wait status); _Nonsense when the answer
+    is anything else, ConnectionError when the connection closes first."""
+    what = {"pid": "its task's pid", "status": "its task's wait status"}[key]
+    head = _exactly(conn, _HEADER.size)
+    (size,) = _HEADER.unpack(head)
+    if size > _ANSWER_MAX:
+        raise _Nonsense(f"answered {head!r}..., the start of a {size}-byte message, where {what} belongs")
+    body = _exactly(conn, size)
+    try:
+        value = json.loads(body)[key]
+    except (ValueError, TypeError, KeyError, IndexError):
+        value = None
+    if type(value) is not int:
+        raise _Nonsense(f"answered {body[:200]!r} where {what} belongs")
+    return value
+
+
+def _forked_by(server: int, pid: int) -> bool:
+    """`pid` is a child of the process `server`, or is gone already (a task that ended at once: its status follows).
+    0, 1 and negative numbers never are: a signal forwarded there would reach a process group, init or every
+    process."""
+    if pid <= 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+    except FileNotFoundError:
+        return True
+    return int(fields[1]) == server
 
 
 def _alive(pid: int) -> bool:
@@ -406,12 +595,33 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["serve"]:
+        _serve_without_secrets(argv[1:])
+    if argv[:1] == [_SERVE]:
+        from study.errors import StudyError
+
         preload = tuple(p for p in argv[2].split(",") if p) if len(argv) > 2 else PRELOAD  # "" preloads nothing
-        task = serve(argv[1], preload)
+        try:
+            if len(argv) < 2:
+                raise StudyError("serve", "names no folder", 'name one only you can write: `python -m '
+                                 'study.launch.warm serve "$(mktemp -d)"`')
+            task = serve(argv[1], preload)
+        except StudyError as err:
+            print(f"study.launch.warm serve: {err.message}", file=sys.stderr, flush=True)
+            sys.exit(2)
         if task is not None:
             task.run()  # in the forked child: runs to the end like the module would, exits as it does
         return
     client(argv[0], argv[1:])
+
+
+def _serve_without_secrets(args: list[str]) -> None:
+    """Become the server (`_SERVE ARGS`) with this environment less the variables that hold secrets
+    (`study.config.secrets`): a forked task's /proc/PID/environ shows the server's (see the module's docstring). Run
+    again whatever the environment holds, so the server never imports what this check needs."""
+    from study.config.secrets import mask_text
+
+    kept = {name: value for name, value in os.environ.items() if mask_text(f"{name}={value}") == f"{name}={value}"}
+    os.execve(sys.executable, [sys.executable, "-m", "study.launch.warm", _SERVE, *args], kept)
 
 
 if __name__ == "__main__":
