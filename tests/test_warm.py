@@ -473,13 +473,14 @@ def test_a_server_that_answers_nonsense_fails_the_job_saying_what_it_answered(ca
                              "answered b'{\"status\": \"done\"}' where its task's wait status belongs")}
     answer, said = answers[case]
     sock = _nonsense_server(tmp_path / "srv", answer)
+    proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=30)
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        for child in (proc, sleeper):  # a client that took the answer for a pid would wait on it for ever
+            child.kill()
+            child.wait()
     assert (proc.returncode, out) == (1, "")
     assert err == (f"warm start: the server on {sock} {said}; the job is not run (stop the process listening there, "
                    "or launch with cluster.warm_start=false)\n")
