@@ -7,6 +7,10 @@ verdict is one of four:
 - **equivalent**: TOST shows the delta lies inside the declared margin, after the same correction;
 - **undecided**: neither, with the seeds that would probably decide it.
 
+Beside each verdict stands the t interval the verdict agrees with: the paired t interval at the level the family's
+correction tested the row at, 1 − α·p/p_adjusted (:func:`adjusted_interval`), so it excludes 0 exactly when the
+adjusted p is below α. The unadjusted interval at 1 − α is kept too, and always labelled so.
+
 The primary family (every variant x scale on the experiment's primary metric) is corrected with Holm, which
 holds the family-wise error rate; secondary metrics (other metrics and downstream tasks) with Benjamini-Hochberg,
 which holds the false discovery rate. With 3-5 seeds the exact nonparametric tests cannot reach p < 0.05 (the
@@ -25,7 +29,7 @@ import numpy as np
 
 from analysis.paired import PairedResult, spread
 from analysis.records import JsonRecord
-from analysis.sample_size import minimum_detectable_effect, seeds_to_decide
+from analysis.sample_size import minimum_detectable_effect, seeds_phrase, seeds_to_decide
 from study.config.decision import DecisionRule
 
 BOOTSTRAP_MIN_N = 8
@@ -38,6 +42,9 @@ VERDICTS = ("better", "worse", "equivalent", "undecided")
 
 VERDICT_COLORS = {"better": "#1a7f37", "worse": "#cf222e", "equivalent": "#0969da", "undecided": "#6e7781"}
 """One colour per verdict, shared by the forest plots and the report's tables."""
+
+CORRECTION = {"primary": "Holm", "secondary": "BH"}
+"""Each family's multiplicity correction as the report and the terminal name it (BH: Benjamini-Hochberg)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class Decision(JsonRecord):
     """Lower end of the paired t interval at 1 − alpha."""
     ci_high: float
     """Upper end of the paired t interval at 1 − alpha."""
+    adj_ci_low: float
+    """Lower end of the multiplicity-adjusted t interval (:func:`adjusted_interval`): the interval the verdict uses."""
+    adj_ci_high: float
+    """Upper end of the multiplicity-adjusted t interval."""
     p_t: float
     """Two-sided paired t p (scipy.stats.ttest_rel)."""
     p_adjusted: float
@@ -104,10 +115,31 @@ class Decision(JsonRecord):
 
     @classmethod
     def from_dict(cls, row: Mapping) -> "Decision":
-        """Inverse of :meth:`to_dict` (None back to NaN where the field is a float)."""
+        """Inverse of :meth:`to_dict` (None back to NaN where the field is a float); a row recorded before the
+        adjusted interval was (a look of an earlier adaptive launch) gets it from the statistics it holds."""
         floats = {name for name, f in cls.__dataclass_fields__.items() if f.type == "float"}
-        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in row.items()
-                      if k in cls.__dataclass_fields__})
+        fields = {k: (math.nan if v is None and k in floats else v) for k, v in row.items()
+                  if k in cls.__dataclass_fields__}
+        if "adj_ci_low" not in fields:
+            fields["adj_ci_low"], fields["adj_ci_high"] = adjusted_interval(
+                fields["n"], fields["mean_delta"], fields["sd_delta"], fields["p_t"], fields["p_adjusted"],
+                fields["alpha"])
+        return cls(**fields)
+
+
+def adjusted_interval(n: int, mean: float, sd: float, p: float, p_adjusted: float, alpha: float
+                      ) -> tuple[float, float]:
+    """The paired t interval at 1 − α·p/p_adjusted: the per-comparison level at which the family's correction
+    (Holm, Benjamini-Hochberg) tested this row, so, as the t test and its interval are dual, it excludes 0 exactly
+    when ``p_adjusted`` < α. Never narrower than the unadjusted interval at 1 − α (p_adjusted ≥ p). NaN where no t
+    test was possible."""
+    from scipy import stats
+
+    if n < 2 or not sd > 0 or not (math.isfinite(p) and math.isfinite(p_adjusted)):
+        return math.nan, math.nan
+    level_alpha = alpha * p / p_adjusted if p_adjusted > 0 else alpha  # p_adjusted 0: p is 0, any level excludes 0
+    low, high = stats.t.interval(1 - level_alpha, n - 1, loc=mean, scale=sd / math.sqrt(n))
+    return float(low), float(high)
 
 
 def decide(
@@ -137,6 +169,8 @@ def decide(
     m_primary = sum(1 for row in rows if row["family"] == "primary")
     out = []
     for row in rows:
+        row["adj_ci_low"], row["adj_ci_high"] = adjusted_interval(row["n"], row["mean_delta"], row["sd_delta"],
+                                                                  row["p_t"], row["p_adjusted"], alpha)
         # Planning alpha for an undecided primary row: Bonferroni's alpha/m bounds Holm's strictest step.
         plan_alpha = alpha / max(m_primary, 1) if row["family"] == "primary" else alpha
         out.append(Decision(**_verdict(row, alpha, rule.power, plan_alpha, rule.prior_sd), alpha=alpha))
@@ -186,7 +220,8 @@ def _verdict(row: dict, alpha: float, power: float, plan_alpha: float, prior_sd:
         if prior_sd and row["family"] == "primary":  # no spread measured yet: the experiment's prior stands in
             observed = row["mean_delta"] if math.isfinite(row["mean_delta"]) else 0.0
             seeds = seeds_to_decide(observed, prior_sd, row["margin"], plan_alpha, power)
-            reason += f"; about {seeds} seed pairs would decide it at the prior sd {prior_sd:g}" if seeds else ""
+            reason += (f"; {seeds_phrase(seeds, n)} would probably decide it at the prior sd {prior_sd:g}"
+                       if seeds else "")
     elif row["p_adjusted"] < alpha:
         verdict = "better" if (row["mean_delta"] > 0) == good_up else "worse"
         reason = f"adjusted p {row['p_adjusted']:.3g} < {alpha:g}"
@@ -199,7 +234,7 @@ def _verdict(row: dict, alpha: float, power: float, plan_alpha: float, prior_sd:
         reason = (f"adjusted p {row['p_adjusted']:.3g}"
                   + (f", TOST adjusted p {row['p_tost_adjusted']:.3g}" if row["margin"] is not None else
                      ", no equivalence margin declared")
-                  + (f"; about {seeds} seed pairs would decide it" if seeds else ""))
+                  + (f"; {seeds_phrase(seeds, n)} would probably decide it" if seeds else ""))
     return {**row, "verdict": verdict, "seeds_to_decide": seeds, "reason": reason}
 
 

@@ -13,8 +13,9 @@ import pandas as pd
 
 from analysis import run_table
 from analysis.compute import RANGE, EffectiveCompute, Multiplier
-from analysis.decide import BOOTSTRAP_MIN_N, VERDICTS, Decision
+from analysis.decide import BOOTSTRAP_MIN_N, CORRECTION, VERDICTS, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.sample_size import seeds_phrase
 from analysis.race_report import race_blocks
 from analysis.result import Analysis
 from analysis.render import MISSING, Block, Details, Heading, Paragraph, Plot, Table, number
@@ -55,7 +56,7 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
                   f"{rule.metric}, Holm-corrected at family-wise α = {alpha:g}. "
                   + (f"Equivalent: TOST shows |Δ| < {rule.margin:g} (Holm-corrected). " if rule.margin else
                      "No equivalence margin is declared (decision.margin), so no row can be called equivalent. ")
-                  + "Undecided rows say how many seed pairs would probably decide them."
+                  + "Undecided rows say how many seed pairs would probably decide them. " + _INTERVALS
                   + (f" {a.sequential_note}" if a.sequential_note else "")),
         Paragraph(f"Baseline {a.baseline}. {len(a.runs)} training runs ("
                   + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
@@ -162,53 +163,54 @@ def _published_blocks(published: Sequence[PublishedDelta], baseline: str) -> lis
 
 
 def _scale_sentence(scale: str, decisions: Sequence[Decision]) -> str:
-    """``At 113M: hourglass_attn better by 0.031 nats [0.018, 0.044]; hourglass_fixed undecided, 9 more seeds would
-    decide it.`` The size of a better or worse Δ and its interval are given as magnitudes, in nats for a loss."""
+    """``At 113M: hourglass_attn better by 0.031 nats [0.018, 0.044]; hourglass_fixed undecided (Holm-adjusted p
+    0.052), 9 seed pairs (4 more) would probably decide it.`` The size of a better or worse Δ and its adjusted
+    interval (the one the verdict agrees with) are given as magnitudes, in nats for a loss."""
     unit = " nats" if decisions[0].metric.endswith("/loss") else ""
     parts = []
     for d in decisions:
         if d.verdict in ("better", "worse"):
-            low, high = sorted((abs(d.ci_low), abs(d.ci_high)))
+            low, high = sorted((abs(d.adj_ci_low), abs(d.adj_ci_high)))
             parts.append(f"{d.variant} {d.verdict} by {abs(d.mean_delta):.3g}{unit} [{low:.3g}, {high:.3g}]")
         elif d.verdict == "equivalent":
             parts.append(f"{d.variant} equivalent (|Δ| < {d.margin:g}{unit})")
-        elif d.seeds_to_decide is None:
-            parts.append(f"{d.variant} undecided, no number of seeds in reach would decide it")
-        elif d.seeds_to_decide > d.n:
-            more = d.seeds_to_decide - d.n
-            parts.append(f"{d.variant} undecided, {more} more {'seed' if more == 1 else 'seeds'} would decide it")
-        else:  # the observed Δ would be found at this n, but not at the family's corrected level
-            parts.append(f"{d.variant} undecided, about {d.seeds_to_decide} seed pairs would decide it")
+        else:
+            p = f" ({CORRECTION[d.family]}-adjusted p {d.p_adjusted:.3g})" if math.isfinite(d.p_adjusted) else ""
+            parts.append(f"{d.variant} undecided{p}, " + (
+                "no number of seed pairs in reach would decide it" if d.seeds_to_decide is None
+                else f"{seeds_phrase(d.seeds_to_decide, d.n)} would probably decide it"))
     return f"At {scale}: " + "; ".join(parts) + "."
 
 
+def _seeds_cell(d: Decision) -> str:
+    return seeds_phrase(d.seeds_to_decide, d.n) if d.seeds_to_decide else "—"
+
+
 def _compact_table(rows: Sequence[Decision]) -> Table:
-    """The decision at a glance, narrow enough for a 1,280-pixel window; the rest is in _decision_table."""
-    levels = {1 - d.alpha for d in rows}
-    one_level = len(levels) == 1
-    header = ["scale", "variant", "Δ", f"t {levels.pop():.0%} CI" if one_level else "t CI (1 − α of its look)",
-              "Δ %", "verdict", "seed pairs to decide"]
-    return Table(header, [[d.scale, d.variant, number(d.mean_delta, "+.4f"),
-                           _ci(d.ci_low, d.ci_high) + ("" if one_level or not math.isfinite(d.ci_low)
-                                                        else f" ({1 - d.alpha:.1%})"),
-                           _signed_pct(d.pct_delta), d.verdict,
-                           str(d.seeds_to_decide) if d.seeds_to_decide else "—"] for d in rows])
+    """The decision at a glance, narrow enough for a 1,280-pixel window; the rest is in _decision_table. The interval
+    beside the verdict is the adjusted one the verdict agrees with."""
+    correction = CORRECTION[rows[0].family]
+    header = ["scale", "variant", "Δ", f"t CI, {correction}-adjusted", f"p ({correction})", "Δ %", "verdict",
+              "seed pairs to decide"]
+    return Table(header, [[d.scale, d.variant, number(d.mean_delta, "+.4f"), _ci(d.adj_ci_low, d.adj_ci_high),
+                           _p(d.p_adjusted), _signed_pct(d.pct_delta), d.verdict, _seeds_cell(d)] for d in rows])
 
 
 def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Table:
     header = (["metric"] if with_metric else []) + [
-        "scale", "variant", "n", "Δ", "Δ %", "t CI", "p (adj.)", "sign-flip p", "Wilcoxon p", "d_z",
-        "P(improve)", "MDE (80%)", "TOST p (adj.)", "verdict", "seeds to decide"]
+        "scale", "variant", "n", "Δ", "Δ %", "t CI (unadjusted)", "t CI (adjusted)", "p (adj.)", "sign-flip p",
+        "Wilcoxon p", "d_z", "P(improve)", "MDE (80%)", "TOST p (adj.)", "verdict", "seeds to decide"]
     body = []
     for d in rows:
         level = 1 - d.alpha
         body.append(([d.metric] if with_metric else []) + [
             d.scale, d.variant, str(d.n), number(d.mean_delta, "+.4f"), _signed_pct(d.pct_delta),
             f"{_ci(d.ci_low, d.ci_high)} ({level:.1%})" if math.isfinite(d.ci_low) else "—",
-            _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon), number(d.d_z, ".2f"),
+            _ci(d.adj_ci_low, d.adj_ci_high), _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon),
+            number(d.d_z, ".2f"),
             number(d.prob_improvement, ".0%"),
             number(d.mde), f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
-            d.verdict, str(d.seeds_to_decide) if d.seeds_to_decide else "—"])
+            d.verdict, _seeds_cell(d)])
     return Table(header, body)
 
 
@@ -226,7 +228,8 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
     loss_like = metric.endswith("/loss")
     with_compute = compute is not None and bool(compute.rows)
     header = ["variant", "seeds", f"{metric} (mean ± sd)"] + (["PPL"] if loss_like else []) + [
-        "Δ vs " + baseline, "t 95% CI", "verdict"] + (["effective compute (interval)"] if with_compute else [])
+        "Δ vs " + baseline, "t 95% CI (unadjusted)", "verdict"] + (
+        ["effective compute (interval)"] if with_compute else [])
     rows = []
     for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
         values = at_scale.loc[at_scale["variant"] == variant, metric]
@@ -253,7 +256,8 @@ def _boot(low: float, high: float, method: str, n: int) -> str:
 
 
 def _deltas_table(results: list[PairedResult]) -> Table:
-    header = ["scale", "variant", "n", "Δ mean ± sd", "t 95% CI", "bootstrap 95% CI", "Wilcoxon p", "win rate"]
+    header = ["scale", "variant", "n", "Δ mean ± sd", "t 95% CI (unadjusted)", "bootstrap 95% CI", "Wilcoxon p",
+              "win rate"]
     rows = [[r.scale, r.variant, str(r.n), f"{number(r.mean_delta, '+.4f')} ± {number(r.sd_delta)}",
              _ci(r.ci_low, r.ci_high), _boot(r.boot_ci_low, r.boot_ci_high, r.boot_method, r.n),
              _p(r.p_wilcoxon), number(r.win_rate, ".0%")] for r in results]
@@ -319,7 +323,6 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
              f"×{c.best_multiple:g}", f"×{c.chosen_multiple:.4g}" if math.isfinite(c.chosen_multiple) else "—",
              number(c.chosen_lr, ".4g"), c.status or "—",
              ", ".join(f"{s}: {lr:.4g}" for s, lr in c.main_lrs.items()) or "—"] for c in curves]
-    edges = sorted({c.variant for c in curves if c.status == "edge"})
     blocks: list[Block] = [
         Heading("Tuning curves"),
         Paragraph("Each variant's tune runs: final val/loss at each multiple of the recipe's peak LR, the mean over "
@@ -330,10 +333,24 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
                   f"stayed at an edge). Tune runs are never paired or decided on. {TRANSFER}"),
         Table(["variant", "tune scale", "mean final val/loss per multiple", "runs", "lowest mean at", "chosen",
                "chosen LR", "status", "main runs' LR by scale"], rows)]
-    if edges:
-        blocks.append(Paragraph(f"{', '.join(edges)}: the best point stayed at an edge of the grid after extending "
-                                "it, so the LR taken may not be that variant's best: widen tune.lr or tune.extend."))
-    return blocks
+    return blocks + [Paragraph(note) for note in _edge_notes([c for c in curves if c.status == "edge"])]
+
+
+def _edge_notes(edges: Sequence[TuneCurve]) -> list[str]:
+    """Why an edge choice may not be a variant's best, saying the grid was extended only where points beyond the
+    declared grid were trained (a grid with tune.extend 0 never is)."""
+    taken = "so the LR taken may not be that variant's best"
+    groups = {
+        "extended": ([c.variant for c in edges if c.extensions], f"the best point stayed at an edge of the grid after "
+                     f"extending it by as many points as tune.extend allows, {taken}: widen tune.lr or raise "
+                     "tune.extend."),
+        "declared": ([c.variant for c in edges if c.extensions == 0], f"the best point stayed at an edge of the "
+                     f"declared grid, which was not extended (tune.extend is 0), {taken}: widen tune.lr or set "
+                     "tune.extend to add points beyond the edge."),
+        "unknown": ([c.variant for c in edges if c.extensions is None], f"the best point stayed at an edge of the "
+                    f"grid, {taken}: widen tune.lr or raise tune.extend."),
+    }
+    return [f"{', '.join(sorted(set(variants)))}: {text}" for variants, text in groups.values() if variants]
 
 
 def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
@@ -530,6 +547,12 @@ def _mean_sd(values: pd.Series) -> str:
     return f"{values.mean():.4f} ± {number(values.std(ddof=1))}" if len(values) else "—"
 
 
+_INTERVALS = (
+    "The interval beside a verdict (in the sentences above, the compact table and the forest plot) is the t interval "
+    "adjusted for multiplicity: at 1 − α·p/p_adj, the level the family's correction tested that comparison at, so "
+    "it excludes 0 exactly when the verdict is better or worse. An unadjusted t interval at 1 − α is narrower and "
+    "is labelled 'unadjusted' wherever it is shown; it can exclude 0 for a comparison the family leaves undecided.")
+
 _TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tune runs found best "
           f"({TAG_LR_SOURCE} = tune)")
 
@@ -539,7 +562,8 @@ _METHOD = (
     "Decisions: the paired t test (scipy.stats.ttest_1samp of the deltas) decides better/worse after Holm's "
     "correction over the primary family or Benjamini-Hochberg's over the secondary metrics (statsmodels "
     "multipletests); equivalence is TOST against the declared margin (statsmodels ttost_paired), corrected the "
-    "same way; the t interval is at 1 − α. Sign-flip p: exact permutation test of the mean delta "
+    "same way; the unadjusted t interval is at 1 − α, the adjusted one at 1 − α·p/p_adj (it excludes 0 exactly "
+    "when the adjusted p is below α). Sign-flip p: exact permutation test of the mean delta "
     "(scipy.stats.permutation_test, all 2^n sign patterns up to 16 pairs); Wilcoxon: two-sided signed-rank test. "
     "With 5 pairs neither can go below 0.0625, so they are shown, not used to decide. d_z = mean/sd of the "
     "deltas; P(improve): share of seeds where the variant is better, ties one half. MDE: the smallest true |Δ| the "

@@ -4,11 +4,13 @@ trained at, their worth in compute)."""
 from __future__ import annotations
 
 from analysis.compute import RANGE
+from analysis.sample_size import seeds_phrase
 
 
 def print_headline(result: dict) -> None:
     """The report's decision table on the console (`study report`, `study demo`), then the effective compute of each
-    variant and every verdict that flips between the shared and the tuned LR."""
+    variant and every verdict that flips between the shared and the tuned LR. The interval and the seeds to decide
+    are the report's own: the adjusted interval the verdict agrees with, the seeds in the words report.md uses."""
     from study.console import console
     from rich.table import Table
 
@@ -17,12 +19,13 @@ def print_headline(result: dict) -> None:
 
     table = Table(title=f"{result['experiment']}: decisions vs {result['baseline']}"
                   + (f" ({result['sequential']})" if result.get("sequential") else ""))
-    for col in ("scale", "variant", "metric", "n", "mean delta", "t CI", "adjusted p", "verdict", "seeds to decide"):
+    for col in ("scale", "variant", "metric", "n", "mean delta", "adjusted t CI", "adjusted p", "verdict",
+                "seeds to decide"):
         table.add_column(col)
     for d in result["decisions"]:
         table.add_row(d["scale"], d["variant"], d["metric"], str(d["n"]), num(d["mean_delta"], "+.4f"),
-                      f"[{num(d['ci_low'], '+.4f')}, {num(d['ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
-                      d["verdict"], str(d["seeds_to_decide"] or "-"))
+                      f"[{num(d['adj_ci_low'], '+.4f')}, {num(d['adj_ci_high'], '+.4f')}]", num(d["p_adjusted"], ".3f"),
+                      d["verdict"], seeds_phrase(d["seeds_to_decide"], d["n"]) if d["seeds_to_decide"] else "-")
     out = console()
     out.print(table)
     tuning = result.get("tuning") or {}

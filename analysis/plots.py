@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.decide import VERDICT_COLORS, Decision
+from analysis.decide import CORRECTION, VERDICT_COLORS, Decision
 from analysis.paired import PairedResult
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import ScalingReport
@@ -75,7 +75,8 @@ def plot_loss_curves(
 
 def plot_decisions(decisions: Sequence[Decision], path: Path) -> Path:
     """The decision table as a forest: one panel per metric (small multiples when there are several), one row per
-    (scale, variant) with its mean Δ and t interval at 1 − α, coloured by verdict, the equivalence margin shaded."""
+    (scale, variant) with its mean Δ and the multiplicity-adjusted t interval its verdict agrees with (it excludes 0
+    exactly when the verdict is better or worse), coloured by verdict, the equivalence margin shaded."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -100,8 +101,8 @@ def _decision_panel(ax, decisions: Sequence[Decision]) -> None:
     shown = list(reversed(decisions))
     for y, d in enumerate(shown):
         color = VERDICT_COLORS[d.verdict]
-        if math.isfinite(d.ci_low):
-            ax.hlines(y, d.ci_low, d.ci_high, color=color, lw=1.8)
+        if math.isfinite(d.adj_ci_low):
+            ax.hlines(y, d.adj_ci_low, d.adj_ci_high, color=color, lw=1.8)
         if math.isfinite(d.mean_delta):
             ax.plot(d.mean_delta, y, "o", color=color, ms=5)
     margin = decisions[0].margin
@@ -117,8 +118,8 @@ def _decision_panel(ax, decisions: Sequence[Decision]) -> None:
     better = "right" if d.higher_is_better else "left"
     ax.set_xlabel(f"Δ vs {d.baseline}; better to the {better}", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(f"{d.metric}: mean Δ, t {1 - d.alpha:.0%} CI" + (f", margin ±{margin:g} shaded" if margin else ""),
-                 fontsize=9)
+    ax.set_title(f"{d.metric}: mean Δ, {CORRECTION[d.family]}-adjusted t CI"
+                 + (f", margin ±{margin:g} shaded" if margin else ""), fontsize=9)
 
 
 def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,

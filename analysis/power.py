@@ -128,11 +128,14 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
     return {(scale, variant): (sd, n) for scale, variant, sd, n in rows}, note
 
 
-def plan_power_rows(plan) -> tuple[list, str]:
-    """Power rows of a plan (study.plan.planner.Plan) when the experiment declares a decision margin, and where the noise came from."""
+def plan_power_rows(plan, unread: str | None = None) -> tuple[list, str]:
+    """Power rows of a plan (study.plan.planner.Plan) when the experiment declares a decision margin, and where the
+    noise came from. `unread` says why the store is not to be read (its server did not answer): the prior stands in."""
     exp = plan.experiment
     rule = exp.decision
     if rule.margin is None or not plan.runs:
         return [], "no decision.margin declared: no power analysis"
+    if unread:
+        return plan_power(plan, rule), f"{unread}: decision.prior_sd is used"
     measured, note = measured_noise(exp.name, exp.baseline, rule, plan.runs[0].config.tracking.uri)
     return plan_power(plan, rule, measured), note

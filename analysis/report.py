@@ -17,7 +17,7 @@ import pandas as pd
 
 from analysis import run_table
 from analysis.compute import effective_compute
-from analysis.decide import Decision, decide
+from analysis.decide import CORRECTION, Decision, decide
 from analysis.document import document
 from analysis.items import item_deltas, read_items
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
@@ -114,7 +114,9 @@ def analyse(
     study = run_table.read_study(experiment, uri)
     runs = study.runs
     baseline = choose_baseline(runs, baseline)
-    rule = rule or decision_rule(experiment)
+    declared = _experiment_file(experiment)
+    rule = rule or (declared.decision if declared is not None else DecisionRule(metric=HEADLINE))
+    tuning = declared.tuning if declared is not None else None
     metrics = choose_metrics(runs, metrics)
     if rule.metric in runs.columns and rule.metric not in metrics:
         metrics = [rule.metric, *metrics]  # the primary family is decided whatever else is asked for
@@ -155,7 +157,8 @@ def analyse(
              if shared is not None and baseline in set(shared["variant"]) else [])
     return Analysis(experiment, uri, baseline, metrics, runs, results, joint, scaling, n_resamples, rule, decisions,
                     looks, note, items, curves, tuned=bool((runs["lr_source"] == run_table.TUNED).any()),
-                    tune_curves=tune_curves(study.tune, runs), shared_runs=0 if shared is None else len(shared),
+                    tune_curves=tune_curves(study.tune, runs, declared=tuning.lr if tuning else None),
+                    shared_runs=0 if shared is None else len(shared),
                     verdict_pairs=pairs, compute=compute, time=time, surface=surface,
                     race=read_race(client, exp_id) if len(study.branches) else None, run_notes=study.notes)
 
@@ -169,14 +172,15 @@ def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str
     return decide(results, rule, _baseline_means(shared, results))
 
 
-def decision_rule(experiment: str) -> DecisionRule:
-    """The experiment file's `decision:` block, else the defaults on val/loss (no file in this checkout)."""
+def _experiment_file(experiment: str):
+    """The experiment file (its `decision:` rule, its declared `tune:` grid), or None where this checkout has no
+    readable one: the rule then takes the defaults on val/loss."""
     from study.plan.experiment import load_experiment
 
     try:
-        return load_experiment(experiment).decision
+        return load_experiment(experiment)
     except StudyError:
-        return DecisionRule(metric=HEADLINE)
+        return None
 
 
 def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) -> dict:
@@ -253,7 +257,8 @@ def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
             metrics = ", ".join(dict.fromkeys(d.metric for d in decided))
             plots["decisions" if family == "primary" else "secondary"] = Plot(
                 plot_decisions(decided, out / name),
-                f"Paired Δ against {a.baseline} of final {metrics}: mean and t interval, coloured by verdict"
+                f"Paired Δ against {a.baseline} of final {metrics}: mean and the multiplicity-adjusted t interval "
+                f"the verdict uses ({CORRECTION[family]}), coloured by verdict"
                 + (", the equivalence margin shaded" if any(d.margin for d in decided) else ""))
     if a.scaling is not None and any(f.form != "none" for f in a.scaling.fits.values()):
         path = plot_scaling(a.runs, a.scaling, out / "scaling.png", a.results.get(HEADLINE, []))

@@ -104,3 +104,12 @@ def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, 
     """
     options = (seeds_for_difference(abs(mean), sd, alpha, power), seeds_for_equivalence(mean, margin, sd, alpha, power))
     return min((o for o in options if o is not None), default=None)
+
+
+def seeds_phrase(seeds: int | None, n: int) -> str:
+    """"Seeds to decide" as every place shows it (the report's sentences and tables, the terminal's summary, the
+    decision's reason): the pairs in all and how many more than the ``n`` paired, ``4 seed pairs (1 more)``, so no two
+    of them can read as different figures."""
+    if seeds is None:
+        return "no number of seed pairs in reach"
+    return f"{seeds} seed pairs" + (f" ({seeds - n} more)" if seeds > n else "")

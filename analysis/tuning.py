@@ -54,6 +54,9 @@ class TuneCurve(JsonRecord):
     """Peak LR the variant's main runs trained at, per scale."""
     unfinished: int = 0
     """Tune runs of this variant and scale that did not finish."""
+    extensions: int | None = None
+    """Grid points its tune runs trained beyond the declared grid (the experiment file's tune.lr), added while the
+    best point sat at an edge; None where no declared grid was at hand to tell them apart."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,10 @@ class VerdictPair(JsonRecord):
     """The verdict changes between the two sets."""
 
 
-def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss") -> list[TuneCurve]:
-    """Each variant's grid at each tune scale, with the choice its main runs record."""
+def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss",
+                declared: Sequence[float] | None = None) -> list[TuneCurve]:
+    """Each variant's grid at each tune scale, with the choice its main runs record; `declared` is the experiment
+    file's grid (tune.lr), against which the points added beyond it are counted."""
     if not len(tune) or metric not in tune.columns:
         return []
     order = scale_order(pd.concat([main, tune]))
@@ -103,7 +108,9 @@ def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss"
             variant, scale, points, [float(m) for m in means.index], [float(v) for v in means],
             float(means.idxmin()) if len(means) else math.nan, chosen, chosen * recipe_lr,
             str(status.mode().iloc[0]) if len(status) else None,
-            {s: float(lrs[s]) for s in order if s in lrs.index}, int((runs["status"] != FINISHED).sum())))
+            {s: float(lrs[s]) for s in order if s in lrs.index}, int((runs["status"] != FINISHED).sum()),
+            None if declared is None else sum(not any(math.isclose(m, d, rel_tol=1e-5) for d in declared)
+                                              for m in runs["tune_multiple"].dropna().unique())))
     return sorted(curves, key=lambda c: (order.index(c.scale) if c.scale in order else len(order), c.variant))
 
 

@@ -26,8 +26,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from study.plan.show import estimates, print_plan
 
     plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
-    power, note = plan_power_rows(plan)
-    cost = estimates(plan)
+    unread = _unanswered(plan)
+    power, note = plan_power_rows(plan, unread)
+    cost = estimates(plan, read_store=unread is None)
     if args.json:
         out = plan.as_json()
         for run in out["runs"]:
@@ -37,6 +38,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print_plan(plan, power, note, cost)
     return 0
+
+
+def _unanswered(plan) -> str | None:
+    """Why the plan's tracking server is not read (it did not answer the one probe other commands refuse on), said
+    on one line; None when it answered or the store is local. A plan only reads measured noise and throughput from
+    the store, so it plans without them (the prior sd, the assumed MFU) instead of refusing."""
+    from study.track.store import check_answers, resolve_tracking_uri
+
+    if not plan.runs:
+        return None
+    try:
+        check_answers(resolve_tracking_uri(plan.runs[0].config.tracking.uri))
+    except StudyError as err:
+        print(f"study plan: {err.problem}; planned with decision.prior_sd and the assumed throughput instead of the "
+              "store's measurements", file=sys.stderr)
+        return err.problem
+    return None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -56,9 +74,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.cfg:
         import yaml
 
-        from study.config.secrets import redact
+        from study.track.store import resolve_tracking_uri
 
-        print(yaml.safe_dump(redact(spec.as_dict()), sort_keys=False), end="")
+        print(yaml.safe_dump(spec.shown(resolve_tracking_uri(spec.config.tracking.uri)), sort_keys=False), end="")
         return 0
     if not args.spec:
         from study.track.store import check_answers, resolve_tracking_uri
@@ -184,6 +202,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
     limit, num_fewshot = (whole_option(settings, name) for name in ("limit", "num_fewshot"))
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
+    from study.track.store import check_answers, resolve_tracking_uri
+
+    # asked once, before the checkpoint loads and lm-eval scores: the scores go to the run's MLflow run
+    check_answers(resolve_tracking_uri(spec.config.tracking.uri))
     record = evaluate_run(spec, tasks, limit, num_fewshot)
     where = ("the run's eval/<task>/* scores" if record["of_record"] else
              f"evals/{record['id']}/<task>/*, beside the run's eval/<task>/* scores (other settings than its eval "

@@ -99,7 +99,7 @@ def test_multipliers_are_printed_beside_the_deltas_in_every_format(planted):
             "(range, 5 seeds) over 20M–320M")
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert line in md and line in page
-    assert ("| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs base | t 95% CI | verdict | "
+    assert ("| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs base | t 95% CI (unadjusted) | verdict | "
             "effective compute (interval) |") in md
     at_80m = next(r for r in result["effective_compute"]["rows"] if (r["variant"], r["scale"]) == ("planted", "80M"))
     assert f"| {at_80m['multiplier']:.2f}x [{at_80m['ci_low']:.2f}, {at_80m['ci_high']:.2f}] (range, 5 seeds) |" in md

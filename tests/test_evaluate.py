@@ -392,3 +392,72 @@ print(cls.__module__ + ":" + cls.__qualname__)
         assert out[1] == "True", "the registry found the model without importing it through the entry point"
         return
     assert out == ["unknown", "False", "broke", "study.eval.harness:StudyLM"]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "connection refused"])
+def test_a_hub_task_without_its_data_offline_is_refused_by_name_before_lm_eval_indexes_or_retries(
+        tokenizer_path, tokenizer, tmp_path, monkeypatch, offline):
+    import time
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hugging Face cache
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        why = "this process is told not to reach (HF_HUB_OFFLINE=1)"
+    else:
+        endpoint = f"http://127.0.0.1:{_closed_port()}"
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        why = f"does not answer at {endpoint} ("
+    start = time.monotonic()
+    with pytest.raises(StudyError) as error:
+        evaluate_model(Uniform(tokenizer.get_vocab_size()), tokenizer_path, ["arc_easy", "piqa_local"], max_length=16)
+    assert time.monotonic() - start < 5  # lm-eval's index alone takes about 10 s, its download retries 14 more
+    assert error.value.field == "tasks"
+    assert error.value.problem.startswith("hub task(s) ['arc_easy'] need data from the Hugging Face Hub, which ")
+    assert why in error.value.problem and "(arc_easy: allenai/ai2_arc (ARC-Easy))" in error.value.problem
+    assert "tasks=arc_easy_local" in error.value.fix and "HF_HUB_OFFLINE=1" in error.value.fix
+    assert "datasets.load_dataset('allenai/ai2_arc', 'ARC-Easy')" in error.value.fix
+
+
+def test_a_hub_task_whose_data_is_cached_passes_the_offline_check(tmp_path, monkeypatch):
+    from study.eval.hub import check_hub_data, hub_dataset
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    assert hub_dataset("arc_easy") == ("allenai/ai2_arc", "ARC-Easy")
+    assert hub_dataset("hellaswag") == ("Rowan/hellaswag", None)
+    with pytest.raises(StudyError, match="hellaswag"):
+        check_hub_data(["arc_easy", "hellaswag"])
+    (tmp_path / "hf" / "hub" / "datasets--allenai--ai2_arc").mkdir(parents=True)  # downloaded once, online
+    (tmp_path / "hf" / "datasets" / "Rowan___hellaswag").mkdir(parents=True)  # prepared by `datasets`
+    check_hub_data(["arc_easy", "hellaswag", "piqa_local"])
+
+
+def test_study_eval_of_a_hub_task_offline_exits_2_naming_it_before_the_checkpoint_loads(workdir, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from conftest import TINY
+    from study.cli import main
+    from study.config.spec import write_spec
+    from study.plan.planner import select_run
+
+    spec = select_run([*TINY, "experiment=offline"])
+    write_spec(spec)  # planned, never trained: no checkpoint to load
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["eval", spec.key, "tasks=arc_easy,piqa"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("study eval: error in `tasks`: hub task(s) ['arc_easy', 'piqa'] need data from the Hugging "
+                          "Face Hub, which this process is told not to reach (HF_HUB_OFFLINE=1)"), err
+    assert "Fix: use the shipped offline tasks" in err and "tasks=arc_easy_local,piqa_local" in err
+    assert not spec.run_dir.evals.exists()

@@ -101,7 +101,7 @@ def test_report_files_hold_the_tables_and_the_html_embeds_every_plot(first_repor
     assert {p.name for p in pngs} <= names and len(pngs) == 4
 
     md = (out / "report.md").read_text()
-    assert "| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs conventional | t 95% CI |" in md
+    assert "| variant | seeds | val/loss (mean ± sd) | PPL | Δ vs conventional | t 95% CI (unadjusted) |" in md
     assert "### Scale 160M" in md and "![" in md
 
     page = (out / "report.html").read_text()
@@ -124,15 +124,18 @@ def test_report_opens_with_a_sentence_per_scale_the_forest_and_a_compact_table_a
     md = (out / "report.md").read_text()
     primary = {(d["scale"], d["variant"]): d for d in result["decisions"] if d["family"] == "primary"}
     won = primary["160M", "hourglass"]  # the planted 0.03 lower loss, decided at 160M
-    assert won["verdict"] == "better" and won["ci_high"] < 0
-    assert (f"At 160M: hourglass better by {-won['mean_delta']:.3g} nats [{-won['ci_high']:.3g}, "
-            f"{-won['ci_low']:.3g}]; tapered undecided, ") in md
+    assert won["verdict"] == "better" and won["adj_ci_high"] < 0
+    # the interval beside the verdict is the Holm-adjusted one it agrees with
+    assert (f"At 160M: hourglass better by {-won['mean_delta']:.3g} nats [{-won['adj_ci_high']:.3g}, "
+            f"{-won['adj_ci_low']:.3g}]; tapered undecided (Holm-adjusted p ") in md
     short = primary["40M", "hourglass"]  # seed 2 failed: 2 pairs, too few for Holm at 8 comparisons
     more = short["seeds_to_decide"] - 2
     assert short["verdict"] == "undecided" and short["n"] == 2 and more > 0
-    assert f"At 40M: hourglass undecided, {more} more seed{'s' if more > 1 else ''} would decide it;" in md
-    compact = "| scale | variant | Δ | t 95% CI | Δ % | verdict | seed pairs to decide |"
-    full = "| scale | variant | n | Δ | Δ % | t CI | p (adj.) | sign-flip p | Wilcoxon p | d_z |"
+    assert (f"At 40M: hourglass undecided (Holm-adjusted p {short['p_adjusted']:.3g}), "
+            f"{short['seeds_to_decide']} seed pairs ({more} more) would probably decide it;") in md
+    compact = "| scale | variant | Δ | t CI, Holm-adjusted | p (Holm) | Δ % | verdict | seed pairs to decide |"
+    full = ("| scale | variant | n | Δ | Δ % | t CI (unadjusted) | t CI (adjusted) | p (adj.) | sign-flip p | "
+            "Wilcoxon p | d_z |")
     order = ["## Decisions on final val/loss", "At 20M: ", "At 160M: ", "(forest_val_loss.png)", compact,
              "<details><summary>Every statistic of the 8 primary comparisons", full, "</details>",
              "## Scaling of final val/loss", "(scaling.png)", "## Secondary metrics", "(forest_secondary.png)",

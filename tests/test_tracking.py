@@ -411,3 +411,60 @@ def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_s
     again.close("FINISHED")
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
     assert not (run_dir / ARTIFACT_OUTBOX).exists()
+
+
+@pytest.fixture
+def silent_server():
+    """A tracking server that takes each connection and hangs up without a word, counting them."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    taken: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed at teardown
+                return
+            taken.append(1)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", taken
+    sock.close()
+
+
+def test_plan_beside_a_server_that_does_not_answer_plans_with_the_prior_and_says_so_in_one_line(
+        workdir, silent_server, monkeypatch, capsys):
+    from study.cli import main
+
+    uri, taken = silent_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert main(["plan", "demo"]) == 0
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert line == (f"study plan: the MLflow server {uri} does not answer (it closed the connection without a "
+                    "reply); planned with decision.prior_sd and the assumed throughput instead of the store's "
+                    "measurements")
+    assert "demo:" in out and "prior" in out and "does not answer" in out  # the plan, its power table from the prior
+    assert len(taken) == 1  # one probe: neither the noise nor the throughput reader asks again
+
+
+def test_eval_refuses_at_once_when_its_server_does_not_answer_asking_it_once(workdir, silent_server, monkeypatch,
+                                                                             capsys):
+    from conftest import TINY
+    from study.cli import main
+    from study.config.spec import write_spec
+    from study.plan.planner import select_run
+
+    spec = select_run([*TINY, "experiment=probe"])
+    write_spec(spec)  # planned, never trained: the refusal comes before any checkpoint is looked for
+    uri, taken = silent_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert main(["eval", spec.key, "tasks=arc_easy_local"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"study eval: error in `tracking.uri`: the MLflow server {uri} does not answer ("), err
+    assert err.rstrip().endswith("Fix: start the tracking server (`mlflow server`), or point tracking.uri (or "
+                                 "MLFLOW_TRACKING_URI) at a reachable store")
+    assert len(taken) == 1 and not spec.run_dir.evals.exists()

@@ -138,6 +138,22 @@ class RunSpec:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def shown(self, tracking_uri: str) -> dict[str, Any]:
+        """The spec as `study train --cfg job` prints it: what the run will use, not the placeholders it was written
+        with. Model fields whose 0, empty or None stands for a default (n_kv_heads, head_dim, norm_eps, rope_theta,
+        init, qk_norm) and the seeds that default to `seed` show the value used; tracking.uri shows `tracking_uri`,
+        the store the run will log to (the caller resolves it); secrets are masked. run.json keeps the fields as
+        written: the run key hashes them so."""
+        from study.config.secrets import redact
+
+        out = json.loads(json.dumps(self.as_dict(), default=str))  # plain data, as run.json holds it (a role by name)
+        cfg, model = self.config, self.config.model
+        out["config"]["model"].update(n_kv_heads=model.kv_heads, head_dim=model.dim_head, norm_eps=model.eps,
+                                      rope_theta=model.theta, init=model.init_rule, qk_norm=model.has_qk_norm)
+        out["config"].update(init_seed=cfg.weights_seed, data_seed=cfg.order_seed)
+        out["config"]["tracking"]["uri"] = tracking_uri
+        return redact(out)
+
 
 def held_spec(spec: RunSpec) -> RunSpec | None:
     """The spec the run's directory already holds (None when it holds none), refusing one of another run: a run

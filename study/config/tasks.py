@@ -25,6 +25,11 @@ class _TaskYaml(yaml.SafeLoader):
 _TaskYaml.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
 
 
+def task_yaml(path: Path):
+    """A task YAML as data, the callables its `!function` tags name left as their text."""
+    return yaml.load(path.read_text(), Loader=_TaskYaml)
+
+
 def local_task_names(task_dir: Path) -> list[str]:
     """Names of the tasks whose YAML templates lie in task_dir."""
     templates = sorted(task_dir.glob("*.yaml"))
@@ -35,7 +40,7 @@ def local_task_names(task_dir: Path) -> list[str]:
 def _task_names(templates: tuple[tuple[Path, int], ...]) -> tuple[str, ...]:
     """The task names of these templates, parsed once per file version: a plan checks every run's tasks, and parsing
     the YAMLs for each run was most of a large plan's validation."""
-    return tuple(sorted(yaml.load(path.read_text(), Loader=_TaskYaml)["task"] for path, _ in templates))
+    return tuple(sorted(task_yaml(path)["task"] for path, _ in templates))
 
 
 def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None,

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from study.data.tokenizer import eos_id, load_tokenizer
 from study.errors import StudyError
 from study.config.tasks import LOCAL_TASK_DIR, check_tasks, local_task_names
+from study.eval.hub import check_hub_data
 from study.eval.model_args import check_model_embeds_tokenizer, model_max_length
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
@@ -204,6 +205,7 @@ def evaluate_model(
     """
     names = _task_list(tasks)
     hub = check_tasks(names, index=False)  # a typo of a local task is said before anything loads
+    check_hub_data(hub)  # offline, a hub task without cached data is refused before lm-eval indexes and retries
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")

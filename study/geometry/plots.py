@@ -78,6 +78,8 @@ def plot_widths(widths_by_schedule: dict[str, list], path: str | Path) -> Path:
         ax.plot(np.arange(len(widths)), widths, marker="o", ms=3, label=name)
     ax.set_xlabel("layer")
     ax.set_ylabel("FFN width")
+    # from 0: the autoscaled axis would stretch widths a unit apart (rounding) over the whole panel, like a taper
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, plt, path)

@@ -30,9 +30,14 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     from study.eval.locate import open_trained, run_eos_token
     from study.track.tracker import Tracker
 
+    from study.config.tasks import check_tasks
+    from study.eval.hub import check_hub_data
+
     cfg = spec.config
+    names = list(tasks or cfg.eval.tasks)
+    check_hub_data(check_tasks(names, index=False))  # before the checkpoint loads: offline, hub data may be missing
     run = open_trained(spec)
-    settings = settings_for(spec, list(tasks or cfg.eval.tasks), run.step, limit, num_fewshot)
+    settings = settings_for(spec, names, run.step, limit, num_fewshot)
     result = evaluate_model(run.model, run.tokenizer_path, list(settings.tasks), limit=settings.limit,
                             batch_size=cfg.eval.batch_size, num_fewshot=settings.num_fewshot,
                             eos_token=run_eos_token(spec, run.tokenizer_path))

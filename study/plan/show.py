@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import groupby
 
 from study.plan.planner import Plan
@@ -11,14 +12,15 @@ BARS = "▁▂▃▄▅▆▇█"
 
 
 def fmt_widths(widths: list[int] | None) -> str:
-    """Uniform widths as `3840x8`; others as first..last, their sum and a bar per layer from the narrowest to the
-    widest, so a crown, a taper and its mirror read apart at a glance."""
+    """Uniform widths as `3840x8`; others as first..last, their sum and a bar per layer, so a crown, a taper and its
+    mirror read apart at a glance. A bar's height is its width over the widest, from 0: widths a unit apart (669 and
+    668, what rounding to whole units leaves) draw the same bar instead of the full range of a taper."""
     if widths is None:
         return "pending"
     if len(set(widths)) == 1:
         return f"{widths[0]}x{len(widths)}"
-    low, span = min(widths), max(widths) - min(widths)
-    bars = "".join(BARS[round((w - low) / span * (len(BARS) - 1))] for w in widths)
+    top = max(widths)
+    bars = "".join(BARS[max(0, math.ceil(w / top * len(BARS)) - 1)] for w in widths)
     return f"{widths[0]}..{widths[-1]} (sum {sum(widths)}) {bars}"
 
 
@@ -36,11 +38,12 @@ def fmt_heads(heads: list[int]) -> str:
     return " ".join(f"{h}x{n}" if n > 1 else str(h) for h, n in runs)
 
 
-def estimates(plan: Plan) -> dict:
-    """run key -> its GPU-hour `Estimate` (measured by `study calibrate` where its shape was, else assumed)."""
+def estimates(plan: Plan, read_store: bool = True) -> dict:
+    """run key -> its GPU-hour `Estimate` (measured by `study calibrate` where its shape was, else assumed; always
+    assumed without `read_store`, where the store's server did not answer)."""
     from study.plan.throughput import estimate, measured
 
-    calibrations = measured(plan.runs[0].config.tracking.uri) if plan.runs else {}
+    calibrations = measured(plan.runs[0].config.tracking.uri) if plan.runs and read_store else {}
     return {run.key: estimate(run, calibrations) for run in plan.runs}
 
 

@@ -63,7 +63,9 @@ def check_answers(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     except Exception as exc:  # noqa: BLE001  (MLflow wraps whatever requests raised in its own text)
         refused = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
         reason = (f"no answer within {timeout_s:g} s" if re.search(r"(?i)timed? ?out", str(exc)) else
-                  refused[1].strip().lower() if refused else mask_text(short(exc)))
+                  refused[1].strip().lower() if refused else
+                  "it closed the connection without a reply" if "RemoteDisconnected" in str(exc) else
+                  mask_text(short(exc)))
         raise StudyError("tracking.uri", f"the MLflow server {mask_text(uri)} does not answer ({reason})",
                          "start the tracking server (`mlflow server`), or point tracking.uri (or MLFLOW_TRACKING_URI) "
                          "at a reachable store") from None
