@@ -35,23 +35,29 @@ def race_blocks(record: dict | None, metric: str) -> list[Block]:
         Paragraph(f"Arms were raced at the branch points {points} (fractions of the planned tokens): at each, the "
                   f"branch endpoints' paired deltas on {metric} against {record.get('baseline')} were decided at that "
                   "point's share of alpha (spent across the points, Holm over the arms still racing), and an arm "
-                  f"decided {rule} stopped training there. "
+                  f"decided {rule} stopped training there. The interval shown is the paired t interval at the "
+                  "point's alpha, unadjusted for Holm: it can exclude 0 for an arm Holm left undecided, and the "
+                  "verdict follows Holm. "
                   + (f"{len(stops)} arm(s) stopped, saving about {saved:,.1f} GPU-hours." if stops else
                      "No arm stopped: every arm trained to its last branch.")),
     ]
     if stops:
-        blocks.append(Table(["variant", "scale", "stopped at", "verdict", "pairs", "Δ", "interval", "alpha",
+        blocks.append(Table(["variant", "scale", "stopped at", "verdict", "pairs", "Δ", _UNADJUSTED, "alpha",
                              "GPU-h saved"],
                             [[s["variant"], s["scale"], f"{s['at']:g}", s["verdict"], str(s["n"]),
                               number(s["mean_delta"], "+.4g"), _interval(s),
                               f"{s['alpha']:.3g}", number(s.get("gpu_hours_saved"), ",.1f")] for s in stops]))
     if verdicts:
-        blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", "interval", "alpha",
+        blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", _UNADJUSTED, "alpha",
                              "stops"],
                             [[f"{v['at']:g}", v["variant"], v["scale"], v["verdict"], str(v["n"]),
                               number(v["mean_delta"], "+.4g"), _interval(v),
                               f"{v['alpha']:.3g}", "yes" if v["stops"] else ""] for v in verdicts]))
     return blocks
+
+
+_UNADJUSTED = "t interval (unadjusted)"
+"""The interval column: what the race records is the t interval at the point's alpha, before Holm over the arms."""
 
 
 def _interval(row: dict) -> str:

@@ -165,3 +165,15 @@ def test_train_cfg_job_prints_the_values_the_run_will_use(workdir, capsys, monke
     assert printed["config"]["tracking"]["uri"] == "http://bob:***@tracking.example:5000"
     assert not list(workdir.glob("runs/**/run.json"))  # printed, nothing written
     assert math.isfinite(printed["budget"])
+
+
+def test_the_race_sections_intervals_are_labelled_unadjusted_beside_holms_verdicts():
+    from analysis.race_report import race_blocks
+    from analysis.render import to_markdown
+
+    # undecided under Holm though its interval at the point's alpha excludes 0
+    row = {"variant": "b", "scale": "tiny", "at": 0.5, "verdict": "undecided", "n": 4, "mean_delta": 0.03,
+           "ci_low": 0.004, "ci_high": 0.056, "alpha": 0.025, "stops": False}
+    md = to_markdown(race_blocks({"at": [0.5, 1.0], "baseline": "a", "stops": [], "verdicts": [row]}, "val/loss"))
+    assert "| branch point | variant | scale | verdict | pairs | Δ | t interval (unadjusted) | alpha | stops |" in md
+    assert "unadjusted for Holm: it can exclude 0 for an arm Holm left undecided" in md
