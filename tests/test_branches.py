@@ -121,7 +121,7 @@ def test_a_malformed_racing_block_is_refused_naming_the_field(racing, field, wor
 def test_racing_reads_branch_points_so_it_needs_branches(workdir, monkeypatch, capsys):
     from study.plan.experiment import load_experiment
 
-    name = experiment(workdir, monkeypatch, racing={"stop_equivalent": True})
+    name = experiment(workdir, monkeypatch, racing={"stop_equivalent": True}, seeds=[0, 1])
     assert load_experiment(name).racing.stop_equivalent is True
     assert load_experiment(experiment(workdir, monkeypatch, racing=False)).racing is None
     name = experiment(workdir, monkeypatch, racing=True, branches=None)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from operator import attrgetter
 from typing import Any
 
+from study.config.cluster import ClusterConfig
 from study.config.data import validate_data
 from study.config.geometry import one_of
 from study.config.recipe import batch_layout
@@ -71,8 +72,28 @@ def _check_cluster(cfg: RunConfig) -> None:
                          f"the job even starts (time limit {c.time_min} min)",
                          "use a lead well under the time limit, e.g. 120 s for a 60-minute job")
     t = cfg.train
-    batch_layout(t.global_batch or t.micro_batch * t.grad_accum, t.micro_batch, c.ranks,
-                 "train.global_batch" if t.global_batch else "train.grad_accum")
+    global_batch = t.global_batch or t.micro_batch * t.grad_accum
+    if c.ranks > global_batch or (global_batch % c.ranks and not t.global_batch):
+        _refuse_layout(c, global_batch, "train.global_batch" if t.global_batch else
+                       f"train.micro_batch {t.micro_batch} x train.grad_accum {t.grad_accum}")
+    batch_layout(global_batch, t.micro_batch, c.ranks)
+
+
+def _refuse_layout(c: ClusterConfig, global_batch: int, source: str) -> None:
+    """The cluster layout is refused when it cannot split a step's sequences: more ranks than sequences, or a
+    derived batch the ranks do not divide. The layout is what was set for this launch (the batch is the run's, and
+    its key), so the refusal names the layout field that multiplies the ranks, and a value of it that fits."""
+    per_node = c.gpus_per_node or c.tasks_per_node
+    per_node_field = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
+    field, current, scale = ("cluster.nodes", c.nodes, per_node) if c.nodes > 1 else (per_node_field, per_node, 1)
+    fits = next((v for v in range(min(current - 1, global_batch // scale), 0, -1) if global_batch % (v * scale) == 0),
+                None)
+    unit = ("GPU" if c.gpus_per_node else "task") + ("s" if per_node > 1 else "")
+    layout = f"{c.nodes} nodes x {per_node} {unit} per node" if c.nodes > 1 else f"{per_node} {unit} on one node"
+    raise StudyError(field, f"{layout} make {c.ranks} ranks, and a step's {global_batch} sequences ({source}) "
+                     + ("cannot give each rank one" if c.ranks > global_batch else "do not split evenly over them"),
+                     f"use a layout whose ranks divide {global_batch}" + (f", e.g. {field}={fits}" if fits else "")
+                     + f", or set train.global_batch to a multiple of {c.ranks}")
 
 
 def _check_tracking(cfg: RunConfig) -> None:

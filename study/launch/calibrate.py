@@ -60,10 +60,13 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
     from study.launch.scheduler import check_slurm, outside_allocation
     from study.launch.executor import build_executor
+    from study.launch.local import check_local_layout
 
     specs = calibration_specs(experiment, overrides, steps)
     cluster = specs[0].config.cluster
-    if cluster.name != "local":
+    if cluster.name == "local":
+        check_local_layout(cluster)
+    else:
         check_slurm()
     done = measured(specs[0].config.tracking.uri)
     todo = [s for s in specs if again or cluster.name not in done.get(shape_key(s), {})]

@@ -8,13 +8,33 @@ import re
 import time
 from collections import Counter
 
+from study.config.cluster import ClusterConfig
 from study.config.spec import RunSpec
+from study.errors import StudyError
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
 from study.launch.warm import shared
 from study.plan.planner import Plan
+
+
+def check_local_layout(cluster: ClusterConfig) -> None:
+    """A local launch runs each job as one process and starts no process group, so a layout of several ranks (or
+    tasks, which submitit's local executor would start as copies of the job) would train on one rank while the plan
+    split its batch for more, the other tasks only waiting on the run's lease: refused before anything is written or
+    started, naming the field that multiplies the ranks."""
+    if cluster.ranks == 1 and cluster.tasks_per_node == 1:
+        return
+    field = ("cluster.nodes" if cluster.nodes > 1 else
+             "cluster.gpus_per_node" if cluster.gpus_per_node > 1 else "cluster.tasks_per_node")
+    value = getattr(cluster, field.split(".")[1])
+    ranks = cluster.ranks if cluster.ranks > 1 else value
+    raise StudyError(field, f"is {value}, and a local launch trains each run as one process on one rank"
+                     + (f" (the plan splits each step over {cluster.ranks})" if cluster.ranks > 1 else ""),
+                     f"set {field}=1 for a local launch; to train one run on {ranks} local ranks use "
+                     f"`study train --nproc {ranks} experiment=... variant=... scale=... seed=...`, or launch on "
+                     "SLURM (cluster=slurm)")
 
 
 class LaunchFailed(Exception):

@@ -30,7 +30,7 @@ from study.eval.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
 from study.launch.executor import build_executor, job_name, sbatch_preview
-from study.launch.local import LaunchFailed, follow, run_local
+from study.launch.local import LaunchFailed, check_local_layout, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.racing import write_roster
 from study.launch.run_state import restart_command
@@ -83,7 +83,9 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     named and never submitted again by it, so a relaunch after tuning always ends."""
     plan = plan_experiment(experiment, overrides, extra_seeds)
     cluster = plan.runs[0].config.cluster
-    if cluster.name != "local" and not dry_run:
+    if cluster.name == "local":
+        check_local_layout(cluster)
+    elif not dry_run:
         check_slurm()
     tracking_uri = plan.runs[0].config.tracking.uri
     last = latest_manifest(runs_root(plan), experiment, tracking_uri)

@@ -13,6 +13,7 @@ from study.config.validate import SEED_MAX
 from study.errors import StudyError
 from study.plan.branches import Branches, Racing, parse_branches, parse_racing
 from study.plan.fairness import check_compares, check_owned
+from study.plan.racing import MIN_PAIRS
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 
@@ -320,6 +321,10 @@ def load_experiment(name: str) -> Experiment:
     if seeds_raw is None:
         raise StudyError(f"{name}.yaml: seeds", "lists no seed", "e.g. seeds: [0, 1, 2]")
     if isinstance(seeds_raw, dict):
+        if stray := sorted(set(map(str, seeds_raw)) - set(scales)):
+            raise StudyError(f"{name}.yaml: seeds", f"names scale {stray[0]}, which is not one of the experiment's "
+                             f"scales ({', '.join(scales)})", f"key the seeds by {', '.join(scales)}, or add "
+                             f"{stray[0]} to scales")
         missing = [s for s in scales if s not in seeds_raw]
         if missing:
             raise StudyError(f"{name}.yaml: seeds", f"no seeds for scale {missing[0]}", "list seeds for every scale")
@@ -370,6 +375,11 @@ def load_experiment(name: str) -> Experiment:
     compares = check_compares(f["compares"], f"{name}.yaml: compares") if f["compares"] is not None else ()
     branches = (parse_branches(f["branches"], f"{name}.yaml: branches") if f["branches"] is not None else None)
     racing = parse_racing(f["racing"], f"{name}.yaml: racing", branches)
+    if racing is not None and (few := [s for s in scales if len(seeds[s]) < MIN_PAIRS]):
+        raise StudyError(f"{name}.yaml: racing", f"stops an arm decided at a branch point, and a paired test needs "
+                         f"{MIN_PAIRS} seeds: scale {few[0]} has {len(seeds[few[0]])} (seeds: {seeds[few[0]]}), so "
+                         "racing could never stop an arm there", f"list {MIN_PAIRS} or more seeds for every scale "
+                         "(e.g. seeds: [0, 1, 2]), or set racing: false")
     set_decay = (common.get("train") or {}).get("decay_fraction") if isinstance(common.get("train"), dict) else None
     if branches is not None and set_decay is not None and set_decay != branches.decay:
         raise StudyError(f"{name}.yaml: branches.decay", f"is {branches.decay:g} and common sets "

@@ -348,9 +348,26 @@ def _check_distinct(name: str, runs: list[RunSpec]) -> None:
     seen: dict[str, RunSpec] = {}
     for r in runs:
         if r.key in seen:
-            raise StudyError(f"{name}.yaml: variants", f"{seen[r.key].name} and {r.name} are the same run ({r.key}): "
-                             "their configs differ in labels only", "make the variants differ, or drop one")
+            raise _same_run(name, seen[r.key], r)
         seen[r.key] = r
+
+
+def _same_run(name: str, a: RunSpec, b: RunSpec) -> StudyError:
+    """Two planned runs that are one run, refused naming the setting that was meant to tell them apart: the tune
+    multiples (a tune run's LR is written to 6 significant digits), the tune scales, the scales, or the variants."""
+    same = f"{a.name} and {b.name} are the same run ({a.key})"
+    x, y = a.config, b.config
+    if a.role == b.role == Role.tune and x.variant == y.variant and x.scale == y.scale:
+        return StudyError(f"{name}.yaml: tune.lr", f"{same}: multiples {a.tuned.multiple:.10g} and "
+                          f"{b.tuned.multiple:.10g} give one peak LR, {x.train.lr:g}, at 6 significant digits",
+                          "list multiples that differ in their first 6 significant digits, e.g. lr: [0.5, 1, 2]")
+    if x.variant == y.variant and x.scale != y.scale:
+        field = "tune.scales" if a.role == b.role == Role.tune else "scales"
+        return StudyError(f"{name}.yaml: {field}", f"{same}: scales {x.scale} and {y.scale} compose the same model, "
+                          "data and recipe", f"list scales that differ in what they train, or drop {y.scale} from "
+                          f"{field}")
+    return StudyError(f"{name}.yaml: variants", f"{same}: their configs differ in labels only",
+                      "make the variants differ, or drop one")
 
 
 def plan_adhoc(items: list[str]) -> RunSpec:

@@ -30,6 +30,10 @@ VERDICT_CODES = ("better", "worse", "equivalent", "undecided")
 
 NOT_RACING = -1
 
+MIN_PAIRS = 2
+"""Fewest seed pairs a rung can be decided on: the paired t test's sd needs two (analysis.decide leaves fewer
+undecided), so a scale with one seed never stops an arm."""
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -125,8 +129,8 @@ def t_two_sided_p(t: np.ndarray, df: int) -> np.ndarray:
 
     A(t | df) = P(|T| <= t) is a finite sum in powers of cos(theta), theta = arctan(|t| / sqrt(df)).
     """
-    if df < 1:
-        raise ValueError(f"df={df}: a t test needs at least 2 pairs")
+    if df < MIN_PAIRS - 1:
+        raise ValueError(f"df={df}: a t test needs at least {MIN_PAIRS} pairs")
     theta = np.arctan(np.abs(np.asarray(t, float)) / math.sqrt(df))
     c2 = np.cos(theta) ** 2
     term, total = np.ones_like(theta), np.ones_like(theta)

@@ -147,10 +147,12 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     if not d.prior_sd:
         return line + ("; racing: the expected saving needs decision.prior_sd (the sd of paired deltas) to be "
                        "estimated")
-    from study.plan.racing import expected_saving
+    from study.plan.racing import MIN_PAIRS, expected_saving
 
     arms = len(exp.variants) - 1
     seeds = min(len(s) for s in exp.seeds.values())
+    if seeds < MIN_PAIRS:  # no rung is decided on fewer pairs (an experiment that races is refused so)
+        return line + (f"; racing would stop no arm: a scale has {seeds} seed, and a paired test needs {MIN_PAIRS}")
     common = dict(at=b.at, decay=b.decay, arms=arms, seeds=seeds, sd=d.prior_sd, alpha=d.alpha, margin=d.margin,
                   stop_equivalent=exp.racing is not None and exp.racing.stop_equivalent)
     worse = expected_saving(**common, effect=2 * (d.margin or d.prior_sd))
