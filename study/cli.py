@@ -30,10 +30,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     power, note = plan_power_rows(plan, unread)
     cost = estimates(plan, read_store=unread is None)
     if args.json:
-        out = plan.as_json()
+        from study.plan.memory import memories
+
+        out, memory = plan.as_json(), memories(plan)
         for run in out["runs"]:
             est = cost[run["run_key"]]
-            run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s)
+            run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s,
+                       memory=memory[run["run_key"]].as_json())
         print(json.dumps({**out, "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
         return 0
     print_plan(plan, power, note, cost)
@@ -87,6 +90,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from study.plan.complete import complete_spec
 
         spec = complete_spec(spec)
+    if "RANK" not in os.environ:  # once, before any rank is started or allocates
+        from study.plan.memory import check_here
+
+        check_here(spec, args.nproc)
     if args.nproc > 1 and "RANK" not in os.environ:
         from study.train.distributed import spawn_local
 

@@ -25,6 +25,12 @@ class ClusterConfig:
     """Nodes per run."""
     gpus_per_node: int = 0
     """GPUs per node; each GPU is one task (rank). 0 means CPU ranks."""
+    gpu: str = ""
+    """The GPU model (`h100`, `a100`, `h200`): what `gpu_mem_gb` is the memory of; empty on CPU clusters."""
+    gpu_mem_gb: float = 0.0
+    """Memory per GPU in GiB (80 for an H100 80GB, 40 or 80 for an A100, 141 for an H200): `study plan` shows each
+    run's estimated peak per rank against it and `study launch` refuses a run that exceeds it (study.plan.memory);
+    0 means unknown (nothing is refused, and `train.micro_batch: auto` cannot be used)."""
     tasks_per_node: int = 1
     """Ranks per node when gpus_per_node is 0 (CPU FSDP over gloo)."""
     cpus_per_task: int = 1

@@ -67,6 +67,24 @@ def with_family(node: dict) -> dict:
     return {**node, "model": {**node["model"], "ffn": {**ffn, "schedule": {"family": ffn["schedule"]}}}}
 
 
+AUTO = "auto"
+
+
+def micro_batch_auto(nodes: list[tuple[dict, str]]) -> list[tuple[dict, str]]:
+    """The layers with `train.micro_batch: auto` read as `train.micro_batch_auto: true`, the micro batch left at
+    the number the layers below it set: that number (and so the global batch and the run key) stays as it was, and
+    the planner picks the micro batch that fits (study.plan.memory). A number set above the `auto` replaces it."""
+    out = []
+    for node, where in nodes:
+        train = node.get("train") if isinstance(node.get("train"), dict) else {}
+        if "micro_batch" in train:
+            auto = train["micro_batch"] == AUTO
+            rest = {k: v for k, v in train.items() if k != "micro_batch"} if auto else train
+            node = {**node, "train": {**rest, "micro_batch_auto": auto or rest.get("micro_batch_auto", False)}}
+        out.append((node, where))
+    return out
+
+
 def sweeps_dir() -> Path:
     """The config tree: $STUDY_SWEEPS, else the `sweeps/` folder of this checkout."""
     return Path(os.environ.get("STUDY_SWEEPS") or Path(__file__).resolve().parents[2] / "sweeps")
@@ -258,7 +276,7 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
     for node, where in nodes:
         refuse_renamed(node, where)
-    nodes = [(with_family(node), where) for node, where in nodes]
+    nodes = micro_batch_auto([(with_family(node), where) for node, where in nodes])
     plain = functools.reduce(merge_plain, (node for node, _ in nodes), {})
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))

@@ -63,6 +63,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "data.num_proc": (OUT, "tokenising parallelism; the shards are the same"),
     "data.chunk_docs": (OUT, "progress-record cadence of tokenising; the shards are the same"),
     "train.micro_batch": (KEY, "the batch (and the accumulation order of a fixed global batch)"),
+    "train.micro_batch_auto": (OUT, "a memory setting: the planned micro batch is the largest that fits the device, "
+                               "the global batch and train.micro_batch as they were (as at another world size)"),
     "train.grad_accum": (KEY, "the batch"),
     "train.global_batch": (KEY, "the batch"),
     "train.max_steps": (KEY, "the training length"),

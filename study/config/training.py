@@ -12,7 +12,12 @@ from dataclasses import dataclass
 class TrainConfig:
     micro_batch: int = 8
     """Most sequences per rank per forward/backward (a memory setting: the planner splits the global batch into the
-    largest micro batch up to this that divides each rank's share)."""
+    largest micro batch up to this that divides each rank's share). `auto` keeps the number it had (the global batch
+    and the run key stay as they were) and sets `micro_batch_auto`."""
+    micro_batch_auto: bool = False
+    """Set by `train.micro_batch: auto`: the planner splits each rank's share of the global batch into the largest
+    micro batch whose estimated peak memory leaves 10 % of the device free (study.plan.memory), whatever
+    `micro_batch` says; `study plan` names the choice."""
     grad_accum: int = 1
     """With global_batch 0: the global batch is micro_batch * grad_accum sequences, split over however many ranks run."""
     global_batch: int = 0

@@ -33,7 +33,7 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "trai
             "train.collective_timeout_s")
 NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
                 "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
-                "cluster.signal_delay_s", "cluster.mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
+                "cluster.signal_delay_s", "cluster.mem_gb", "cluster.gpu_mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 SEED_MAX = 2**64 - 1
 """The largest seed a run may have: torch's generators take 64-bit seeds (the run's seed, an experiment's `seeds:`,
 a tuning's `tune.seeds`)."""

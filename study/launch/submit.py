@@ -109,6 +109,10 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     for t in plan.tunings.values():
         if t.note and t.choices is None:
             echo(f"tuning of {t.variant}: {t.note}")
+    from study.plan.memory import check_launch
+
+    # the training jobs (not data preparation, not profiles); a dry run says what the launch would
+    check_launch([r for s in stages if s.name not in ("prepare", "profile") for r in s.runs])
     if dry_run:
         _act_on_stale(queue, echo, dry_run=True)
         _print_dry_run(plan, stages, cluster, echo)

@@ -178,7 +178,7 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
               depends_on: list[str] | None = None, profile: str = "", pending: str | None = None) -> RunSpec:
     rdir = RunDir.of(cfg.paths.runs, cfg.experiment, key)
     ref_total = reference_budget(reference.model, "total")
-    recipe = resolve_recipe(cfg, cfg.budget.target)
+    recipe = resolve_recipe(cfg, cfg.budget.target, matched.model if matched else cfg.model)
     if matched is None:
         return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
                        profile=profile, pending=pending, reference_total=ref_total, recipe=recipe)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from study.config.model import ModelConfig
 from study.config.recipe import Recipe, batch_layout
 from study.config.run import RunConfig
 
@@ -18,8 +19,9 @@ def scaled_lr(n_params: int) -> float:
     return 0.0047 * (n_params / 108e6) ** (-1 / 3)
 
 
-def resolve_recipe(cfg: RunConfig, budget: int) -> Recipe:
-    """The run's recipe at the budget `budget` (the scale's reference count, shared by every arm)."""
+def resolve_recipe(cfg: RunConfig, budget: int, model: ModelConfig | None = None) -> Recipe:
+    """The run's recipe at the budget `budget` (the scale's reference count, shared by every arm); with
+    `train.micro_batch: auto`, split into the micro batch that fits the device with `model` (the matched one)."""
     t = cfg.train
     global_batch = t.global_batch or t.micro_batch * t.grad_accum
     world = cfg.cluster.ranks
@@ -33,4 +35,11 @@ def resolve_recipe(cfg: RunConfig, budget: int) -> Recipe:
     recipe = Recipe(global_batch=global_batch, micro_batch=micro, grad_accum=accum, world_size=world, max_steps=steps,
                     tokens=steps * tokens_per_step, lr=lr, warmup_steps=t.warmup_steps or max(1, int(0.02 * steps)),
                     final_lr=t.final_lr or t.min_lr_ratio * lr, lr_rule=rule)
-    return replace(recipe, val_windows=recipe.validation_windows(t.val_batches))  # fixed now, at the planned layout
+    recipe = replace(recipe, val_windows=recipe.validation_windows(t.val_batches))  # fixed now, at the planned layout
+    if t.micro_batch_auto and model is not None:
+        from study.plan.memory import estimable, fit_micro_batch
+
+        # after the validation windows: they stay those of train.micro_batch, as the key does
+        micro, accum = fit_micro_batch(cfg, estimable(model, budget, cfg.budget.mode), global_batch)
+        recipe = replace(recipe, micro_batch=micro, grad_accum=accum)
+    return recipe

@@ -61,7 +61,10 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
 
     from study.plan.throughput import devices
 
+    from study.plan.memory import auto_choices, memories
+
     width = text_width()
+    memory = memories(plan)
 
     def say(text: str) -> None:
         print(wrapped(text, width), flush=True)
@@ -72,7 +75,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
     cols = ("run key", "variant", "scale", "seed", "role", "shape", "d/L", "FFN widths",
             *(("heads/layer",) if per_layer else ()), "params (counted)", "budget", "mismatch", "total mism.",
             "attn/FFN (M)", "steps", "tokens", "LR peak/final", "warm-up", "GFLOP/tok", "tok/s", "GPU-h",
-            "nodes x dev", "days")
+            "nodes x dev", "GiB/rank", "days")
     rows = []
     total_hours = 0.0
     for run in plan.runs:
@@ -98,7 +101,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
-            per_job(run), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
+            per_job(run), memory[run.key].text(), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         ])
     # the description is the experiment file's free text: masked like any config string, and shown as it is
     title = f"{exp.name}: {for_terminal(mask_text(exp.description))} (baseline {exp.baseline})"
@@ -111,6 +114,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
                   f"throughput ({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} "
                   f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
                   f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
+    for line in auto_choices(plan.runs, memory):
+        say(line)
     if plan.experiment.branches is not None:
         say(_branch_cost(plan, cost))
     for run in plan.runs:

@@ -1,0 +1,511 @@
+"""Memory per rank of one training step, estimated from the config alone (no torch), and the checks built on it.
+
+What is modelled is the step study.train runs (study.train.step, study.train.parallelize, study.models), tensor by
+tensor, in eager mode:
+
+- parameters: fp32, sharded by FSDP2 over the run's shard group (every rank for `full`, the node's ranks for
+  `hybrid`; each tensor padded to a multiple of the group on its first dimension), whole on one rank. Under FSDP2 a
+  block's compute copy (bf16 under mixed precision, else fp32) exists only around its forward and backward: the
+  running block's, the next one's all-gather (backward prefetch) and its gradient's reduce-scatter input; the root's
+  (embedding, final norm, LM head) stays gathered from the forward to the end of the backward. One process on CUDA
+  autocasts: a bf16 copy of every matrix is cached in the forward and kept for the backward.
+- gradients: fp32, as sharded as the parameters; with several micro-batches per step FSDP2 keeps every gradient
+  whole (and in fp32) until the last micro-batch reduces them.
+- optimizer: AdamW's two fp32 states per sharded parameter, and its step counter per tensor.
+- activations: what autograd keeps of one micro-batch, tensor by tensor: RMSNorm's input (in fp32), reciprocal rms
+  and normalised input, every linear's input, the rotated queries and keys, values, SDPA's output and log-sum-exp,
+  the SwiGLU hidden tensors of each FFN or of each of an hourglass FFN's K sub-MLPs, and the fp32 log-softmax of the
+  logits; with activation checkpointing each block keeps only its input, and one block's set is recomputed at a
+  time.
+- the peak: the largest of the step's phases: the backward's start (every activation, plus the two fp32 logit-sized
+  gradients of the loss), each block's backward (gradients of the blocks above, activations below, the block's own
+  transient tensors) and the end of the backward (every gradient, the root's reduce-scatter).
+
+tests/test_memory.py measures one real step (torch's MemTracker, FSDPMemTracker on a fake process group) for every
+distinct block and FFN at tiny sizes and holds the estimate within 10 % of the tracked peak. What is not modelled: the
+CUDA caching allocator's rounding and fragmentation, the CUDA context and NCCL buffers (the headroom of
+`train.micro_batch: auto` is for those), and what torch.compile saves less than eager mode (so on CUDA, where runs
+compile by default, the estimate errs high).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from study.config.model import ModelConfig
+from study.config.run import RunConfig
+from study.config.spec import RunSpec
+from study.errors import StudyError
+
+GIB = 2**30
+HEADROOM = 0.10
+"""Share of the device's memory `train.micro_batch: auto` leaves free: the allocator's rounding and fragmentation,
+the CUDA context and the communication buffers that the estimate does not count."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one job executes a run's step, as far as memory goes."""
+
+    world: int
+    """Ranks of the job."""
+    nodes: int
+    """Hosts the ranks run on."""
+    micro_batch: int
+    """Sequences per rank per forward pass."""
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+    cuda: bool
+    """On GPUs (else CPU ranks)."""
+    bf16: bool
+    """Mixed precision: bf16 compute copies of fp32 parameters (FSDP2's policy, or CUDA autocast on one rank)."""
+    sharding: str
+    """`full` or `hybrid` (auto resolved as study.train.parallelize.sharding resolves it)."""
+    checkpointing: bool
+    """Each block's activations are recomputed in the backward."""
+
+    @property
+    def shard(self) -> int:
+        """Ranks each parameter is split over: none on one rank, a node's ranks under hybrid, else every rank."""
+        if self.world == 1:
+            return 1
+        return self.world // self.nodes if self.sharding == "hybrid" else self.world
+
+
+def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int | None = None,
+                   cuda: bool | None = None) -> Layout:
+    """The layout a run trains at: its cluster's (or `world` ranks on one node, as `study train --nproc` runs), on
+    GPUs when its cluster has them or its device says cuda (or `cuda`, as the job will find it)."""
+    c, t = cfg.cluster, cfg.train
+    nodes = c.nodes if world is None else 1
+    world = c.ranks if world is None else world
+    if cuda is None:
+        cuda = t.device == "cuda" or (t.device == "auto" and c.gpus_per_node > 0)
+    # as study.train.parallelize decides: bf16 when asked or auto on CUDA; it computes so on CUDA or under FSDP
+    bf16 = (t.precision == "bf16" or (t.precision == "auto" and cuda)) and (world > 1 or cuda)
+    sharding = ("hybrid" if nodes > 1 else "full") if t.sharding == "auto" else t.sharding
+    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, sharding, t.activation_checkpointing)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One run's estimated memory per rank, in bytes (`as_json` gives GiB)."""
+
+    params: int
+    """Parameters and buffers: the fp32 shards, and the compute copies gathered at the peak."""
+    grads: int
+    """Gradients held at the peak (sharded; whole between the micro-batches of an accumulated step)."""
+    optimizer: int
+    """AdamW's states."""
+    activations: int
+    """What one micro-batch's forward keeps for the backward."""
+    peak: int
+    """The largest total of the step (not the sum of the parts: they peak at different moments)."""
+    device: int | None
+    """The device's memory (a CPU rank: its share of the host's); None when the cluster does not say."""
+    layout: Layout
+    """The layout estimated."""
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the device; None when the device's memory is not known."""
+        return None if self.device is None else self.peak <= self.device
+
+    def as_json(self) -> dict:
+        """`study plan --json`'s `memory` object: GiB per rank."""
+        gib = {k: round(getattr(self, k) / GIB, 3) for k in ("params", "grads", "optimizer", "activations", "peak")}
+        return {**gib, "device": None if self.device is None else round(self.device / GIB, 3), "fits": self.fits,
+                "micro_batch": self.layout.micro_batch}
+
+    def text(self) -> str:
+        """The plan's cell, GiB per rank against the device's: `61.2/80`, marked when it does not fit."""
+        device = "?" if self.device is None else f"{self.device / GIB:.3g}"
+        return f"{self.peak / GIB:.3g}/{device}" + (" (too big)" if self.fits is False else "")
+
+
+# --- the model's tensors ---------------------------------------------------------------------------------------
+
+
+def _root_tensors(m: ModelConfig) -> list[tuple[int, int]]:
+    """(first dimension, elements) of the root module's own parameters: embedding, final norm, untied LM head."""
+    out = [(m.vocab_size, m.vocab_size * m.d_model), (m.d_model, m.d_model)]
+    return out if m.tie_embeddings else out + [(m.vocab_size, m.vocab_size * m.d_model)]
+
+
+def _block_tensors(m: ModelConfig, layer: int) -> list[tuple[int, int]]:
+    """(first dimension, elements) of block `layer`'s parameters, as study.models builds them."""
+    d, hd = m.d_model, m.dim_head
+    q, kv = m.q_heads(layer) * hd, m.kv_heads_of(layer) * hd
+    out = [(q, q * d), (kv, kv * d), (kv, kv * d), (d, d * q), (d, d)]  # attention and its sublayer's norm
+    if m.has_qk_norm:
+        out += [(q, q), (kv, kv)]
+    hourglass = m.ffn.kind == "hourglass"
+    for w in (m.sub_widths(layer) if hourglass else [m.ffn.widths[layer]]):
+        out += [(w, w * d), (w, w * d), (d, d * w)]
+        if hourglass and m.ffn.sub_norm:
+            out.append((d, d))
+    if not m.hourglass_on_stream:
+        out.append((d, d))  # the FFN sublayer's norm
+    return out
+
+
+def _sharded(tensors: list[tuple[int, int]], shard: int) -> int:
+    """Elements one rank holds of `tensors` split over `shard` ranks on their first dimension (padded to it)."""
+    return sum(math.ceil(rows / shard) * (n // rows) for rows, n in tensors)
+
+
+def _padded(tensors: list[tuple[int, int]], shard: int) -> int:
+    """Elements of `tensors` gathered whole (with the padding of their shards)."""
+    return _sharded(tensors, shard) * shard
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Every parameter the model builds (tests hold it to study.plan.budget.count_params)."""
+    return sum(n for _, n in _root_tensors(m)) + sum(n for l in range(m.n_layers) for _, n in _block_tensors(m, l))
+
+
+# --- what autograd keeps ---------------------------------------------------------------------------------------
+
+
+def _norm(tokens: int, width: int, c: int, output_saved: bool, fused: bool) -> int:
+    """Bytes an RMSNorm keeps: on CUDA (torch's fused kernel) its input and the reciprocal rms; elsewhere (torch's
+    composite rms_norm) its input upcast to fp32 (the input itself in fp32), the reciprocal rms and the fp32
+    normalised input the gain multiplies. And its output, when a linear consumes it."""
+    kept = c * width + 4 if fused else 4 * width + 4 + 4 * width
+    return tokens * (kept + (c * width if output_saved else 0))
+
+
+def block_activations(m: ModelConfig, layer: int, batch: int, seq: int, c: int, cuda: bool = False) -> int:
+    """Bytes block `layer` keeps for the backward from a micro-batch of `batch` x `seq` tokens computing in `c`
+    bytes, on CUDA or not (the input stream counted by whoever keeps it)."""
+    tokens, d, hd = batch * seq, m.d_model, m.dim_head
+
+    def norm(width: int, output_saved: bool) -> int:
+        return _norm(tokens, width, c, output_saved, cuda)
+
+    heads = m.q_heads(layer)
+    q, kv = heads * hd, m.kv_heads_of(layer) * hd
+    post = m.block == "olmo2"
+    out = c * tokens * d if post else norm(d, True)  # the projections' input
+    if m.has_qk_norm:
+        out += norm(q, False) + norm(kv, False)
+    out += c * tokens * (2 * q + 2 * kv) + 4 * batch * heads * seq  # rotated q, k; v; SDPA's output and log-sum-exp
+    if c != 4:
+        out += 4 * seq * hd * c  # the fp32 RoPE tables cast to the compute dtype, for q and k
+    if post:
+        out += norm(d, False)  # on the attention's output
+    hourglass = m.ffn.kind == "hourglass"
+    widths = m.sub_widths(layer) if hourglass else [m.ffn.widths[layer]]
+    sub_norm = hourglass and m.ffn.sub_norm
+    if post:
+        out += 0 if sub_norm else c * tokens * d  # the stream, kept by the first linears
+    elif not m.hourglass_on_stream:
+        out += norm(d, not sub_norm)  # the block's pre-norm (its output feeds the sub-norm, if any)
+    for i, w in enumerate(widths):
+        if sub_norm:
+            out += norm(d, True)
+        elif i > 0:
+            out += c * tokens * d  # h_i, kept by the sub-MLP's first linears
+        out += 4 * c * tokens * w  # W_1 x, W_2 x, SiLU(W_1 x), their product
+    if post:
+        out += norm(d, False)  # on the FFN's output
+    return out
+
+
+def head_activations(m: ModelConfig, batch: int, seq: int, c: int, z_loss: bool, cuda: bool = False) -> int:
+    """Bytes the embedding, final norm and loss keep: token ids, the final norm, the fp32 log-softmax of the logits
+    (and with a z-loss the fp32 logits and their log-sum-exp)."""
+    tokens = batch * seq
+    out = 8 * tokens + _norm(tokens, m.d_model, c, True, cuda) + 4 * tokens * m.vocab_size
+    return out + (4 * tokens * m.vocab_size + 8 * tokens if z_loss else 0)
+
+
+# --- the step ----------------------------------------------------------------------------------------------------
+
+
+def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False, device: int | None = None
+             ) -> Memory:
+    """The memory per rank of one training step of model `m` (every width set) at `layout`, in its steady state
+    (the optimizer's states exist)."""
+    s, c, fsdp = layout.shard, 2 if layout.bf16 else 4, layout.world > 1
+    tokens, d, v = layout.micro_batch * seq_len, m.d_model, m.vocab_size
+    root = _root_tensors(m)
+    blocks = [_block_tensors(m, l) for l in range(m.n_layers)]
+    root_shard, block_shards = _sharded(root, s), [_sharded(blk, s) for blk in blocks]
+    root_whole, block_whole = _padded(root, s), [_padded(blk, s) for blk in blocks]
+    params = 4 * (root_shard + sum(block_shards)) + 2 * 4 * m.max_seq_len * m.dim_head  # and the RoPE tables
+    optimizer = 2 * 4 * (root_shard + sum(block_shards)) + 4 * (len(root) + sum(map(len, blocks)))
+    if fsdp:  # the root's compute copy stays gathered from its forward to the end of the backward
+        gathered = c * root_whole
+    elif layout.bf16:  # autocast's cached bf16 copy of every matrix a linear reads (the LM head's, tied or not)
+        gathered = 2 * (sum(n for blk in blocks for rows, n in blk if n != rows) + v * d)
+    else:
+        gathered = 0
+    # an accumulated step holds every gradient between its micro-batches: FSDP2 keeps them whole (fp32) until the
+    # last micro-batch reduces them
+    if layout.grad_accum > 1:
+        held = 4 * (root_whole + sum(block_whole)) if fsdp else 4 * (root_shard + sum(block_shards))
+    else:
+        held = 0
+
+    stream = c * tokens * d
+    own = [block_activations(m, l, layout.micro_batch, seq_len, c, layout.cuda) for l in range(m.n_layers)]
+    kept = [stream if layout.checkpointing else a for a in own]
+    activations = head_activations(m, layout.micro_batch, seq_len, c, z_loss, layout.cuda) + sum(kept)
+
+    # the backward's start: every activation and the loss's fp32 logit-sized gradients (three with a z-loss)
+    phases = [held + activations + (3 if z_loss else 2) * 4 * tokens * v]
+    # each block's backward, from the top: the gradients above it (or every held one), the activations below it, its
+    # own activations (recomputed under checkpointing), the stream's gradient, the largest hidden gradients; under
+    # FSDP2 its gathered copy, the next block's prefetched one and its gradients' reduce-scatter input
+    grads = (c if fsdp else 4) * (v * d + d)  # the LM head's and final norm's (FSDP2: whole, until the root reduces)
+    below = 8 * tokens + sum(kept)
+    for l in reversed(range(m.n_layers)):
+        below -= kept[l]
+        widest = max(m.sub_widths(l) if m.ffn.kind == "hourglass" else [m.ffn.widths[l]])
+        transient = own[l] + 2 * stream + 2 * c * tokens * max(widest, d)
+        if fsdp:
+            transient += (2 * c + 4) * block_whole[l]
+        phases.append((held or grads) + below + transient)
+        grads += 4 * (block_shards[l] if fsdp else sum(n for _, n in blocks[l]))
+    # the backward's end: every gradient and the embedding's (accumulated into a held or tied one: a second copy);
+    # under FSDP2 the root's whole gradients and their reduce-scatter input
+    if fsdp:
+        end = 4 * sum(block_shards) + (c + 4) * root_whole + 4 * root_shard
+    else:
+        end = 4 * (root_shard + sum(block_shards)) + (4 * v * d if held or m.tie_embeddings else 0)
+    phases.append(max(held, end) + 8 * tokens + stream)
+    peak = params + optimizer + gathered + max(phases)
+    if fsdp:
+        gathered += c * max(block_whole)  # one block's copy at a time
+    return Memory(params=params + gathered, grads=held or 4 * (root_shard + sum(block_shards)), optimizer=optimizer,
+                  activations=activations, peak=peak, device=device, layout=layout)
+
+
+# --- a run's device and layout -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def host_memory() -> int:
+    """This machine's memory in bytes: physical, or its cgroup's limit where that is lower (a container's)."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            total = min(total, int(Path(path).read_text()))
+        except (OSError, ValueError):  # no such cgroup, or no limit ("max")
+            continue
+    return total
+
+
+def device_memory(cfg: RunConfig, layout: Layout) -> int | None:
+    """Bytes one rank may use: its GPU's (`cluster.gpu_mem_gb`; None when the cluster does not say), or a CPU
+    rank's share of its host's (`cluster.mem_gb` per node, else this machine's memory)."""
+    c = cfg.cluster
+    if layout.cuda:
+        return round(c.gpu_mem_gb * GIB) if c.gpu_mem_gb else None
+    host = c.mem_gb * GIB if c.mem_gb else host_memory()
+    return host // max(1, layout.world // layout.nodes)
+
+
+def estimable(m: ModelConfig, budget: int, mode: str) -> ModelConfig:
+    """`m`, or for a geometry-scheduled model whose widths wait for its profile, the FFN total that its budget
+    leaves spread evenly over the layers: activations follow the total width, which the allocation keeps."""
+    if m.ffn.widths is not None:
+        return m
+    from study.plan.budget import count_params
+
+    rest = count_params(replace(m, ffn=replace(m.ffn, widths=[0] * m.n_layers)), mode).counted
+    total = max(m.n_layers * m.ffn.k, round((budget - rest) / (3 * m.d_model)))
+    widths = [total // m.n_layers + (l < total % m.n_layers) for l in range(m.n_layers)]
+    return replace(m, ffn=replace(m.ffn, widths=widths))
+
+
+def _model(spec: RunSpec) -> ModelConfig:
+    """The model a spec's memory is estimated for (`estimable`)."""
+    return estimable(spec.model, spec.budget, spec.config.budget.mode)
+
+
+def run_memory(spec: RunSpec, layout: Layout | None = None, device: int | None = None) -> Memory:
+    """The spec's memory per rank at `layout` (default: the planned one) on a device of `device` bytes (default: its
+    cluster's)."""
+    cfg, r = spec.config, spec.planned
+    layout = layout or planned_layout(cfg, r.micro_batch, r.grad_accum)
+    device = device if device is not None else device_memory(cfg, layout)
+    return estimate(_model(spec), cfg.data.seq_len, layout, bool(cfg.train.z_loss), device)
+
+
+def memories(plan) -> dict[str, Memory]:
+    """run key -> its memory per rank at its planned layout (`study plan`, `study plan --json`)."""
+    return {run.key: run_memory(run) for run in plan.runs}
+
+
+# --- train.micro_batch: auto ---------------------------------------------------------------------------------------
+
+
+def largest_fit(spec_model: ModelConfig, cfg: RunConfig, layout: Layout, limit: float) -> Layout | None:
+    """`layout` at the largest micro batch dividing its rank's share of the step (micro batch x accumulation) whose
+    estimated peak is at most `limit` bytes; None when not even one sequence at a time is."""
+    share = layout.micro_batch * layout.grad_accum
+    for micro in (m for m in range(share, 0, -1) if share % m == 0):
+        at = replace(layout, micro_batch=micro, grad_accum=share // micro)
+        if estimate(spec_model, cfg.data.seq_len, at, bool(cfg.train.z_loss)).peak <= limit:
+            return at
+    return None
+
+
+def fit_micro_batch(cfg: RunConfig, model: ModelConfig, global_batch: int) -> tuple[int, int]:
+    """(micro batch, accumulation steps) of `train.micro_batch: auto`: the largest micro batch dividing each rank's
+    share of the global batch whose estimated peak leaves `HEADROOM` of the device free (1 when none does: the
+    launch then refuses the run, naming what would fit)."""
+    share = global_batch // cfg.cluster.ranks
+    layout = planned_layout(cfg, share, 1)
+    device = device_memory(cfg, layout)
+    if device is None:
+        raise StudyError("cluster.gpu_mem_gb", f"train.micro_batch=auto needs the memory of cluster {cfg.cluster.name}"
+                         "'s GPUs, which its preset does not give", "set cluster.gpu_mem_gb (80 for an H100 80GB, "
+                         "40 or 80 for an A100, 141 for an H200), or give train.micro_batch a number")
+    fitted = largest_fit(model, cfg, layout, (1 - HEADROOM) * device)
+    return (fitted.micro_batch, fitted.grad_accum) if fitted else (1, share)
+
+
+def auto_choices(runs: list[RunSpec], memory: dict[str, Memory]) -> list[str]:
+    """`study plan`'s lines naming what `train.micro_batch: auto` chose, one per variant and scale."""
+    out, seen = [], set()
+    for run in runs:
+        r, mem = run.planned, memory[run.key]
+        what = (run.config.variant, run.config.scale)
+        if run.config.train.micro_batch_auto and what not in seen:
+            seen.add(what)
+            out.append(f"train.micro_batch=auto: {run.config.variant} at {run.config.scale} trains micro-batches of "
+                       f"{r.micro_batch} x {r.grad_accum} per rank (global batch {r.global_batch}), estimated peak "
+                       f"{_gib(mem.peak)} of {_gib(mem.device)}, {HEADROOM:.0%} kept free")
+    return out
+
+
+# --- the refusal --------------------------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def _more_nodes(spec: RunSpec, layout: Layout, factor: int) -> Layout | None:
+    """`layout` on `factor` times the nodes, its global batch split over the ranks as the planner splits it."""
+    from study.config.recipe import batch_layout
+
+    world, nodes, r = layout.world * factor, layout.nodes * factor, spec.planned
+    if r.global_batch % world:
+        return None
+    micro, accum = batch_layout(r.global_batch, spec.config.train.micro_batch, world)
+    sharding = spec.config.train.sharding
+    return replace(layout, world=world, nodes=nodes, micro_batch=micro, grad_accum=accum,
+                   sharding=("hybrid" if nodes > 1 else "full") if sharding == "auto" else sharding)
+
+
+def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:
+    """The settings that would make every run of `unfit` fit its device, each with the largest peak it leaves:
+    `train.micro_batch=auto` (the same global batch and keys), activation checkpointing, more nodes (`nodes`: where
+    a job can have more), and the first two together when neither fits alone."""
+    def fits_all(change) -> list[Memory] | None:
+        out = []
+        for spec, mem in unfit:
+            layout = change(spec, mem)
+            if layout is None:
+                return None
+            out.append(run_memory(spec, layout, mem.device))
+        return out if all(m.fits for m in out) else None
+
+    def auto(spec: RunSpec, mem: Memory, layout: Layout | None = None) -> Layout | None:
+        return largest_fit(_model(spec), spec.config, layout or mem.layout, (1 - HEADROOM) * mem.device)
+
+    def checkpointed(spec: RunSpec, mem: Memory) -> Layout:
+        return replace(mem.layout, checkpointing=True)
+
+    def peak(mems: list[Memory]) -> str:
+        return f"at most {_gib(max(m.peak for m in mems))}"
+
+    out = []
+    if (mems := fits_all(auto)) is not None:
+        micro = ", ".join(map(str, sorted({m.layout.micro_batch for m in mems})))
+        out.append(f"train.micro_batch=auto (micro-batch {micro}, the global batch and so the run keys unchanged: "
+                   f"{peak(mems)})")
+    ready = unfit[0][1].layout.checkpointing
+    if not ready and (mems := fits_all(checkpointed)) is not None:
+        out.append(f"train.activation_checkpointing=true ({peak(mems)})")
+    for factor in (2, 4, 8, 16) if nodes else ():
+        if (mems := fits_all(lambda s, m: _more_nodes(s, m.layout, factor))) is not None:
+            out.append(f"cluster.nodes={unfit[0][1].layout.nodes * factor} ({peak(mems)})")
+            break
+    if not out and not ready and (mems := fits_all(lambda s, m: auto(s, m, checkpointed(s, m)))) is not None:
+        out.append(f"train.micro_batch=auto train.activation_checkpointing=true ({peak(mems)})")
+    return out
+
+
+def check_fits(runs: list[tuple[RunSpec, Memory]], where: str, nodes: bool, outcome: str) -> None:
+    """StudyError naming every run whose estimated peak exceeds its device's memory, the estimate, the memory and
+    the settings that would fit (`where` says whose memory it is, `outcome` what was therefore not done; `nodes`:
+    a job can have more nodes)."""
+    unfit = [(spec, mem) for spec, mem in runs if mem.fits is False]
+    if not unfit:
+        return
+    worst = max(unfit, key=lambda sm: sm[1].peak)[1]
+    lay = worst.layout
+    names = "; ".join(f"{s.name} ({s.key}) {_gib(m.peak)}" for s, m in unfit[:5]) + (
+        f"; and {len(unfit) - 5} more" if len(unfit) > 5 else "")
+    parts = (f"params {_gib(worst.params)}, grads {_gib(worst.grads)}, optimizer {_gib(worst.optimizer)}, "
+             f"activations {_gib(worst.activations)}, and the backward's own gradients at its peak")
+    per = lay.world // lay.nodes
+    layout = (f"{lay.nodes} node{'s' * (lay.nodes > 1)} x {per} rank{'s' * (per > 1)}, "
+              f"{'bf16' if lay.bf16 else 'fp32'}, micro-batch {lay.micro_batch} x {lay.grad_accum}")
+    fixes = _fixes(unfit, nodes)
+    raise StudyError(
+        f"run {unfit[0][0].name}" if len(unfit) == 1 else f"{len(unfit)} runs",
+        f"the estimated peak memory per rank of a training step exceeds the device's {_gib(worst.device)} ({where}): "
+        f"{names} (the largest: {parts}; at {layout}; study.plan.memory); {outcome}",
+        ("set " + ", or ".join(fixes)) if fixes else
+        f"neither a smaller micro-batch{', more nodes' if nodes else ''} nor activation checkpointing makes it fit: "
+        "train a smaller shape, or on devices with more memory (cluster.gpu_mem_gb says how much a cluster's GPUs "
+        "have)")
+
+
+def device_source(cfg: RunConfig, layout: Layout) -> str:
+    """Where a rank's memory figure comes from, in words."""
+    c = cfg.cluster
+    if layout.cuda:
+        return f"cluster {c.name}: cluster.gpu_mem_gb={c.gpu_mem_gb:g}" + (f" ({c.gpu})" if c.gpu else "")
+    per = layout.world // layout.nodes
+    host = f"cluster.mem_gb={c.mem_gb}" if c.mem_gb else "this machine's memory"
+    return host + (f" shared by {per} ranks" if per > 1 else "")
+
+
+def check_launch(runs: list[RunSpec]) -> None:
+    """`study launch`'s refusal: every run to submit must fit its device at its planned layout."""
+    if runs:
+        cfg = runs[0].config
+        memories = [(r, run_memory(r)) for r in runs]
+        check_fits(memories, device_source(cfg, memories[0][1].layout), nodes=cfg.cluster.name != "local",
+                   outcome="nothing was submitted")
+
+
+def check_here(spec: RunSpec, world: int) -> None:
+    """`study train`'s refusal before it allocates anything: the run at `world` ranks on this machine, its device
+    the one the job will take (a CUDA device's own memory, else this machine's share per rank)."""
+    import torch
+
+    from study.train.distributed import Dist
+    from study.train.loop import layout as split
+
+    device = spec.config.train.device
+    cuda = torch.cuda.is_available() and device != "cpu"
+    micro, accum = split(spec, Dist(0, world, 0, "cuda" if cuda else "cpu"))
+    layout = planned_layout(spec.config, micro, accum, world=world, cuda=cuda)
+    if cuda:
+        memory, where = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    else:
+        memory, where = host_memory() // world, "this machine's memory" + (f" shared by {world} ranks" * (world > 1))
+    check_fits([(spec, run_memory(spec, layout, memory))], where, nodes=False, outcome="nothing was allocated")
