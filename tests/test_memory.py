@@ -142,7 +142,7 @@ def test_plan_json_gives_every_run_its_memory_per_rank_against_its_device(capsys
     cpu = plan_json(capsys, "demo")["runs"]
     gpu = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h100")["runs"]
     h200 = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h200")["runs"]
-    keys = {"params", "grads", "optimizer", "activations", "peak", "device", "fits", "micro_batch"}
+    keys = {"params", "grads", "optimizer", "activations", "peak", "device", "fits"}
     assert all(set(r["memory"]) == keys for r in cpu + gpu + h200)
     # a CPU rank has this machine's memory (psutil; a container's cgroup limit where lower)
     assert host_memory() <= psutil.virtual_memory().total

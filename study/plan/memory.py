@@ -117,8 +117,7 @@ class Memory:
     def as_json(self) -> dict:
         """`study plan --json`'s `memory` object: GiB per rank."""
         gib = {k: round(getattr(self, k) / GIB, 3) for k in ("params", "grads", "optimizer", "activations", "peak")}
-        return {**gib, "device": None if self.device is None else round(self.device / GIB, 3), "fits": self.fits,
-                "micro_batch": self.layout.micro_batch}
+        return {**gib, "device": None if self.device is None else round(self.device / GIB, 3), "fits": self.fits}
 
     def text(self) -> str:
         """The plan's cell, GiB per rank against the device's: `61.2/80`, marked when it does not fit."""
