@@ -15,7 +15,8 @@ from conftest import ROOT
 PACKAGES = ("study", "analysis")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("study", "study.errors", "study.console", "study.files"),  # user errors, tables, files written whole and locked
+    ("study", "study.errors"),  # user errors: what is wrong, which field, the fix
+    ("study.console", "study.files"),  # tables; files written whole and locked, records read back checked
     ("study.schema",),  # names other tools rely on: MLflow tags, metric names, the run directory
     ("study.config",),  # typed configs, the run key, the run spec, secret masking
     ("study.models", "study.data", "study.geometry", "study.track"),  # pure libraries, each on its own
