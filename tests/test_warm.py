@@ -504,6 +504,23 @@ def test_a_launch_names_the_nonsense_a_server_answered_as_its_jobs_failure(tmp_p
         "cluster.warm_start=false)")
 
 
+def test_a_job_that_ends_without_a_result_or_a_line_is_described_not_shown_as_a_rule(tmp_path):
+    """A job whose process exits at once, writing nothing (killed, or a command that fails before it logs), leaves
+    submitit's message ending in a rule of dashes over an empty log: the reason says what happened and where to
+    look."""
+    import submitit
+
+    from study.launch.local import failure_reason
+
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "jobs"), python="/bin/false")
+    job = executor.submit(os.getpid)
+    job._results_timeout_s = 0
+    job.wait()
+    assert "-" * 40 in str(job.exception())  # the message this reads: submitit's, with its rule
+    assert failure_reason(job.exception()) == (
+        f"the job ended without a result or a line of output ({job.paths.stdout})")
+
+
 # --- `serve` ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["missing", "others can write", "another user's", "a file"])

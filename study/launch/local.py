@@ -149,9 +149,15 @@ def failure_reason(err: BaseException) -> str:
     job's traceback and then its log paths: the reason is the exception the traceback ends on (`run 2f9240731574
     failed: training loss is nan at step 5`), not the last line; a job that died without one (killed, out of memory)
     is described by the last line its error stream wrote."""
-    lines = [line.rstrip() for line in str(err).splitlines() if line.strip()]
+    # submitit frames a log it quotes with rules of dashes: a rule says nothing, and an empty log leaves one last
+    lines = [line.rstrip() for line in str(err).splitlines() if line.strip().strip("-=")]
     if not lines:
         return type(err).__name__
+    if "has not produced any output" in str(err) and lines[-1].startswith(
+            ("No error stream produced", "No output/error stream produced")):
+        # a job that ended with neither a result nor a line of its own (killed, or a command that failed at once);
+        # submitit's state says FINISHED for any local process that exited, so it is not repeated
+        return f"the job ended without a result or a line of output ({lines[-1].split(': ', 1)[-1]})"
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     raised = [line for line in lines[starts[-1] + 1:] if not line[0].isspace()] if starts else []
     paths = [line.split("- ", 1)[1] for line in lines if line.lstrip().startswith("- ") and line.endswith("_log.err")]
