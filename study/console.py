@@ -69,6 +69,15 @@ _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 override that reorders what follows, a zero-width space), surrogates and line or paragraph separators."""
 
 
+def hidden_character(text: str) -> str | None:
+    """The first character of `text` a terminal or a shell line would not show as itself (`_HIDDEN`, tabs and
+    newlines included), as its escape; None when every character shows."""
+    for c in text:
+        if unicodedata.category(c) in _HIDDEN:
+            return c.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return None
+
+
 def for_terminal(text: str) -> str:
     """Text from an experiment file or the command line as a terminal should show it: every character of `_HIDDEN`
     written as its escape (`\\u202e`, `\\x1b`), so what is shown is what the file holds; newlines and tabs stay."""

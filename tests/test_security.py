@@ -305,6 +305,9 @@ GHP, GLPAT, HF, SK, XOXB = "ghp_" + "x" * 36, "glpat-" + "x" * 20, "hf_" + "x" *
     ("mysql -u root -p mlflow; sshpass -f pw.txt ssh -p 2222 host; docker run -p 8080:80 img",
      "mysql -u root -p mlflow; sshpass -f pw.txt ssh -p 2222 host; docker run -p 8080:80 img"),
     ("wandb login --relogin $WANDB_API_KEY", "wandb login --relogin $WANDB_API_KEY"),
+    # help text's placeholders (`write key=value`): no value to hide, and the help must stay readable
+    ("Fix: write key=value (also +key=value), or --token=<value>", "Fix: write key=value (also +key=value), or --token=<value>"),
+    ("key=valued token=VALUES", "key=*** token=***"),
 ])
 def test_each_client_password_form_is_masked_exactly(text, masked):
     assert mask_text(text) == masked

@@ -73,8 +73,14 @@ def _lead(m: re.Match) -> str:
     return f"{m['lead']}{MASK}"
 
 
+_PLACEHOLDERS = frozenset({"value", "VALUE", "<value>", "...", MASK})
+"""Values that stand for any value in help text (`write key=value`): masking them hides nothing and garbles the
+help."""
+
+
 def _named(m: re.Match) -> str | None:
-    return _lead(m) if _names_secret(m["name"]) else None
+    value = m[0][len(m["lead"]):].strip("\"'").rstrip(").,:")
+    return _lead(m) if _names_secret(m["name"]) and value not in _PLACEHOLDERS else None
 
 
 def _query_value(m: re.Match) -> str | None:

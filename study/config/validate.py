@@ -15,6 +15,7 @@ from study.config.data import validate_data
 from study.config.geometry import one_of
 from study.config.recipe import batch_layout
 from study.config.run import Role, RunConfig, leaves
+from study.console import hidden_character
 from study.errors import StudyError
 
 CHOICES = {
@@ -42,7 +43,6 @@ AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
 URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 # one word SLURM understands: letters, digits and the punctuation of partition lists and constraint expressions
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@%&|()\[\]*!-]*$")
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def is_number(value: Any) -> bool:
@@ -54,9 +54,11 @@ def _check_values(cfg: RunConfig) -> None:
     """Strings reach sbatch scripts, file names and shell lines: no control characters anywhere (a newline in a
     cluster setting would be a shell line of its own). Numbers must be finite."""
     for dotted, value in leaves(asdict(cfg), into_lists=True).items():
-        if isinstance(value, str) and CONTROL.search(value):
-            raise StudyError(dotted, f"contains a control character ({CONTROL.search(value)[0]!r})",
-                             "write the value on one line, without tabs, newlines or escape characters")
+        if isinstance(value, str) and (hidden := hidden_character(value)):
+            # a right-to-left override or a zero-width space shows one command and runs another
+            raise StudyError(dotted, f"contains a control or format character ('{hidden}')",
+                             "write the value on one line, without tabs, newlines, escape characters or invisible "
+                             "formatting (right-to-left overrides, zero-width spaces)")
         if isinstance(value, float) and not math.isfinite(value):
             raise StudyError(dotted, f"must be a finite number, got {value}", "use a finite value")
 
