@@ -33,7 +33,7 @@ from analysis.decide import BOOTSTRAP_MIN_N
 from analysis.paired import CONFIDENCE, enclosing
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant
+from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant, in_order
 
 FLOPS_TIMES_TOKENS = "resolved.flops_per_token x recipe.tokens"
 """Name of the compute every run records."""
@@ -141,7 +141,9 @@ def effective_compute(runs: pd.DataFrame, baseline: str, metric: str = "val/loss
     """
     compute, source, fallback = training_compute(runs)
     frame = runs.assign(compute=compute)
-    usable = frame[(frame["status"] == FINISHED) & frame[metric].notna() & frame["compute"].notna()]
+    # in one order, whatever order the store returned them in (analysis.scaling says why a fit needs it)
+    usable = in_order(frame[(frame["status"] == FINISHED) & frame[metric].notna() & frame["compute"].notna()],
+                      ["variant", "compute", "seed", metric])
     base = dict(baseline=baseline, metric=metric, source=source, fallback=fallback)
     n_scales = usable["scale"].nunique()
     if n_scales < MIN_SCALES:

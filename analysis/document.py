@@ -413,6 +413,8 @@ def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
                       f"planned tokens, over the variant's planned compute. {compute} {intervals}")]
     if surface.fallback:
         blocks.append(Paragraph(f"Fallback to {surface.source}: {surface.fallback}."))
+    if surface.caveat:
+        blocks.append(Paragraph(surface.caveat))
     if surface.form not in (SURFACE, TOKENS):
         return [*blocks, Paragraph(f"No fit: {surface.status}.")]
     largest = {m.variant: m for m in surface.multipliers}  # scales are read from small to large

@@ -11,6 +11,12 @@ so the crossing of two variants is bootstrapped from the same draws; a draw that
 reuses its fit. The saturating law needs four distinct scales, a pure power law (E = 0) three; below three scales no
 fit is made. With four scales or more, the fit without the largest scale predicts it, which tells how far the law
 can be trusted beyond the data.
+
+A fit is a function of its points, never of their order. Seed noise of a few percent puts most log residuals past the
+Huber threshold, where the loss is the sum of their absolute values: between two seeds of one scale every value
+fits equally well, and the minimum is a flat set whose point the descent reaches depends on the rounding of sums
+taken in row order (the order a store returns runs in). The points are put in one order (:func:`in_order`) before
+every fit.
 """
 
 from __future__ import annotations
@@ -169,6 +175,7 @@ def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 2
     ``start`` (E, b, alpha) replaces the grid of starts for the point fit when the optimum is known to lie near it
     (the grid is the fallback when that fit fails); ``draw_starts`` gives bootstrap draw i its own start (a row of
     NaN, or no row: the point fit)."""
+    points = in_order(points, [size, "seed", metric])
     n_scales = points["scale"].nunique()
     base = dict(variant=variant, metric=metric, n_points=len(points), n_scales=n_scales, size=size)
     if n_scales < MIN_SCALES:
@@ -453,6 +460,12 @@ def _bootstrap(
                                 np.array(lower), np.array(upper))
         fitted[ok] = ends if saturating else np.column_stack([np.where(np.isfinite(ends[:, 0]), 0.0, math.nan), ends])
     return fitted[which]
+
+
+def in_order(points: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """``points`` sorted by ``columns`` (size first, then seed and value), so that a fit sums them in the same order
+    whatever order they were read in."""
+    return points.sort_values(list(columns), kind="stable", ignore_index=True)
 
 
 def seed_draws(point_seeds: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

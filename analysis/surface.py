@@ -51,7 +51,7 @@ from analysis.compute import PERCENTILE, RANGE, Multiplier, interval, training_c
 from analysis.decide import BOOTSTRAP_MIN_N
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import huber_descent, huber_fit, seed_draws
+from analysis.scaling import huber_descent, huber_fit, in_order, seed_draws
 
 SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
 """The two forms: the surface over (N, D), and the curve over D at one size."""
@@ -70,6 +70,14 @@ K_MAX = 1e6
 
 _GRID = 129
 """Points of the coarse search along an iso-FLOP line, before the golden-section refinement."""
+
+SMALLEST_STUDIED = 113_246_208
+"""Counted parameters of the smallest scale the shipped comparisons are about (sweeps/scale/113M.yaml)."""
+
+FAR_BELOW = 10.0
+"""A study whose largest size is this many times below SMALLEST_STUDIED gets the report's caveat: losses this far
+down the ladder (a CPU ladder's, a few hundred thousand to a few million parameters, trained on a few hundred
+thousand tokens) test the analysis, not the architectures at the scales their comparisons are about."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,9 @@ class SurfaceReport:
     """``ok``, or why nothing was fitted."""
     why: str = ""
     """Why there is no surface, for an L(D) report."""
+    caveat: str = ""
+    """A sentence for the report when every size fitted is far below the scales the studies are about
+    (:data:`FAR_BELOW`); empty otherwise."""
     fits: list[SurfaceFit] = field(default_factory=list)
     """Per arm (per arm and scale for L(D))."""
     optima: list[Optimum] = field(default_factory=list)
@@ -239,6 +250,7 @@ class SurfaceReport:
         return json_ready({
             "baseline": self.baseline, "metric": self.metric, "form": self.form, "source": self.source,
             "fallback": self.fallback or None, "status": self.status, "why": self.why or None,
+            "caveat": self.caveat or None,
             "fits": [f.to_dict() for f in self.fits], "optima": [asdict(o) for o in self.optima],
             "multipliers": [m.to_dict() for m in self.multipliers], "isoflops": [asdict(i) for i in self.isoflops]})
 
@@ -254,7 +266,8 @@ def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/los
     usable = frame[(frame["status"] == FINISHED) & frame[metric].notna() & frame["n"].notna()
                    & (frame["d"] > 0) & (frame["compute"] > 0)]
     points = usable[["variant", "scale", "seed", "at", "n", "d", "compute", metric]].reset_index(drop=True)
-    base = dict(baseline=baseline, metric=metric, source=source, fallback=fallback, points=points)
+    base = dict(baseline=baseline, metric=metric, source=source, fallback=fallback, points=points,
+                caveat=_caveat(points))
     sizes = points["scale"].nunique()
     if not len(points):
         return SurfaceReport(form="none", status="no finished branch logged "
@@ -272,6 +285,18 @@ def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/los
             for (v, s), g in points.groupby(["variant", "scale"], sort=True)]
     report = SurfaceReport(form=TOKENS, why=why, fits=fits, **base)
     return _tokens_readings(report, planned, order)
+
+
+def _caveat(points: pd.DataFrame) -> str:
+    """The report's sentence for sizes far below the studied scales (FAR_BELOW), else ""."""
+    if not len(points) or points["n"].max() * FAR_BELOW > SMALLEST_STUDIED:
+        return ""
+    low, high = points["n"].min(), points["n"].max()
+    return (f"Every size fitted here ({low:,.0f} to {high:,.0f} counted parameters, {points['d'].max():,.0f} training "
+            f"tokens at most) is over {FAR_BELOW:g} times below the smallest scale the studies compare "
+            f"({SMALLEST_STUDIED:,} parameters, 113M): these fits, optima and multipliers check the analysis on "
+            "trained runs and real seed noise; they say nothing about the architectures at 113M or above, where "
+            "the losses, the data and the LR's transfer differ.")
 
 
 def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
@@ -387,7 +412,9 @@ def _enough(form: str, sizes: int, distinct: int) -> str:
 def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200, seed: int = 0,
                 form: str = SURFACE, scale: str = "") -> SurfaceFit:
     """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``), or with ``form``
-    :data:`TOKENS` its L(D) at ``scale`` from its endpoints there."""
+    :data:`TOKENS` its L(D) at ``scale`` from its endpoints there; in one order of the points, whatever order they
+    come in (analysis.scaling: seed noise leaves the Huber minimum flat, and row order would pick its point)."""
+    points = in_order(points, ["n", "d", "seed", metric])
     sizes, distinct = _counts(_codes(points))
     seeds = points["seed"].nunique()
     base = dict(variant=variant, scale=scale, n_points=len(points), n_sizes=sizes, n_distinct=distinct, seeds=seeds)

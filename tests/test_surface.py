@@ -280,3 +280,16 @@ def test_the_report_of_a_branched_study_shows_each_arms_surface_and_pairs_the_la
     assert "1 arm(s) stopped, saving about 42.5 GPU-hours" in md
     assert "| hourglass | 80M | 0.5 | worse | 2 | +0.0123 | [+0.0101, +0.0145] | 0.0125 | 42.5 |" in md
     assert result["racing"]["stops"] == [RACE_STOP]
+
+
+def test_the_fit_of_seed_noisy_branch_ends_does_not_depend_on_the_order_the_store_returns_them_in():
+    """Branch ends of a trained reduced ladder (3 sizes x 2 points x seeds 0, 1): their seeds differ by 1-3 %, far past
+    the Huber threshold, so the minimum is flat between two seeds and the order of the sums would pick its point."""
+    loss = [5.557172, 5.392564, 5.711925, 5.473115, 5.405629, 5.307606, 5.547866, 5.392525, 5.401743, 5.29945,
+            5.414602, 5.375173]
+    ends = pd.DataFrame({"scale": np.repeat(["a", "b", "c"], 4), "seed": [0, 0, 1, 1] * 3, "at": [0.5, 1.0] * 6,
+                         "n": np.repeat([8272.0, 18552.0, 32928.0], 4),
+                         "d": [1024.0, 2048.0] * 2 + [1536.0, 3072.0] * 2 + [2048.0, 4096.0] * 2, "val/loss": loss})
+    fits = {tuple(getattr(fit_surface(ends.sample(frac=1, random_state=order), "arm", n_boot=20), k)
+                  for k in ("E", "A", "alpha", "B", "beta")) for order in range(6)}
+    assert len(fits) == 1
