@@ -111,6 +111,41 @@ def test_a_parent_run_carries_the_dataset_input_of_its_seed_runs_once_per_digest
     assert [r.info.run_id for r in listed] == [parent] and len(listed[0].inputs.dataset_inputs) == 2
 
 
+def test_a_branched_cells_parent_summarises_its_planned_runs_ends_and_a_trunk_keeps_its_own_curve(tmp_path):
+    """A branch nests under its trunk, the trunk under its (variant, scale) parent. The parent's val/loss is the mean
+    of the branches as long as their trunk's recipe (the planned runs' ends) over the seeds; a trunk, a branch's own
+    parent, never takes a summary (its curve would gain the means of its branches at steps 1, 2, ...)."""
+    client = MlflowClient(new_store(tmp_path / "mlflow.db"))
+    exp = client.create_experiment("branched")
+    cell = {schema.TAG_EXPERIMENT: "branched", schema.TAG_VARIANT: "conventional", schema.TAG_SCALE: "tiny"}
+    parent = parent_for(client, exp, {**cell, schema.TAG_ROLE: "trunk"})
+    ends, trunks = {}, []
+    for seed in (0, 1):
+        tags = {**cell, schema.TAG_SEED: str(seed)}
+        trunk = client.create_run(exp, tags={**tags, schema.TAG_ROLE: "trunk", PARENT: parent}).info.run_id
+        client.log_param(trunk, "recipe.max_steps", 40)
+        for step, value in ((10, 6.0), (20, 5.5), (32, 5.2)):
+            client.log_metric(trunk, schema.VAL_LOSS, value, step=step)
+        client.set_terminated(trunk, "FINISHED")
+        trunks.append(trunk)
+        for steps, loss in ((20, 5.4 + seed / 10), (40, 5.0 + seed / 10)):
+            branch = client.create_run(exp, tags={**tags, schema.TAG_ROLE: "branch", PARENT: trunk,
+                                                  schema.TAG_BRANCH_AT: f"{steps / 40:g}"}).info.run_id
+            client.log_param(branch, "recipe.max_steps", steps)
+            client.log_metric(branch, schema.VAL_LOSS, loss, step=steps)
+            client.set_terminated(branch, "FINISHED")
+            ends[seed, steps] = loss
+    for run_id in [*trunks, *(r.info.run_id for r in client.search_runs([exp], f"tags.`{schema.TAG_ROLE}` = 'branch'"))]:
+        refresh(client, run_id)  # as each run's job does when it finishes
+    summary = client.get_run(parent).data.metrics
+    assert summary[schema.VAL_LOSS] == pytest.approx((ends[0, 40] + ends[1, 40]) / 2, rel=1e-12)
+    assert summary[f"{schema.VAL_LOSS}/n"] == 2
+    for trunk in trunks:
+        assert set(client.get_run(trunk).data.metrics) == {schema.VAL_LOSS}
+        assert [(m.step, m.value) for m in client.get_metric_history(trunk, schema.VAL_LOSS)] == [
+            (10, 6.0), (20, 5.5), (32, 5.2)]
+
+
 @pytest.fixture(autouse=True)
 def _no_ambient_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

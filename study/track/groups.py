@@ -10,6 +10,11 @@ folded row's Dataset column names what the cell trained on.
 A parent has no `study.seed` and no `study.run_key`, and `study.role=group`: analysis, status and relaunch never
 take it for a training run. The summary is recomputed from the seed runs whenever one finishes or is evaluated, so
 it is never the only record of anything.
+
+In a branched experiment the parent's children are trunks, and each trunk's are its decay branches. A trunk's last
+loss is no end of a schedule, so the parent summarises the branches that end its planned runs (what the report
+decides on), never the trunks; and the summary goes to the parent alone, never onto a trunk (a
+branch's own parent), whose val/loss curve it would otherwise extend with means of its branches.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ def _parents(client, experiment_id: str, name: str) -> list:
 
 def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, float], int]:
     """(metrics, n finished): mean, `/sd` (n >= 2) and `/n` of each summarised final metric over the FINISHED
-    children that are not tune runs (a grid point at a poor LR is no sample of the variant's loss); `keys` limits them to those run keys (the experiment's latest launch)."""
-    done = [c for c in children if c.info.status == "FINISHED" and schema.role_of(c.data.tags) != Role.tune
+    children that are neither tune runs (a grid point at a poor LR is no sample of the variant's loss) nor trunks (a
+    trunk stops at the stable LR); `keys` limits them to those run keys (the experiment's latest launch)."""
+    done = [c for c in children if c.info.status == "FINISHED"
+            and schema.role_of(c.data.tags) not in (Role.tune, Role.trunk)
             and (keys is None or c.data.tags.get(schema.TAG_RUN_KEY) in keys)]
     values: dict[str, list[float]] = {}
     for child in done:
@@ -105,10 +112,14 @@ def refresh(client, run_id: str) -> None:
 
     run = client.get_run(run_id)
     parent = run.data.tags.get(PARENT)
+    if parent and schema.role_of(run.data.tags) == Role.branch:  # nested under its trunk, which the cell's parent holds
+        parent = client.get_run(parent).data.tags.get(PARENT)
     if not parent:
         return
     experiment_id = run.info.experiment_id
     children = client.search_runs([experiment_id], filter_string=f"tags.`{PARENT}` = '{parent}'", max_results=1000)
+    if any(schema.role_of(c.data.tags) == Role.trunk for c in children):
+        children += _planned_ends(client, experiment_id, parent, children)
     manifest = read_manifest_tags(client, client.get_experiment(experiment_id).name)
     keys = set(manifest["keys"]) if manifest and manifest["keys"] else None
     metrics, n = summary(children, keys)
@@ -118,6 +129,21 @@ def refresh(client, run_id: str) -> None:
         points = [Metric(k, v, now, n) for k, v in metrics.items()]
         for i in range(0, len(points), 1000):
             client.log_batch(parent, metrics=points[i:i + 1000], synchronous=True)
+
+
+def _planned_ends(client, experiment_id: str, parent: str, children: list) -> list:
+    """The decay branches that end the parent's planned runs: each trunk's branch as long as the trunk's recipe (a
+    trunk's recipe is its longest branch's), what the report decides on. None where a race stopped the cell before
+    that point, so a parent never shows a shorter budget's loss as its cell's."""
+    longest = {c.info.run_id: c.data.params.get("recipe.max_steps") for c in children
+               if schema.role_of(c.data.tags) == Role.trunk}
+    cell = client.get_run(parent).data.tags
+    branches = client.search_runs([experiment_id], filter_string=(
+        f"tags.`{schema.TAG_ROLE}` = '{Role.branch.value}' and tags.`{schema.TAG_VARIANT}` = "
+        f"'{cell.get(schema.TAG_VARIANT)}' and tags.`{schema.TAG_SCALE}` = '{cell.get(schema.TAG_SCALE)}'"),
+        max_results=5000)
+    return [b for b in branches if b.data.tags.get(PARENT) in longest
+            and b.data.params.get("recipe.max_steps") == longest[b.data.tags[PARENT]]]
 
 
 def share_datasets(client, parent_id: str, children: list) -> None:
