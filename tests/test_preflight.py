@@ -12,7 +12,7 @@ import pytest
 from study.cli import main
 from study.plan.budget import flops_per_token
 from study.plan.planner import group_options, plan_experiment
-from study.train.preflight import GIB, measure, model_flops
+from study.train.preflight import GIB, Measured, measure, model_flops
 
 pytestmark = pytest.mark.no_store  # preflight opens no MLflow store: the tests check that none appears
 
@@ -29,10 +29,11 @@ def conventional(*overrides: str):
                 if r.config.variant == "conventional")
 
 
-def test_sharding_holds_a_shard_of_the_parameters_per_rank(cache):
+def test_sharding_holds_a_shard_of_the_parameters_per_rank(cache, monkeypatch):
     """One rank holds every fp32 parameter; FSDP2 over 8 ranks an eighth of them (each tensor's rows padded to a
     multiple of 8); HSDP over 2 nodes x 4 ranks a quarter (sharded within a node, replicated across), a tied
-    embedding once. AdamW keeps two states per parameter held. Torch's FLOPs per token are the plan's."""
+    embedding once. AdamW keeps two states per parameter held. Torch's FLOPs per token are the plan's, and the peak
+    kept without the trackers' per-module records is the one they record with them."""
     whole = conventional()
     total = whole.params["total"]  # the plan's exact count (study.plan.budget.count_params)
     one = measure(whole, trace=False)
@@ -47,6 +48,8 @@ def test_sharding_holds_a_shard_of_the_parameters_per_rank(cache):
     assert eight.optimizer_gib == pytest.approx(2 * eight.params_gib, rel=1e-3)
     assert 0 < eight.peak_gib < one.peak_gib
     assert eight.flops_per_token == spec.flops_per_token
+    monkeypatch.setattr("study.train.preflight.peak_only", lambda tracker: tracker)  # torch's whole bookkeeping
+    assert measure(spec, trace=False).peak_gib == eight.peak_gib
 
     tied = conventional("cluster.nodes=2", "cluster.tasks_per_node=4", "model.tie_embeddings=true")
     hybrid = measure(tied, trace=False)
@@ -69,8 +72,8 @@ def small(m):
 
 def test_torch_counts_the_plans_flops_per_token_for_every_shipped_shape(workdir):
     """Every family of shapes the shipped experiments train (block, FFN kind, heads per layer, grouped KV heads,
-    QK-norm, tied embeddings, the hourglass's norms, per-layer widths), at a small size: torch's count of one forward and backward equals the plan's
-    6 N + 12 L H Q T exactly."""
+    QK-norm, tied embeddings, the hourglass's norms, per-layer widths), at a small size: torch's count of one forward
+    and backward equals the plan's 6 N + 12 L H Q T exactly."""
     families = {}
     for experiment in group_options("experiment"):
         for run in plan_experiment(experiment, []).runs:
@@ -87,7 +90,7 @@ def test_torch_counts_the_plans_flops_per_token_for_every_shipped_shape(workdir)
         assert model_flops(m, 16, 2) == flops_per_token(m, 16), family
 
 
-def test_a_second_preflight_reads_the_cache(workdir, cache, capsys, monkeypatch):
+def test_a_second_preflight_reads_the_cache_and_a_damaged_entry_is_measured_again(workdir, cache, capsys, monkeypatch):
     args = ["preflight", "demo", "--variant", "hourglass", "cluster.tasks_per_node=2", "--json"]
     assert main(args) == 0
     [shape] = json.loads(capsys.readouterr().out)["shapes"]
@@ -105,6 +108,18 @@ def test_a_second_preflight_reads_the_cache(workdir, cache, capsys, monkeypatch)
     [again] = json.loads(capsys.readouterr().out)["shapes"]
     assert again["cached"] and again["peak_gib"] == shape["peak_gib"] and again["shape"] == shape["shape"]
     assert not (workdir / "mlflow.db").exists() and not (workdir / "runs").exists()  # only the cache is written
+
+    # a damaged entry is no result: the shape is measured again and its entry rewritten whole
+    entry = cache / "preflight" / f"{shape['shape']}.json"
+    entry.write_text(entry.read_text()[:40])
+    measured = Measured(**{**{k: shape[k] for k in Measured.__dataclass_fields__}, "peak_gib": 1.5})
+    monkeypatch.setattr("study.train.preflight.measure", lambda spec, trace: measured)
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    [remeasured] = json.loads(out)["shapes"]
+    assert not remeasured["cached"] and remeasured["peak_gib"] == 1.5
+    assert f"{entry} is unreadable" in err
+    assert json.loads(entry.read_text())["measured"]["peak_gib"] == 1.5
 
 
 def test_preflight_refuses_an_unknown_experiment(cache, capsys):

@@ -122,7 +122,8 @@ def preflight(runs: list[RunSpec], trace: bool = True, again: bool = False,
             continue
         names = ", ".join(r.name for r in shape.runs[:3]) + (f" and {len(shape.runs) - 3} more"
                                                               if len(shape.runs) > 3 else "")
-        echo(f"preflight: shape {shape.digest} ({names}): {shape.spec.planned.world_size} fake ranks")
+        ranks = shape.spec.planned.world_size
+        echo(f"preflight: shape {shape.digest} ({names}): {ranks} fake rank{'s' * (ranks > 1)}")
         try:
             shape.measured = asdict(measure(shape.spec, trace=trace))
         except StepFailed as failed:
