@@ -20,7 +20,8 @@ from study.plan.planner import plan_experiment, select_run
 COMPARISONS = tuple(sorted(p.stem for p in (ROOT / "sweeps" / "experiment").glob("*.yaml")))
 """Every shipped experiment: each is a comparison whose arms must differ only in what it says."""
 ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "wu", "embed", "lm_head")
-RECIPE = ("max_steps", "tokens", "lr", "warmup_steps", "final_lr", "global_batch", "val_windows")
+RECIPE = ("max_steps", "tokens", "lr", "warmup_steps", "final_lr", "lr_schedule", "decay_fraction", "global_batch",
+          "val_windows")
 
 
 def role_stds(model_cfg: ModelConfig) -> dict[str, set[float]]:
@@ -167,6 +168,17 @@ def test_the_recipe_comes_from_the_scale_budget_not_the_arm_count():
         assert r.recipe.warmup_steps == int(0.02 * r.recipe.max_steps)
         assert r.recipe.final_lr == pytest.approx(0.1 * r.recipe.lr)
         assert r.recipe.tokens == r.recipe.max_steps * 512 * 1024
+
+
+def test_a_final_lr_above_the_scaled_peak_ends_at_the_peak():
+    """train.final_lr is checked against train.lr when that is set; against the budget's scaled peak the one final-LR
+    rule caps it, as it does a tuned peak: the schedule never climbs above its peak."""
+    from study.config.recipe import scaled_lr
+
+    spec = select_run([*TINY, "experiment=unit", "train.lr=0", "train.final_lr=1"])
+    r = spec.recipe
+    assert r.lr == pytest.approx(scaled_lr(spec.config.budget.target), rel=1e-12) and r.lr < 1
+    assert r.final_lr == r.lr
 
 
 def test_a_job_on_another_world_size_splits_the_planned_global_batch():

@@ -198,6 +198,26 @@ def test_a_spec_round_trips_and_another_schema_is_named(tmp_path):
         read_spec(path)
 
 
+def test_a_spec_written_before_the_recipe_carried_its_schedule_trains_its_configs_schedule(tmp_path):
+    """A run.json whose recipe lacks lr_schedule and decay_fraction (written before the recipe carried them) reads
+    them from the config it carries, the schedule it was planned and trained with: the same spec, the same LR at
+    every step."""
+    from study.train.optim import lr_factor
+
+    spec = plan_adhoc(["scale=tiny", f"paths.runs={tmp_path}", "train.lr_schedule=wsd", "train.decay_fraction=0.3",
+                       "train.max_steps=10", "train.warmup_steps=1"])
+    path = write_spec(spec)
+    raw = json.loads(path.read_text())
+    del raw["recipe"]["lr_schedule"], raw["recipe"]["decay_fraction"]
+    path.write_text(json.dumps(raw))
+    old = read_spec(path)
+    assert (old.planned.lr_schedule, old.planned.decay_fraction) == ("wsd", 0.3)
+    assert old == spec
+    # warm-up 1 step, the peak up to step 10 - int(0.3 x 10) = 7, then linear down to min_lr_ratio 0.1 at step 10
+    expected = [1.0] * 7 + [1 - 0.9 * (s - 7) / 3 for s in range(7, 11)]
+    assert [lr_factor(s, old.planned) for s in range(11)] == pytest.approx(expected, rel=1e-12)
+
+
 def private_tree(workdir, name, experiment):
     import yaml
 

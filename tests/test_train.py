@@ -26,6 +26,32 @@ def mlflow_runs(experiment="unit", db="mlflow.db"):
     return mlflow.search_runs(experiment_names=[experiment], filter_string=TRAINING_RUNS, output_format="list")
 
 
+def test_the_lr_schedule_a_run_trains_on_is_its_recipes_not_its_configs():
+    """The schedule is resolved once into the spec's recipe: a run whose config's schedule fields changed after
+    planning (cosine, another decay fraction, warm-up and end) still trains the planned WSD schedule, step by step."""
+    from dataclasses import replace
+
+    import torch
+
+    from study.train.optim import build_optimizer, build_scheduler
+
+    spec = cfg_for("train.lr_schedule=wsd", "train.max_steps=20", "train.warmup_steps=2", "train.decay_fraction=0.5",
+                   "train.lr=1e-3", "train.final_lr=1e-4")
+    later = replace(spec.config.train, lr_schedule="cosine", decay_fraction=0.1, warmup_steps=5, final_lr=0.0,
+                    min_lr_ratio=0.5, lr=2e-3)
+    spec = replace(spec, config=replace(spec.config, train=later))
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), spec.config.train, spec.planned.lr)
+    scheduler = build_scheduler(optimizer, spec.planned, 0)
+    seen = []
+    for _ in range(21):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    # warm-up over 2 steps, the peak up to step 20 - int(0.5 x 20) = 10, then linear down to 1e-4 at step 20
+    expected = [5e-4, 1e-3] + [1e-3] * 8 + [1e-3 - (1e-3 - 1e-4) * (s - 10) / 10 for s in range(10, 21)]
+    assert seen == pytest.approx(expected, rel=1e-12, abs=0)
+
+
 @pytest.mark.integration
 def test_loss_falls_and_one_finished_run_holds_the_schema(workdir):
     cfg = cfg_for("train.max_steps=30", "train.val_interval=10", "train.lr=3e-3")

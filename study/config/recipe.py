@@ -1,14 +1,22 @@
-"""The resolved training recipe of one run: what the planner derives once from the config and the scale's budget,
-stores in the run spec, and the job reads without recomputing.
+"""The resolved training recipe of one run and its resolver: what the planner derives once from the config and the
+scale's budget, stores in the run spec, and the job reads without recomputing (steps, batch, the whole LR schedule).
 
 The arms of a comparison share it: steps, tokens, peak and final LR and warm-up come from the scale's budget (the
 reference model's count), never from an arm's own count, so they train the same tokens under the same schedule.
+
+Type and resolver live here, in study.config, because the run spec (study.config.spec) carries the type and config
+sits below the planner; the resolver reads the config and the budget only. The one plan-level input,
+`train.micro_batch: auto`'s fit to the device memory (study.plan.memory), is passed in by the planner as `fit`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+from study.config.run import RunConfig
+from study.config.training import TrainConfig
 from study.errors import StudyError
 
 
@@ -31,9 +39,14 @@ class Recipe:
     warmup_steps: int
     """Linear warm-up steps: `train.warmup_steps`, else 2 % of max_steps (at least 1)."""
     final_lr: float
-    """Learning rate at the last step: `train.final_lr`, else min_lr_ratio x lr."""
+    """Learning rate at the last step (`final_lr_for`): `train.final_lr`, else min_lr_ratio x lr; never above lr."""
     lr_rule: str
     """Where `lr` came from, in words (shown by `study plan`)."""
+    lr_schedule: str
+    """The decay after warm-up, `train.lr_schedule`: `cosine`, or `wsd` (stable, then linear over the last
+    decay_fraction). Specs written before the recipe carried it take their config's (`SCHEDULE`)."""
+    decay_fraction: float
+    """Share of max_steps a `wsd` schedule decays over, `train.decay_fraction` (`decay_start`)."""
     val_windows: int = 0
     """Held-out windows every validation pass scores: the first `val_windows` of the validation split,
     `train.val_batches` x micro_batch x world_size at the planned layout. Fixed here, so every world size a run
@@ -43,6 +56,53 @@ class Recipe:
     def validation_windows(self, val_batches: int) -> int:
         """Windows a validation pass scores (specs written before `val_windows`: `val_batches` planned batches)."""
         return self.val_windows or val_batches * self.micro_batch * self.world_size
+
+
+SCHEDULE = ("lr_schedule", "decay_fraction")
+"""Recipe fields taken unchanged from `train.*`: a spec written before the recipe carried them reads them from the
+config it also carries, which is what it trained on (study.config.spec.read_spec)."""
+
+
+def scaled_lr(n_params: int) -> float:
+    """OLMo-core model ladder: lr = 0.0047 * (N / 108e6) ** (-1/3), N the non-embedding parameter count."""
+    return 0.0047 * (n_params / 108e6) ** (-1 / 3)
+
+
+def final_lr_for(t: TrainConfig, lr: float) -> float:
+    """The LR at the last step of a run peaking at `lr`: `train.final_lr`, else min_lr_ratio x lr, capped at `lr` (a
+    schedule never climbs back above its peak, e.g. when a scaled or tuned peak falls below `train.final_lr`)."""
+    return min(lr, t.final_lr or t.min_lr_ratio * lr)
+
+
+def decay_start(steps: int, fraction: float) -> int:
+    """The step a `wsd` run of `steps` steps starts its linear decay at: its last int(fraction x steps) decay."""
+    return steps - int(fraction * steps)
+
+
+def resolve_recipe(cfg: RunConfig, budget: int, fit: Callable[[int], tuple[int, int]] | None = None) -> Recipe:
+    """The run's recipe at the budget `budget` (the scale's reference count, shared by every arm). With
+    `train.micro_batch: auto`, `fit` maps the global batch to the (micro batch, accumulation steps) that fit the
+    device (the planner's memory estimate of the matched model); without `fit` the layout is train.micro_batch's."""
+    t = cfg.train
+    global_batch = t.global_batch or t.micro_batch * t.grad_accum
+    world = cfg.cluster.ranks
+    micro, accum = batch_layout(global_batch, t.micro_batch, world)
+    tokens_per_step = global_batch * cfg.data.seq_len
+    steps = t.max_steps or max(1, math.ceil(t.tokens_per_param * budget / tokens_per_step))
+    if t.lr:
+        lr, rule = t.lr, "train.lr"
+    else:
+        lr, rule = scaled_lr(budget), f"0.0047 (N / 108e6)^(-1/3) at the budget N = {budget:,}"
+    recipe = Recipe(global_batch=global_batch, micro_batch=micro, grad_accum=accum, world_size=world, max_steps=steps,
+                    tokens=steps * tokens_per_step, lr=lr, warmup_steps=t.warmup_steps or max(1, int(0.02 * steps)),
+                    final_lr=final_lr_for(t, lr), lr_rule=rule, lr_schedule=t.lr_schedule,
+                    decay_fraction=t.decay_fraction)
+    recipe = replace(recipe, val_windows=recipe.validation_windows(t.val_batches))  # fixed now, at the planned layout
+    if t.micro_batch_auto and fit is not None:
+        # after the validation windows: they stay those of train.micro_batch, as the key does
+        micro, accum = fit(global_batch)
+        recipe = replace(recipe, micro_batch=micro, grad_accum=accum)
+    return recipe
 
 
 PENDING = "pending"
@@ -74,7 +134,7 @@ class BranchPoint:
     """Its steps: round(at x the run's max_steps)."""
     start: int
     """The trunk step it starts from: length - int(decay x length), where a straight WSD run of `length` steps
-    starts decaying (study.train.optim.lr_factor)."""
+    starts decaying (`decay_start`)."""
 
 
 def batch_layout(global_batch: int, micro_batch: int, world: int, field: str = "train.global_batch") -> tuple[int, int]:

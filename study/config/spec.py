@@ -18,7 +18,7 @@ from typing import Any
 
 from study.config.compose import refuse_renamed
 from study.config.identity import SCHEMA_VERSION
-from study.config.recipe import PENDING, BranchPoint, Recipe, Tuned
+from study.config.recipe import PENDING, SCHEDULE, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
 from study.errors import StudyError
 from study.files import (COUNT, LARGEST, NUMBER, TEXT, Kind, damaged, read_mapping, replace_file,
@@ -204,6 +204,10 @@ def read_spec(path: Path | str) -> RunSpec:
     refuse_renamed(raw.get("config"), str(path))
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunSpec), raw)
+        if isinstance(raw.get("recipe"), dict):
+            # a spec written before its recipe carried the schedule trained on its config's
+            node = OmegaConf.merge(node, {"recipe": {name: node.config.train[name] for name in SCHEDULE
+                                                     if name not in raw["recipe"]}})
         spec = OmegaConf.to_object(node)
     except OmegaConfBaseException as exc:
         raise StudyError("run spec", f"{path} does not match this version's run spec ({str(exc).splitlines()[0]})",

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from study import schema
+from study.config.recipe import resolve_recipe
 from study.config.run import Role
 from study.config.spec import RunSpec, write_spec
 from study.errors import StudyError
 from study.plan.planner import plan_experiment
 from study.plan.throughput import (CALIBRATION_EXPERIMENT, MFU, PER_DEVICE, TAG_CLUSTER, TAG_SHAPE, TOKENS_PER_S,
                                    devices, measured, shape_key)
-from study.plan.recipe import resolve_recipe
 from study.schema import RunDir, submitit_dir
 
 WARMUP_FRACTION = 0.25

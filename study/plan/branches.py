@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from study.config.identity import branch_key, run_key
-from study.config.recipe import BranchPoint
+from study.config.recipe import BranchPoint, decay_start
 from study.config.run import Role, RunConfig
 from study.config.spec import RunSpec
 from study.config.validate import is_number
@@ -97,7 +97,7 @@ def branch_points(branches: Branches, max_steps: int, warmup: int, where: str) -
     points = []
     for at in branches.at:
         length = round(at * max_steps)
-        start = length - int(branches.decay * length)
+        start = decay_start(length, branches.decay)  # where the straight WSD run of its length decays
         if start <= warmup or start >= length:
             raise StudyError(f"{where}.at", f"the branch at {at:g} ({length} of {max_steps} steps) would start at step "
                              f"{start}, {'inside the warm-up' if start <= warmup else 'with no decay'} "

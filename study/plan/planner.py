@@ -15,14 +15,14 @@ from typing import Any
 from study.config.compose import GROUPS, RENAMED, Overrides, compose, group_options, nested, parse_overrides
 from study.config.identity import run_key
 from study.config.run import Role, RunConfig, run_name
-from study.config.recipe import PENDING, Tuned
+from study.config.recipe import PENDING, Tuned, final_lr_for, resolve_recipe
 from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
 from study.plan.branches import check_schedule, expand
 from study.plan.budget import Matched, flops_per_token, match, reference_budget
 from study.plan.experiment import Experiment, Variant, load_experiment
 from study.plan.fairness import OWNED, check_arms
-from study.plan.recipe import resolve_recipe
+from study.plan.memory import estimable, fit_micro_batch
 from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, all_diverged, choose, grid_with_extensions, \
     read_record, record_path, transfer
 from study.schema import RunDir
@@ -111,8 +111,8 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
     }
 
 
-RECIPE_JSON = ("max_steps", "lr", "warmup_steps", "final_lr", "global_batch", "micro_batch", "grad_accum",
-               "world_size", "lr_rule", "val_windows")
+RECIPE_JSON = ("max_steps", "lr", "warmup_steps", "final_lr", "lr_schedule", "decay_fraction", "global_batch",
+               "micro_batch", "grad_accum", "world_size", "lr_rule", "val_windows")
 """Recipe fields each run of `study plan --json` shows beside `tokens` (study/config/recipe.py)."""
 
 
@@ -178,7 +178,12 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
               depends_on: list[str] | None = None, profile: str = "", pending: str | None = None) -> RunSpec:
     rdir = RunDir.of(cfg.paths.runs, cfg.experiment, key)
     ref_total = reference_budget(reference.model, "total")
-    recipe = resolve_recipe(cfg, cfg.budget.target, matched.model if matched else cfg.model)
+    model = matched.model if matched else cfg.model
+
+    def fit(global_batch: int) -> tuple[int, int]:  # train.micro_batch: auto, on the matched model's estimate
+        return fit_micro_batch(cfg, estimable(model, cfg.budget.target, cfg.budget.mode), global_batch)
+
+    recipe = resolve_recipe(cfg, cfg.budget.target, fit)
     if matched is None:
         return RunSpec(key, run_name(cfg), cfg, str(rdir.path), cfg.budget.target, depends_on=list(depends_on or []),
                        profile=profile, pending=pending, reference_total=ref_total, recipe=recipe)
@@ -339,8 +344,7 @@ def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTunin
     lr, how = transfer(tuned_lr, t.budgets, spec.config.scale, spec.planned.lr)
     statuses = {c.status for c in t.choices.values()}
     status = EDGE if EDGE in statuses else EXTENDED if EXTENDED in statuses else INTERIOR
-    t_cfg = spec.config.train
-    recipe = replace(spec.planned, lr=lr, final_lr=min(lr, t_cfg.final_lr or t_cfg.min_lr_ratio * lr), lr_rule=how)
+    recipe = replace(spec.planned, lr=lr, final_lr=final_lr_for(spec.config.train, lr), lr_rule=how)
     return replace(spec, recipe=recipe, tuned=Tuned(float(f"{lr / spec.planned.lr:.6g}"), status, str(t.record)))
 
 

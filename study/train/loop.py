@@ -151,7 +151,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
              or TrainState(max_steps=max_steps, run_key=key))
     state.run_key, state.model_hash, state.compute_dtype = key, shape, compute_dtype(cfg, d)
     start = state.step
-    scheduler = build_scheduler(optimizer, recipe, cfg.train, start)
+    scheduler = build_scheduler(optimizer, recipe, start)
 
     tracker = open_tracker(spec, d, data, start)
     stop = StopRequest.install()

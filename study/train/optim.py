@@ -1,10 +1,11 @@
-"""AdamW parameter groups and the learning-rate schedule (the run spec's recipe says its peak, length and end)."""
+"""AdamW parameter groups and the learning-rate schedule (the run spec's recipe says all of it: peak, warm-up, decay
+shape and fraction, length and end; the config's train.* schedule fields are read once, by the planner)."""
 
 from __future__ import annotations
 
 import math
 
-from study.config.recipe import Recipe
+from study.config.recipe import Recipe, decay_start
 from study.config.training import TrainConfig
 
 
@@ -36,29 +37,28 @@ def build_optimizer(model, t: TrainConfig, lr: float):
                              fused=True)
 
 
-def lr_factor(step: int, recipe: Recipe, t: TrainConfig) -> float:
+def lr_factor(step: int, recipe: Recipe) -> float:
     """Multiplier of the peak LR at `step` (0-based, applied to the update of step+1); it ends at final_lr / lr."""
     max_steps, warmup = recipe.max_steps, recipe.warmup_steps
     if step < warmup:
         return (step + 1) / warmup
     floor = recipe.final_lr / recipe.lr
-    if t.lr_schedule == "cosine":
+    if recipe.lr_schedule == "cosine":
         progress = (step - warmup) / max(1, max_steps - warmup)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    if t.lr_schedule == "wsd":
-        decay_start = max_steps - int(t.decay_fraction * max_steps)
-        if step < decay_start:
+    if recipe.lr_schedule == "wsd":
+        start = decay_start(max_steps, recipe.decay_fraction)
+        if step < start:
             return 1.0
-        return 1.0 - (1 - floor) * (step - decay_start) / max(1, max_steps - decay_start)
-    raise ValueError(f"train.lr_schedule {t.lr_schedule!r} passed the config check")  # a bug, not bad input
+        return 1.0 - (1 - floor) * (step - start) / max(1, max_steps - start)
+    raise ValueError(f"recipe.lr_schedule {recipe.lr_schedule!r} passed the config check")  # a bug, not bad input
 
 
-def build_scheduler(optimizer, recipe: Recipe, t: TrainConfig, start_step: int):
+def build_scheduler(optimizer, recipe: Recipe, start_step: int):
     import torch
 
     for group in optimizer.param_groups:
         # a restored optimizer carries the last step's decayed lr; the schedule must scale the peak
         group["initial_lr"] = recipe.lr
     # The schedule is a pure function of the step, so a resumed run restarts it at its step.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe, t),
-                                             last_epoch=start_step - 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe), last_epoch=start_step - 1)
