@@ -9,8 +9,10 @@ tensor, in eager mode:
   running block's, the next one's all-gather (backward prefetch) and its gradient's reduce-scatter input; the root's
   (embedding, final norm, LM head) stays gathered from the forward to the end of the backward. One process on CUDA
   autocasts: a bf16 copy of every matrix is cached in the forward and kept for the backward.
-- gradients: fp32, as sharded as the parameters; with several micro-batches per step FSDP2 keeps every gradient
-  whole (and in fp32) until the last micro-batch reduces them.
+- gradients: fp32, as sharded as the parameters; with several micro-batches per step every micro-batch
+  reduce-scatters its gradients into the sharded ones (study.train.step), so between micro-batches a rank holds its
+  shard of every gradient (under HSDP the partial sums awaiting the last micro-batch's all-reduce, as sharded), and
+  during a micro-batch's backward also the root's whole gradients, reduced at its end.
 - optimizer: AdamW's two fp32 states per sharded parameter, and its step counter per tensor.
 - activations: what autograd keeps of one micro-batch, tensor by tensor: RMSNorm's input (in fp32), reciprocal rms
   and normalised input, every linear's input, the rotated queries and keys, values, SDPA's output and log-sum-exp,
@@ -97,7 +99,7 @@ class Memory:
     params: int
     """Parameters and buffers: the fp32 shards, and the compute copies gathered at the peak."""
     grads: int
-    """Gradients held at the peak (sharded; whole between the micro-batches of an accumulated step)."""
+    """Gradients held at the peak: the sharded fp32 ones (between the micro-batches of an accumulated step too)."""
     optimizer: int
     """AdamW's states."""
     activations: int
@@ -243,12 +245,9 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
         gathered = 2 * (sum(n for blk in blocks for rows, n in blk if n != rows) + v * d)
     else:
         gathered = 0
-    # an accumulated step holds every gradient between its micro-batches: FSDP2 keeps them whole (fp32) until the
-    # last micro-batch reduces them
-    if layout.grad_accum > 1:
-        held = 4 * (root_whole + sum(block_whole)) if fsdp else 4 * (root_shard + sum(block_shards))
-    else:
-        held = 0
+    # an accumulated step holds every gradient between its micro-batches: each micro-batch reduce-scatters its own
+    # into the sharded fp32 ones (one rank: the whole ones autograd accumulates into)
+    held = 4 * (root_shard + sum(block_shards)) if layout.grad_accum > 1 else 0
 
     stream = c * tokens * d
     own = [block_activations(m, l, layout.micro_batch, seq_len, c, layout.cuda) for l in range(m.n_layers)]
@@ -261,6 +260,8 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
     # own activations (recomputed under checkpointing), the stream's gradient, the largest hidden gradients; under
     # FSDP2 its gathered copy, the next block's prefetched one and its gradients' reduce-scatter input
     grads = (c if fsdp else 4) * (v * d + d)  # the LM head's and final norm's (FSDP2: whole, until the root reduces)
+    # with held gradients: those, and under FSDP2 the root's whole ones (one rank: accumulated into the held ones)
+    accumulating = held + (grads if fsdp else 0)
     below = 8 * tokens + sum(kept)
     for l in reversed(range(m.n_layers)):
         below -= kept[l]
@@ -268,20 +269,21 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
         transient = own[l] + 2 * stream + 2 * c * tokens * max(widest, d)
         if fsdp:
             transient += (2 * c + 4) * block_whole[l]
-        phases.append((held or grads) + below + transient)
+        phases.append((accumulating if held else grads) + below + transient)
         grads += 4 * (block_shards[l] if fsdp else sum(n for _, n in blocks[l]))
     # the backward's end: every gradient and the embedding's (accumulated into a held or tied one: a second copy);
-    # under FSDP2 the root's whole gradients and their reduce-scatter input
+    # under FSDP2 the root's whole gradients, their reduce-scatter input and output (the held shards beside it)
+    sharded_grads = 4 * (root_shard + sum(block_shards))
     if fsdp:
-        end = 4 * sum(block_shards) + (c + 4) * root_whole + 4 * root_shard
+        end = (c + 4) * root_whole + 4 * root_shard + (sharded_grads if held else 4 * sum(block_shards))
     else:
-        end = 4 * (root_shard + sum(block_shards)) + (4 * v * d if held or m.tie_embeddings else 0)
-    phases.append(max(held, end) + 8 * tokens + stream)
+        end = sharded_grads + (4 * v * d if held or m.tie_embeddings else 0)
+    phases.append(end + 8 * tokens + stream)
     peak = params + optimizer + gathered + max(phases)
     if fsdp:
         gathered += c * max(block_whole)  # one block's copy at a time
-    return Memory(params=params + gathered, grads=held or 4 * (root_shard + sum(block_shards)), optimizer=optimizer,
-                  activations=activations, peak=peak, device=device, layout=layout)
+    return Memory(params=params + gathered, grads=sharded_grads, optimizer=optimizer, activations=activations,
+                  peak=peak, device=device, layout=layout)
 
 
 # --- a run's device and layout -----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """One optimizer step, the one the training loop runs and the benchmarks time: micro-batch forward/backward
-(gradients reduced once, on the last micro-batch, under FSDP), global-norm clip, AdamW, the LR schedule."""
+(under FSDP each micro-batch's gradients reduce-scattered into the sharded ones; under HSDP the all-reduce across
+replicas on the last micro-batch only), global-norm clip, AdamW, the LR schedule."""
 
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ def train_step(model, forward, optimizer, scheduler, batches, device: str, z_los
 
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
-        if sharded:  # reduce-scatter gradients once per step, on the last micro batch
-            model.set_requires_gradient_sync(i == len(batches) - 1)
+        if sharded:
+            # Every micro-batch reduce-scatters, so between micro-batches a rank holds its shard of the gradients,
+            # not every gradient whole in fp32 (FSDP2's no-sync accumulation: 32 GB per rank at 8B). Under HSDP the
+            # replicas' all-reduce waits for the last micro-batch, the sharded partial sums kept until then; on a
+            # 1-D mesh there is no all-reduce and this sets nothing.
+            model.set_requires_all_reduce(i == len(batches) - 1)
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast_bf16):
             loss = cross_entropy(forward(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), z_loss)
         (loss / len(batches)).backward()
