@@ -30,13 +30,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     power, note = plan_power_rows(plan, unread)
     cost = estimates(plan, read_store=unread is None)
     if args.json:
+        from study.plan.alignment import misaligned
         from study.plan.memory import memories
 
         out, memory = plan.as_json(), memories(plan)
+        models = {r.key: r.model for r in plan.runs}
         for run in out["runs"]:
             est = cost[run["run_key"]]
             run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s,
-                       memory=memory[run["run_key"]].as_json())
+                       memory=memory[run["run_key"]].as_json(), misaligned=misaligned(models[run["run_key"]]))
         print(json.dumps({**out, "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
         return 0
     print_plan(plan, power, note, cost)

@@ -61,6 +61,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
 
     from study.plan.throughput import devices
 
+    from study.plan.alignment import misaligned_lines
     from study.plan.memory import auto_choices, memories
 
     width = text_width()
@@ -115,6 +116,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
                   f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
                   f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
     for line in auto_choices(plan.runs, memory):
+        say(line)
+    for line in misaligned_lines(plan.runs):
         say(line)
     if plan.experiment.branches is not None:
         say(_branch_cost(plan, cost))

@@ -1,0 +1,58 @@
+"""Shapes a GPU runs well: every matrix product's dimensions a multiple of 64.
+
+A GPU's tensor cores (and cuBLAS's kernels) tile matrix products in blocks whose sides are multiples of 64 (bf16); a
+dimension that is not one leaves part of a tile idle or falls back to slower kernels, so such a run pays for FLOPs
+its plan does not count. `study plan` names the dimensions of each (variant, scale) that are not (`misaligned`)."""
+
+from __future__ import annotations
+
+from study.config.model import ModelConfig
+
+ALIGN = 64
+"""The multiple every matmul dimension should be (the side of bf16 tensor-core tiles)."""
+
+
+def _widths(label: str, per_layer: list[list[int]]) -> str | None:
+    """`label` and its misaligned values among each layer's widths: one number when every width is that one, else
+    the distinct misaligned ones and how many layers have one; None when all are multiples of ALIGN."""
+    values = [w for ws in per_layer for w in ws]
+    odd = sorted({w for w in values if w % ALIGN})
+    if not odd:
+        return None
+    if len(set(values)) == 1:
+        return f"{label} {values[0]}"
+    layers = sum(any(w % ALIGN for w in ws) for ws in per_layer)
+    return f"{label}s {', '.join(map(str, odd))} ({layers} of {len(per_layer)} layers)"
+
+
+def misaligned(m: ModelConfig) -> list[str]:
+    """The matmul dimensions of model `m` that are not multiples of ALIGN, in words (`d_model 2536`, `FFN width
+    5461`, `sub-MLP widths 2016, 2022 (2 of 22 layers)`, `attention 20 x 100`, `vocabulary 50257`); empty when every
+    one is. FFN widths still waiting for a geometry profile are not checked."""
+    layers = range(m.n_layers)
+    out = [] if m.d_model % ALIGN == 0 else [f"d_model {m.d_model}"]
+    q, kv = [m.q_heads(l) for l in layers], [m.kv_heads_of(l) for l in layers]
+    for what, heads in (("attention", q), ("key/value heads", kv if kv != q else [])):
+        odd = sorted({h for h in heads if h * m.dim_head % ALIGN})
+        out += [f"{what} {', '.join(f'{h} x {m.dim_head}' for h in odd)}"] if odd else []
+    if m.ffn.widths is not None:
+        hourglass = m.ffn.kind == "hourglass"
+        item = _widths("sub-MLP width" if hourglass else "FFN width",
+                       [m.sub_widths(l) if hourglass else [m.ffn.widths[l]] for l in layers])
+        out += [item] if item else []
+    if m.vocab_size % ALIGN:
+        out.append(f"vocabulary {m.vocab_size}")
+    return out
+
+
+def misaligned_lines(runs) -> list[str]:
+    """`study plan`'s lines after the table: one per (variant, scale) whose runs have a misaligned dimension."""
+    out, seen = [], set()
+    for run in runs:
+        items = misaligned(run.model)
+        what = (run.config.variant, run.config.scale, tuple(items))
+        if items and what not in seen:
+            seen.add(what)
+            out.append(f"{run.config.variant} at {run.config.scale}: matmul dimensions not multiples of {ALIGN} "
+                       f"(slower on GPU tensor cores): {'; '.join(items)}")
+    return out
