@@ -354,6 +354,7 @@ def test_a_race_arm_whose_trunk_diverged_has_no_branch_submitted_from_a_start_it
     8 and 16, and resumed it diverges again, so its branches there are never submitted, by the launch nor by a local
     launch's branch stage, and the launch says why. Its branch at step 4 starts from a checkpoint the trunk validated
     before it diverged, and trains."""
+    from study.launch.kinds import JobKind
     from study.launch.local import run_local
     from study.launch.scheduler import journal
     from study.launch.stages import Stage
@@ -382,7 +383,7 @@ def test_a_race_arm_whose_trunk_diverged_has_no_branch_submitted_from_a_start_it
                         "trains the trunk again"]
     # a local launch's branch stage asks again before each batch: its trunks trained (or failed) in the same launch
     lines.clear()
-    run_local(plan, [Stage("branch", [mine[8], mine[16]])], lines.append)
+    run_local(plan, [Stage(JobKind.branch, [mine[8], mine[16]])], lines.append)
     assert not {mine[8].key, mine[16].key} & set(journal(plan.runs[0].config.paths.runs, name))
     assert sum(line.startswith("not submitted:") and "diverged (training loss is nan at step 6)" in line
                for line in lines) == 2

@@ -123,9 +123,9 @@ def test_a_restart_interrupted_midway_is_finished_by_the_next_start(workdir):
     spec = select_run(RUN)
     assert train(select_run([*RUN, "faults.stop_at_step=4"])).status == "PREEMPTED"
     (old,) = runs(workdir)
-    stage = spec.run_dir.path / "replaced" / "2026-01-01T000000Z-1.partial"
-    stage.mkdir(parents=True)
-    shutil.move(spec.run_dir.checkpoints, stage / "checkpoints")  # killed after moving the checkpoints, not the log
+    partial = spec.run_dir.path / "replaced" / "2026-01-01T000000Z-1.partial"
+    partial.mkdir(parents=True)
+    shutil.move(spec.run_dir.checkpoints, partial / "checkpoints")  # killed after moving the checkpoints, not the log
     out = train(spec)
     assert out.status == "FINISHED" and min(out.losses) == 1
     assert [p.name for p in (spec.run_dir.path / "replaced").iterdir()] == ["2026-01-01T000000Z-1"]

@@ -128,11 +128,11 @@ def profile_layer(before: np.ndarray, after: np.ndarray, received: np.ndarray | 
 
 def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list[float] | None = None) -> dict:
     """JSON-able profile: {"layers", "n_tokens", "d_model", "hyperbolic_radius", "stats": {statistic: {geometry:
-    [per-layer work]}}, "intrinsic_dim", "sensitivity", "sensitivity_eps", "timings": {stage: seconds}, "methods"}.
+    [per-layer work]}}, "intrinsic_dim", "sensitivity", "sensitivity_eps", "timings": {phase: seconds}, "methods"}.
 
-    Timings: seconds spent per stage summed over layers, in whichever process ran the layer; "topo" includes the
-    diagram distances' seconds ("topo_w2", a part of "topo"), so with several workers the stages can sum to more
-    than "wall".
+    Timings: seconds spent per phase of the measurement summed over layers, in whichever process ran the layer;
+    "topo" includes the diagram distances' seconds ("topo_w2", a part of "topo"), so with several workers the phases
+    can sum to more than "wall".
     """
     radius = cfg.hyperbolic_radius
     layers = clouds.layers

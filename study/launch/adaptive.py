@@ -99,6 +99,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
     """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
     from study.launch.scheduler import check_slurm, outside_allocation
     from study.launch.executor import build_executor, job_name
+    from study.launch.kinds import JobKind
     from study.plan.planner import plan_experiment
     from study.schema import submitit_dir
 
@@ -113,7 +114,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
         return 0
     check_slurm()
     ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, experiment) / "%j",
-                        job_name(f"{experiment}-until-decided"), "controller")
+                        job_name(f"{experiment}-{JobKind.until_decided}"), JobKind.until_decided)
     with outside_allocation():
         job = ex.submit(adaptive)
     echo(f"{experiment}: the adaptive loop runs in controller job {job.job_id}; its looks go to the MLflow run "

@@ -60,6 +60,7 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
     from study.launch.scheduler import check_slurm, outside_allocation
     from study.launch.executor import build_executor
+    from study.launch.kinds import JobKind
     from study.launch.local import check_local_layout
 
     specs = calibration_specs(experiment, overrides, steps)
@@ -75,7 +76,6 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
             figure = done[shape_key(spec)][cluster.name]
             echo(f"  calibrated  {spec.name}: {figure.tokens_per_s_per_device:,.0f} tokens/s per device")
     if todo:
-        from study.launch.callables import TrainJob
         from study.launch.local import failure_reason
         from study.track.store import retire_runs
 
@@ -85,9 +85,9 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
                 retire_runs(spec.key, CALIBRATION_EXPERIMENT, spec.config.tracking, "measured again (--again)")
             write_spec(spec)
         ex = build_executor(cluster, submitit_dir(specs[0].config.paths.runs, CALIBRATION_EXPERIMENT) / "%j",
-                            f"{experiment}-calibrate")
+                            f"{experiment}-{JobKind.calibrate}", JobKind.calibrate)
         with outside_allocation(), ex.batch():
-            jobs = [ex.submit(TrainJob(s.dir)) for s in todo]
+            jobs = [ex.submit(JobKind.calibrate.job(s.dir)) for s in todo]
         echo(f"calibrate {experiment}: {len(todo)} shapes on {cluster.name}, {steps} steps each "
              f"(jobs {', '.join(j.job_id for j in jobs)})")
         failed = []

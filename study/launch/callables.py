@@ -1,5 +1,5 @@
 """What a launched job runs: the data preparation of a shard entry, training (then evaluation) of one run, the
-geometry profile of a reference run.
+geometry profile of a reference run (each job kind names its class: study.launch.kinds).
 
 The callables are pickled by submitit and executed on the cluster node (or as a local process). Each holds only its
 run directory and reads the run spec there when it starts; a scheduled run's spec is completed from its

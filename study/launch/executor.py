@@ -1,42 +1,34 @@
-"""submitit executors per stage: the resources of a stage's jobs, and the sbatch script a dry run shows."""
+"""submitit executors per job kind: the resources of a kind's jobs (study.launch.kinds), and the sbatch script a dry
+run shows."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from study.config.cluster import ClusterConfig
+from study.launch.kinds import JobKind
 from study.schema import submitit_dir
 
 if TYPE_CHECKING:
     from study.plan.planner import Plan
 
 
-def build_executor(cluster: ClusterConfig, folder: Path, name: str, stage: str = "train", preview: bool = False,
+def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKind, preview: bool = False,
                    after: Sequence[str] = (), condition: str = "afterok", held: bool = False,
                    python: str | None = None):
     """The one way to build a submitit executor (every stage, the relaunch after tuning, `--until-decided`'s controller
-    and `study calibrate`): profiling jobs get one rank (and at most one GPU), data preparation one
-    CPU-only task on the preparation partition and CPUs, a controller (the relaunch after tuning, the adaptive loop)
-    one CPU and no GPU for as long as the preset lets a job run (a requeue replays it). A `preview` one only writes the
-    sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking a cluster launch).
-    On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted `held`
-    (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by `python` when
-    given (the launching process's warm server, `study.launch.warm.shared`), else by this interpreter."""
+    and `study calibrate`): its jobs are given the resources of their `kind` (`JobKind.resources`: the preset's
+    layout, one rank for a profile, one CPU-only task for data preparation, one CPU for a controller). A `preview`
+    one only writes the sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking
+    a cluster launch). On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted
+    `held` (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by `python`
+    when given (the launching process's warm server, `study.launch.warm.shared`), else by this interpreter."""
     import submitit
 
-    if stage == "profile":
-        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
-    elif stage == "controller":
-        cluster = replace(cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
-    elif stage == "prepare":
-        cluster = replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0,
-                          cpus_per_task=cluster.prepare_cpus or cluster.cpus_per_task,
-                          partition=cluster.prepare_partition or cluster.partition)
-
+    cluster = kind.resources.of(cluster)
     if cluster.name == "local":
         ex = submitit.LocalExecutor(folder=str(folder), python=python)
         ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
@@ -76,15 +68,17 @@ def _preview_executor():
 
 
 def job_name(text: str) -> str:
-    """A SLURM job name from experiment and stage names: anything but letters, digits, '_', '.' and '-' becomes '_'."""
+    """A SLURM job name (`<experiment>-<what its jobs do>`, mostly a job kind's word): anything but letters, digits,
+    '_', '.' and '-' becomes '_'."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def sbatch_preview(plan: Plan, stage: str, count: int, after: list[str], held: bool = False) -> str:
-    """The sbatch script a stage's array would be submitted with (`--dry-run`; pinned by a golden file)."""
+def sbatch_preview(plan: Plan, kind: JobKind, count: int, after: list[str], held: bool = False) -> str:
+    """The sbatch script a stage's array of `count` jobs of `kind` would be submitted with (`--dry-run`; pinned by a
+    golden file)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage}"), stage, preview=True, after=after,
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{kind}"), kind, preview=True, after=after,
                         held=held)
     from submitit.slurm.slurm import _make_sbatch_string
 

@@ -11,6 +11,7 @@ from collections import Counter
 from study.config.cluster import ClusterConfig
 from study.config.spec import RunSpec
 from study.errors import StudyError
+from study.launch.kinds import JobKind
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
@@ -62,15 +63,15 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     warm = shared() if plan.runs[0].config.cluster.warm_start else None
     try:
-        with LiveTable([r for stage in stages if stage.name != "prepare" for r in stage.runs]) as board:
+        with LiveTable([r for stage in stages if not stage.on_shards for r in stage.runs]) as board:
             for stage in stages:
-                what = "shard entries to tokenise" if stage.name == "prepare" else "runs"
+                what = "shard entries to tokenise" if stage.on_shards else "runs"
                 echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
-                shown = stage.name != "prepare"  # the board follows training runs
+                shown = not stage.on_shards  # the board follows runs
                 for indices in _chunks(stage, parallel):
-                    chunk = Stage(stage.name, [stage.runs[i] for i in indices],
+                    chunk = Stage(stage.kind, [stage.runs[i] for i in indices],
                                   groups=[stage.groups[i] for i in indices] if stage.groups else [])
-                    if stage.name == "branch" and racing:
+                    if stage.kind is JobKind.branch and racing:
                         # the rungs this launch's branches completed are decided; a stopped arm's later branches
                         # are not trained
                         settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
@@ -82,13 +83,13 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                         chunk.runs = [r for r in chunk.runs if r.key not in stopped]
                         if not chunk.runs:
                             continue
-                    if stage.name in ("tune", "train", "branch", "scheduled"):
+                    if stage.kind.trains:
                         # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
                         # started yet
                         queue = Queue(plan)
                         # nor a branch whose trunk failed in this launch before writing its start
                         chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)
-                                      and not (stage.name == "branch" and queue.dead_end(r))]
+                                      and not (stage.kind is JobKind.branch and queue.dead_end(r))]
                         say_skipped(queue, echo)
                         for key in queue.elsewhere:
                             board.mark(key, "taken elsewhere")
@@ -113,9 +114,9 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
                             echo(f"  FAILED  {line}: {reason}")
                     stage.job_ids += [j.job_id for j in live]
                     live.clear()
-                if stage.name == "branch" and racing:
+                if stage.kind is JobKind.branch and racing:
                     settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
-                if stage.name == "prepare" and failures:  # the runs read these shards: none can train without them
+                if stage.on_shards and failures:  # the runs read these shards: none can train without them
                     raise LaunchFailed("data preparation failed, so no run was trained: "
                                        + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
     except (_Stopped, KeyboardInterrupt) as stopped:
@@ -128,7 +129,7 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failures:
-        runs = sum(len(s.runs) for s in stages if s.name != "prepare")
+        runs = sum(len(s.runs) for s in stages if not s.on_shards)
         raise LaunchFailed(f"{len(failures)} of {runs} runs failed: "
                            + "; ".join(f"{r.name} ({r.key}): {why}" for r, why in failures)
                            + ". `study launch` again resumes them from their checkpoints")
@@ -140,7 +141,7 @@ def _chunks(stage: Stage, parallel: int) -> list[list[int]]:
     decides each rung before the next one trains."""
     rungs: dict[float, list[int]] = {}
     for i, r in enumerate(stage.runs):
-        rungs.setdefault(r.points[0].at if stage.name == "branch" else 0.0, []).append(i)
+        rungs.setdefault(r.points[0].at if stage.kind is JobKind.branch else 0.0, []).append(i)
     return [mine[i:i + parallel] for _, mine in sorted(rungs.items()) for i in range(0, len(mine), parallel)]
 
 

@@ -63,8 +63,9 @@ def append_lines(path: Path, entries: list[dict]) -> None:
 
 
 def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
-    """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, stage, scheduler, run
-    name, the job ids it waits for (`after`) and the launcher's host."""
+    """Latest submission per run key (and per `profile:<key>`, `prepare:<shards>`): job id, the job's kind (its
+    `stage` field holds the word of a study.launch.kinds.JobKind), scheduler, run name, the job ids it waits for
+    (`after`) and the launcher's host."""
     path = journal_path(runs_root, experiment)
     fields, present = {"key": TEXT, "job_id": TEXT, "scheduler": TEXT}, {"host": TEXT, "after": TEXTS}
     fix = (f"delete the damaged line of {path}, or the whole file once none of the experiment's jobs is queued or "

@@ -1,5 +1,8 @@
 """A launch's stages: which runs and shard entries still need a job (asked of the job journal and the schedulers
-once, `Queue`), what each stage waits for, and submitting one stage as a job array (or local processes)."""
+once, `Queue`), what each stage waits for, and submitting one stage as a job array (or local processes).
+
+A stage is a phase of a launch: jobs of one kind (study.launch.kinds) submitted together, waiting on jobs of earlier
+stages (or of earlier launches still queued or running)."""
 
 from __future__ import annotations
 
@@ -14,20 +17,20 @@ from study.jobs.prepare import PREPARE, DataGroup, data_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
 from study.launch.executor import build_executor, job_name
+from study.launch.kinds import RUN_KINDS, JobKind, Unit
 from study.launch.racing import stopped_keys
 from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
 from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record
 from study.plan.planner import Plan
 from study.schema import submitit_dir
 
-RUN_STAGES = ("tune", "train", "branch", "profile", "scheduled")
-"""Stages whose jobs belong to one run each (journal key `<run key>`, or `profile:<run key>`)."""
-
 
 @dataclass
 class Stage:
-    name: str
-    """`prepare`, `tune`, `train`, `branch`, `profile` or `scheduled`."""
+    """A phase of a launch: jobs of one kind, one per run (or shard entry), submitted together as one job array."""
+
+    kind: JobKind
+    """What each job of the stage does: `prepare`, `tune`, `train`, `branch`, `profile` or `scheduled`."""
     runs: list[RunSpec]
     """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
     after: list[str] = field(default_factory=list)
@@ -40,11 +43,21 @@ class Stage:
     """For `branch`: submitted held (`sbatch --hold`) because their trunks have not reached their branch steps;
     each trunk's job releases its branches as it writes their checkpoints (study.launch.branching)."""
 
+    @property
+    def name(self) -> str:
+        """What a person reads for the stage (`stage train: ...`): its kind's word."""
+        return self.kind.value
+
+    @property
+    def on_shards(self) -> bool:
+        """Its jobs tokenise shard entries (`groups`), not runs."""
+        return self.kind.unit is Unit.shards
+
     def keys(self) -> list[str]:
         """The job journal's name of each job of the stage."""
-        if self.name == "prepare":
+        if self.on_shards:
             return [g.key for g in self.groups]
-        return [("profile:" if self.name == "profile" else "") + r.key for r in self.runs]
+        return [self.kind.prefix + r.key for r in self.runs]
 
 
 def runs_root(plan: Plan) -> str:
@@ -117,7 +130,8 @@ class Queue(Sources):
         superseded, running, stuck = [], [], []
         for e in self.jobs.values():
             state = self.states.get(e["job_id"]) if e.get("scheduler") == "slurm" else None
-            gone = e.get("stage") in RUN_STAGES and e["key"].removeprefix("profile:") not in self.planned
+            # an entry's `stage` is the word of its job's kind
+            gone = e.get("stage") in RUN_KINDS and e["key"].removeprefix(JobKind(e["stage"]).prefix) not in self.planned
             if gone and state in ("PENDING", STUCK):
                 superseded.append(e)
             elif gone and state in ACTIVE:
@@ -143,7 +157,7 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     train = tune + [r for r in ready if r.role not in (Role.scheduled, Role.tune) and wanted(r)]
     refs = {d for r in ready if r.role == Role.scheduled for d in r.depends_on}
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
-               and not queue.busy(f"profile:{r.key}")]
+               and not queue.busy(JobKind.profile.prefix + r.key)]
     scheduled = [r for r in ready if r.role == Role.scheduled and wanted(r)]
     # the shard entries not in the cache yet
     prepare = [g for g in data_groups(train + scheduled) if find_shards(g.data) is None and not queue.busy(g.key)]
@@ -151,16 +165,14 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
 
 
 def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
-    from study.launch.callables import PrepareJob, ProfileJob, TrainJob
-
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.name,
+    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.kind,
                         after=stage.after, held=stage.held, python=python)
-    if stage.name == "prepare":
-        callables = [PrepareJob(g.runs[0].dir, g.model_vocab) for g in stage.groups]
+    make = stage.kind.job
+    if stage.on_shards:
+        callables = [make(g.runs[0].dir, g.model_vocab) for g in stage.groups]
     else:
-        make = ProfileJob if stage.name == "profile" else TrainJob
         callables = [make(r.dir) for r in stage.runs]
     try:
         with outside_allocation(), ex.batch():
@@ -170,7 +182,7 @@ def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
                          "check the cluster preset (partition, account, qos, time limit) against `sinfo`") from None
     ids = [j.job_id for j in jobs]
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
-    names = [g.data.name for g in stage.groups] if stage.name == "prepare" else [r.name for r in stage.runs]
+    names = [g.data.name for g in stage.groups] if stage.on_shards else [r.name for r in stage.runs]
     record(runs_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
                    "name": n, "after": stage.after, "host": socket.gethostname(), "time": time.time()}
                   for k, n, j in zip(stage.keys(), names, ids)])
@@ -184,26 +196,26 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     submitted = queue.live()
     stages = []
     if prepare:
-        stages.append(Stage("prepare", [g.runs[0] for g in prepare], groups=prepare))
+        stages.append(Stage(JobKind.prepare, [g.runs[0] for g in prepare], groups=prepare))
     tune = [r for r in train if r.role == Role.tune]
     if tune:
-        stages.append(Stage("tune", tune))
+        stages.append(Stage(JobKind.tune, tune))
     # rung by rung: a local launch decides each rung before it trains the next
     branches = sorted((r for r in train if r.role == Role.branch), key=lambda r: r.points[0].at)
     train = [r for r in train if r.role not in (Role.tune, Role.branch)]
     if train:
-        stages.append(Stage("train", train))
+        stages.append(Stage(JobKind.train, train))
     if branches:
         # a branch whose trunk has written its start can run now; the others wait, held, for their trunk's job
         ready = [r for r in branches if branch_ready(r) or not queue.on_slurm]  # locally the trunks run first
         if ready:
-            stages.append(Stage("branch", ready))
+            stages.append(Stage(JobKind.branch, ready))
         if len(ready) < len(branches):
-            stages.append(Stage("branch", [r for r in branches if not branch_ready(r)], held=True))
+            stages.append(Stage(JobKind.branch, [r for r in branches if not branch_ready(r)], held=True))
     if profile:
-        stages.append(Stage("profile", profile))
+        stages.append(Stage(JobKind.profile, profile))
     if scheduled:
-        stages.append(Stage("scheduled", scheduled))
+        stages.append(Stage(JobKind.scheduled, scheduled))
     for stage in stages:
         stage.after = dependencies(stage, submitted)
     return stages
@@ -211,18 +223,16 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
 
 def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:
     """Exactly the upstream array tasks of a stage's runs (a reference run, its profile), not whole arrays."""
-    return sorted({submitted[k] for r in stage.runs for k in _upstream(stage.name, r) if k in submitted})
+    return sorted({submitted[k] for r in stage.runs for k in _upstream(stage.kind, r) if k in submitted})
 
 
-def _upstream(stage: str, run: RunSpec) -> list[str]:
-    data = PREPARE + shards_id(run.config.data)
-    if stage == "profile":
+def _upstream(kind: JobKind, run: RunSpec) -> list[str]:
+    """The journal keys of the jobs a job of `kind` for `run` waits for: a profile its reference run's training; a
+    training job the preparation of its shards, and a scheduled run besides its references' profiles."""
+    if kind is JobKind.profile:
         return [run.key]
-    if stage == "scheduled":
-        return [f"profile:{k}" for k in run.depends_on] + [data]
-    if stage in ("train", "tune", "branch"):
-        return [data]
-    return []
+    profiles = [JobKind.profile.prefix + k for k in run.depends_on] if kind is JobKind.scheduled else []
+    return profiles + ([PREPARE + shards_id(run.config.data)] if kind.trains else [])
 
 
 def say_skipped(queue: Queue, echo) -> None:
@@ -237,6 +247,6 @@ def say_skipped(queue: Queue, echo) -> None:
 
 
 def stage_lines(stage: Stage) -> list[str]:
-    if stage.name == "prepare":
+    if stage.on_shards:
         return [f"{g.data.name} for {len(g.runs)} run{'s' * (len(g.runs) != 1)}" for g in stage.groups]
     return [f"{r.key}  {r.name}" for r in stage.runs]

@@ -30,6 +30,7 @@ from study.eval.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
 from study.launch.executor import build_executor, job_name, sbatch_preview
+from study.launch.kinds import JobKind
 from study.launch.local import LaunchFailed, check_local_layout, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.racing import write_roster
@@ -112,7 +113,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     from study.plan.memory import check_launch
 
     # the training jobs (not data preparation, not profiles); a dry run says what the launch would
-    check_launch([r for s in stages if s.name not in ("prepare", "profile") for r in s.runs])
+    check_launch([r for s in stages if s.kind.trains for r in s.runs])
     if dry_run:
         _act_on_stale(queue, echo, dry_run=True)
         _print_dry_run(plan, stages, cluster, echo)
@@ -151,12 +152,12 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         stage.after = dependencies(stage, submitted)  # now including the stages submitted just before
         jobs = submit_stage(plan, stage)
         submitted.update({k: j.job_id for k, j in zip(stage.keys(), jobs)})
-        what = "shard entries (CPU)" if stage.name == "prepare" else "runs"
+        what = "shard entries (CPU)" if stage.on_shards else "runs"
         echo(f"stage {stage.name}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
         for line, job in zip(stage_lines(stage), jobs):
             echo(f"  {job.job_id}  {line}")
-    tune_jobs = [j for s in stages if s.name == "tune" for j in s.job_ids]
+    tune_jobs = [j for s in stages if s.kind is JobKind.tune for j in s.job_ids]
     if tune_jobs and any(r.awaits_tuning for r in plan.runs):
         _relaunch_after(plan, overrides, tune_jobs, tried | _tune_keys(stages), echo)
     if wait:
@@ -184,14 +185,14 @@ class RelaunchJob:
 
 
 def _tune_keys(stages: list[Stage]) -> frozenset[str]:
-    return frozenset(r.key for s in stages if s.name == "tune" for r in s.runs)
+    return frozenset(r.key for s in stages if s.kind is JobKind.tune for r in s.runs)
 
 
 def _without_tried(stages: list[Stage], tried: frozenset[str], queue: Queue, experiment: str, echo) -> list[Stage]:
     """The stages less the tune runs this chain of relaunches already trained, each named with why it is unsettled."""
     out = []
     for stage in stages:
-        again = [r for r in stage.runs if r.key in tried] if stage.name == "tune" else []
+        again = [r for r in stage.runs if r.key in tried] if stage.kind is JobKind.tune else []
         for r in again:
             run = queue.mlflow.get(r.key)
             why = (run.data.tags.get(TAG_FAILURE_REASON) if run is not None else None) or "it left no result"
@@ -208,10 +209,12 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
     cfg = plan.runs[0].config
     # `afterany`: a failed tune run is reported by the relaunch, which resubmits it
     ex = build_executor(cfg.cluster, submitit_dir(cfg.paths.runs, cfg.experiment) / "%j",
-                        job_name(f"{cfg.experiment}-after-tuning"), "controller", after=after, condition="afterany")
+                        job_name(f"{cfg.experiment}-after-tuning"), JobKind.relaunch, after=after,
+                        condition="afterany")
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
-    record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "stage": "relaunch",
+    record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id,
+                                                    "stage": JobKind.relaunch.value,
                                                     "scheduler": "slurm", "name": "after tuning", "after": after,
                                                     "host": socket.gethostname(), "time": time.time()}])
     echo(f"stage relaunch: job {job.job_id} (afterany {','.join(after)}) launches the main runs once tuning decides")
@@ -255,15 +258,15 @@ def _check_tasks(plan: Plan) -> None:
 def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:
     if not stages:
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
-    previous: list[str] = []
+    previous: list[JobKind] = []
     for stage in stages:
-        upstream = {"tune": "data", "train": "data", "branch": "data", "profile": "reference runs",
-                    "scheduled": "profiles"}.get(stage.name)
+        upstream = {JobKind.tune: "data", JobKind.train: "data", JobKind.branch: "data",
+                    JobKind.profile: "reference runs", JobKind.scheduled: "profiles"}.get(stage.kind)
         # data comes from the prepare array; reference runs and profiles from the array just before
-        source = ("prepare" if "prepare" in previous else None) if upstream == "data" else (
-            previous[-1] if previous else None)
+        source = (JobKind.prepare.value if JobKind.prepare in previous else None) if upstream == "data" else (
+            previous[-1].value if previous else None)
         after = stage.after + ([f"<its {upstream} in the {source} array>"] if source and upstream else [])
-        what = "shard entries to tokenise (CPU only)" if stage.name == "prepare" else "runs"
+        what = "shard entries to tokenise (CPU only)" if stage.on_shards else "runs"
         echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else "")
              + (", held (sbatch --hold): each trunk's job releases its branches as it writes their start "
@@ -271,16 +274,16 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
                 ", after the trunks' stage (each starts from its trunk's checkpoint)" if stage.held else ""))
         for line in stage_lines(stage):
             echo(f"  {line}")
-        echo(for_terminal(mask_text(sbatch_preview(plan, stage.name, len(stage.runs), after, stage.held)))
+        echo(for_terminal(mask_text(sbatch_preview(plan, stage.kind, len(stage.runs), after, stage.held)))
              if cluster.name != "local"
              else "  (local processes, no sbatch script)")
-        previous.append(stage.name)
+        previous.append(stage.kind)
     held = [r for r in plan.runs if r.awaits_tuning]
     if held:
         echo(f"held: {len(held)} main runs wait for their variant's tuning; they are submitted by the launch that "
              "finds it decided")
         for r in held:
             echo(f"  {r.key}  {r.name}: waits for the {r.pending}")
-    if held and any(s.name == "tune" for s in stages):
+    if held and any(s.kind is JobKind.tune for s in stages):
         echo("stage relaunch: one CPU job (afterany on the tune array) runs `study launch` again once the tune runs "
              "end" if cluster.name != "local" else "stage relaunch: this launch launches again once its tune runs end")

@@ -100,7 +100,7 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
             claim(spec)
             from study.train import restart as restarts
 
-            interrupted = restarts.staged(spec)
+            interrupted = restarts.interrupted(spec)
             if restart or interrupted is not None:
                 restarts.restart(spec, interrupted)
         barrier(d)  # every rank looks for checkpoints after a restart has set them aside

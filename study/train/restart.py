@@ -5,7 +5,7 @@ The answer when a run cannot be continued: every checkpoint damaged, the data it
 the spec and the resolved config (checkpoints, metric log, result, evaluations, export, tokenizer copy, data record)
 moves into `replaced/<UTC time>/`, and the key's MLflow runs are deleted (MLflow's soft delete, restorable) with tag
 `study.replaced` (study.track.store.retire_runs), so the next start opens a fresh MLflow run whose curve is the new
-training alone. The move is staged in `replaced/<time>.partial/`, made before anything moves: a restart interrupted
+training alone. The move goes through `replaced/<time>.partial/`, made before anything moves: a restart interrupted
 anywhere is finished by the next start, before it trains, so no start ever mixes the old training with the new.
 """
 
@@ -21,7 +21,7 @@ from study import schema
 from study.schema import not_a_link
 
 REPLACED = "replaced"
-STAGED = ".partial"
+PARTIAL = ".partial"
 KEPT = ("run.json", "config.yaml", REPLACED)
 """What a restart leaves in place (hidden files too: the lease and other processes' transient files)."""
 
@@ -31,35 +31,35 @@ def replaced(spec: RunSpec) -> Path:
     return not_a_link(spec.run_dir.path / REPLACED)
 
 
-def staged(spec: RunSpec) -> Path | None:
+def interrupted(spec: RunSpec) -> Path | None:
     """The folder of a restart that was interrupted, if any."""
     root = replaced(spec)
-    found = sorted(root.glob(f"*{STAGED}")) if root.is_dir() else []
+    found = sorted(root.glob(f"*{PARTIAL}")) if root.is_dir() else []
     return found[0] if found else None
 
 
-def restart(spec: RunSpec, stage: Path | None = None) -> None:
-    """Set the run's earlier training aside (the caller holds its lease): into `stage`, an interrupted restart's
+def restart(spec: RunSpec, partial: Path | None = None) -> None:
+    """Set the run's earlier training aside (the caller holds its lease): into `partial`, an interrupted restart's
     folder, or a new one."""
     from study.track.store import retire_runs
 
     rdir = spec.run_dir.path
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if stage is None:
-        stage = replaced(spec) / f"{when.replace(':', '')}-{os.getpid()}{STAGED}"
-    stage.mkdir(parents=True, exist_ok=True)
-    done = stage.with_name(stage.name[:-len(STAGED)])
+    if partial is None:
+        partial = replaced(spec) / f"{when.replace(':', '')}-{os.getpid()}{PARTIAL}"
+    partial.mkdir(parents=True, exist_ok=True)
+    done = partial.with_name(partial.name[:-len(PARTIAL)])
     retired = retire_runs(spec.key, spec.config.experiment, spec.config.tracking,
                           f"trained again from step 0 (--restart) at {when}; its run directory's earlier files are in "
                           f"{done}")
     for entry in sorted(rdir.iterdir()):
         if entry.name not in KEPT and not entry.name.startswith("."):
-            os.rename(entry, stage / entry.name)
-    if any(stage.iterdir()):
-        os.rename(stage, done)
+            os.rename(entry, partial / entry.name)
+    if any(partial.iterdir()):
+        os.rename(partial, done)
         kept = f"its earlier files are in {done}"
     else:
-        stage.rmdir()
+        partial.rmdir()
         kept = "it had no files to set aside"
     runs = (f"MLflow run{'s' * (len(retired) != 1)} {', '.join(retired)} deleted (restorable) and tagged "
             + schema.TAG_REPLACED if retired else "no MLflow run to set aside")
@@ -79,6 +79,6 @@ def restart_idle(spec: RunSpec) -> None:
                          "stop that job or process first (`study status` names it), or let it end, then launch with "
                          "--restart again")
     try:
-        restart(spec, staged(spec))
+        restart(spec, interrupted(spec))
     finally:
         lease.release()

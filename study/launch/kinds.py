@@ -1,0 +1,114 @@
+"""The kinds of job study submits, one word each (`JobKind`): what a job of that kind is given (`Resources`), what
+it calls, and what one job works on (`Unit`). A launch's stages, the executor, the job journal and `study status`'s
+scheduler view all read a job's kind from here, so a kind is added in one place, whole.
+
+A kind's word is what a person reads (`stage train: ...`), the end of its SLURM job name (`<experiment>-train`) and
+the `stage` field of its entries in the job journal (`_launch/jobs.jsonl`): the words journals already hold."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+from enum import Enum, StrEnum
+
+from study.config.cluster import ClusterConfig
+
+
+class Resources(Enum):
+    """What a job is given, from the cluster preset (the executor's resource class)."""
+
+    layout = "the preset's layout"
+    """The preset's nodes, tasks and GPUs: a run trains as the plan laid it out."""
+    one_rank = "one rank"
+    """One node, one task, at most one GPU: the geometry profile measures on one device."""
+    preparation = "CPU only, preparation partition"
+    """One CPU-only task with `cluster.prepare_cpus` on `cluster.prepare_partition` (else the preset's own): no GPU
+    waits on tokenisation."""
+    controller = "one CPU"
+    """One CPU, no GPU, 4 GB, for as long as the preset lets a job run (a requeue replays it): a job that launches
+    others."""
+
+    def of(self, cluster: ClusterConfig) -> ClusterConfig:
+        """The preset as a job given these resources sees it."""
+        if self is Resources.one_rank:
+            return replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=min(1, cluster.gpus_per_node))
+        if self is Resources.controller:
+            return replace(cluster, gpus_per_node=0, nodes=1, tasks_per_node=1, cpus_per_task=1, mem_gb=4)
+        if self is Resources.preparation:
+            return replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0,
+                           cpus_per_task=cluster.prepare_cpus or cluster.cpus_per_task,
+                           partition=cluster.prepare_partition or cluster.partition)
+        return cluster
+
+
+class Unit(Enum):
+    """What one job of a kind works on."""
+
+    shards = "shard entry"
+    """One shard entry (`study.jobs.prepare.DataGroup`): its journal key is the group's `prepare:<shards>`."""
+    run = "run"
+    """One run of the plan: its journal key is the kind's `prefix` and the run key."""
+    experiment = "experiment"
+    """The whole experiment: a controller that launches its runs."""
+
+
+TRAIN_JOB = "study.launch.callables:TrainJob"
+"""What a job that trains a run calls: every kind whose jobs call it trains (`JobKind.trains`)."""
+
+
+class JobKind(StrEnum):
+    """A kind of job: its word (the member's value), its resources, what it calls (`module:Class`, imported when a
+    job is made, so reading a kind never imports submitit or torch) and its unit of work."""
+
+    def __new__(cls, word: str, resources: Resources, calls: str, unit: Unit, prefix: str = ""):
+        kind = str.__new__(cls, word)
+        kind._value_ = word
+        kind.resources = resources
+        kind.calls = calls
+        kind.unit = unit
+        kind.prefix = prefix
+        return kind
+
+    prepare = "prepare", Resources.preparation, "study.launch.callables:PrepareJob", Unit.shards
+    """Tokenise a shard entry not yet in the cache, before any run reads it."""
+    tune = "tune", Resources.layout, TRAIN_JOB, Unit.run
+    """Train a point of a tuning stage's LR grid (a relaunch submits the main runs once they decide)."""
+    train = "train", Resources.layout, TRAIN_JOB, Unit.run
+    """Train a run (a trunk, a reference, an ordinary run), then evaluate it when `eval.after_train` is set."""
+    branch = "branch", Resources.layout, TRAIN_JOB, Unit.run
+    """Train a decay branch from its trunk's checkpoint: submitted held on SLURM until the trunk writes it, rung by
+    rung locally (a race decides each rung before the next)."""
+    profile = "profile", Resources.one_rank, "study.launch.callables:ProfileJob", Unit.run, "profile:"
+    """Measure a finished reference run's geometry profile (journaled apart from the run's training)."""
+    scheduled = "scheduled", Resources.layout, TRAIN_JOB, Unit.run
+    """Train a run whose widths come from its reference's profile."""
+    relaunch = "relaunch", Resources.controller, "study.launch.submit:RelaunchJob", Unit.experiment
+    """Launch the experiment again once its tune runs end (SLURM; a local launch relaunches itself)."""
+    until_decided = "until-decided", Resources.controller, "study.launch.adaptive:Adaptive", Unit.experiment
+    """`study launch --until-decided`'s loop on SLURM: launches rounds of seeds until the comparisons decide."""
+    calibrate = "calibrate", Resources.layout, TRAIN_JOB, Unit.run
+    """Train a short copy of one shape to measure its throughput (`study calibrate`)."""
+
+    resources: Resources
+    calls: str
+    unit: Unit
+    prefix: str
+    """Before a run key in the job journal's key of a job of this kind: a run's profile is journaled apart from its
+    training."""
+
+    @property
+    def job(self) -> type:
+        """The class a job of this kind calls (an instance is what submitit pickles and the job runs)."""
+        module, _, name = self.calls.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def trains(self) -> bool:
+        """Whether a job of this kind trains a run: it waits for its shards' preparation, the launch checks that it
+        fits in memory, and a local launch asks before each batch whether something else took the run."""
+        return self.calls == TRAIN_JOB
+
+
+RUN_KINDS = tuple(k for k in JobKind if k.unit is Unit.run)
+"""Kinds whose jobs belong to one run each (journal key `<prefix><run key>`); a tuple, so asking it of whatever a
+damaged journal entry holds (a list) is an answer, not a TypeError."""
