@@ -189,8 +189,9 @@ def test_plan_json_gives_every_run_its_memory_per_rank_against_its_device(capsys
 
     monkeypatch.chdir(tmp_path)
     cpu = plan_json(capsys, "demo")["runs"]
-    gpu = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h100")["runs"]
-    h200 = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h200")["runs"]
+    # the release at its scale's micro-batch (a number replaces the experiment's `auto`)
+    gpu = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h100", "train.micro_batch=16")["runs"]
+    h200 = plan_json(capsys, "hourglass_release", "--scale", "906M", "cluster=h200", "train.micro_batch=16")["runs"]
     keys = {"params", "grads", "optimizer", "activations", "peak", "device", "fits"}
     assert all(set(r["memory"]) == keys for r in cpu + gpu + h200)
     # a CPU rank has this machine's memory (psutil; a container's cgroup limit where lower)
@@ -292,6 +293,40 @@ def test_auto_micro_batch_is_the_largest_that_fits_with_the_headroom_and_keeps_k
                      f"{r.planned.grad_accum} per rank (global batch 512), estimated peak "
                      f"{run_memory(r).peak / 2**30:,.1f} GiB of 12.0 GiB, 10% kept free"
                      for v, r in first_of_each_variant.items()]
+
+
+@pytest.mark.parametrize("scale,overrides", [(None, ["cluster=h100"]), ("3B", ["cluster=h100", "cluster.nodes=4"]),
+                                             ("8B", ["cluster=h100", "cluster.nodes=8"])])
+def test_the_shipped_release_fits_its_target_cluster_at_its_recorded_run_keys(scale, overrides, capsys, tmp_path,
+                                                                            monkeypatch):
+    """hourglass_release trains `train.micro_batch: auto`: at its scales' 16 sequences of 4,096 tokens it was refused
+    on the H100s it is meant for (193 GiB per rank at 906M). Each run now takes the largest micro-batch dividing its
+    rank's share of the 1,024 sequences whose peak leaves 10 % of the 80 GiB free, and keeps its key."""
+    from study.plan.memory import GIB, HEADROOM, run_memory
+
+    monkeypatch.chdir(tmp_path)
+    runs = plan_json(capsys, "hourglass_release", *(["--scale", scale] if scale else []), *overrides)["runs"]
+    golden = json.loads((ROOT / "tests" / "golden" / "run_keys.json").read_text())["hourglass_release"]
+    assert runs and all(golden[r["name"]] == r["run_key"] for r in runs)
+    specs = {s.key: s for s in _plan("hourglass_release", overrides).runs}
+    for r in runs:
+        assert r["memory"]["fits"] and r["memory"]["peak"] <= (1 - HEADROOM) * 80
+        assert r["global_batch"] == 1024 == r["micro_batch"] * r["grad_accum"] * r["world_size"]
+        if r["grad_accum"] % 2 == 0:  # twice the micro-batch would not leave the headroom
+            spec = specs[r["run_key"]]
+            twice = replace(spec_layout(spec), micro_batch=2 * r["micro_batch"], grad_accum=r["grad_accum"] // 2)
+            assert run_memory(spec, twice).peak > (1 - HEADROOM) * 80 * GIB
+    if scale is None:  # every scale on one node: the launch that refused it passes its memory check
+        assert main(["launch", "hourglass_release", *overrides, "--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "sweeps" / "experiment").glob("*.yaml")))
+def test_every_shipped_experiment_fits_the_h100_preset(experiment, tmp_path, monkeypatch):
+    from study.plan.memory import run_memory
+
+    monkeypatch.chdir(tmp_path)
+    unfit = [r.name for r in _plan(experiment, ["cluster=h100"]).runs if not run_memory(r).fits]
+    assert unfit == []
 
 
 def test_micro_batch_auto_in_an_experiment_layer_keeps_the_number_below_it_and_a_number_above_replaces_it():
