@@ -11,6 +11,7 @@ import pytest
 
 from study.cli import main
 from study.plan.budget import flops_per_token
+from study.plan.memory import run_memory
 from study.plan.planner import group_options, plan_experiment
 from study.train.preflight import GIB, Measured, measure, model_flops
 
@@ -90,13 +91,17 @@ def test_torch_counts_the_plans_flops_per_token_for_every_shipped_shape(workdir)
         assert model_flops(m, 16, 2) == flops_per_token(m, 16), family
 
 
-def test_a_second_preflight_reads_the_cache_and_a_damaged_entry_is_measured_again(workdir, cache, capsys, monkeypatch):
+def test_a_second_preflight_reads_the_cache_and_a_damaged_or_stale_entry_is_measured_again(workdir, cache, capsys,
+                                                                                            monkeypatch):
     args = ["preflight", "demo", "--variant", "hourglass", "cluster.tasks_per_node=2", "--json"]
     assert main(args) == 0
     [shape] = json.loads(capsys.readouterr().out)["shapes"]
     assert not shape["cached"] and len(shape["runs"]) == 6  # its three tune points and three seeds: one shape
     assert shape["layout"] == "1 node x 2 ranks, full" and shape["peak_gib"] > 0
     assert shape["flops_per_token"] == shape["plan_flops_per_token"]
+    runs = plan_experiment("demo", ["cluster.tasks_per_node=2"]).runs
+    spec = next(r for r in runs if r.config.variant == "hourglass")
+    assert shape["estimated_peak_gib"] == run_memory(spec).peak / GIB  # the plan's estimate, shown beside it
     assert shape["graph_breaks"] == 0 and shape["break_reasons"] == []
     assert (cache / "preflight" / f"{shape['shape']}.json").is_file()
 
@@ -121,6 +126,12 @@ def test_a_second_preflight_reads_the_cache_and_a_damaged_entry_is_measured_agai
     assert f"{entry} is unreadable" in err
     assert json.loads(entry.read_text())["measured"]["peak_gib"] == 1.5
 
+    # other code for the model, its layout or the step is another shape: measured, never read from the cache
+    monkeypatch.setattr("study.launch.preflight._code", lambda: "edited")
+    assert main(args) == 0
+    [edited] = json.loads(capsys.readouterr().out)["shapes"]
+    assert not edited["cached"] and edited["shape"] != shape["shape"]
+
 
 def test_preflight_refuses_an_unknown_experiment(cache, capsys):
     assert main(["preflight", "no_such_experiment"]) == 2
@@ -139,4 +150,17 @@ def test_a_shape_that_cannot_be_stepped_stops_preflight_naming_the_run(cache, ca
     run = next(r for r in plan_experiment("demo", ["cluster.tasks_per_node=2"]).runs if r.config.variant == "tapered")
     assert f"run {run.name} ({run.key}) cannot be stepped" in err
     assert "RuntimeError: the step ran out of memory" in err and "Fix:" in err
-    assert not (cache / "preflight").exists()  # nothing kept of a shape that did not step
+    assert not list((cache / "preflight").iterdir())  # nothing kept of a shape that did not step
+
+
+def test_a_cache_that_cannot_hold_results_is_refused_before_anything_is_measured(cache, capsys, monkeypatch):
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text("a file where the cache folder should be")
+
+    def unwanted(*_, **__):
+        raise AssertionError("measured without a place to keep the result")
+
+    monkeypatch.setattr("study.train.preflight.measure", unwanted)
+    assert main(["preflight", "demo", "--variant", "tapered"]) == 2
+    err = capsys.readouterr().err
+    assert "error in `data.cache_dir`: preflight results cannot be kept in" in err and "STUDY_CACHE" in err

@@ -3,13 +3,15 @@ fake process group of its job's real world size (study.train.preflight), before 
 peak memory per rank, torch's FLOPs per token against the plan's, and the graph breaks of torch.compile's trace.
 
 A shape is what the measurement depends on (`shape_of`): the matched model, the sequence length, the job's layout
-(ranks, nodes, sharding, micro batch, whether it accumulates, precision, activation checkpointing) and torch's
-version. Runs that share one (seeds, tune points, LRs) are measured once, and each result is kept in the cache
-(`<cache>/preflight/<shape>.json`), so asking again costs nothing.
+(ranks, nodes, sharding, micro batch, whether it accumulates, precision, activation checkpointing), torch's version
+and the code that builds, lays out and steps the model. Runs that share one (seeds, tune points, LRs) are measured
+once, and each result is kept in the cache (`<cache>/preflight/<shape>.json`), so asking again costs a third of a
+second.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -64,10 +66,21 @@ def shape_of(spec: RunSpec) -> dict:
     r, cfg = spec.planned, spec.config
     job = job_dist(cfg, r.world_size)
     stepped = stepped_config(cfg, job)
-    return {"version": VERSION, "torch": version("torch"), "model": asdict(spec.model), "seq_len": cfg.data.seq_len,
-            "world_size": job.world_size, "nodes": job.nodes, "sharding": sharding(stepped, job),
-            "micro_batch": r.micro_batch, "accumulates": r.grad_accum > 1, "precision": stepped.train.precision,
-            "activation_checkpointing": cfg.train.activation_checkpointing, "z_loss": bool(cfg.train.z_loss)}
+    return {"version": VERSION, "torch": version("torch"), "code": _code(), "model": asdict(spec.model),
+            "seq_len": cfg.data.seq_len, "world_size": job.world_size, "nodes": job.nodes,
+            "sharding": sharding(stepped, job), "micro_batch": r.micro_batch, "accumulates": r.grad_accum > 1,
+            "precision": stepped.train.precision, "activation_checkpointing": cfg.train.activation_checkpointing,
+            "z_loss": bool(cfg.train.z_loss)}
+
+
+@functools.cache
+def _code() -> str:
+    """A digest of the code a measurement runs (study.train.preflight.CODE): the model, its layout, the step."""
+    import study
+    from study.data.cache import file_digest
+    from study.train.preflight import CODE
+
+    return file_digest([Path(study.__file__).parent / name for name in CODE])
 
 
 def distinct_shapes(runs: list[RunSpec]) -> tuple[list[Shape], list[RunSpec]]:
@@ -86,9 +99,16 @@ def distinct_shapes(runs: list[RunSpec]) -> tuple[list[Shape], list[RunSpec]]:
 
 
 def cache_file(shape: Shape) -> Path:
+    """Where the shape's result is kept: beside the data cache its runs share (`data.cache_dir`, else $STUDY_CACHE
+    or ~/.cache/study)."""
     from study.config.data import cache_root
 
     return cache_root(shape.spec.config.data) / "preflight" / f"{shape.digest}.json"
+
+
+def _unkept(folder: Path, err: OSError) -> StudyError:
+    return StudyError("data.cache_dir", f"preflight results cannot be kept in {folder} ({err.strerror or err})",
+                      "point data.cache_dir (or STUDY_CACHE) at a folder you can write to")
 
 
 def _cached(path: Path, trace: bool) -> dict | None:
@@ -114,12 +134,20 @@ def preflight(runs: list[RunSpec], trace: bool = True, again: bool = False,
     from study.train.preflight import StepFailed, measure
 
     shapes, pending = distinct_shapes(runs)
+    todo = []
     for shape in shapes:
-        path = cache_file(shape)
-        found = None if again else _cached(path, trace)
-        if found is not None:
+        found = None if again else _cached(cache_file(shape), trace)
+        if found is None:
+            todo.append(shape)
+        else:
             shape.measured, shape.cached = found, True
-            continue
+    for folder in {cache_file(shape).parent for shape in todo}:  # before anything is measured
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _unkept(folder, err) from None
+    for shape in todo:
+        path = cache_file(shape)
         names = ", ".join(r.name for r in shape.runs[:3]) + (f" and {len(shape.runs) - 3} more"
                                                               if len(shape.runs) > 3 else "")
         ranks = shape.spec.planned.world_size
@@ -133,19 +161,20 @@ def preflight(runs: list[RunSpec], trace: bool = True, again: bool = False,
                              f"{shape.spec.planned.micro_batch}): {failed.error}",
                              "fix the run's model or layout (model.*, cluster.nodes, train.sharding, "
                              "train.micro_batch), then run `study preflight` again") from failed.__cause__
-        path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(path, json.dumps({"version": VERSION, "shape": shape_of(shape.spec),
-                                       "measured": shape.measured}, indent=1))
+        try:
+            replace_file(path, json.dumps({"version": VERSION, "shape": shape_of(shape.spec),
+                                           "measured": shape.measured}, indent=1))
+        except OSError as err:
+            raise _unkept(path.parent, err) from None
     return shapes, pending
 
 
-def estimated_peak(spec: RunSpec) -> float | None:
-    """The analytic estimate of the run's peak per rank (study.plan.memory), in GiB, read beside the tracked one."""
-    from study.plan.memory import GIB, estimate, planned_layout
+def estimated_peak(spec: RunSpec) -> float:
+    """The plan's analytic peak per rank at the run's planned layout (study.plan.memory), in GiB, read beside the
+    tracked one."""
+    from study.plan.memory import GIB, run_memory
 
-    r = spec.planned
-    layout = planned_layout(spec.config, r.micro_batch, r.grad_accum)
-    return estimate(spec.model, spec.config.data.seq_len, layout, z_loss=bool(spec.config.train.z_loss)).peak / GIB
+    return run_memory(spec).peak / GIB
 
 
 def print_preflight(experiment: str, shapes: list[Shape], pending: list[RunSpec]) -> None:
@@ -163,7 +192,7 @@ def print_preflight(experiment: str, shapes: list[Shape], pending: list[RunSpec]
             shape.digest, f"{spec.config.variant}-{spec.config.scale}" + (f" +{len(shape.runs) - 1}"
                                                                            if len(shape.runs) > 1 else ""),
             m["layout"], f"{spec.planned.micro_batch}x{m['micro_batches']}", f"{m['peak_gib']:.3g}",
-            "-" if estimate is None else f"{estimate:.3g}", f"{m['params_gib']:.3g}", f"{m['optimizer_gib']:.3g}",
+            f"{estimate:.3g}", f"{m['params_gib']:.3g}", f"{m['optimizer_gib']:.3g}",
             f"{m['flops_per_token'] / 1e9:.4g}", f"{shape.plan_flops_per_token / 1e9:.4g}",
             "not traced" if breaks is None else str(breaks),
             "cached" if shape.cached else f"{sum(m['seconds'].values()):.1f}"])

@@ -7,8 +7,8 @@ What it measures, as rank 0 of the job sees it:
 - memory: torch's tracker (FSDPMemTracker; MemTracker on one rank) over one steady-state step, the optimizer's
   state already in place (an untracked first step of one micro batch made it), at the job's micro batch, sequence
   length, precision, activation checkpointing and gradient accumulation. Two micro batches stand for any
-  accumulation of two or more: from the second one on every micro batch meets the same state (the whole gradients
-  the first one left), so more of them reach no higher peak;
+  accumulation of two or more: from the second one on every micro batch meets the same state (the gradients the
+  earlier ones left), so more of them reach no higher peak;
 - FLOPs per token: torch's FlopCounterMode over one forward and backward of the plain model on the meta device,
   attention taken through SDPA's math kernel so that it counts as the two matrix products it is (the fused kernels'
   formulas add the scores their backward recomputes);
@@ -35,6 +35,9 @@ from study.train.distributed import Dist
 from study.train.parallelize import layout_name, use_bf16
 
 GIB = 2**30
+CODE = ("models/layers.py", "models/transformer.py", "train/optim.py", "train/parallelize.py", "train/preflight.py",
+        "train/step.py")
+"""The files of `study/` whose code a measurement runs: a result measured with other code is measured again."""
 
 
 @dataclass(frozen=True)
