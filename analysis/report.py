@@ -134,7 +134,8 @@ def analyse(
                if logged and len(study.branches) else None)
     # a run whose final value was left out as infinite (run_table) keeps its curve out of the figures too
     finished = runs.loc[(runs["status"] == run_table.FINISHED) & runs[HEADLINE].notna(), "run_id"] if logged else []
-    curves = run_table.read_curves(finished, HEADLINE, uri) if logged else pd.DataFrame()
+    curves = (run_table.read_curves(finished, HEADLINE, uri, trunks=run_table.trunk_links(runs)) if logged
+              else pd.DataFrame())
     decisions = decide(results, rule, _baseline_means(runs, results))
     client = open_store(uri, required=True)
     exp_id = run_table.experiment_id(client, experiment)

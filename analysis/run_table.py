@@ -23,7 +23,7 @@ from study.config.identity import SCHEMA_VERSION
 from study.errors import StudyError
 from study.config.run import Role
 from study.plan.fairness import shared as is_shared
-from study.schema import NOT_TRAINING, TAG_BRANCH_AT, TAG_KEY_SCHEMA, TAG_TRUNK_KEY, role_of
+from study.schema import NOT_TRAINING, TAG_BRANCH_AT, TAG_BRANCH_STEP, TAG_KEY_SCHEMA, TAG_TRUNK_KEY, role_of
 from study.track.query import all_runs, open_store, read, read_manifest_tags
 from study.track.store import resolve_tracking_uri
 
@@ -89,8 +89,9 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
 
     Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.role`` tag), baseline, status,
     failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
-    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), at and trunk_key
-    (a decay branch's point and trunk; NaN and None for other runs), shared_fields (the hashed fields every arm
+    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), at, trunk_key,
+    branch_step and trunk_run_id (a decay branch's point, its trunk's key, the trunk step it started from and the
+    trunk's MLflow run, None where the store holds none; NaN and None for other runs), shared_fields (the hashed fields every arm
     shares, as logged: JSON), then one column per final
     metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
     Report runs (``study.role=report``), parent runs (``study.role=group``) and runs without the study's
@@ -132,6 +133,9 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     fixed = [c for c in frame.columns if "/" not in c]
     metrics = sorted(c for c in frame.columns if "/" in c)
     frame = frame[fixed + metrics].sort_values(["scale", "variant", "seed"], ignore_index=True)
+    trunk_runs = frame.loc[frame["role"] == Role.trunk].set_index("run_key")["run_id"]
+    frame.insert(frame.columns.get_loc("trunk_key") + 1, "trunk_run_id",
+                 [trunk_runs.get(k) if isinstance(k, str) else None for k in frame["trunk_key"]])
     manifest = read_manifest_tags(store, experiment)
     launched = set(manifest["keys"]) if manifest is not None else set()
 
@@ -305,6 +309,7 @@ def _row(run) -> dict | None:
         "flops_per_token": _number(params, "resolved.flops_per_token"),
         "at": _number(tags, TAG_BRANCH_AT),
         "trunk_key": tags.get(TAG_TRUNK_KEY),
+        "branch_step": _number(tags, TAG_BRANCH_STEP),
         "shared_fields": json.dumps({k: v for k, v in params.items() if _shared(k)}, sort_keys=True),
     }
     row.update(run.data.metrics)
@@ -328,18 +333,35 @@ def _first(values: Mapping[str, str], *keys: str) -> float:
     return math.nan
 
 
-def read_curves(run_ids: Iterable[str], metric: str = "val/loss", tracking_uri: str | None = None) -> pd.DataFrame:
+def trunk_links(runs: pd.DataFrame) -> dict[str, tuple[str, int]]:
+    """Run id of each decay branch among ``runs`` whose trunk's run the store holds -> (the trunk's run id, the trunk
+    step the branch started from): what :func:`read_curves` prefixes a branch's history with."""
+    if "trunk_run_id" not in runs.columns:
+        return {}
+    linked = runs[runs["trunk_run_id"].notna() & np.isfinite(runs["branch_step"].to_numpy(float))]
+    return {r.run_id: (r.trunk_run_id, int(r.branch_step)) for r in linked.itertuples()}
+
+
+def read_curves(run_ids: Iterable[str], metric: str = "val/loss", tracking_uri: str | None = None,
+                trunks: Mapping[str, tuple[str, int]] | None = None) -> pd.DataFrame:
     """Full history of ``metric`` for each run, long form: columns run_id, step, value.
 
-    A few threads (four) overlap the per-run round trips, which matters against a tracking server over HTTP.
+    A decay branch logs only the steps it trains itself, from its trunk's checkpoint on; ``trunks`` (run id of a
+    branch -> its trunk's run id and start step, :func:`trunk_links`) prefixes its history with its trunk's points up
+    to that step, so a branch's curve is the straight WSD run's it equals, from step 0 (its trunk's points are that
+    run's: same weights, same batches, the same stable LR). A few threads (four) overlap the per-run round trips,
+    which matters against a tracking server over HTTP.
     """
     store = open_store(tracking_uri, required=True)
     ids = list(run_ids)
+    links = {rid: trunks[rid] for rid in ids if trunks and rid in trunks}
+    wanted = list(dict.fromkeys([*ids, *(trunk for trunk, _ in links.values())]))
     with ThreadPoolExecutor(max_workers=4) as pool:
-        histories = list(pool.map(lambda rid: store.get_metric_history(rid, metric), ids))
-    records = [
-        (rid, m.step, m.value, m.timestamp) for rid, history in zip(ids, histories, strict=True) for m in history
-    ]
+        histories = dict(zip(wanted, pool.map(lambda rid: store.get_metric_history(rid, metric), wanted),
+                             strict=True))
+    records = [(rid, m.step, m.value, m.timestamp) for rid in ids for m in histories[rid]]
+    records += [(rid, m.step, m.value, m.timestamp) for rid, (trunk, start) in links.items()
+                for m in histories[trunk] if m.step <= start]
     curves = pd.DataFrame(records, columns=["run_id", "step", "value", "timestamp"])
     # A resumed run can re-log a step; its latest value wins, as it does for the final.
     curves = curves.sort_values("timestamp").drop_duplicates(["run_id", "step"], keep="last")

@@ -9,7 +9,8 @@ GPU-hours are those tokens over the run's tokens per second per device.
 Throughput per device comes from ``study calibrate``'s measurement of the run's shape when the store holds one
 (:func:`study.plan.throughput.measured`; the shape, cluster profile and devices are read from the run's own spec,
 its ``run.json`` artifact), else from the run itself: the median of its logged ``train/tokens_per_s`` (a whole
-job's figure) over its devices. A run whose spec cannot be read counts one device, and the report says so.
+job's figure; a decay branch's with its trunk's, whose job trained the same model for most of its steps) over its
+devices. A run whose spec cannot be read counts one device, and the report says so.
 
 The throughput-adjusted verdict is the parameter-matched procedure applied to ln(GPU-hours): per (scale, variant)
 the paired log ratio variant/baseline over seeds, a paired t test, Holm over the scale x variant family
@@ -110,7 +111,9 @@ def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule
                    metric: str = "val/loss") -> TimeReport:
     """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant).
 
-    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.run_table.read_curves`).
+    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.run_table.read_curves`, a decay
+    branch's with its trunk's points before it: a branch reaches the target counting from step 0, not from its
+    trunk's checkpoint).
     """
     chosen = _newest(runs, metric)
     speed = throughputs(chosen, uri)
@@ -159,7 +162,9 @@ def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
             out[run.run_id] = Throughput(found.tokens_per_s / n, n, found.source)
         else:
             own.append((run.run_id, devices(spec) if spec is not None else None))
-    medians = run_table.read_curves([rid for rid, _ in own], THROUGHPUT, uri).groupby("run_id")["value"].median()
+    # a decay branch's own steps are a few after a restart: its trunk's figures count too (the same model)
+    medians = (run_table.read_curves([rid for rid, _ in own], THROUGHPUT, uri, trunks=run_table.trunk_links(runs))
+               .groupby("run_id")["value"].median())
     for run_id, n in own:
         if run_id in medians.index:
             out[run_id] = Throughput(float(medians[run_id]) / (n or 1), n, f"own {THROUGHPUT}")

@@ -302,17 +302,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from study.launch.submit import LaunchFailed, launch
     from study.track.store import resolve_tracking_uri
 
+    name = "ladder" if args.ladder else "demo"
     overrides = ["cluster=local", *args.overrides]
-    print("study demo: planning and training the `demo` experiment on this machine (local processes)", file=sys.stderr)
-    cmd_plan(argparse.Namespace(experiment="demo", overrides=overrides, json=False))
+    print(f"study demo: planning and training the `{name}` experiment on this machine (local processes)",
+          file=sys.stderr)
+    cmd_plan(argparse.Namespace(experiment=name, overrides=overrides, json=False))
     try:
-        launch("demo", overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
+        launch(name, overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
     except LaunchFailed as failed:
         print(f"study demo: {failed}", file=sys.stderr)
         return 1
-    result = build_report("demo", out_dir=Path("reports"))
+    result = build_report(name, out_dir=Path("reports"))
     print_headline(result)
-    print(f"report: {Path('reports/demo/report.md').resolve()} (and report.html); MLflow store: "
+    print(f"report: {Path(f'reports/{name}/report.md').resolve()} (and report.html); MLflow store: "
           f"{resolve_tracking_uri('')}")
     return 0
 
