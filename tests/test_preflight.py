@@ -102,6 +102,7 @@ def test_a_second_preflight_reads_the_cache_and_a_damaged_or_stale_entry_is_meas
     runs = plan_experiment("demo", ["cluster.tasks_per_node=2"]).runs
     spec = next(r for r in runs if r.config.variant == "hourglass")
     assert shape["estimated_peak_gib"] == run_memory(spec).peak / GIB  # the plan's estimate, shown beside it
+    assert shape["peak_gib"] == pytest.approx(shape["estimated_peak_here_gib"], rel=0.1)  # and of this very step
     assert shape["graph_breaks"] == 0 and shape["break_reasons"] == []
     assert (cache / "preflight" / f"{shape['shape']}.json").is_file()
 

@@ -53,7 +53,8 @@ class Shape:
                 "d_model": m.d_model, "n_layers": m.n_layers, "seq_len": self.spec.config.data.seq_len,
                 "micro_batch": self.spec.planned.micro_batch, "world_size": self.spec.planned.world_size,
                 **self.measured, "plan_flops_per_token": self.plan_flops_per_token,
-                "estimated_peak_gib": estimated_peak(self.spec), "cached": self.cached}
+                **dict(zip(("estimated_peak_here_gib", "estimated_peak_gib"), estimated_peaks(self.spec))),
+                "cached": self.cached}
 
 
 def shape_of(spec: RunSpec) -> dict:
@@ -169,35 +170,43 @@ def preflight(runs: list[RunSpec], trace: bool = True, again: bool = False,
     return shapes, pending
 
 
-def estimated_peak(spec: RunSpec) -> float:
-    """The plan's analytic peak per rank at the run's planned layout (study.plan.memory), in GiB, read beside the
-    tracked one."""
-    from study.plan.memory import GIB, run_memory
+def estimated_peaks(spec: RunSpec) -> tuple[float, float]:
+    """The plan's analytic peak per rank (study.plan.memory), in GiB: (of the step measured here, on the CPU's
+    kernels in the precision the fake step computes in; of the run on its devices at its planned layout). On a GPU
+    profile they differ by what CUDA's kernels keep otherwise (RMSNorm's fused kernel keeps no fp32 copies)."""
+    from study.plan.memory import GIB, planned_layout, run_memory
+    from study.train.preflight import job_dist, stepped_config
 
-    return run_memory(spec).peak / GIB
+    r = spec.planned
+    stepped = stepped_config(spec.config, job_dist(spec.config, r.world_size))
+    here = planned_layout(stepped, r.micro_batch, r.grad_accum, cuda=False)
+    return run_memory(spec, here).peak / GIB, run_memory(spec).peak / GIB
 
 
 def print_preflight(experiment: str, shapes: list[Shape], pending: list[RunSpec]) -> None:
     from study.console import plain_table, text_width, wrapped
 
     width = text_width()
-    cols = ["shape", "runs", "layout", "micro", "peak GiB", "est. GiB", "params GiB", "optim GiB",
+    cols = ["shape", "runs", "layout", "micro", "peak GiB", "est. here", "est. device", "params GiB", "optim GiB",
             "GFLOP/tok torch", "plan", "graph breaks", "s"]
     rows = []
     for shape in shapes:
         m, spec = shape.measured, shape.spec
-        estimate = estimated_peak(spec)
+        here, device = estimated_peaks(spec)
         breaks = m["graph_breaks"]
         rows.append([
             shape.digest, f"{spec.config.variant}-{spec.config.scale}" + (f" +{len(shape.runs) - 1}"
                                                                            if len(shape.runs) > 1 else ""),
             m["layout"], f"{spec.planned.micro_batch}x{m['micro_batches']}", f"{m['peak_gib']:.3g}",
-            f"{estimate:.3g}", f"{m['params_gib']:.3g}", f"{m['optimizer_gib']:.3g}",
+            f"{here:.3g}", f"{device:.3g}", f"{m['params_gib']:.3g}", f"{m['optimizer_gib']:.3g}",
             f"{m['flops_per_token'] / 1e9:.4g}", f"{shape.plan_flops_per_token / 1e9:.4g}",
             "not traced" if breaks is None else str(breaks),
             "cached" if shape.cached else f"{sum(m['seconds'].values()):.1f}"])
     print(plain_table(f"{experiment}: {len(shapes)} distinct shapes, one fake step each (per rank, rank 0)", cols,
                       rows, left={"runs", "layout"}, width=width, keep=3), flush=True)
+    if shapes:
+        print(wrapped("peak: tracked on fake tensors, the CPU's kernels; est. here: study.plan.memory's estimate of "
+                      "that step; est. device: its estimate on the run's devices, what `study launch` checks", width))
     for shape in shapes:
         m = shape.measured
         if m["flops_per_token"] != shape.plan_flops_per_token:
