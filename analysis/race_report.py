@@ -38,7 +38,8 @@ def race_blocks(record: dict | None, metric: str) -> list[Block]:
                   f"decided {rule} stopped training there. The interval shown is the paired t interval at the "
                   "point's alpha, unadjusted for Holm: it can exclude 0 for an arm Holm left undecided, and the "
                   "verdict follows Holm. "
-                  + (f"{len(stops)} arm(s) stopped, saving about {saved:,.1f} GPU-hours." if stops else
+                  # CPU-sized plans price their runs in thousandths of a GPU-hour: three significant digits
+                  + (f"{len(stops)} arm(s) stopped, saving about {saved:,.3g} GPU-hours." if stops else
                      "No arm stopped: every arm trained to its last branch.")),
     ]
     if stops:
@@ -46,7 +47,7 @@ def race_blocks(record: dict | None, metric: str) -> list[Block]:
                              "GPU-h saved"],
                             [[s["variant"], s["scale"], f"{s['at']:g}", s["verdict"], str(s["n"]),
                               number(s["mean_delta"], "+.4g"), _interval(s),
-                              f"{s['alpha']:.3g}", number(s.get("gpu_hours_saved"), ",.1f")] for s in stops]))
+                              f"{s['alpha']:.3g}", number(s.get("gpu_hours_saved"), ",.3g")] for s in stops]))
     if verdicts:
         blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", _UNADJUSTED, "alpha",
                              "stops"],

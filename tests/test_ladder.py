@@ -7,43 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 
-from conftest import ROOT, new_store
-
-SIZES = {"lt16": (16, 16), "lt24": (24, 24), "lt32": (32, 32)}
-"""Reduced sizes: d_model and steps (2 layers, a 4 d_model FFN, 4 x 32 tokens a step); counted N 8k to 33k."""
+from benchmarks.ladder_bench import REDUCED as SIZES, reduced_ladder
+from conftest import new_store
 
 ARMS = ("conventional", "hourglass")
 SEEDS = (0, 1)
 POINTS = (0.5, 1.0)
-
-
-def reduced_ladder(tree) -> dict:
-    """sweeps/experiment/ladder.yaml as shipped, with its sizes, arms, seeds and points cut down (no tuning: the
-    reduced runs train at the recipe's LR) and the reduced sizes' presets written beside it in the copied tree."""
-    shutil.copytree(ROOT / "sweeps", tree)
-    ladder = yaml.safe_load((ROOT / "sweeps" / "experiment" / "ladder.yaml").read_text())
-    for name, (d, steps) in SIZES.items():
-        (tree / "scale" / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump({
-            "scale": name, "budget": {"tolerance": 5e-2}, "data": {"seq_len": 32},
-            "model": {"d_model": d, "n_layers": 2, "n_heads": 1, "vocab_size": 512, "max_seq_len": 32,
-                      "ffn": {"width": 4 * d}},
-            "train": {"micro_batch": 4, "max_steps": steps, "lr": 0.01, "warmup_steps": 2, "val_interval": 8,
-                      "val_batches": 2, "ckpt_interval": 1000}}))
-    del ladder["tune"]
-    ladder.update(scales=list(SIZES), seeds=list(SEEDS), branches={"at": list(POINTS), "decay": 0.25},
-                  variants={"conventional": ladder["variants"]["conventional"],
-                            "hourglass": {"model": "hourglass", "at": {s: {"model.n_layers": 1} for s in SIZES}}})
-    ladder["common"].update(data={"vocab_size": 512, "max_docs": 1500, "val_fraction": 0.05},
-                            eval={"after_train": False}, tracking={"system_metrics_s": 0})
-    (tree / "experiment" / "ladder.yaml").write_text(yaml.safe_dump(ladder))
-    return ladder
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +264,17 @@ def test_study_demo_ladder_launches_and_reports_the_ladder_on_this_machine(workd
     monkeypatch.setattr(headline, "print_headline", lambda result: None)
     assert main(["demo", "--ladder"]) == 0
     assert calls == [("launch", "ladder", ["cluster=local"]), ("report", "ladder", "reports")]
+
+
+def test_a_race_that_saved_a_cpu_ladders_thousandths_of_a_gpu_hour_says_how_many():
+    """The plan prices a CPU ladder's runs at an assumed GPU's speed: a stop saves thousandths of a GPU-hour, which
+    the racing section states rather than rounding to 0.0."""
+    from analysis.race_report import race_blocks
+    from analysis.render import to_markdown
+
+    stop = {"variant": "hourglass", "scale": "cpu250k", "at": 0.25, "verdict": "worse", "n": 3, "mean_delta": 0.31,
+            "ci_low": 0.2, "ci_high": 0.42, "alpha": 0.00078, "gpu_hours_saved": 0.000417}
+    md = to_markdown(race_blocks({"at": [0.25, 0.5, 1.0], "baseline": "conventional", "stops": [stop],
+                                  "verdicts": [{**stop, "stops": True}]}, "val/loss"))
+    assert "1 arm(s) stopped, saving about 0.000417 GPU-hours." in md
+    assert "| hourglass | cpu250k | 0.25 | worse | 3 | +0.31 | [+0.2, +0.42] | 0.00078 | 0.000417 |" in md
