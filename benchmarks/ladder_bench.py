@@ -2,11 +2,11 @@
 
 What it costs and where the CPU goes: wall seconds of the launch and of the report, CPU seconds of every process the
 launch started (the launcher, its warm server, submitit's clients, the jobs: `getrusage` of the children, which reaps
-them all), and of each job by what it trained: tune runs, trunks, branches, and the evaluation of the branches that
-end the planned runs. A job's CPU is read from `/proc` twice a second while it runs; the seconds it spends holding its
-run directory's lease (`.lease`, held from the start of training to its end) are its training, the seconds after are
-its evaluation (and its racing settle, a fraction of a second). The rest of the launch (imports, planning, MLflow
-parents, the warm server) is `launcher`. What racing saved: the planned GPU-hours of the runs its stops left
+them all), and of each job by what it did: tune runs, trunks, branches, the evaluation of the branches that end the
+planned runs. A job's CPU is read from `/proc` twice a second while it runs; what it spends until it releases its run
+directory's lease (`.lease`, held from the start of training to its end) is its training, what it spends after is
+its evaluation (beyond the median after-lease CPU of the jobs that do not evaluate) and `after`: racing's settle and
+the process's exit. The rest of the launch (imports, planning, MLflow parents, the warm server) is `launcher`. What racing saved: the planned GPU-hours of the runs its stops left
 untrained (the racing record) as a share of all trunks' and branches', beside the share the plan predicts
 (`study.plan.racing.expected_saving`: every arm worse by twice the margin, no arm different, and at the effects and
 seed noise this ladder measured at its largest point). Then the report's headline numbers.
@@ -130,17 +130,27 @@ def _busy_cpu() -> float:
     return (sum(fields) - fields[3] - fields[4]) / JobCpu.TICK
 
 
-def _role_of(run_dir: Path) -> str:
-    return json.loads((run_dir / "run.json").read_text())["config"]["role"]
+def _spec(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())["config"]
 
 
 def _parts(jobs: dict[int, dict], runs: Path) -> dict[str, float]:
-    """CPU seconds by what the jobs trained (a run resumed by a second job counts both)."""
-    parts = {"tune": 0.0, "trunk": 0.0, "branch": 0.0, "evaluation": 0.0}
-    for job in jobs.values():
-        role = _role_of(runs / job["key"])
+    """CPU seconds by what the jobs did (a run resumed by a second job counts both): training by role (while the
+    job holds its lease, its start included), evaluation (what an evaluating job spends after its lease beyond the
+    median of the jobs that do not evaluate) and `after` (the rest after the lease: racing's settle, the process's
+    exit)."""
+    parts = {"tune": 0.0, "trunk": 0.0, "branch": 0.0, "evaluation": 0.0, "after": 0.0}
+    evaluates = {pid: _spec(runs / job["key"])["eval"]["after_train"] for pid, job in jobs.items()}
+    quiet = sorted(job["total"] - job["train"] for pid, job in jobs.items() if not evaluates[pid])
+    typical = quiet[len(quiet) // 2] if quiet else 0.0
+    for pid, job in jobs.items():
+        role = _spec(runs / job["key"])["role"]
         parts[role if role in parts else "branch"] += job["train"]
-        parts["evaluation"] += job["total"] - job["train"]
+        after = job["total"] - job["train"]
+        if evaluates[pid]:
+            parts["evaluation"] += max(after - typical, 0.0)
+            after = min(after, typical)
+        parts["after"] += after
     return {k: round(v, 1) for k, v in parts.items()}
 
 
