@@ -16,7 +16,7 @@ What it measures, as rank 0 of the job sees it:
   on the meta device, the trace `torch.compile` starts from, without compiling anything.
 
 The step runs the CPU's kernels, eagerly. Where a GPU's keep less, the tracked peak is above what the GPU holds:
-CUDA's fused RMSNorm keeps no fp32 copies of its input (a quarter to a third of the release's peaks at 3B and 8B),
+CUDA's fused RMSNorm keeps no fp32 copies of its input (a fifth to a third of the release's tracked peaks),
 and a compiled step fuses more (study.plan.memory estimates both the step here and the run on its devices). A
 one-rank bf16 run autocasts on CUDA, which CPU fake tensors do not see: its activations count at fp32 here.
 """
@@ -58,7 +58,7 @@ class Measured:
     optimizer_gib: float
     """Its optimizer state between steps, in GiB."""
     flops_per_token: float
-    """Training FLOPs per token torch counted over one step (forward and backward)."""
+    """Training FLOPs per token torch counted over one forward and backward of the plain model."""
     graph_breaks: int | None
     """Graph breaks torch.compile's trace of the model met; None when not traced."""
     break_reasons: list[str]
