@@ -297,13 +297,17 @@ def _fit(
                            for e in (0.0, 0.5, 0.9) for a in (0.1, 0.3, 0.6)])
     else:
         starts = np.array([[math.log(float(loss.mean())), a] for a in (0.05, 0.1, 0.3, 0.6)])
-    best = huber_fit(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss), starts, lower, upper)
+    model = _log_power_law(np.log(n) - log_ref, saturating)
+    best = huber_fit(model, np.log(loss), starts, lower, upper)
     if best is None:
         raise RuntimeError("no start converged")
     dof = max(len(n) - len(best.x), 1)
+    # the model's own Jacobian: scipy's (best.jac) is scaled by the Huber weights, which zero every row past the
+    # threshold, so with seed noise of a few percent J^T J was near singular and alpha's se came out at 5e5
+    jac = model(best.x[None, :])[1][0]
     with np.errstate(all="ignore"):
         try:
-            cov = np.linalg.inv(best.jac.T @ best.jac) * float(np.sum(best.fun**2) / dof)
+            cov = np.linalg.inv(jac.T @ jac) * float(np.sum(best.fun**2) / dof)
         except np.linalg.LinAlgError:
             cov = np.full((len(best.x),) * 2, math.nan)
     if saturating:

@@ -200,3 +200,18 @@ def test_fits_and_multipliers_of_trained_runs_do_not_depend_on_the_order_the_sto
         seen.add((tuple((f.A, f.alpha) for f in scaling.fits.values()),
                   tuple((r.multiplier, r.ci_low, r.ci_high) for r in compute.rows)))
     assert len(seen) == 1
+
+
+def test_alphas_standard_error_on_seed_noisy_runs_is_the_gauss_newton_one_of_the_log_residuals():
+    """Trained runs' seed noise puts most log residuals past the Huber threshold; the standard error is still the
+    Gauss-Newton one of the model's log residuals (scipy's Huber-weighted Jacobian zeroes those rows: 5e5)."""
+    n = np.repeat(np.array(LADDER_SIZES["conventional"], float), 2)
+    loss = np.array(LADDER_ENDS["conventional"])
+    points = pd.DataFrame({"scale": np.repeat(["a", "b", "c"], 2), "seed": [0, 1] * 3, "params_counted": n,
+                           "val/loss": loss})
+    fit = fit_variant(points, "conventional", "val/loss", n_boot=0)
+    x = np.log(n) - np.log(n).mean()
+    residuals = np.log(fit.A * n ** -fit.alpha) - np.log(loss)
+    assert fit.form == "A*N^-alpha"
+    assert fit.alpha_sd == pytest.approx(math.sqrt(np.sum(residuals ** 2) / (len(n) - 2) / np.sum(x ** 2)), rel=1e-6)
+    assert fit.alpha_sd < 0.05
