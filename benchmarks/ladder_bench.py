@@ -215,7 +215,8 @@ def _headline(report: dict) -> dict:
 
 def run(quick: bool) -> list[dict]:
     folder = Path(tempfile.mkdtemp(prefix="ladder-bench-"))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # the launch's own warm server, so its jobs are the launcher's descendants (a shared one's are not)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "STUDY_WARM_SERVER")}
     if quick:
         reduced_ladder(folder / "sweeps")
         env["STUDY_SWEEPS"] = str(folder / "sweeps")
