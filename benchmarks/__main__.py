@@ -48,8 +48,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", action="append", default=[], metavar="NAME",
                    help=f"run only this figure (repeatable): {', '.join([*FIGURES, *GPU_FIGURES])}")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on CPU (the CPU figures, a --device cpu run; default 1: on a shared machine more threads make "
-                        "timings several times noisier, see the threads figure; 0 keeps torch's default)")
+                   help="torch intra-op threads on CPU (the CPU figures, a --device cpu run; default 1: on a shared "
+                        "machine more threads make timings several times noisier, see the threads figure; 0 keeps "
+                        "torch's default)")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU acceptance run (bf16, CUDA; about 10 minutes) instead of the CPU figures")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

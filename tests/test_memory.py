@@ -77,8 +77,8 @@ def test_the_estimated_peak_is_within_10_percent_of_a_tracked_training_step(shap
 ])
 def test_an_accumulated_step_holds_only_a_shard_of_the_gradients_between_its_micro_batches(layout, overrides):
     """A second micro-batch per step costs a rank about its shard of the fp32 gradients (each micro-batch
-    reduce-scatters; under HSDP the partial sums wait sharded for the all-reduce), not every gradient whole: with FSDP2's
-    no-sync accumulation it cost 82-89 % of the whole model's fp32 gradients here (32 GB per rank at 8B)."""
+    reduce-scatters; under HSDP the partial sums wait sharded for the all-reduce), not every gradient whole: with
+    FSDP2's no-sync accumulation it cost 82-89 % of the whole model's fp32 gradients here (32 GB per rank at 8B)."""
     from study.plan.memory import parameter_count
 
     spec = tiny("conventional", "train.precision=bf16", "train.global_batch=8", *overrides)
