@@ -183,7 +183,7 @@ def test_seeds_an_adaptive_launch_adds_go_to_main_runs_never_to_tune_runs(workdi
     assert sorted(r.config.seed for r in more.runs if r.role != Role.tune and r.config.variant == "slow") == [0, 3, 4]
 
 
-COMPARISONS = ["demo", "hourglass", "hourglass_k", "scaling", "geometry", "widths", "search"]
+COMPARISONS = ["demo", "hourglass", "hourglass_k", "scaling", "geometry", "widths", "search", "ladder"]
 """Every shipped comparison experiment: each tunes its arms' LRs (the release's reproduction alone does not)."""
 
 
