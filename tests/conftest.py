@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the others' (measured: a quarter more CPU for the same tests). Set before anything imports torch; the processes the
 # tests start inherit it, and launched jobs size their pools from `cluster.cpus_per_task` as on a cluster.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest-xdist's workers start with COLUMNS=80 while a plain pytest run has none: a command's output would wrap in
+# one and not the other. Every test sees what a pipe sees; a test about widths sets COLUMNS itself.
+os.environ.pop("COLUMNS", None)
 
 
 USER_STATE = ("runs", "mlflow.db", "mlruns", "mlartifacts", "reports", "outputs", "multirun")
