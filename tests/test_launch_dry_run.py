@@ -91,3 +91,31 @@ def test_experiment_and_variant_names_reach_sbatch_only_as_sanitised_job_names(t
     out = capsys.readouterr().out
     names = [line.split("=", 1)[1] for line in out.splitlines() if line.startswith("#SBATCH --job-name=")]
     assert names == ["hourglass-prepare", "hourglass-tune"]
+
+
+def test_scales_an_experiment_places_on_their_own_nodes_go_out_as_one_array_per_layout(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The release placed as its comments say, in its own `at:` (3B on four nodes, 8B on eight): each layout is an
+    array of its own with its own `--nodes`; one array of every run at the first run's layout would start the 8B runs
+    on one node."""
+    import re
+    import shutil
+
+    tree = tmp_path / "sweeps"
+    shutil.copytree(ROOT / "sweeps", tree)
+    path = tree / "experiment" / "hourglass_release.yaml"
+    text = path.read_text()
+    for scale, nodes in (("3B", 4), ("8B", 8)):
+        text = re.sub(rf"^  {scale}: \{{", f"  {scale}: {{cluster.nodes: {nodes}, ", text, flags=re.M)
+    path.write_text(text)
+    monkeypatch.setenv("STUDY_SWEEPS", str(tree))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
+    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))
+    assert main(["launch", "hourglass_release", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    arrays = [(int(re.search(r"array of (\d+) runs", part)[1]), re.findall(r"#SBATCH --nodes=(\d+)", part))
+              for part in out.split("stage train:")[1:]]
+    assert arrays == [(9, ["1"]), (3, ["4"]), (3, ["8"])]
+    assert list(tmp_path.iterdir()) == [tree]

@@ -73,12 +73,13 @@ def job_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def sbatch_preview(plan: Plan, kind: JobKind, count: int, after: list[str], held: bool = False) -> str:
+def sbatch_preview(plan: Plan, kind: JobKind, count: int, after: list[str], held: bool = False,
+                   cluster: ClusterConfig | None = None) -> str:
     """The sbatch script a stage's array of `count` jobs of `kind` would be submitted with (`--dry-run`; pinned by a
-    golden file)."""
+    golden file), on `cluster` (the stage's layout; the plan's first run's when not given)."""
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment)
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{kind}"), kind, preview=True, after=after,
+    ex = build_executor(cluster or cfg.cluster, folder, job_name(f"{cfg.experiment}-{kind}"), kind, preview=True, after=after,
                         held=held)
     from submitit.slurm.slurm import _make_sbatch_string
 

@@ -167,7 +167,7 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
 def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = build_executor(cfg.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.kind,
+    ex = build_executor(stage.runs[0].config.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.kind,
                         after=stage.after, held=stage.held, python=python)
     make = stage.kind.job
     if stage.on_shards:
@@ -216,9 +216,24 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
         stages.append(Stage(JobKind.profile, profile))
     if scheduled:
         stages.append(Stage(JobKind.scheduled, scheduled))
+    stages = [part for stage in stages for part in by_layout(stage)]
     for stage in stages:
         stage.after = dependencies(stage, submitted)
     return stages
+
+
+def by_layout(stage: Stage) -> list[Stage]:
+    """The stage as one array per cluster layout its runs ask for: an experiment's `at:` may give each scale its own
+    (`cluster.nodes: 8` at 8B), and one array's jobs share one sbatch header. Runs keep their order within each."""
+    parts: dict[str, Stage] = {}
+    for i, run in enumerate(stage.runs):
+        layout = repr(run.config.cluster)
+        if layout not in parts:
+            parts[layout] = Stage(stage.kind, [], held=stage.held)
+        parts[layout].runs.append(run)
+        if stage.on_shards:
+            parts[layout].groups.append(stage.groups[i])
+    return list(parts.values())
 
 
 def dependencies(stage: Stage, submitted: dict[str, str]) -> list[str]:

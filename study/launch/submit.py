@@ -274,7 +274,8 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
                 ", after the trunks' stage (each starts from its trunk's checkpoint)" if stage.held else ""))
         for line in stage_lines(stage):
             echo(f"  {line}")
-        echo(for_terminal(mask_text(sbatch_preview(plan, stage.kind, len(stage.runs), after, stage.held)))
+        echo(for_terminal(mask_text(sbatch_preview(plan, stage.kind, len(stage.runs), after, stage.held,
+                                                     stage.runs[0].config.cluster)))
              if cluster.name != "local"
              else "  (local processes, no sbatch script)")
         previous.append(stage.kind)
