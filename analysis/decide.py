@@ -31,14 +31,13 @@ from analysis.paired import PairedResult, spread
 from analysis.records import JsonRecord
 from analysis.sample_size import minimum_detectable_effect, seeds_phrase, seeds_to_decide
 from study.config.decision import DecisionRule
+from study.plan.paired_t import holm, paired_t
 
 BOOTSTRAP_MIN_N = 8
 """Below this many pairs the bootstrap interval is omitted (3 seeds give 10 distinct resamples)."""
 
 SIGNFLIP_EXACT_MAX_N = 16
 """Up to this many pairs the sign-flip p enumerates all 2^n sign patterns; above, 99,999 random flips."""
-
-VERDICTS = ("better", "worse", "equivalent", "undecided")
 
 VERDICT_COLORS = {"better": "#1a7f37", "worse": "#cf222e", "equivalent": "#0969da", "undecided": "#6e7781"}
 """One colour per verdict, shared by the forest plots and the report's tables."""
@@ -78,7 +77,7 @@ class Decision(JsonRecord):
     adj_ci_high: float
     """Upper end of the multiplicity-adjusted t interval."""
     p_t: float
-    """Two-sided paired t p (scipy.stats.ttest_rel)."""
+    """Two-sided paired t p (:func:`study.plan.paired_t.paired_t`: scipy's t, as scipy.stats.ttest_rel)."""
     p_adjusted: float
     """p_t after the family's correction (Holm or BH)."""
     p_signflip: float
@@ -94,7 +93,8 @@ class Decision(JsonRecord):
     margin: float | None
     """Equivalence margin, when declared for this metric."""
     p_tost: float
-    """TOST p for |delta| < margin (statsmodels ttost_paired); NaN without a margin."""
+    """TOST p for |delta| < margin (:meth:`study.plan.paired_t.PairedT.tost`, as statsmodels' ttost_paired); NaN
+    without a margin."""
     p_tost_adjusted: float
     """p_tost after the family's correction."""
     verdict: str
@@ -151,19 +151,21 @@ def decide(
     """Verdicts for every paired result; ``results`` maps metric to its per-(scale, variant) results.
 
     ``alpha`` overrides the rule's (a sequential look spends part of it). ``baseline_means`` maps
-    (metric, scale, variant) to the baseline's mean over the paired seeds, for the percentage column.
+    (metric, scale, variant) to the baseline's mean over the paired seeds, for the percentage column. Holm is
+    :func:`study.plan.paired_t.holm`, the one racing decides with; Benjamini-Hochberg is statsmodels'.
     """
     from statsmodels.stats.multitest import multipletests
 
     alpha = rule.alpha if alpha is None else alpha
     rows = [_statistics(r, rule, alpha, (baseline_means or {}).get((r.metric, r.scale, r.variant)))
             for metric in results for r in results[metric]]
-    for family, method in {"primary": "holm", "secondary": "fdr_bh"}.items():
+    correct = {"primary": holm, "secondary": lambda p: multipletests(p, alpha=alpha, method="fdr_bh")[1]}
+    for family, adjust in correct.items():
         members = [i for i, row in enumerate(rows) if row["family"] == family]
         for p_key, adjusted_key in (("p_t", "p_adjusted"), ("p_tost", "p_tost_adjusted")):
             idx = [i for i in members if math.isfinite(rows[i][p_key])]
             if idx:
-                adjusted = multipletests([rows[i][p_key] for i in idx], alpha=alpha, method=method)[1]
+                adjusted = adjust(np.array([rows[i][p_key] for i in idx]))
                 for i, p in zip(idx, adjusted):
                     rows[i][adjusted_key] = float(p)
     m_primary = sum(1 for row in rows if row["family"] == "primary")
@@ -179,7 +181,6 @@ def decide(
 
 def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean: float | None) -> dict:
     from scipy import stats
-    from statsmodels.stats.weightstats import ttost_paired
 
     d = np.asarray(r.deltas, float)
     n = len(d)
@@ -201,12 +202,13 @@ def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean
         return row
     row["ci_low"], row["ci_high"] = (float(x) for x in stats.t.interval(1 - alpha, n - 1, loc=mean,
                                                                         scale=sd / math.sqrt(n)))
-    row["p_t"] = float(stats.ttest_1samp(d, 0.0).pvalue)
+    test = paired_t(d)
+    row["p_t"] = float(test.p)
     row["p_signflip"] = signflip_p(d)
     row["d_z"] = mean / sd
     row["mde"] = minimum_detectable_effect(n, sd, alpha, rule.power)
     if row["margin"] is not None:
-        row["p_tost"] = float(ttost_paired(d, np.zeros(n), -row["margin"], row["margin"])[0])
+        row["p_tost"] = float(test.tost(row["margin"]))
     return row
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 
 from analysis import run_table
 from analysis.compute import RANGE, EffectiveCompute, Multiplier
-from analysis.decide import BOOTSTRAP_MIN_N, CORRECTION, VERDICTS, Decision
+from analysis.decide import BOOTSTRAP_MIN_N, CORRECTION, Decision
 from analysis.paired import JointResult, PairedResult, is_higher_better
 from analysis.sample_size import seeds_phrase
 from analysis.race_report import race_blocks
@@ -21,6 +21,7 @@ from analysis.result import Analysis
 from analysis.render import MISSING, Block, Details, Heading, Paragraph, Plot, Table, number
 from analysis.scaling import ScalingReport
 from study.config.secrets import mask_text
+from study.plan.paired_t import VERDICTS
 from study.schema import TAG_EVAL, TAG_LR_SOURCE
 from analysis.surface import SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
@@ -561,11 +562,11 @@ _TUNED = ("Decided on the tuned runs: each variant trained at the LR its own tun
 _METHOD = (
     "Runs are paired by (scale, seed): paired runs share data order and initialisation, so the per-seed "
     "difference cancels most seed noise. Only FINISHED runs with a final value pair; the rest are listed above. "
-    "Decisions: the paired t test (scipy.stats.ttest_1samp of the deltas) decides better/worse after Holm's "
-    "correction over the primary family or Benjamini-Hochberg's over the secondary metrics (statsmodels "
-    "multipletests); equivalence is TOST against the declared margin (statsmodels ttost_paired), corrected the "
-    "same way; the unadjusted t interval is at 1 − α, the adjusted one at 1 − α·p/p_adj (it excludes 0 exactly "
-    "when the adjusted p is below α). Sign-flip p: exact permutation test of the mean delta "
+    "Decisions: the paired t test of the deltas (the p of scipy.stats.ttest_1samp) decides better/worse after "
+    "Holm's correction over the primary family or Benjamini-Hochberg's over the secondary metrics (statsmodels "
+    "multipletests); equivalence is TOST against the declared margin (the p of statsmodels ttost_paired), "
+    "corrected the same way; the unadjusted t interval is at 1 − α, the adjusted one at 1 − α·p/p_adj (it "
+    "excludes 0 exactly when the adjusted p is below α). Sign-flip p: exact permutation test of the mean delta "
     "(scipy.stats.permutation_test, all 2^n sign patterns up to 16 pairs); Wilcoxon: two-sided signed-rank test. "
     "With 5 pairs neither can go below 0.0625, so they are shown, not used to decide. d_z = mean/sd of the "
     "deltas; P(improve): share of seeds where the variant is better, ties one half. MDE: the smallest true |Δ| the "

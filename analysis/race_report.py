@@ -1,23 +1,27 @@
 """The report's racing section: at which branch point each arm stopped, on which interval, and the GPU-hours that saved.
 
-The race is decided while the study trains (study.launch.racing); its record is the experiment's MLflow run tagged
-`study.role=racing`, artifact `racing.json`: every rung's verdicts (analysis.racing.RungVerdict without the full
-decision row) and the stops with the GPU-hours their arms did not train (analysis.racing.hours_saved).
+The race is decided while the study trains (study.launch.racing, analysis.racing); its record is the experiment's
+MLflow run tagged `study.role=racing`, artifact `race_record.json` (`racing.json` in stores written before the
+rename): every rung's verdicts (analysis.racing.RungVerdict's lines) and the stops with the GPU-hours their arms did
+not train (analysis.racing.race_record).
 """
 
 from __future__ import annotations
 
+from analysis.racing import RACE_ARTIFACT, RACE_ARTIFACT_BEFORE
 from analysis.records import latest_record
 from analysis.render import Block, Heading, Paragraph, Table, number
 from study.schema import ROLE_RACING
 
-RACE_ARTIFACT = "racing.json"
-"""Artifact of the racing run holding the record."""
-
 
 def read_race(client, experiment_id: str) -> dict | None:
-    """The race's record, None when the experiment never raced (or its record has not reached MLflow)."""
-    return latest_record(client, experiment_id, ROLE_RACING, RACE_ARTIFACT)
+    """The race's record, None when the experiment never raced (or its record has not reached MLflow). A racing run
+    of a store written before the artifact's rename holds it under its old name."""
+    for artifact in (RACE_ARTIFACT, RACE_ARTIFACT_BEFORE):
+        record = latest_record(client, experiment_id, ROLE_RACING, artifact)
+        if record is not None:
+            return record
+    return None
 
 
 def race_blocks(record: dict | None, metric: str) -> list[Block]:

@@ -37,22 +37,31 @@ length (:func:`branched_cost`). Branches start the moment the trunk reaches thei
 time rung r's branches finish, the trunk has trained on for about one such tail (same model, same batch, same
 GPU-hours per step): that much is spent before a stop can act, and :func:`hours_saved` counts only what follows.
 
-Rungs, costs and the race simulation a plan prices with live in :mod:`study.plan.racing` (numpy only, so ``study
-plan`` can import it); this module decides rungs on a study's endpoints. No MLflow or torch; pandas, scipy and the
-decision code are imported where a rung is decided.
+The record. Each (variant, scale) decided at a rung is one :class:`RungVerdict`, and a stop is a verdict whose
+``stops`` is true: the run directory's ``_launch/racing.jsonl`` holds one line per verdict (:meth:`RungVerdict.line`,
+checked on reading by :func:`line_problem`), and the experiment's MLflow ``racing`` run holds :func:`race_record`:
+every line, and the stops with the GPU-hours their arms did not train, which the report's section reads
+(:mod:`analysis.race_report`).
+
+Rungs, costs, the ``racing:`` block and the race simulation a plan prices with live in :mod:`study.plan.racing`
+(numpy only, so ``study plan`` can import it); this module decides rungs on a study's endpoints
+(:func:`decide_ready` is what the launch calls when branches finish, :mod:`study.launch.racing`). No MLflow or
+torch; pandas, scipy and the decision code are imported where a rung is decided.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from analysis.records import JsonRecord
 from study.config.decision import DecisionRule
+from study.config.run import Role
 from study.errors import StudyError
+from study.files import COUNT, FLAG, NUMBER, TEXT, optional, shape_problem
 from study.plan.racing import RHO, RunCost, rung_of, rungs, saved_by_stop
 
 if TYPE_CHECKING:
@@ -63,7 +72,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RungVerdict(JsonRecord):
-    """One (variant, scale) decided at one rung, and whether it stops there."""
+    """One (variant, scale) decided at one rung, and whether it stops there: the race's one record of a verdict and
+    of a stop."""
 
     variant: str
     """Variant compared."""
@@ -90,8 +100,49 @@ class RungVerdict(JsonRecord):
     stops: bool
     """The arm stops here: its trunks are cancelled and no later branch trains (never at the last rung, after
     which nothing is left to train)."""
-    decision: Decision
-    """The full decision row at this rung (nested under ``decision`` in :meth:`to_dict`)."""
+    gpu_hours_saved: float | None = None
+    """A stop's GPU-hours not trained, over its seeds' runs, once :func:`hours_saved` has costed it; None until then
+    and for a verdict that does not stop."""
+    decision: Decision | None = None
+    """The full decision row at this rung (nested under ``decision`` in :meth:`to_dict`); None for a verdict read
+    back from its line, which keeps the fields above only."""
+
+    def line(self) -> dict:
+        """The verdict as its records keep it (racing.jsonl, the race's MLflow record): every field but the
+        decision row."""
+        return {k: v for k, v in self.to_dict().items() if k != "decision"}
+
+    @classmethod
+    def from_line(cls, line: Mapping[str, Any]) -> "RungVerdict":
+        """The verdict of a line :func:`line_problem` passed (a line written before ``gpu_hours_saved`` was
+        recorded lacks it: None)."""
+        return cls(**{k: line[k] for k in _LINE_FIELDS if k in line})
+
+
+_LINE_FIELDS = tuple(name for name in RungVerdict.__dataclass_fields__ if name != "decision")
+
+_LINE = {"at": NUMBER, "variant": optional(TEXT), "scale": optional(TEXT), "stops": FLAG, "verdict": TEXT}
+_STOP_LINE = {"variant": TEXT, "scale": TEXT, "baseline": TEXT, "rung": COUNT, "n": COUNT, "mean_delta": NUMBER,
+              "ci_low": NUMBER, "ci_high": NUMBER, "alpha": NUMBER}
+"""The fields every line of racing.jsonl holds (a rung passed with no arm left racing has no variant), and those of
+a verdict that stops its arm, which the launch and ``study status`` read."""
+
+RACE_ARTIFACT = "race_record.json"
+"""Artifact of the experiment's MLflow ``racing`` run that holds :func:`race_record`."""
+
+RACE_ARTIFACT_BEFORE = "racing.json"
+"""What that artifact was called until it was renamed: the launch's roster in the run directory has this name too
+(``_launch/racing.json``). Stores written before then still hold it, and the report reads it where the new one is
+missing."""
+
+PASSED = "none racing"
+"""The verdict of a rung's line when every arm had stopped before it: the rung is passed, and counts as decided."""
+
+
+def line_problem(line: Any) -> str:
+    """What keeps ``line`` from being a verdict's line of racing.jsonl; '' when nothing does."""
+    return (shape_problem(line, _LINE, present={"gpu_hours_saved": optional(NUMBER)})
+            or (shape_problem(line, _STOP_LINE) if line["stops"] else ""))
 
 
 def decide_rung(
@@ -165,42 +216,12 @@ def race(
     return verdicts
 
 
-@dataclass(frozen=True)
-class Stop(JsonRecord):
-    """An arm stopped by the race: where, on what interval, and the GPU-hours it did not train."""
-
-    variant: str
-    """Variant stopped."""
-    scale: str
-    """Scale whose trunks were cancelled."""
-    rung: int
-    """Rung index it stopped at."""
-    at: float
-    """Branch point it stopped at."""
-    verdict: str
-    """worse, or equivalent (with stop_equivalent)."""
-    n: int
-    """Seed pairs decided on."""
-    mean_delta: float
-    """Mean of variant - baseline there."""
-    ci_low: float
-    """Lower end of the paired t interval at that rung's alpha."""
-    ci_high: float
-    """Upper end of that interval."""
-    alpha: float
-    """Alpha spent at that rung."""
-    gpu_hours_saved: float | None = None
-    """GPU-hours of its seeds' runs not trained because of the stop; None until costed (:func:`hours_saved`)."""
+def stops(verdicts: Iterable[RungVerdict]) -> list[RungVerdict]:
+    """The verdicts that stop their arm, in rung order."""
+    return sorted((v for v in verdicts if v.stops), key=lambda v: (v.rung, v.scale, v.variant))
 
 
-
-def stops(verdicts: Iterable[RungVerdict]) -> list[Stop]:
-    """The stops among a race's verdicts, in rung order."""
-    return [Stop(v.variant, v.scale, v.rung, v.at, v.verdict, v.n, v.mean_delta, v.ci_low, v.ci_high, v.alpha)
-            for v in sorted(verdicts, key=lambda v: (v.rung, v.scale, v.variant)) if v.stops]
-
-
-def hours_saved(found: Iterable[Stop], costs: Mapping[tuple[str, str, int], RunCost]) -> list[Stop]:
+def hours_saved(found: Iterable[RungVerdict], costs: Mapping[tuple[str, str, int], RunCost]) -> list[RungVerdict]:
     """Each stop with the GPU-hours its arm did not train, summed over its seeds' runs.
 
     ``costs`` maps (variant, scale, seed) to the run's parts; every seed of the stopped (variant, scale) counts.
@@ -210,3 +231,54 @@ def hours_saved(found: Iterable[Stop], costs: Mapping[tuple[str, str, int], RunC
         seeds = [c for (v, s, _), c in costs.items() if (v, s) == (stop.variant, stop.scale)]
         out.append(replace(stop, gpu_hours_saved=float(sum(saved_by_stop(c, stop.rung) for c in seeds))))
     return out
+
+
+def decide_ready(roster: Mapping[str, Any], done: Sequence[Mapping[str, Any]],
+                 endpoint: Callable[[str], float | None]) -> list[dict]:
+    """The lines of every rung that is ready and not yet decided, in rung order.
+
+    ``roster`` is the launch's (:func:`study.launch.racing.write_roster`: baseline, points, decision rule,
+    stop_equivalent, every trunk and branch), ``done`` the lines recorded so far, ``endpoint`` a branch's final value
+    of the decision metric by run key (None while it has not finished, or diverged). A rung is ready once every
+    branch of the arms still racing has its endpoint, and waits for every rung before it; one where no arm is left
+    racing is passed with a line of its own (:data:`PASSED`), so it counts as decided.
+    """
+    import pandas as pd
+
+    rule = DecisionRule(**roster["decision"])
+    rungs_done = {v["at"] for v in done}
+    stopped = {(v["variant"], v["scale"]) for v in done if v["stops"]}
+    branches = [r for r in roster["runs"] if r["role"] == Role.branch.value]
+    new: list[dict] = []
+    for at in sorted(roster["at"]):
+        if at in rungs_done:
+            continue
+        here = [r for r in branches if r["at"] == at and (r["variant"], r["scale"]) not in stopped]
+        values = {r["key"]: endpoint(r["key"]) for r in here}
+        if not here or any(v is None for v in values.values()):
+            break  # rungs are decided in order: a later one waits for this one
+        endpoints = pd.DataFrame([{"variant": r["variant"], "scale": r["scale"], "seed": r["seed"], "at": at,
+                                   "run_key": r["key"], rule.metric: values[r["key"]]} for r in here])
+        verdicts = decide_rung(endpoints, roster["baseline"], at, roster["at"], rule, roster["stop_equivalent"],
+                               stopped)
+        lines = [v.line() for v in verdicts] or [{"at": at, "variant": None, "scale": None, "stops": False,
+                                                  "verdict": PASSED}]
+        new += lines
+        stopped |= {(v.variant, v.scale) for v in verdicts if v.stops}
+    return new
+
+
+def race_record(roster: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]) -> dict:
+    """What the report shows (the race's MLflow record): every line, and each stop, in the order decided, with the
+    GPU-hours its arm did not train, from the roster's planned hours of each trunk (split at its branch starts, in
+    proportion to steps) and branch."""
+    costs = {}
+    for trunk in (r for r in roster["runs"] if r["role"] == Role.trunk.value):
+        mine = sorted((r for r in roster["runs"] if r.get("trunk") == trunk["key"]), key=lambda r: r["at"])
+        starts, hours = trunk["starts"], trunk["gpu_hours"] or 0.0
+        segments = tuple(hours * (s - b) / starts[-1] for s, b in zip(starts, [0, *starts[:-1]]))
+        costs[(trunk["variant"], trunk["scale"], trunk["seed"])] = RunCost(
+            segments, tuple(r["gpu_hours"] or 0.0 for r in mine))
+    found = [RungVerdict.from_line(v) for v in lines if v["stops"]]
+    return {"baseline": roster["baseline"], "at": roster["at"], "stop_equivalent": roster["stop_equivalent"],
+            "verdicts": list(lines), "stops": [s.line() for s in hours_saved(found, costs)]}

@@ -263,7 +263,8 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`study.role` = 'racing'")[0]
-    record = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "racing.json").read_text())
+    # the record's artifact is named apart from the roster, `_launch/racing.json`
+    record = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "race_record.json").read_text())
     # b's four seeds no longer train the trunk past step 16 (less the stretch beside the rung's branch) nor the
     # branch at 1.0: per seed, trunk 32 - 16 = 16 steps - the rung's 4-step tail = 12, plus the 8-step branch
     trunk = next(r for r in plan.runs if r.role == Role.trunk and r.config.variant == "b")

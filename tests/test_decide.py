@@ -150,6 +150,32 @@ def test_power_matches_scipy_stats_noncentral_t_over_a_grid_of_pairs_effects_and
                 assert t_power(effect, n, alpha, alternative) == pytest.approx(want, rel=1e-9, abs=1e-15)
 
 
+def test_the_one_paired_t_tost_and_holm_are_scipys_and_statsmodels_along_the_last_axis(monkeypatch):
+    """The report's verdicts, a race's rungs and the plan's simulated races all test with study.plan.paired_t, on
+    arrays of families at once: each family's p is scipy's ttest_1samp, its TOST p statsmodels' ttost_paired, and
+    Holm over the members a family still tests is statsmodels' multipletests over those alone (the rest: inf)."""
+    import gc
+
+    from study.plan.paired_t import holm, paired_t
+
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)  # multipletests' Holm collects on every call; no number moves
+    rng = np.random.default_rng(0)
+    deltas = rng.normal(0.002, 0.004, (30, 4, 5))
+    tested = rng.random((30, 4)) < 0.7
+    test = paired_t(deltas)
+    assert test.p == pytest.approx(stats.ttest_1samp(deltas, 0.0, axis=-1).pvalue, rel=1e-12)
+    tost, adjusted = test.tost(0.005), holm(test.p, tested)
+    for family, members in enumerate(tested):
+        for arm in range(4):
+            want = ttost_paired(deltas[family, arm], np.zeros(5), -0.005, 0.005)[0]
+            assert tost[family, arm] == pytest.approx(want, rel=1e-12)
+        if members.any():
+            want = multipletests(test.p[family, members], method="holm")[1]
+            assert adjusted[family, members] == pytest.approx(want, rel=1e-12)
+        assert np.isinf(adjusted[family, ~members]).all()
+    assert {float(p) for p in adjusted[np.isfinite(adjusted)]} >= {1.0}  # capped at 1, as multipletests caps
+
+
 def test_signflip_p_is_exact_and_cannot_go_below_two_over_two_to_the_n():
     assert signflip_p(np.array([-1.0, -2.0, -1.5, -0.5, -1.2])) == pytest.approx(2 / 32)
     assert signflip_p(np.array([1.0, -1.0])) == pytest.approx(1.0)

@@ -13,21 +13,12 @@ from scipy import stats
 
 from analysis.racing import decide_rung, hours_saved, race, stops
 from study.plan.racing import (RunCost, branched_cost, expected_saving, race_arrays, rungs, saved_by_stop, separate_cost,
-                               t_two_sided_p, VERDICT_CODES)
+                               VERDICT_CODES)
 from conftest import ROOT
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 
 AT = (0.25, 0.5, 1.0)
-
-
-@pytest.fixture(autouse=True)
-def no_full_collections_in_holm(monkeypatch):
-    """statsmodels' Holm calls gc.collect() on every call (~0.1 s in a test process); a collection never changes a
-    number."""
-    import gc
-
-    monkeypatch.setattr(gc, "collect", lambda *args: 0)
 
 
 def endpoints(deltas: dict[str, np.ndarray], scale: str = "s", base_loss: float = 3.0) -> pd.DataFrame:
@@ -173,14 +164,10 @@ def test_trunk_and_branches_cost_9_5_units_against_15_5_for_five_budgets_from_ha
     assert branched_cost(AT, 0.2).total == pytest.approx(1.15)
 
 
-@pytest.mark.parametrize("df", range(1, 13))
-def test_the_closed_form_t_p_is_scipys(df):
-    t = np.concatenate([np.linspace(-40, 40, 801), [0.0, 1e-9, 1e3]])
-    assert t_two_sided_p(t, df) == pytest.approx(2 * stats.t.sf(np.abs(t), df), abs=1e-14, rel=1e-6)
-
-
 def test_the_vectorised_race_reaches_decide_rungs_verdicts_and_stops():
-    """The simulation's fast race against the real one (decide: scipy t test, statsmodels TOST and Holm)."""
+    """The race a plan simulates (arrays of many races) stops what the launch's race (decide_rung, a rung at a time
+    through analysis.decide) stops: both test with study.plan.paired_t, so what this pins is the rest, the order of
+    the verdicts, who stays in the Holm family and who stops."""
     rng = np.random.default_rng(6)
     sims, arms, seeds = 8, 3, 4
     rule = DecisionRule(margin=0.005, alpha=0.3)  # a loose alpha, so every verdict turns up
@@ -211,6 +198,58 @@ def test_expected_saving_is_nothing_without_an_effect_and_every_stop_at_the_firs
     assert expected_saving(**kwargs, effect=1.0) == pytest.approx(3 * 0.85 / (4 * 1.15))
     one = expected_saving(**kwargs, effect=[0.02, 0.0, 0.0])
     assert 0 < one <= 0.85 / (4 * 1.15) and expected_saving(**kwargs, effect=[0.02, 0.0, 0.0], growth=math.inf) < one
+
+
+STOP_LINE = {"variant": "v", "scale": "s", "baseline": "base", "rung": 0, "at": 0.5, "verdict": "worse", "n": 4,
+             "mean_delta": 0.5, "ci_low": 0.4, "ci_high": 0.6, "alpha": 0.00625, "stops": True}
+"""A stopping verdict's line of racing.jsonl as it was written before the line recorded gpu_hours_saved."""
+
+
+def test_the_races_record_holds_each_stop_as_the_verdicts_own_line_with_the_hours_it_saved():
+    """One record for a verdict and a stop: the record's stop is the line racing.jsonl holds for it, costed from the
+    roster (an older line without gpu_hours_saved too), and a verdict reads back from its line unchanged."""
+    from analysis.racing import RungVerdict, line_problem, race_record
+
+    def runs(variant):  # a 32-step trunk costing 4 GPU-hours, branch starts at steps 16 and 32, branches 0.5 and 1
+        trunk = {"key": f"{variant}-t", "role": "trunk", "variant": variant, "scale": "s", "seed": 0, "trunk": None,
+                 "at": None, "starts": [16, 32], "gpu_hours": 4.0}
+        return [trunk] + [{"key": f"{variant}-{at}", "role": "branch", "variant": variant, "scale": "s", "seed": 0,
+                           "trunk": f"{variant}-t", "at": at, "starts": [round(32 * at * 0.8)], "gpu_hours": hours}
+                          for at, hours in ((0.5, 0.5), (1.0, 1.0))]
+
+    roster = {"baseline": "base", "at": [0.5, 1.0], "stop_equivalent": False, "decision": {}, "runs": runs("base") +
+              runs("v") + runs("w")}
+    going_on = {**STOP_LINE, "variant": "w", "verdict": "undecided", "stops": False, "gpu_hours_saved": None}
+    passed = {"at": 1.0, "variant": None, "scale": None, "stops": False, "verdict": "none racing"}
+    lines = [STOP_LINE, going_on, passed]
+    assert [line_problem(line) for line in lines] == ["", "", ""]
+    record = race_record(roster, lines)
+    # stopped at the first rung: the trunk's second half (2 h) less the 0.5 h it trained beside that rung's branch,
+    # and the branch at 1.0 (1 h)
+    assert record["stops"] == [{**STOP_LINE, "gpu_hours_saved": 2.0 - 0.5 + 1.0}]
+    assert record["verdicts"] == lines and (record["baseline"], record["at"]) == ("base", [0.5, 1.0])
+    assert RungVerdict.from_line(going_on).line() == going_on
+
+
+def test_a_race_recorded_under_the_artifacts_old_name_is_still_read_and_the_new_name_wins(tmp_path, monkeypatch):
+    """The racing run's artifact is race_record.json, named apart from the launch's roster (_launch/racing.json);
+    a store written before the rename holds racing.json, which the report still reads."""
+    from mlflow import MlflowClient
+
+    from analysis.race_report import read_race
+    from conftest import new_store
+    from study.schema import ROLE_RACING, TAG_ROLE
+
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(new_store(tmp_path / "mlflow.db"))
+    exp = client.create_experiment("raced")
+    run = client.create_run(exp, run_name="racing", tags={TAG_ROLE: ROLE_RACING}).info.run_id
+    before = {"baseline": "base", "at": [0.5, 1.0], "stop_equivalent": False, "verdicts": [STOP_LINE], "stops": []}
+    client.log_dict(run, before, "racing.json")
+    assert read_race(client, exp) == before
+    now = {**before, "stops": [{**STOP_LINE, "gpu_hours_saved": 2.5}]}
+    client.log_dict(run, now, "race_record.json")
+    assert read_race(client, exp) == now
 
 
 def test_importing_racing_loads_neither_scipy_pandas_mlflow_nor_torch():

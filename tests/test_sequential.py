@@ -11,15 +11,6 @@ from study.config.decision import DecisionRule
 from study.errors import StudyError
 
 
-@pytest.fixture(autouse=True)
-def no_full_collections_in_holm(monkeypatch):
-    """statsmodels' Holm calls gc.collect() on every call (~0.1 s in a test process, hundreds of calls here); a
-    collection never changes a number."""
-    import gc
-
-    monkeypatch.setattr(gc, "collect", lambda *args: 0)
-
-
 class NoiseModel:
     """Trains nothing: each run's final val/loss is 3 + its variant's true effect + Gaussian run noise."""
 

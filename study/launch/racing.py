@@ -1,16 +1,16 @@
-"""Racing at run time (`racing:` in an experiment with branches): a rung is decided once every branch of it has
-settled, and an arm decided there stops training.
+"""Racing at run time (`racing:` in an experiment with branches), the glue between the launch and the race's
+decisions (analysis.racing): a rung is decided once every branch of it has settled, and an arm decided there stops.
 
 The launch writes the race's roster, `_launch/racing.json`: the baseline, the branch points, the decision rule and
 every trunk and branch with its variant, scale, seed, point and estimated GPU-hours. `settle` is called by the job of
 every branch that finishes (rank 0) and by a local launch after each batch of branches. Under `_launch/racing.lock`
-it decides, in rung order, each rung whose branches (of the arms still racing) have all finished, from their
-`result.json` (analysis.racing.decide_rung: the alpha of that rung, Holm over the arms still racing), and appends the
-verdicts to `_launch/racing.jsonl`, each rung once. A (variant, scale) decided worse (or equivalent, with
+it has analysis.racing.decide_ready decide each rung that is ready, from its branches' `result.json`, and appends
+the verdicts to `_launch/racing.jsonl`, each rung once. A (variant, scale) decided worse (or equivalent, with
 `stop_equivalent`) stops: the SLURM jobs of its trunks and of its later branches are cancelled (a trunk gets TERM,
 checkpoints and stops), and no launch submits them again (`stopped_keys`); `study status` names them. A branch that
 fails never settles, so its rung is never decided and nothing stops: racing only ever trains less when it has
-decided. The same record goes to MLflow as the experiment's `racing` run (artifact `racing.json`), for the report.
+decided. The race's record (analysis.racing.race_record) goes to MLflow as the experiment's `racing` run, artifact
+`race_record.json` (analysis.racing.RACE_ARTIFACT), for the report.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from analysis.racing import RACE_ARTIFACT, decide_ready, line_problem, race_record
 from study.config.run import Role
 from study.errors import StudyError
 from study.files import (COUNT, FLAG, LIST, MAPPING, NUMBER, NUMBERS, TEXT, damaged, file_lock, optional,
@@ -46,10 +47,6 @@ def write_roster(plan) -> Path | None:
     return path
 
 
-_VERDICT = {"at": NUMBER, "variant": optional(TEXT), "scale": optional(TEXT), "stops": FLAG, "verdict": TEXT}
-_STOP = {"variant": TEXT, "scale": TEXT, "baseline": TEXT, "rung": COUNT, "n": COUNT, "mean_delta": NUMBER,
-         "ci_low": NUMBER, "ci_high": NUMBER, "alpha": NUMBER}
-"""The fields of a verdict line of racing.jsonl, and those a verdict that stops its arm adds."""
 _ROSTER = {"baseline": TEXT, "at": NUMBERS, "stop_equivalent": FLAG, "decision": MAPPING, "runs": LIST}
 _ROSTER_RUN = {"key": TEXT, "role": TEXT, "variant": TEXT, "scale": TEXT, "seed": COUNT, "trunk": optional(TEXT),
                "at": optional(NUMBER), "starts": NUMBERS, "gpu_hours": optional(NUMBER)}
@@ -61,8 +58,7 @@ def decided(runs_root: str, experiment: str) -> list[dict]:
     path = launch_dir(runs_root, experiment) / RECORD
     fix = (f"delete the damaged line of {path} (or the whole file): the rungs it no longer records are decided again "
            "from their branches' result.json when the next branch finishes or a local launch settles")
-    return read_json_lines(path, fix, lambda v: shape_problem(v, _VERDICT) or (
-        shape_problem(v, _STOP) if v["stops"] else ""))
+    return read_json_lines(path, fix, line_problem)
 
 
 def _read_roster(path: Path) -> dict:
@@ -106,7 +102,7 @@ def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict
         return []
     with file_lock(folder / LOCK):
         roster = _read_roster(folder / ROSTER)
-        new = _decide_ready(roster, runs_root, experiment)
+        new = decide_ready(roster, decided(runs_root, experiment), lambda key: _endpoint(runs_root, experiment, key))
         if new:
             append_lines(folder / RECORD, new)
     if new:
@@ -115,38 +111,8 @@ def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict
     return new
 
 
-def _decide_ready(roster: dict, runs_root: str, experiment: str) -> list[dict]:
-    import pandas as pd
-
-    from analysis.racing import decide_rung
-    from study.config.decision import DecisionRule
-
-    rule = DecisionRule(**roster["decision"])
-    done = decided(runs_root, experiment)
-    rungs_done = {v["at"] for v in done}
-    stopped = {(v["variant"], v["scale"]) for v in done if v.get("stops")}
-    branches = [r for r in roster["runs"] if r["role"] == Role.branch.value]
-    new: list[dict] = []
-    for at in sorted(roster["at"]):
-        if at in rungs_done:
-            continue
-        here = [r for r in branches if r["at"] == at and (r["variant"], r["scale"]) not in stopped]
-        results = {r["key"]: _result(runs_root, experiment, r["key"]) for r in here}
-        if not here or any(v is None for v in results.values()):
-            break  # rungs are decided in order: a later one waits for this one
-        endpoints = pd.DataFrame([{"variant": r["variant"], "scale": r["scale"], "seed": r["seed"], "at": at,
-                                   "run_key": r["key"], rule.metric: results[r["key"]]} for r in here])
-        verdicts = decide_rung(endpoints, roster["baseline"], at, roster["at"], rule, roster["stop_equivalent"],
-                               stopped)
-        rows = [{k: v for k, v in verdict.to_dict().items() if k != "decision"} for verdict in verdicts]
-        if not rows:  # nothing left to decide there (every arm stopped): the rung is passed
-            rows = [{"at": at, "variant": None, "scale": None, "stops": False, "verdict": "none racing"}]
-        new += rows
-        stopped |= {(v["variant"], v["scale"]) for v in rows if v.get("stops")}
-    return new
-
-
-def _result(runs_root: str, experiment: str, key: str) -> float | None:
+def _endpoint(runs_root: str, experiment: str, key: str) -> float | None:
+    """A branch's final val_loss, None until it has finished (or where it diverged)."""
     from study.config.spec import DIVERGED, read_result
 
     result = read_result(RunDir.of(runs_root, experiment, key).result, key)
@@ -170,27 +136,8 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
         subprocess.run(["scancel", *live], capture_output=True, text=True)
 
 
-def race_record(roster: dict, verdicts: list[dict]) -> dict:
-    """What the report shows: every verdict, and each stop with the GPU-hours its arm did not train."""
-    from analysis.racing import Stop, hours_saved
-    from study.plan.racing import RunCost
-
-    costs = {}
-    trunks = {r["key"]: r for r in roster["runs"] if r["role"] == Role.trunk.value}
-    for t in trunks.values():
-        mine = sorted((r for r in roster["runs"] if r.get("trunk") == t["key"]), key=lambda r: r["at"])
-        starts = t["starts"]
-        hours = t["gpu_hours"] or 0.0
-        segments = tuple(hours * (s - b) / starts[-1] for s, b in zip(starts, [0, *starts[:-1]]))
-        costs[(t["variant"], t["scale"], t["seed"])] = RunCost(segments, tuple(r["gpu_hours"] or 0.0 for r in mine))
-    stops = [Stop(v["variant"], v["scale"], v["rung"], v["at"], v["verdict"], v["n"], v["mean_delta"], v["ci_low"],
-                  v["ci_high"], v["alpha"]) for v in verdicts if v.get("stops")]
-    return {"baseline": roster["baseline"], "at": roster["at"], "stop_equivalent": roster["stop_equivalent"],
-            "verdicts": verdicts, "stops": [s.to_dict() for s in hours_saved(stops, costs)]}
-
-
 def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str) -> None:
-    """The race so far as the experiment's `racing` run (artifact racing.json); a store that does not answer is
+    """The race so far as the experiment's `racing` run (artifact RACE_ARTIFACT); a store that does not answer is
     left for the next settle (the run directory's record is what acts)."""
     from study.schema import ROLE_RACING, TAG_ROLE
     from study.track.query import runs_with_role
@@ -203,7 +150,7 @@ def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str)
         found = runs_with_role(client, [exp_id], ROLE_RACING, max_results=1)
         run_id = (found[0].info.run_id if found else
                   client.create_run(exp_id, run_name="racing", tags={TAG_ROLE: ROLE_RACING}).info.run_id)
-        client.log_dict(run_id, race_record(roster, decided(runs_root, experiment)), "racing.json")
+        client.log_dict(run_id, race_record(roster, decided(runs_root, experiment)), RACE_ARTIFACT)
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:  # noqa: BLE001 - the record in the run directory stands; the report waits for the next
         import sys

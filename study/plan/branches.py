@@ -41,36 +41,6 @@ class Branches:
         return {"at": list(self.at), "decay": self.decay}
 
 
-@dataclass(frozen=True)
-class Racing:
-    """The `racing:` block: arms decided at a branch point stop training (analysis.racing decides)."""
-
-    stop_equivalent: bool = False
-    """Also stop an arm decided equivalent to the baseline (within decision.margin), not only one decided worse."""
-
-
-def parse_racing(raw: Any, where: str, branches: Branches | None) -> Racing | None:
-    """`racing: false` (the default: train everything), `racing: true`, or `racing: {stop_equivalent: true}`; racing
-    reads the branch points, so it needs a branches block."""
-    if raw is None or raw is False:
-        return None
-    if raw is True:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise StudyError(where, f"{raw!r} is not a racing setting",
-                         "write racing: false (the default), racing: true or racing: {stop_equivalent: true}")
-    unknown = sorted(set(raw) - {"stop_equivalent"})
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a racing key", "use only stop_equivalent")
-    stop = raw.get("stop_equivalent", False)
-    if not isinstance(stop, bool):
-        raise StudyError(f"{where}.stop_equivalent", f"{stop!r} is not true or false", "write true or false")
-    if branches is None:
-        raise StudyError(where, "races arms at branch points, and the experiment declares none",
-                         "add branches: {at: [0.25, 0.5, 1.0], decay: 0.2} (with train: {lr_schedule: wsd})")
-    return Racing(stop)
-
-
 def parse_branches(raw: Any, where: str) -> Branches:
     """The `branches:` block, checked: `at` a list of distinct positive fractions, `decay` in (0, 1)."""
     if not isinstance(raw, dict):

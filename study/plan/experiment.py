@@ -11,9 +11,10 @@ from study.config.compose import group_file, group_options, plain_yaml, sweeps_d
 from study.config.decision import DecisionRule
 from study.config.validate import SEED_MAX
 from study.errors import StudyError
-from study.plan.branches import Branches, Racing, parse_branches, parse_racing
+from study.plan.branches import Branches, parse_branches
 from study.plan.fairness import check_compares, check_owned
-from study.plan.racing import MIN_PAIRS
+from study.plan.paired_t import MIN_PAIRS
+from study.plan.racing import Racing, parse_racing
 from study.plan.tune import Tuning, parse_tuning
 from study.schema import NAME
 

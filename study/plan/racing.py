@@ -1,19 +1,57 @@
-"""The arithmetic of a race that a plan needs: rungs and the alpha each spends, what a branched run costs by part, and
-the simulation of many races that prices what racing would save (:func:`expected_saving`, which ``study plan`` prints).
+"""Racing as a plan sees it: the `racing:` block, the rungs and the alpha each spends, what a branched run costs by
+part, and the simulation of many races that prices what racing would save (:func:`expected_saving`, which ``study
+plan`` prints).
 
-Numpy only, no MLflow, pandas or scipy: ``study plan`` imports it. How rungs are decided on a study's endpoints, the
-error-rate argument and the stops are in :mod:`analysis.racing`, which builds on these functions.
+Numpy only at import, no MLflow, pandas or scipy.stats: ``study plan`` imports it. A race is decided with the paired
+t test and Holm of :mod:`study.plan.paired_t`, as the report decides (scipy.special, imported when a race is
+simulated). How a rung is decided on a study's endpoints, the error-rate argument, the stops and their record are in
+:mod:`analysis.racing`, which builds on these functions.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from study.errors import StudyError
+from study.plan.paired_t import VERDICTS, holm, paired_t
+
+if TYPE_CHECKING:
+    from study.plan.branches import Branches
+
+
+@dataclass(frozen=True)
+class Racing:
+    """The `racing:` block: arms decided at a branch point stop training (analysis.racing decides)."""
+
+    stop_equivalent: bool = False
+    """Also stop an arm decided equivalent to the baseline (within decision.margin), not only one decided worse."""
+
+
+def parse_racing(raw: Any, where: str, branches: Branches | None) -> Racing | None:
+    """`racing: false` (the default: train everything), `racing: true`, or `racing: {stop_equivalent: true}`; racing
+    reads the branch points, so it needs a branches block."""
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise StudyError(where, f"{raw!r} is not a racing setting",
+                         "write racing: false (the default), racing: true or racing: {stop_equivalent: true}")
+    unknown = sorted(set(raw) - {"stop_equivalent"})
+    if unknown:
+        raise StudyError(f"{where}.{unknown[0]}", "is not a racing key", "use only stop_equivalent")
+    stop = raw.get("stop_equivalent", False)
+    if not isinstance(stop, bool):
+        raise StudyError(f"{where}.stop_equivalent", f"{stop!r} is not true or false", "write true or false")
+    if branches is None:
+        raise StudyError(where, "races arms at branch points, and the experiment declares none",
+                         "add branches: {at: [0.25, 0.5, 1.0], decay: 0.2} (with train: {lr_schedule: wsd})")
+    return Racing(stop)
+
 
 RHO = 3.0
 """Default shape of the alpha spending (alpha * t ** rho): at rungs [0.25, 0.5, 1.0] it spends 1.6 %, 10.9 % and
@@ -25,14 +63,11 @@ RUNG_CORRELATION = 0.7
 """Correlation of one seed's noise between two rungs of a run (they share the trunk) assumed by
 :func:`expected_saving`."""
 
-VERDICT_CODES = ("better", "worse", "equivalent", "undecided")
-"""Verdict of code i in :func:`race_arrays` (analysis.decide.VERDICTS order); -1 is an arm no longer racing."""
+VERDICT_CODES = VERDICTS
+"""Verdict of code i in :func:`race_arrays`; -1 is an arm no longer racing. A rung is decided on at least
+:data:`~study.plan.paired_t.MIN_PAIRS` seed pairs, so a scale with one seed never stops an arm."""
 
 NOT_RACING = -1
-
-MIN_PAIRS = 2
-"""Fewest seed pairs a rung can be decided on: the paired t test's sd needs two (analysis.decide leaves fewer
-undecided), so a scale with one seed never stops an arm."""
 
 
 @dataclass(frozen=True)
@@ -124,49 +159,6 @@ def saved_by_stop(cost: RunCost, rung: int) -> float:
     return max(0.0, trunk_left - cost.branches[rung]) + sum(cost.branches[rung + 1:])
 
 
-def t_two_sided_p(t: np.ndarray, df: int) -> np.ndarray:
-    """Two-sided p of Student's t with integer ``df``, in closed form (Abramowitz & Stegun 26.7.3-4), numpy only.
-
-    A(t | df) = P(|T| <= t) is a finite sum in powers of cos(theta), theta = arctan(|t| / sqrt(df)).
-    """
-    if df < MIN_PAIRS - 1:
-        raise ValueError(f"df={df}: a t test needs at least {MIN_PAIRS} pairs")
-    theta = np.arctan(np.abs(np.asarray(t, float)) / math.sqrt(df))
-    c2 = np.cos(theta) ** 2
-    term, total = np.ones_like(theta), np.ones_like(theta)
-    if df % 2:
-        for k in range(1, (df - 1) // 2):
-            term = term * c2 * (2 * k) / (2 * k + 1)
-            total = total + term
-        inside = (2 / math.pi) * (theta + (np.sin(theta) * np.cos(theta) * total if df > 1 else 0.0))
-    else:
-        for k in range(1, df // 2):
-            term = term * c2 * (2 * k - 1) / (2 * k)
-            total = total + term
-        inside = np.sin(theta) * total
-    return np.clip(1.0 - inside, 0.0, 1.0)
-
-
-def _upper_p(t: np.ndarray, df: int) -> np.ndarray:
-    """One-sided P(T > t)."""
-    half = t_two_sided_p(t, df) / 2
-    return np.where(t >= 0, half, 1.0 - half)
-
-
-def _holm(p: np.ndarray, tested: np.ndarray) -> np.ndarray:
-    """Holm-adjusted p along the last axis over the tested entries only (others: inf), as multipletests' holm."""
-    p = np.where(tested, p, np.inf)
-    order = np.argsort(p, axis=-1, kind="stable")
-    ranked = np.take_along_axis(p, order, axis=-1)
-    m = tested.sum(axis=-1, keepdims=True)
-    finite = np.isfinite(ranked)
-    scaled = np.where(finite, np.minimum(1.0, np.where(finite, ranked, 0.0) * (m - np.arange(p.shape[-1]))), np.inf)
-    adjusted = np.maximum.accumulate(scaled, axis=-1)
-    out = np.empty_like(adjusted)
-    np.put_along_axis(out, order, adjusted, axis=-1)
-    return out
-
-
 @dataclass(frozen=True)
 class RaceArrays:
     """Many races at once: :func:`race_arrays`'s answer."""
@@ -179,28 +171,26 @@ class RaceArrays:
 
 def race_arrays(deltas: np.ndarray, alphas: Sequence[float], margin: float | None,
                 stop_equivalent: bool = False) -> RaceArrays:
-    """The race of :func:`race` on arrays of paired deltas of a lower-is-better metric, for simulation.
+    """The race of :func:`analysis.racing.race` on arrays of paired deltas of a lower-is-better metric, for simulation.
 
     ``deltas`` is [sims, arms, rungs, seeds] (variant - baseline; positive is worse), one scale; ``alphas`` each
-    rung's alpha (:func:`rungs`). Each rung decides what :func:`analysis.decide.decide` would on those deltas (paired
-    t test and TOST, Holm over the arms still racing), with the t distribution in closed form; tests/test_racing.py
-    checks the two agree.
+    rung's alpha (:func:`rungs`). Each rung decides what :func:`analysis.decide.decide` does on those deltas, with the
+    same tests (:mod:`study.plan.paired_t`: paired t and TOST, Holm over the arms still racing) and the same order of
+    verdicts (better or worse when the t test rejects, else equivalent when TOST does); tests/test_racing.py runs both
+    races on the same deltas.
     """
-    sims, arms, n_rungs, n = deltas.shape
+    sims, arms, n_rungs, _ = deltas.shape
     racing = np.ones((sims, arms), bool)
     verdicts = np.full((sims, arms, n_rungs), NOT_RACING, np.int8)
     stop_rung = np.full((sims, arms), n_rungs, np.int64)
     for r in range(n_rungs):
-        d = deltas[:, :, r, :]
-        mean = d.mean(axis=-1)
-        se = d.std(axis=-1, ddof=1) / math.sqrt(n)
-        p_t = _holm(t_two_sided_p(mean / se, n - 1), racing)
+        test = paired_t(deltas[:, :, r, :])
         verdict = np.full((sims, arms), VERDICT_CODES.index("undecided"), np.int8)
         if margin is not None:
-            p_tost = np.maximum(_upper_p((mean + margin) / se, n - 1), _upper_p((margin - mean) / se, n - 1))
-            verdict[_holm(p_tost, racing) < alphas[r]] = VERDICT_CODES.index("equivalent")
-        rejected = p_t < alphas[r]
-        verdict[rejected] = np.where(mean[rejected] > 0, VERDICT_CODES.index("worse"), VERDICT_CODES.index("better"))
+            verdict[holm(test.tost(margin), racing) < alphas[r]] = VERDICT_CODES.index("equivalent")
+        rejected = holm(test.p, racing) < alphas[r]
+        verdict[rejected] = np.where(test.mean[rejected] > 0, VERDICT_CODES.index("worse"),
+                                     VERDICT_CODES.index("better"))
         verdict[~racing] = NOT_RACING
         verdicts[:, :, r] = verdict
         if r < n_rungs - 1:

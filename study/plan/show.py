@@ -155,7 +155,8 @@ def _branch_cost(plan: Plan, cost: dict) -> str:
     if not d.prior_sd:
         return line + ("; racing: the expected saving needs decision.prior_sd (the sd of paired deltas) to be "
                        "estimated")
-    from study.plan.racing import MIN_PAIRS, expected_saving
+    from study.plan.paired_t import MIN_PAIRS
+    from study.plan.racing import expected_saving
 
     arms = len(exp.variants) - 1
     seeds = min(len(s) for s in exp.seeds.values())
