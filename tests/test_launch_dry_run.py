@@ -34,19 +34,9 @@ def test_dry_run_prints_the_golden_arrays_and_sbatch_scripts(experiment, slurm_i
 def test_geometry_profiles_wait_for_reference_runs_and_use_one_gpu(tmp_path, monkeypatch, capsys):
     """The profile stage as a launch after tuning plans it: geometry without its `tune:` block, whose first launch
     trains only the tune runs."""
-    import shutil
-
-    tree = tmp_path / "sweeps"
-    shutil.copytree(ROOT / "sweeps", tree)
-    path = tree / "experiment" / "geometry.yaml"
-    path.write_text("\n".join(line for line in path.read_text().splitlines() if not line.startswith("tune:")))
-    monkeypatch.setenv("STUDY_SWEEPS", str(tree))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
-    monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))
-    assert main(["launch", "geometry", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
-    text = capsys.readouterr().out
+    text = dry_run_of_edited("geometry", lambda t: "\n".join(line for line in t.splitlines()
+                                                               if not line.startswith("tune:")),
+                             tmp_path, monkeypatch, capsys)
     profile = text.split("stage profile:")[1].split("stage scheduled:")[0]
     assert "#SBATCH --gpus-per-node=1" in profile and "#SBATCH --ntasks-per-node=1" in profile
     assert "afterok:<its reference runs in the train array>" in profile
@@ -99,23 +89,32 @@ def test_scales_an_experiment_places_on_their_own_nodes_go_out_as_one_array_per_
     array of its own with its own `--nodes`; one array of every run at the first run's layout would start the 8B runs
     on one node."""
     import re
+
+    def place(text: str) -> str:
+        for scale, nodes in (("3B", 4), ("8B", 8)):
+            text = re.sub(rf"^  {scale}: \{{", f"  {scale}: {{cluster.nodes: {nodes}, ", text, flags=re.M)
+        return text
+
+    out = dry_run_of_edited("hourglass_release", place, tmp_path, monkeypatch, capsys)
+    arrays = [(int(re.search(r"array of (\d+) runs", part)[1]), re.findall(r"#SBATCH --nodes=(\d+)", part))
+              for part in out.split("stage train:")[1:]]
+    assert arrays == [(9, ["1"]), (3, ["4"]), (3, ["8"])]
+    assert list(tmp_path.iterdir()) == [tmp_path / "sweeps"]
+
+
+def dry_run_of_edited(experiment: str, edit, tmp_path, monkeypatch, capsys) -> str:
+    """The dry run of a shipped experiment whose file `edit` (text -> text) changed, in a copy of `sweeps/`, with no
+    scheduler, store or data cache to ask."""
     import shutil
 
     tree = tmp_path / "sweeps"
     shutil.copytree(ROOT / "sweeps", tree)
-    path = tree / "experiment" / "hourglass_release.yaml"
-    text = path.read_text()
-    for scale, nodes in (("3B", 4), ("8B", 8)):
-        text = re.sub(rf"^  {scale}: \{{", f"  {scale}: {{cluster.nodes: {nodes}, ", text, flags=re.M)
-    path.write_text(text)
+    path = tree / "experiment" / f"{experiment}.yaml"
+    path.write_text(edit(path.read_text()))
     monkeypatch.setenv("STUDY_SWEEPS", str(tree))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "absent.conf"))
     monkeypatch.setenv("STUDY_CACHE", str(tmp_path / "absent-cache"))
-    assert main(["launch", "hourglass_release", "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    arrays = [(int(re.search(r"array of (\d+) runs", part)[1]), re.findall(r"#SBATCH --nodes=(\d+)", part))
-              for part in out.split("stage train:")[1:]]
-    assert arrays == [(9, ["1"]), (3, ["4"]), (3, ["8"])]
-    assert list(tmp_path.iterdir()) == [tree]
+    assert main(["launch", experiment, "cluster=h100", "paths.runs=/shared/runs", "--dry-run"]) == 0
+    return capsys.readouterr().out
