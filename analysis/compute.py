@@ -71,6 +71,10 @@ class Multiplier(JsonRecord):
     BOOTSTRAP_MIN_N seeds leave too few distinct resamples for a 95 % interval (no coverage is claimed)."""
     seeds: int = 0
     """Seeds the bootstrap resamples: the fewer of the variant's and the baseline's."""
+    read_at: str = ""
+    """On an L(N, D) surface (analysis.surface): ``frontier`` (between the arms' compute-optimal frontiers) or
+    ``planned N`` (at the variant's planned size, where a frontier's minimum lies beyond the searched sizes); empty
+    for a fit against compute or an L(D) curve."""
 
 
 

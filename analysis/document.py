@@ -23,7 +23,7 @@ from analysis.scaling import ScalingReport
 from study.config.secrets import mask_text
 from study.plan.paired_t import VERDICTS
 from study.schema import TAG_EVAL, TAG_LR_SOURCE
-from analysis.surface import SURFACE, TOKENS, SurfaceFit, SurfaceReport
+from analysis.surface import PLANNED, SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
 
@@ -534,7 +534,8 @@ def _bound(k: float) -> str:
 
 def _multiplier(k: Multiplier, what: str = "") -> str:
     """``1.09x compute [1.02, 1.16] (95% CI)``, or ``(range, 3 seeds)`` where too few seeds give no 95 % interval."""
-    return f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}] ({_interval(k)})"
+    return (f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}] ({_interval(k)}"
+            + (f"; at the {k.read_at}" if k.read_at == PLANNED else "") + ")")
 
 
 def _interval(k: Multiplier) -> str:

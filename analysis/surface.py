@@ -32,7 +32,10 @@ tokens over its point ``at``). There the compute-optimal N and D minimise the fi
 C = F(N) D, and a variant's effective-compute multiplier k is the compute at which the baseline's frontier (its
 surface's minimum along the iso-FLOP line) comes down to the variant's frontier loss at the variant's planned compute,
 over that compute: k = 1.5 says the baseline needs 1.5 times the FLOPs for the loss the variant reaches. k beyond
-:data:`K_MAX` either way is taken as never (inf) or 0. With L(D) fits (one size per arm and scale) there is no
+:data:`K_MAX` either way is taken as never (inf) or 0. The iso-FLOP line is searched a decade (:data:`SEARCH`) beyond
+the sizes fitted; where either arm's minimum lies beyond that, the frontier there is the surface at the search's
+edge, not an optimum, and k is read at the variant's planned N instead (:data:`PLANNED`): the baseline's FLOPs, at
+that N, to its fitted loss equal to the variant's at its planned N and D, over the variant's planned compute. With L(D) fits (one size per arm and scale) there is no
 frontier: k is read at the arm's planned size, the baseline's FLOPs to its fitted loss equal to the variant's at the
 variant's planned tokens, over the variant's planned compute.
 """
@@ -62,8 +65,14 @@ PARAMETERS = {SURFACE: ("E", "A", "alpha", "B", "beta"), TOKENS: ("E", "B", "bet
 MIN_SIZES = 3
 """Distinct sizes (scales) a surface needs: two leave E, A and alpha underdetermined."""
 
-SEARCH = 1e4
-"""The iso-FLOP line is searched from the arm's smallest N over this factor to its largest N times it."""
+SEARCH = 10.0
+"""The iso-FLOP line is searched from the arm's smallest N over this factor to its largest N times it: a decade beyond
+the sizes fitted each way. Further out the surface is an extrapolation its points do not hold (a reduced ladder's,
+fitted over 8k-33k parameters, put an arm's optimum at 1.3 parameters)."""
+
+FRONTIER, PLANNED = "frontier", "planned N"
+"""Where a surface's multiplier is read: between the arms' frontiers (the minima along the iso-FLOP lines), or, where
+either arm's minimum lies beyond the searched sizes, at the variant's planned N (Multiplier.read_at)."""
 
 K_MAX = 1e6
 """A multiplier is searched between 1 / K_MAX and K_MAX; beyond, it is 0 or infinite (never)."""
@@ -180,7 +189,7 @@ class Optimum:
     d_opt: float
     """Compute-optimal D = compute / F(n_opt)."""
     loss_opt: float
-    """The surface's minimum along the iso-FLOP line."""
+    """The surface's minimum along the iso-FLOP line (NaN where it lies beyond the searched sizes)."""
     n_interval: tuple[float, float] = (math.nan, math.nan)
     """Interval of n_opt over the bootstrap draws."""
     d_interval: tuple[float, float] = (math.nan, math.nan)
@@ -292,11 +301,13 @@ def _caveat(points: pd.DataFrame) -> str:
     if not len(points) or points["n"].max() * FAR_BELOW > SMALLEST_STUDIED:
         return ""
     low, high = points["n"].min(), points["n"].max()
+    per_param = points["d"] / points["at"] / points["n"]  # the planned runs' tokens per parameter
     return (f"Every size fitted here ({low:,.0f} to {high:,.0f} counted parameters, {points['d'].max():,.0f} training "
             f"tokens at most) is over {FAR_BELOW:g} times below the smallest scale the studies compare "
             f"({SMALLEST_STUDIED:,} parameters, 113M): these fits, optima and multipliers check the analysis on "
             "trained runs and real seed noise; they say nothing about the architectures at 113M or above, where "
-            "the losses, the data and the LR's transfer differ.")
+            f"the losses, the data and the LR's transfer differ. The planned runs train on {per_param.min():.2g} to "
+            f"{per_param.max():.2g} tokens per parameter (a compute-optimal run on about 20, Hoffmann et al. 2022).")
 
 
 def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
@@ -543,16 +554,30 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
             n_plan, d_plan = planned.loc[(variant, scale), ["n", "planned_d"]]
             optima.append(Optimum(variant, scale, float(compute[k]), float(n_plan), float(d_plan),
                                   float(fit.predict(n_plan, d_plan)), float(n_opt[k]), float(d_opt[k]),
-                                  float(loss_opt[k]), interval(drawn_n[:, k], n_opt[k], fit.interval),
+                                  float(loss_opt[k]) if math.isfinite(n_opt[k]) else math.nan,
+                                  interval(drawn_n[:, k], n_opt[k], fit.interval),
                                   interval(drawn_d[:, k], d_opt[k], fit.interval), fit.interval))
             ends = [n_plan, n_opt[k]] if math.isfinite(n_opt[k]) else [n_plan]
             line = np.geomspace(min(ends) / 10, max(ends) * 10, 64)  # the planned run and the optimum, and around
             isoflops.append(IsoFlop(variant, scale, float(compute[k]), line.tolist(),
                                     fit.predict(line, compute[k] / rules[variant](line)).tolist()))
         if reference is not None and variant != report.baseline:
-            read = partial(_k_frontier, variant=(rules[variant], bounds[variant]),
-                           baseline=(rules[report.baseline], bounds[report.baseline]))
-            multipliers += _multipliers(variant, scales, compute, fit, reference, read)
+            # a frontier whose minimum lies beyond the searched sizes is the surface at the search's edge, not an
+            # optimum: there k is read at the variant's planned N instead
+            theirs = frontier(reference.params(), rules[report.baseline], compute, bounds[report.baseline])[0]
+            inside = np.isfinite(n_opt) & np.isfinite(theirs)
+            plan = planned.loc[[(variant, s) for s in scales]]
+            for where, chosen in ((FRONTIER, inside), (PLANNED, ~inside)):
+                if not chosen.any():
+                    continue
+                sizes = plan["n"].to_numpy(float)[chosen]
+                read = (partial(_k_frontier, variant=(rules[variant], bounds[variant]),
+                                baseline=(rules[report.baseline], bounds[report.baseline])) if where == FRONTIER
+                        else partial(_k_at_size, sizes=sizes, tokens=plan["planned_d"].to_numpy(float)[chosen],
+                                     flops=rules[report.baseline](sizes) if len(sizes) else sizes))
+                multipliers += _multipliers(variant, [s for s, c in zip(scales, chosen) if c], compute[chosen],
+                                            fit, reference, read, where)
+            multipliers.sort(key=lambda m: (m.variant, order.index(m.scale)))
     return replace(report, optima=optima, isoflops=isoflops, multipliers=multipliers)
 
 
@@ -579,26 +604,33 @@ def _tokens_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[s
             if fit.scale != scale or fit.variant == report.baseline or fit.form == "none":
                 continue
             compute, tokens = planned.loc[(fit.variant, scale), ["planned_c", "planned_d"]]
-            read = partial(_k_tokens, tokens=float(tokens), flops=float(flops[report.baseline]))
+            # an L(D) curve has no parameter term (A = 0): the size it is read at does not enter
+            read = partial(_k_at_size, sizes=np.ones(1), tokens=np.array([tokens]),
+                           flops=np.array([flops[report.baseline]]))
             multipliers += _multipliers(fit.variant, [scale], np.array([compute]), fit, reference, read)
     return replace(report, multipliers=multipliers)
 
 
-def _k_tokens(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, tokens: float, flops: float) -> np.ndarray:
-    """k per row at one size: the baseline's FLOPs (``flops`` per token) to its fitted loss (curve ``theirs``) equal
-    to the variant's at its planned ``tokens`` (curve ``mine``), over the variant's planned ``compute``."""
-    target = _loss(mine, 1.0, tokens)
-    E, B, beta = theirs[:, 0], theirs[:, 3], theirs[:, 4]
+def _k_at_size(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, sizes: np.ndarray, tokens: np.ndarray,
+               flops: np.ndarray) -> np.ndarray:
+    """k per row at one size per scale: the baseline's FLOPs (``flops`` per token at that size) to bring its fitted
+    loss (surface ``theirs``) at N = ``sizes`` down to the variant's at its planned N and ``tokens`` (surface
+    ``mine``), over the variant's planned ``compute``. Rows run over the scales, then repeat them (the draws)."""
+    reps = len(compute) // len(sizes)
+    n, d, f = np.tile(sizes, reps), np.tile(tokens, reps), np.tile(flops, reps)
+    target = _loss(mine, n, d)
+    E, A, alpha, B, beta = (theirs[:, k] for k in range(5))
     with np.errstate(all="ignore"):
-        needed = np.where(target > E, ((target - E) / B) ** (-1 / beta), math.inf)
-    return flops * needed / compute
+        floor = E + A * n ** -alpha
+        needed = np.where(target > floor, ((target - floor) / B) ** (-1 / beta), math.inf)
+    return f * needed / compute
 
 
 def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: SurfaceFit, reference: SurfaceFit,
-                 read) -> list[Multiplier]:
+                 read, read_at: str = "") -> list[Multiplier]:
     """One Multiplier per scale: k = ``read(variant's parameters, baseline's, compute)`` from the point fits, its
     interval from the paired draws (draw i of both arms) where both were fitted, by analysis.compute's rule
-    (percentile from BOOTSTRAP_MIN_N seeds, range below)."""
+    (percentile from BOOTSTRAP_MIN_N seeds, range below); ``read_at`` says where (FRONTIER, PLANNED)."""
     k_point = read(np.tile(fit.params(), (len(scales), 1)), np.tile(reference.params(), (len(scales), 1)), compute)
     mine, theirs = fit.draw_params(), reference.draw_params()
     draws = min(len(mine), len(theirs))  # none when either arm has one seed
@@ -613,5 +645,5 @@ def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: Surf
     for k, scale in enumerate(scales):
         low, high = interval(drawn[:, k], float(k_point[k]), kind)
         rows.append(Multiplier(variant, scale, float(compute[k]), float(k_point[k]), low, high, pairs,
-                               interval=kind, seeds=seeds))
+                               interval=kind, seeds=seeds, read_at=read_at))
     return rows

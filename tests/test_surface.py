@@ -293,3 +293,24 @@ def test_the_fit_of_seed_noisy_branch_ends_does_not_depend_on_the_order_the_stor
     fits = {tuple(getattr(fit_surface(ends.sample(frac=1, random_state=order), "arm", n_boot=20), k)
                   for k in ("E", "A", "alpha", "B", "beta")) for order in range(6)}
     assert len(fits) == 1
+
+
+def test_where_an_arms_optimum_lies_beyond_the_searched_sizes_the_multiplier_is_read_at_the_planned_size():
+    """Losses that do not fall with N at fixed D (runs far too large for their tokens, as a CPU ladder's are) put the
+    minimum along every iso-FLOP line at the search's edge: no optimum, so k is read at the variant's planned N,
+    the baseline's FLOPs at that N to its fitted loss equal to the variant's at its planned (N, D)."""
+    def base(n, d):
+        return 1.0 + 410.0 * np.asarray(d, float) ** -0.28 + 0 * np.asarray(n, float)
+
+    def variant(n, d):
+        return 1.8 + 300.0 * np.asarray(d, float) ** -0.28 + 0 * np.asarray(n, float)
+
+    report = surface_report(branch_ends({"base": (base, 1.0), "variant": (variant, 1.0)}), "base", n_boot=0)
+    assert all(math.isnan(o.n_opt) and math.isnan(o.loss_opt) for o in report.optima)
+    for m in report.multipliers:
+        n, d = SIZES[m.scale], TOKENS_PER_PARAM * SIZES[m.scale]
+        needed = ((float(variant(n, d)) - 1.0) / 410.0) ** (-1 / 0.28)  # base's tokens to the variant's loss
+        assert m.read_at == "planned N" and m.multiplier == pytest.approx(needed / d, rel=1e-3)
+    # a surface whose optima lie within the searched sizes is read between the frontiers
+    planted = surface_report(branch_ends({"base": (baseline, 1.0), "variant": (baseline, 1.0)}), "base", n_boot=0)
+    assert {m.read_at for m in planted.multipliers} == {"frontier"}
