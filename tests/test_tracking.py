@@ -82,18 +82,21 @@ def test_flatten_dots_keys_and_drops_secrets_and_environment():
 
 
 def test_open_log_close_gives_one_finished_run_with_tags_params_metrics_and_artifacts(store, client):
+    import threading
+
     tracker = Tracker.open("key-a", "schema", "hourglass-tiny-s0", TAGS, {**PARAMS, "hf_token": "hf_x"},
                            cfg=cfg_for(store))  # fmt: skip
-    costs = []
+    # the training step's thread never waits on the store: every batch of points leaves from the tracker's own
+    # thread (asked of the calls themselves, not of a clock a loaded machine stretches)
+    senders, log_batch = [], tracker._client.log_batch
+    tracker._client.log_batch = lambda *a, **k: senders.append(threading.current_thread()) or log_batch(*a, **k)
     for step in range(200):
-        start = time.perf_counter()
         tracker.log_metrics({"train/loss": 4.0 - step / 100, "train/lr": 1e-3, "train/grad_norm": 0.5}, step)
-        costs.append(time.perf_counter() - start)
     tracker.log_metrics({"val/loss": 2.5, "val/ppl": 12.18}, 199)
     tracker.log_dict({"model": {"d_model": 64}}, "config.yaml")
     tracker.log_artifact("| group | params |\n", "tables/parameters.md")
     assert tracker.close() == 0
-    assert max(costs) < 0.02, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
+    assert senders and threading.main_thread() not in senders
 
     (run,) = runs_with_key(client, "schema", "key-a")
     assert run.info.run_id == tracker.run_id
@@ -106,6 +109,19 @@ def test_open_log_close_gives_one_finished_run_with_tags_params_metrics_and_arti
     artifacts = Path(store.removeprefix("sqlite:///")).parent / "mlartifacts" / "schema" / run.info.run_id / "artifacts"
     assert (artifacts / "config.yaml").read_text() == "model:\n  d_model: 64\n"
     assert (artifacts / "tables" / "parameters.md").read_text() == "| group | params |\n"
+
+
+def test_a_run_shorter_than_one_system_metrics_interval_still_records_its_system_metrics(store, client):
+    """MLflow's monitor publishes only after a whole interval and drops what it sampled when stopped sooner: a run of
+    a few seconds at the default 30 s interval would hold no `system/...` metric at all."""
+    from dataclasses import replace
+
+    tracker = Tracker.open("key-sys", "sysmetrics", "hourglass-tiny-s0", TAGS, PARAMS,
+                           cfg=replace(cfg_for(store), system_metrics_s=30.0), system_metrics=True)
+    tracker.log_metrics({"train/loss": 1.0}, 0)
+    assert tracker.close() == 0
+    metrics = client.get_run(tracker.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics and "system/system_memory_usage_megabytes" in metrics
 
 
 def test_reopening_a_run_key_resumes_the_same_run_and_skips_steps_already_logged(store, client):
@@ -162,17 +178,15 @@ def test_a_locked_sqlite_store_delays_points_without_blocking_logging(store, cli
     tracker = Tracker.open("key-d", "locked", "hourglass-tiny-s2", TAGS, PARAMS, cfg=cfg_for(store))
     lock = sqlite3.connect(store.removeprefix("sqlite:///"), isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
-    costs = []
+    # every point is logged while the store stays locked (a log_metrics that waited on the store would never return
+    # here) and is still waiting to be sent
     for step in range(100):
-        start = time.perf_counter()
         tracker.log_metrics({"train/loss": float(step)}, step)
-        costs.append(time.perf_counter() - start)
         time.sleep(0.01)
     assert tracker.pending() > 0
     lock.execute("COMMIT")
     lock.close()
     assert tracker.close(timeout_s=30) == 0
-    assert max(costs) < 0.02, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
     assert steps_logged(client, tracker.run_id, "train/loss") == list(range(100))
 
 
@@ -228,13 +242,11 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
     with start_server(new_store(tmp_path / "mlflow.db"), tmp_path / "mlartifacts") as server:
         cfg = TrackingConfig(uri=server.uri, flush_interval_s=0.2, retry_initial_s=0.5, retry_max_s=2.0)
         tracker = Tracker.open("key-s", "outage", "hourglass-tiny-s0", TAGS, PARAMS, cfg=cfg)
-        stop, costs, steps = threading.Event(), [], []
+        stop, steps = threading.Event(), []
 
         def train():
             while not stop.is_set():
-                start = time.perf_counter()
                 tracker.log_metrics({"train/loss": 1.0 / (len(steps) + 1)}, len(steps))
-                costs.append(time.perf_counter() - start)
                 steps.append(len(steps))
                 time.sleep(0.01)
 
@@ -243,8 +255,12 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
         time.sleep(1.0)
         down = time.monotonic()
         server.stop()
+        before = len(steps)
         time.sleep(2.0)
         assert tracker.pending() > 0
+        # training went on through the outage: a step every 10 ms, about 200 of them; a log_metrics that waited on
+        # the server would hold its thread for the tracker's retries (0.5-2 s each)
+        during = len(steps) - before
         server.start()
         outage = time.monotonic() - down
         time.sleep(1.0)
@@ -258,8 +274,7 @@ def test_a_server_outage_loses_no_point_and_never_blocks_logging(tmp_path, monke
         assert outage > 5.0
         assert client.get_run(tracker.run_id).info.status == "FINISHED"
         assert steps_logged(client, tracker.run_id, "train/loss") == steps
-        assert sorted(costs)[len(costs) * 99 // 100] < 0.002
-        assert max(costs) < 0.05, f"log_metrics took up to {max(costs) * 1e3:.1f} ms"
+        assert during >= 20, f"{during} steps logged in the 2 s the server was down"
 
 
 @pytest.mark.integration

@@ -195,6 +195,10 @@ def read_spec(path: Path | str) -> RunSpec:
     path = Path(path)
     if path.is_dir():
         path = RunDir(path).spec
+    if not path.exists() and not path.is_symlink():  # nothing to repair: the fix is another path
+        raise StudyError("run spec", f"{path} does not exist",
+                         "give the run.json a launch wrote (<paths.runs>/<experiment>/<run key>/run.json) or its run "
+                         "directory")
     raw = read_mapping(path, {}, f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again "
                        "from its plan (its checkpoints stay)")
     if raw.get("schema") != SCHEMA_VERSION:

@@ -219,6 +219,19 @@ class Tracker:
                 logger.warning("tracking buffer full (%d points): dropping the oldest", self._cfg.max_buffer)
             self._dropped += max(overflow, 0)
 
+    def _publish_last_samples(self) -> None:
+        """MLflow's monitor, stopped, drops the samples it took since it last published (it publishes only after a
+        whole sampling interval): a run shorter than one interval would have no system metrics at all. They are sent
+        here, as one more point."""
+        monitor = self._monitor
+        if not any(m._metrics for m in monitor.monitors):
+            return
+        try:
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as err:  # system metrics are a convenience: a failure here never fails the run
+            logger.warning("the last system metrics were not sent: %s", err)
+
     def log_artifact(self, source: Path | str, name: str) -> None:
         """Queues an artifact stored as `name` (may contain folders): a file or folder if `source` is a Path, else
         `source` itself as text. It is copied now, so later changes to the source do not matter."""
@@ -268,6 +281,7 @@ class Tracker:
             atexit.unregister(self._close_at_exit)
             if self._monitor is not None:
                 self._monitor.finish()  # its last samples land while the run is still RUNNING
+                self._publish_last_samples()
             self._final = (status, reason)
             self._deadline = time.monotonic() + timeout_s
             self._closing.set()
