@@ -64,7 +64,9 @@ def check_answers(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         refused = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
         reason = (f"no answer within {timeout_s:g} s" if re.search(r"(?i)timed? ?out", str(exc)) else
                   refused[1].strip().lower() if refused else
-                  "it closed the connection without a reply" if "RemoteDisconnected" in str(exc) else
+                  # a server that accepts and hangs up: the client sees the close, or a reset, by how fast it read
+                  "it closed the connection without a reply" if re.search(
+                      r"RemoteDisconnected|ConnectionResetError|reset by peer", str(exc)) else
                   mask_text(short(exc)))
         raise StudyError("tracking.uri", f"the MLflow server {mask_text(uri)} does not answer ({reason})",
                          "start the tracking server (`mlflow server`), or point tracking.uri (or MLFLOW_TRACKING_URI) "
