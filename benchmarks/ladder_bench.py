@@ -102,6 +102,15 @@ class JobCpu:
             frontier = kids
         return found
 
+    @staticmethod
+    def _is_job(pid: int) -> bool:
+        """A job: forked by the warm server (its command line is the server's) or started by submitit (cold)."""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return b"_serve" in cmdline or b"submitit.core._submit" in cmdline
+
     def _sample(self, pid: int) -> None:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -111,6 +120,8 @@ class JobCpu:
             return
         lease = next((link for link in links if link.startswith(self.runs) and link.endswith("/.lease")), None)
         job = self.jobs.get(pid)
+        if lease is not None and job is None and not self._is_job(pid):
+            lease = None  # another process looking at a run directory (a lease probe), not a job training it
         if lease is not None:
             key = Path(lease).parent.name
             job = self.jobs.setdefault(pid, {"key": key, "train": 0.0, "total": 0.0})
