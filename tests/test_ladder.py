@@ -64,12 +64,17 @@ def _branch_ends(runs: list) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@pytest.fixture(scope="module")
+def stored(ladder):
+    """(client, every run of the ladder, its branch ends), read from MLflow once for the tests that check against it."""
+    client, runs = _store(ladder[0])
+    return client, runs, _branch_ends(runs)
+
+
 @pytest.mark.integration
-def test_the_reduced_ladder_trains_every_trunk_and_branch_and_each_branch_names_its_trunk(ladder):
-    uri, _, _ = ladder
-    _, runs = _store(uri)
+def test_the_reduced_ladder_trains_every_trunk_and_branch_and_each_branch_names_its_trunk(stored):
+    _, runs, ends = stored
     trunks = {r.data.tags["study.run_key"]: r for r in runs if r.data.tags.get("study.role") == "trunk"}
-    ends = _branch_ends(runs)
     assert len(trunks) == len(ARMS) * len(SIZES) * len(SEEDS)
     assert len(ends) == len(trunks) * len(POINTS) and set(ends["status"]) == {"FINISHED"}
     for end in ends.itertuples():
@@ -82,12 +87,11 @@ def test_the_reduced_ladder_trains_every_trunk_and_branch_and_each_branch_names_
 
 
 @pytest.mark.integration
-def test_the_surface_is_fitted_to_the_branch_ends_mlflow_holds_with_compute_from_their_flops(ladder):
+def test_the_surface_is_fitted_to_the_branch_ends_mlflow_holds_with_compute_from_their_flops(ladder, stored):
     from analysis.surface import SURFACE, fit_surface
 
-    uri, report, _ = ladder
-    _, runs = _store(uri)
-    ends = _branch_ends(runs)
+    _, report, _ = ladder
+    ends = stored[2]
     surface = report["surface"]
     assert surface["form"] == SURFACE and surface["status"] == "ok"
     assert surface["source"] == "resolved.flops_per_token x recipe.tokens" and surface["fallback"] is None
@@ -108,12 +112,11 @@ def test_the_surface_is_fitted_to_the_branch_ends_mlflow_holds_with_compute_from
 
 
 @pytest.mark.integration
-def test_each_arms_multiplier_and_its_interval_are_read_from_the_stores_branches(ladder):
+def test_each_arms_multiplier_and_its_interval_are_read_from_the_stores_branches(ladder, stored):
     from analysis.surface import surface_report
 
-    uri, report, _ = ladder
-    _, runs = _store(uri)
-    ends = _branch_ends(runs)
+    _, report, _ = ladder
+    ends = stored[2]
     frame = ends.assign(params_counted=ends["n"], tokens=ends["d"], flops_per_token=ends["flops"],
                         max_steps=ends["steps"], global_batch=4, seq_len=32, run_name=ends["run_id"])
     again = surface_report(frame, "conventional", n_boot=200)
@@ -130,12 +133,11 @@ def test_each_arms_multiplier_and_its_interval_are_read_from_the_stores_branches
 
 
 @pytest.mark.integration
-def test_the_race_decided_each_point_on_the_branch_ends_the_store_holds(ladder):
+def test_the_race_decided_each_point_on_the_branch_ends_the_store_holds(ladder, stored):
     from scipy import stats
 
-    uri, report, work = ladder
-    _, runs = _store(uri)
-    ends = _branch_ends(runs)
+    _, report, work = ladder
+    ends = stored[2]
     race = report["racing"]
     assert race["at"] == list(POINTS) and race["baseline"] == "conventional"
     verdicts = {(v["at"], v["scale"]): v for v in race["verdicts"]}
@@ -161,16 +163,15 @@ def test_the_race_decided_each_point_on_the_branch_ends_the_store_holds(ladder):
 
 
 @pytest.mark.integration
-def test_a_branch_ends_curve_and_hours_to_target_start_from_its_trunks_first_step(ladder):
+def test_a_branch_ends_curve_and_hours_to_target_start_from_its_trunks_first_step(ladder, stored):
     """A branch logs only the steps it trains; the straight run it equals starts at step 0 on its trunk. Its curve
     in the report is its trunk's points to the branch's start, then its own, and time to target walks that curve
     at the throughput of both (a branch's own few steps after a restart are no measure of its speed)."""
     from analysis.run_table import read_curves, read_study, trunk_links
 
     uri, report, _ = ladder
-    client, runs = _store(uri)
+    client, runs, ends = stored
     trunk_ids = {r.data.tags["study.run_key"]: r.info.run_id for r in runs if r.data.tags.get("study.role") == "trunk"}
-    ends = _branch_ends(runs)
     ends = ends[ends["at"] == max(POINTS)].set_index(["scale", "variant", "seed"])
 
     def history(run_id: str, metric: str, until: float = math.inf) -> list[tuple[int, float]]:
@@ -207,13 +208,11 @@ def test_a_branch_ends_curve_and_hours_to_target_start_from_its_trunks_first_ste
 
 
 @pytest.mark.integration
-def test_each_cells_parent_run_summarises_its_planned_runs_ends_and_no_trunk_gains_a_summary(ladder):
+def test_each_cells_parent_run_summarises_its_planned_runs_ends_and_no_trunk_gains_a_summary(stored):
     """MLflow's runs table folds a cell's runs under its parent, whose val/loss column compares variants at a
     glance: in a branched study that is the mean of the branch ends at the largest point, over the seeds. A trunk
     (a branch's own parent) carries its training curve only."""
-    uri, _, _ = ladder
-    client, runs = _store(uri)
-    ends = _branch_ends(runs)
+    client, runs, ends = stored
     parents = {r.info.run_name: r for r in runs if r.data.tags.get("study.role") == "group"}
     assert set(parents) == {f"{v}-{s}" for v in ARMS for s in SIZES}
     for (variant, scale), cell in ends[ends["at"] == max(POINTS)].groupby(["variant", "scale"]):
