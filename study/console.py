@@ -72,10 +72,12 @@ override that reorders what follows, a zero-width space), surrogates and line or
 def hidden_character(text: str) -> str | None:
     """The first character of `text` a terminal or a shell line would not show as itself (`_HIDDEN`, tabs and
     newlines included), as its escape; None when every character shows."""
-    for c in text:
-        if unicodedata.category(c) in _HIDDEN:
-            return c.encode("unicode_escape", "backslashreplace").decode("ascii")
-    return None
+    return next((_escaped(c) for c in text if unicodedata.category(c) in _HIDDEN), None)
+
+
+def _escaped(c: str) -> str:
+    """A character as Python writes it escaped (`\\u202e`, `\\x1b`)."""
+    return c.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def for_terminal(text: str) -> str:
@@ -83,5 +85,4 @@ def for_terminal(text: str) -> str:
     written as its escape (`\\u202e`, `\\x1b`), so what is shown is what the file holds; newlines and tabs stay."""
     if text.isprintable():
         return text
-    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)
+    return "".join(_escaped(c) if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)
