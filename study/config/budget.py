@@ -1,7 +1,4 @@
-"""The parameter budget a variant meets, and which free dimension meets it.
-
-Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
-"""
+"""The parameter budget a variant meets, and which free dimension meets it."""
 
 from __future__ import annotations
 

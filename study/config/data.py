@@ -12,9 +12,8 @@ EMBEDDED = "docstrings"
 TRAIN_BPE = "bpe"
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 TOKEN_DTYPES = ("uint16", "uint32")
-# The held-out documents (or token blocks) are drawn with a fixed seed, independent of any run's data seed, so
-# every run of a study validates on the same text.
 VAL_SPLIT_SEED = 20240601
+"""Seed of the held-out documents (or token blocks), not any run's: every run of a study validates on the same text."""
 VAL_BLOCK = 2**16
 """Tokens per block of a flat token stream that is held out (or kept) whole."""
 
@@ -22,11 +21,10 @@ VAL_BLOCK = 2**16
 @dataclass
 class DataConfig:
     name: str = EMBEDDED
-    """`docstrings` (English docstrings of the Python standard library, built offline) or a Hugging Face dataset:
-    a hub path such as `Skylion007/openwebtext`, a `save_to_disk` directory, or a directory of json/parquet files;
-    with `tokens`, the token corpus's label (e.g. `olmo2-mix`), which names its cache entry and MLflow dataset."""
+    """`docstrings` (the Python standard library's, built offline) or a Hugging Face dataset (a hub path, a
+    `save_to_disk` directory or a directory of json/parquet files); with `tokens`, the token corpus's label."""
     config_name: str | None = None
-    """Dataset configuration, e.g. `sample-10BT` for `HuggingFaceFW/fineweb-edu`; None for datasets that have one."""
+    """Dataset configuration, e.g. `sample-10BT` for `HuggingFaceFW/fineweb-edu`; None for datasets with one."""
     text_field: str = "text"
     """Column that holds each document's text."""
     train_split: str = "train"
@@ -34,11 +32,11 @@ class DataConfig:
     val_split: str = "validation"
     """Split validated on when the dataset has it; otherwise val_fraction of the training documents is held out."""
     val_fraction: float = 0.01
-    """Fraction held out for validation (0 < f < 1): of the documents when the dataset has no `val_split`; of the
-    token stream, in blocks of VAL_BLOCK tokens, when `tokens` is given without `val_tokens`."""
+    """Fraction held out for validation (0 < f < 1): of the documents without a `val_split`, of the token stream (in
+    blocks of VAL_BLOCK tokens) for `tokens` without `val_tokens`."""
     tokenizer: str = TRAIN_BPE
     """`bpe` trains a byte-level BPE on the training documents; else a tokenizer.json or transformers tokenizer dir
-    (with `tokens`, the one the files were made with: evaluation and export read it, nothing is re-tokenised)."""
+    (with `tokens`, the one the files were made with)."""
     vocab_size: int = 4096
     """Vocabulary size of the trained BPE, `<|endoftext|>` included (only for tokenizer=bpe)."""
     eos_token: str | None = None
@@ -46,33 +44,27 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence; each window holds seq_len + 1 tokens so targets are inputs shifted by one."""
     max_docs: int | None = None
-    """Keep the first this many documents of the training split, held-out ones included (None keeps all);
-    a named validation split keeps val_fraction as many."""
+    """Keep the first this many documents of the training split, held-out ones included (None keeps all)."""
     max_bytes: int | None = None
     """Keep training documents until their UTF-8 text reaches this many bytes (None keeps all); scaled like max_docs."""
     cache_dir: str | None = None
     """Where corpora, tokenizers and token shards are cached; None means $STUDY_CACHE, else ~/.cache/study."""
     num_proc: int | None = None
-    """Threads the tokenizer encodes a chunk with (or flat token files are scanned with); None uses every core this
-    process may run on."""
+    """Threads that encode a chunk (or scan flat token files); None uses every core this process may run on."""
     tokens: list[str] | None = None
-    """Pre-tokenised flat token files instead of documents: `.npy`/`.bin` files or directories of them (searched
-    recursively), in the order given, a directory's files in natural order (`part-2` before `part-10`)."""
+    """Pre-tokenised flat token files instead of documents: `.npy`/`.bin` files or directories of them, in the order
+    given (a directory's files in natural order, `part-2` before `part-10`)."""
     val_tokens: list[str] | None = None
-    """Flat token files validated on (a release's own validation set), read like `tokens`; None holds out
-    `val_fraction` of the `tokens` stream instead."""
+    """Flat token files validated on, read like `tokens`; None holds out `val_fraction` of the `tokens` stream."""
     token_dtype: str = "uint32"
     """Id type of the flat token files: `uint32` (OLMo's dolma2 files) or `uint16`; a `.npy` header must agree."""
     chunk_docs: int = 10_000
-    """Documents tokenised between two progress records: a killed `study prepare` resumes after the last finished
-    chunk (the shards are the same whatever the chunk size)."""
+    """Documents tokenised between progress records (a killed `study prepare` resumes after the last one)."""
 
 
 def cache_root(cfg: DataConfig) -> Path:
     """The cache directory every run of a sweep shares."""
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir).expanduser()
-    return study_cache()
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else study_cache()
 
 
 def study_cache() -> Path:

@@ -30,15 +30,13 @@ class DecisionRule:
 
     def margin_of(self, metric: str) -> float | None:
         """The equivalence margin of ``metric``, if one is declared."""
-        if metric == self.metric:
-            return self.margin
-        return (self.margins or {}).get(metric)
+        return self.margin if metric == self.metric else (self.margins or {}).get(metric)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None, where: str = "decision") -> "DecisionRule":
         """Checked rule from an experiment file's `decision:` block (None: defaults)."""
         raw = dict(raw or {})
-        allowed = {f for f in cls.__dataclass_fields__}
+        allowed = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - allowed)
         if unknown:
             raise StudyError(f"{where}.{unknown[0]}", "is not a decision key", f"use only {', '.join(sorted(allowed))}")

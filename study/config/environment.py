@@ -1,10 +1,7 @@
-"""Values read from the environment through `${oc.env:NAME}`, recorded as they are read.
-
-Such a value may be a credential (`wandb login ${oc.env:WANDB_KEY}`), so every config written out (run directory,
-MLflow, stdout, launch manifest: `study.track.params.redact`) shows the interpolation that read it in its place.
-OmegaConf's `oc.env` is replaced by one that records; the `study.config` package imports this module, so every config
-resolved in a process, by the composer or from a run spec, is recorded.
-"""
+"""Values read from the environment through `${oc.env:NAME}`, recorded as they are read: such a value may be a
+credential (`wandb login ${oc.env:WANDB_KEY}`), so every config written out shows the interpolation that read it in its
+place (study.config.secrets). The `study.config` package imports this module, so OmegaConf's `oc.env` is replaced by
+the recording one before any config is resolved."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Downstream (lm-eval) evaluation settings.
-
-Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
-"""
+"""Downstream (lm-eval) evaluation settings (none of them changes a run's key)."""
 
 from __future__ import annotations
 

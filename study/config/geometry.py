@@ -21,9 +21,8 @@ def one_of(field: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def check_radius(radius: float) -> None:
     if not 0.0 < radius < 1.0:
-        raise StudyError(
-            "hyperbolic_radius", f"{radius} is not inside the unit Poincare ball", "use a radius in (0, 1), e.g. 0.9"
-        )
+        raise StudyError("hyperbolic_radius", f"{radius} is not inside the unit Poincare ball",
+                         "use a radius in (0, 1), e.g. 0.9")
 
 
 @dataclass
@@ -45,8 +44,7 @@ class AllocationConfig:
     w_min_fraction: float = 0.25
     """Lower bound of every layer's width, as a fraction of the uniform width."""
     weight_by_sensitivity: bool = True
-    """Weight layer l by its measured perturbation sensitivity lambda_l, the paper's loss sensitivity (false:
-    lambda_l = 1)."""
+    """Weight layer l by its measured perturbation sensitivity lambda_l (false: lambda_l = 1)."""
     measure_sensitivity: bool = True
     """Measure perturbation sensitivity when profiling (2 L + 1 extra passes over the profiling batches)."""
     sensitivity_eps: float = 0.1
@@ -56,25 +54,21 @@ class AllocationConfig:
     n_tokens: int = 1024
     """Tokens sampled from the validation batches to form each layer's cloud."""
     n_sequences: int = 256
-    """Validation sequences the tokens are drawn from, a few random positions in each (tokens of one sequence are
-    strongly correlated); the perturbation sensitivity uses the same sequences. Capped by the validation split."""
+    """Validation sequences the tokens are drawn from, a few positions in each (tokens of one sequence correlate);
+    the sensitivity uses the same sequences. Capped by the validation split."""
     seed: int = 0
     """Seed of the token sample (the same positions are used in every layer)."""
     min_position: int = 1
-    """First sequence position eligible: position 0 is an attention sink with outsized norm, the same state in
-    every sequence that starts with the same token, and would dominate raw distances."""
+    """First sequence position eligible: position 0, an attention sink of outsized norm, would dominate distances."""
     vr_backend: str = "auto"
-    """Vietoris-Rips persistence: ripser (MIT, installed with study), gph (giotto-ph, AGPL: `pip install
-    study[gph]`, multithreaded) or auto (gph when installed, else ripser). Both run Ripser's algorithm in float32 and
-    give the same diagrams bit for bit."""
+    """Vietoris-Rips persistence: ripser (MIT, installed), gph (giotto-ph, AGPL, multithreaded: `pip install
+    study[gph]`) or auto (gph when installed); both give the same diagrams bit for bit."""
     gw_starts: str = "identity"
-    """Starts of the Gromov-Wasserstein solver: identity (the coupling of corresponding tokens) or both (also POT's
-    default product start, the lower value kept; about doubles the profile's time and never gave the lower value on
-    the benchmark's clouds)."""
+    """Starts of the Gromov-Wasserstein solver: identity (corresponding tokens) or both (also POT's product start,
+    the lower value kept: about twice the time, and never lower on the benchmark's clouds)."""
     diagram_workers: int = -1
-    """Processes profiling layers in parallel: -1 one per core the process may use, 1 inline (no processes). The
-    values do not depend on it. Workers are spawned, so a script that profiles needs the usual
-    `if __name__ == "__main__":` guard."""
+    """Processes profiling layers in parallel (the values do not depend on it): -1 one per usable core, 1 inline.
+    Workers are spawned, so a script that profiles needs the `if __name__ == "__main__":` guard."""
 
     def __post_init__(self) -> None:
         one_of("statistic", self.statistic, STATISTICS)

@@ -22,50 +22,40 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class WidthSchedule:
-    """A per-layer width schedule: a named family and its few parameters. The family fixes the shape of the widths
-    across depth (and, for `layerwise` with `alpha`, the heads per layer); the budget matcher fixes their scale.
-
-    One line of a variant: `model.ffn.schedule: {family: sigmoid, start: 1.5, end: 0.5, steepness: 8}`; the
-    short form `model.ffn.schedule: cosine` names the family alone (study.config.compose reads it).
-    """
+    """A per-layer width schedule: the family fixes the shape of the widths across depth (and, for `layerwise` with
+    `alpha`, the heads per layer), the budget matcher their scale. In a variant: `model.ffn.schedule: {family:
+    sigmoid, start: 1.5, end: 0.5}`, or `model.ffn.schedule: cosine` for the family alone."""
 
     family: str = "uniform"
-    """`uniform`; `explicit` (the `model.ffn.widths` list); `geometry` (from a reference's work profile); the TLM
-    tapers (arXiv 2606.23670) `linear`, `cosine` and `sigmoid` from `start` to `end`; `layerwise` (OpenELM's
-    layer-wise scaling, apple/corenet general_gpt.py, and the Crown / Frame / Reverse variants of arXiv 2509.06518):
-    FFN multipliers `beta` and attention multipliers `alpha` interpolated linearly through 2 or 3 points."""
+    """`uniform`; `explicit` (`model.ffn.widths`); `geometry` (a reference's work profile); the TLM tapers (arXiv
+    2606.23670) `linear`, `cosine`, `sigmoid` from `start` to `end`; `layerwise` (OpenELM, and the Crown / Frame /
+    Reverse variants of arXiv 2509.06518): multipliers `beta` and `alpha` interpolated through 2 or 3 points."""
     start: float = 1.5
     """Tapers: width of the first layer as a multiple of the uniform width (TLM: 1.5)."""
     end: float = 0.5
     """Tapers: width of the last layer as a multiple of the uniform width (TLM: 0.5)."""
     steepness: float = 8.0
-    """`sigmoid`: slope k of the logistic sigma(k (1/2 - t)) over relative depth t = l / (L - 1); larger is closer
-    to a step at mid-depth, smaller closer to `linear`."""
+    """`sigmoid`: slope k of sigma(k (1/2 - t)) over relative depth t = l / (L - 1); large is a step at mid-depth."""
     beta: list[float] = field(default_factory=lambda: [0.5, 4.0])
-    """`layerwise`: FFN multipliers beta (width = beta d_model before the budget fixes the scale) at the first and
-    last layer, or first, middle and last (OpenELM: 0.5 to 4.0)."""
+    """`layerwise`: FFN multipliers (width = beta d_model before the budget's scale) at the first and last layer, or
+    first, middle and last (OpenELM: 0.5 to 4.0)."""
     alpha: list[float] = field(default_factory=list)
-    """`layerwise`: attention multipliers alpha at the same points (query heads = alpha d_model / head_dim, whole
-    KV groups; OpenELM: 0.5 to 1.0); empty keeps `n_heads` in every layer."""
+    """`layerwise`: attention multipliers at the same points (query heads = alpha d_model / head_dim, whole KV groups;
+    OpenELM: 0.5 to 1.0); empty keeps `n_heads` in every layer."""
     isotropic_ends: bool = False
-    """`layerwise`: the first and last layer keep the isotropic shape (beta = FFN width / d_model of the declared
-    model, n_heads) and the points span the layers between them (the Frame variant)."""
+    """`layerwise`: the first and last layer keep the declared model's shape and the points span the layers between
+    (the Frame variant)."""
     reverse: bool = False
-    """Reflect the family about its midrange, m_l -> max m + min m - m_l: the layers that get the most get the least.
-    For the tapers and two-point `layerwise` this is their mirror in depth. For `geometry` it is the anti control
-    (arXiv 2608.02064), reflected on the widths, not the work: the widths allocated from the same statistic and
-    geometry, each layer's width above the lower bound reflected about its midrange and rescaled to the same budget
-    (study.geometry.allocate.reflect_allocation), so the order is exactly reversed. Reflected work would not do this:
-    exponents and sensitivities also shape the widths."""
-
+    """Reflect the family about its midrange (m_l -> max m + min m - m_l): the layers that get the most get the
+    least. For `geometry` it is the anti control (arXiv 2608.02064): the allocated widths reflected and rescaled to
+    the same budget (study.geometry.allocate.reflect_allocation), so their order is exactly reversed."""
 
 
 @dataclass
 class RopeScaling:
     """Llama 3's RoPE frequency scaling (transformers `_compute_llama3_parameters`): wavelengths longer than
     original_max_seq_len / low_freq_factor are divided by `factor`, those shorter than original_max_seq_len /
-    high_freq_factor kept, and those between interpolated smoothly. Llama 3.2 and the hourglass release: factor 32,
-    low 1, high 4, original context 8192."""
+    high_freq_factor kept, those between interpolated. Llama 3.2 and the hourglass release: 32, 1, 4, 8192."""
 
     factor: float = 0.0
     """Frequency division for the longest wavelengths; 0 turns scaling off (plain RoPE)."""
@@ -80,26 +70,26 @@ class RopeScaling:
 @dataclass
 class FFNConfig:
     kind: str = "swiglu"
-    """`swiglu`: one wide SwiGLU MLP per layer; `hourglass`: K residual narrow SwiGLU sub-MLPs (d_model -> d_h -> d_model)."""
+    """`swiglu`: one wide SwiGLU MLP per layer; `hourglass`: K residual narrow SwiGLU sub-MLPs (d_model -> d_h ->
+    d_model)."""
     width: int = 512
     """Reference hidden width per sub-MLP: d_ff for swiglu, d_h for hourglass. The matcher may change it."""
     hidden_ratio: float = 0.0
-    """When > 0, sets the hourglass target d_h = hidden_ratio * d_model (the paper's d_h/d_model), overriding `width`."""
+    """When > 0, the hourglass target d_h = hidden_ratio * d_model (the paper's d_h/d_model), overriding `width`."""
     k: int = 1
     """Number of residual sub-MLPs per layer (the hourglass depth K); 1 for swiglu."""
     sub_norm: bool = True
-    """Hourglass only: RMSNorm before each sub-MLP (one public implementation's choice; the paper does not confirm it)."""
+    """Hourglass only: RMSNorm before each sub-MLP (one public implementation's choice, not the paper's)."""
     residual: str = "stream"
-    """Hourglass only, what the K-step chain runs on: `stream`, the residual stream itself, each sub-MLP normalising
-    its own input (h_1 = the stream, h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i)): no block pre-norm, so no
-    input is normalised twice); or `branch`, the block's pre-normalised copy of the stream (llama pre-norm first,
-    then n() per sub-MLP when sub_norm is on). `stream` needs sub_norm; olmo2 blocks have no input norm to drop."""
+    """Hourglass only, what the K-step chain runs on: `stream`, the residual stream, each sub-MLP normalising its own
+    input (no block pre-norm; needs sub_norm), or `branch`, the block's pre-normalised copy of it. olmo2 blocks have
+    no input norm to drop."""
     schedule: WidthSchedule = field(default_factory=WidthSchedule)
     """Per-layer width schedule: a family and its parameters (`WidthSchedule`)."""
     multiple_of: int = 1
-    """Widths are rounded to this multiple (e.g. 64 or 256 on GPUs); the matcher's fine adjustment may leave one layer off it."""
+    """Widths are rounded to this multiple (64 or 256 on GPUs); the matcher's fine adjustment may leave one off it."""
     widths: list[int] | None = None
-    """Per-layer total hidden width (K * d_h for hourglass). Set by `explicit`, and by the matcher for every schedule."""
+    """Per-layer total hidden width (K * d_h for hourglass): set by `explicit`, and by the matcher for any schedule."""
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, str):  # FFNConfig(schedule="cosine"), as config files may write it
@@ -122,9 +112,8 @@ class ModelConfig:
     head_dim: int = 0
     """Dimension per head; 0 means d_model // n_heads."""
     layer_heads: list[int] | None = None
-    """Query heads per layer, each a whole number of KV groups (n_heads / n_kv_heads query heads share one KV head,
-    so layer l has layer_heads[l] / group KV heads). Set by the `layerwise` schedule with `alpha`; None: n_heads in
-    every layer."""
+    """Query heads per layer, each a whole number of KV groups (set by the `layerwise` schedule with `alpha`); None:
+    n_heads in every layer."""
     vocab_size: int = 4096
     """Embedding rows; must cover the tokenizer's vocabulary."""
     max_seq_len: int = 128
@@ -138,18 +127,16 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the weight init."""
     init: str = ""
-    """Weight-init rule, the same for every arm of a comparison: `normal`, every matrix N(0, init_std) (the hourglass
-    authors' release: Megatron with its scaled output init removed); `olmo2`, truncated normal at +-3 init_std
-    (OLMo-core); `depth_scaled`, the GPT-2 rule as an explicit choice: output projections (`wo`, `wu`) at
-    init_std / sqrt(2 init_depth), a factor that depends on no arm's own shape. Empty means the block's rule: llama
-    `normal`, olmo2 `olmo2`."""
+    """Weight-init rule, the same for every arm: `normal`, every matrix N(0, init_std) (the hourglass release);
+    `olmo2`, truncated at +-3 init_std (OLMo-core); `depth_scaled`, GPT-2's output projections (`wo`, `wu`) at
+    init_std / sqrt(2 init_depth). Empty means the block's rule: llama `normal`, olmo2 `olmo2`."""
     init_depth: int = 0
-    """`depth_scaled`: the depth L whose 2 L residual additions scale the output projections; 0 means the scale's
-    reference model's depth, which the planner writes in, so every arm of a comparison shares it."""
+    """`depth_scaled`: the depth L that scales the output projections; 0 means the scale's reference model's depth,
+    which the planner writes in, so every arm of a comparison shares it."""
     qk_norm: bool | None = None
-    """RMSNorm over the full q and k projections before RoPE (OLMo-2; the hourglass release uses it on llama blocks
-    too); None means the block's default (olmo2 on, llama off)."""
-    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling())
+    """RMSNorm over the full q and k projections before RoPE (OLMo-2; the hourglass release on llama blocks too);
+    None means the block's default (olmo2 on, llama off)."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     """Llama-3 RoPE frequency scaling (off unless `factor` > 0)."""
     ffn: FFNConfig = field(default_factory=FFNConfig)
     """The feed-forward sublayer and its per-layer widths."""
@@ -196,11 +183,7 @@ class ModelConfig:
         return f.kind == "hourglass" and f.residual == "stream" and f.sub_norm and self.block == "llama"
 
     def sub_widths(self, layer: int) -> list[int]:
-        """Hidden widths of a layer's sub-MLPs: the layer's total split as evenly as possible over K.
-
-        When the total is not divisible by K, the first `total % K` sub-MLPs get one extra unit: this is where the
-        budget matcher's single-unit fine adjustment lands for hourglass layers.
-        """
-        total = self.ffn.widths[layer]
-        k = self.ffn.k
+        """Hidden widths of a layer's sub-MLPs: its total split over K, the first `total % K` one unit wider (where
+        the budget matcher's single-unit fine adjustment lands for hourglass layers)."""
+        total, k = self.ffn.widths[layer], self.ffn.k
         return [total // k + (1 if i < total % k else 0) for i in range(k)]

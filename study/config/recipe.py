@@ -1,13 +1,7 @@
-"""The resolved training recipe of one run and its resolver: what the planner derives once from the config and the
-scale's budget, stores in the run spec, and the job reads without recomputing (steps, batch, the whole LR schedule).
-
-The arms of a comparison share it: steps, tokens, peak and final LR and warm-up come from the scale's budget (the
-reference model's count), never from an arm's own count, so they train the same tokens under the same schedule.
-
-Type and resolver live here, in study.config, because the run spec (study.config.spec) carries the type and config
-sits below the planner; the resolver reads the config and the budget only. The one plan-level input,
-`train.micro_batch: auto`'s fit to the device memory (study.plan.memory), is passed in by the planner as `fit`.
-"""
+"""The resolved training recipe of one run (steps, batch, the whole LR schedule) and its resolver: the planner derives
+it once from the config and the scale's budget (the reference model's count, so every arm of a comparison trains the
+same tokens under the same schedule) and stores it in the run spec; the job reads it without recomputing it. It lives
+in study.config because the run spec carries it; the planner passes in the one plan-level input, `fit`."""
 
 from __future__ import annotations
 
@@ -43,15 +37,12 @@ class Recipe:
     lr_rule: str
     """Where `lr` came from, in words (shown by `study plan`)."""
     lr_schedule: str
-    """The decay after warm-up, `train.lr_schedule`: `cosine`, or `wsd` (stable, then linear over the last
-    decay_fraction). Specs written before the recipe carried it take their config's (`SCHEDULE`)."""
+    """The decay after warm-up, `train.lr_schedule` (`cosine` or `wsd`); older specs take their config's."""
     decay_fraction: float
     """Share of max_steps a `wsd` schedule decays over, `train.decay_fraction` (`decay_start`)."""
     val_windows: int = 0
-    """Held-out windows every validation pass scores: the first `val_windows` of the validation split,
-    `train.val_batches` x micro_batch x world_size at the planned layout. Fixed here, so every world size a run
-    trains or resumes on, and every micro batch it fits in, scores the same windows. 0 in specs written before the
-    field: the planned layout's count is taken (`validation_windows`)."""
+    """Held-out windows every validation pass scores (the first of the split): `train.val_batches` x micro_batch x
+    world_size at the planned layout, fixed so every world size and micro batch scores the same; 0 in older specs."""
 
     def validation_windows(self, val_batches: int) -> int:
         """Windows a validation pass scores (specs written before `val_windows`: `val_batches` planned batches)."""
@@ -59,8 +50,7 @@ class Recipe:
 
 
 SCHEDULE = ("lr_schedule", "decay_fraction")
-"""Recipe fields taken unchanged from `train.*`: a spec written before the recipe carried them reads them from the
-config it also carries, which is what it trained on (study.config.spec.read_spec)."""
+"""Recipe fields taken unchanged from `train.*`: a spec written before the recipe carried them reads its config's."""
 
 
 def scaled_lr(n_params: int) -> float:
@@ -80,9 +70,8 @@ def decay_start(steps: int, fraction: float) -> int:
 
 
 def resolve_recipe(cfg: RunConfig, budget: int, fit: Callable[[int], tuple[int, int]] | None = None) -> Recipe:
-    """The run's recipe at the budget `budget` (the scale's reference count, shared by every arm). With
-    `train.micro_batch: auto`, `fit` maps the global batch to the (micro batch, accumulation steps) that fit the
-    device (the planner's memory estimate of the matched model); without `fit` the layout is train.micro_batch's."""
+    """The run's recipe at the scale's reference count `budget`. With `train.micro_batch: auto`, `fit` maps the
+    global batch to the (micro batch, accumulation steps) that fit the device (study.plan.memory)."""
     t = cfg.train
     global_batch = t.global_batch or t.micro_batch * t.grad_accum
     world = cfg.cluster.ranks
@@ -116,32 +105,29 @@ class Tuned:
     multiple: float
     """The multiple of the recipe's peak LR the run trains at: a tune point's own, or its variant's choice."""
     status: str
-    """Tune runs: `grid` or `extension` (a point added beyond an edge). Main runs: `interior`, `extended`, `edge`
-    (study.plan.tune) or `pending` (their tuning has not decided yet)."""
+    """Tune runs: `grid` or `extension` (beyond an edge); main runs: `interior`, `extended`, `edge` or `pending`."""
     record: str
     """The variant's tuning record (`<runs>/<experiment>/_tune/<variant>.json`)."""
 
 
 @dataclass
 class BranchPoint:
-    """One decay branch of a run (`branches:` in the experiment file): a WSD run of `length` steps whose first
-    `start` steps are its trunk's (the stable LR after the shared warm-up), so it starts from the trunk's checkpoint
-    at `start` and decays over its last `length - start` steps."""
+    """One decay branch of a run (`branches:`): a WSD run of `length` steps whose first `start` are its trunk's, so it
+    starts from the trunk's checkpoint at `start` and decays over the rest."""
 
     at: float
     """Its length as a fraction of the run's planned steps (`branches.at`)."""
     length: int
     """Its steps: round(at x the run's max_steps)."""
     start: int
-    """The trunk step it starts from: length - int(decay x length), where a straight WSD run of `length` steps
-    starts decaying (`decay_start`)."""
+    """The trunk step it starts from, where a straight WSD run of `length` steps starts decaying (`decay_start`)."""
 
 
-def batch_layout(global_batch: int, micro_batch: int, world: int, field: str = "train.global_batch") -> tuple[int, int]:
-    """(micro batch, accumulation steps) per rank that split `global_batch` sequences over `world` ranks: the
-    largest micro batch up to `micro_batch` that divides each rank's share. The global batch is what a step trains
-    on (batches are pure functions of the step and the global batch), so a run resumed on another world size
-    continues the same batches and length."""
+def batch_layout(global_batch: int, micro_batch: int, world: int,
+                 field: str = "train.global_batch") -> tuple[int, int]:
+    """(micro batch, accumulation steps) per rank that split `global_batch` sequences over `world` ranks: the largest
+    micro batch up to `micro_batch` that divides each rank's share (a step's batch depends on the global batch alone,
+    so a run resumed on another world size continues the same batches)."""
     per_rank, rem = divmod(global_batch, world)
     if rem or per_rank == 0:
         raise StudyError(field, f"{global_batch} sequences do not split evenly over {world} ranks",

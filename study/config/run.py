@@ -17,9 +17,8 @@ from study.config.training import TrainConfig
 
 
 class Role(StrEnum):
-    """A run's role in the pipeline (`RunConfig.role`; MLflow tag `study.role`). It never changes the run key.
-
-    Members are named as their values: OmegaConf reads a config's string into the member of that name."""
+    """A run's role in the pipeline (`RunConfig.role`; MLflow tag `study.role`); it never changes the run key. Members
+    are named as their values: OmegaConf reads a config's string into the member of that name."""
 
     train = "train"
     """An ordinary trained run of a comparison (paired by seed with its baseline)."""
@@ -32,11 +31,10 @@ class Role(StrEnum):
     calibrate = "calibrate"
     """A short throughput measurement of one shape (`study calibrate`): no seeds to group, never analysed."""
     trunk = "trunk"
-    """The stable-LR stem of a branched run (`branches:` in the experiment file): trained to its last branch point,
-    never paired or fitted itself; its checkpoints at the branch points seed the branches."""
+    """The stable-LR stem of a branched run (`branches:`), trained to its last branch point; never paired or fitted."""
     branch = "branch"
-    """A decay branch: starts from its trunk's checkpoint at a branch point and decays to the final LR; its endpoint
-    equals a straight WSD run of its length, and is what the report pairs (the largest point) and fits (every point)."""
+    """A decay branch from its trunk's checkpoint at a branch point: a straight WSD run of its length, which the report
+    pairs (the largest point) and fits (every point)."""
 
 
 @dataclass
@@ -48,28 +46,17 @@ class RunConfig:
     baseline: str = "conventional"
     """Variant this run is paired against in the report."""
     role: Role = Role.train
-    """The run's role in the pipeline, one of `Role` (train, reference, scheduled, tune, calibrate); set by the
-    planner for an experiment's runs. The old name `stage` is refused, naming this one."""
+    """The run's role in the pipeline (`Role`), set by the planner; the old name `stage` is refused, naming this."""
     scale: str = "tiny"
     """Scale preset name."""
     seed: int = 0
     """The run's seed: runs sharing scale and seed are paired; it seeds initialisation and data order unless
     init_seed or data_seed set them apart."""
     init_seed: int | None = None
-    """Seed of the weight initialisation; None means `seed`. Set apart from data_seed, a study can vary the two
-    sources of seed variance separately (Bouthillier et al. 2021)."""
+    """Seed of the weight initialisation; None means `seed` (apart from data_seed, the two sources of seed variance
+    vary separately: Bouthillier et al. 2021)."""
     data_seed: int | None = None
     """Seed of the training data order; None means `seed`."""
-
-    @property
-    def weights_seed(self) -> int:
-        """The seed the initial weights are drawn from."""
-        return self.seed if self.init_seed is None else self.init_seed
-
-    @property
-    def order_seed(self) -> int:
-        """The seed of the order the training windows are visited in."""
-        return self.seed if self.data_seed is None else self.data_seed
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture."""
     budget: BudgetConfig = field(default_factory=BudgetConfig)
@@ -90,6 +77,16 @@ class RunConfig:
     """Where run directories live."""
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     """Fault injection (tests only)."""
+
+    @property
+    def weights_seed(self) -> int:
+        """The seed the initial weights are drawn from."""
+        return self.seed if self.init_seed is None else self.init_seed
+
+    @property
+    def order_seed(self) -> int:
+        """The seed of the order the training windows are visited in."""
+        return self.seed if self.data_seed is None else self.data_seed
 
 
 def leaves(node, prefix: str = "", into_lists: bool = False) -> dict:

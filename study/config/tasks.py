@@ -32,23 +32,20 @@ def task_yaml(path: Path):
 
 def local_task_names(task_dir: Path) -> list[str]:
     """Names of the tasks whose YAML templates lie in task_dir."""
-    templates = sorted(task_dir.glob("*.yaml"))
-    return list(_task_names(tuple((path, path.stat().st_mtime_ns) for path in templates)))
+    return list(_task_names(tuple((path, path.stat().st_mtime_ns) for path in sorted(task_dir.glob("*.yaml")))))
 
 
 @functools.lru_cache(maxsize=16)
 def _task_names(templates: tuple[tuple[Path, int], ...]) -> tuple[str, ...]:
-    """The task names of these templates, parsed once per file version: a plan checks every run's tasks, and parsing
-    the YAMLs for each run was most of a large plan's validation."""
+    """The task names of these templates, parsed once per file version (a plan checks every run's tasks)."""
     return tuple(sorted(task_yaml(path)["task"] for path, _ in templates))
 
 
 def check_tasks(names: Sequence[str], task_dir: Path = LOCAL_TASK_DIR, field: str = "tasks", manager=None,
                 index: bool = True) -> list[str]:
-    """Every name is a local task of `task_dir` or one of lm-eval's: the one check of task names (launch, eval);
-    returns the names that are lm-eval's. lm-eval's catalogue (seconds to index; `manager`'s when given) is read only
-    for names that are not local, and never with `index=False`; a name shaped like a local task (`*_local`) is a
-    typo, said without indexing it."""
+    """The one check of task names: each is a local task of `task_dir` or one of lm-eval's, which are returned.
+    lm-eval's catalogue (seconds to index; `manager`'s when given) is read only for names that are not local, never
+    with `index=False`; a name shaped like a local one (`*_local`) is a typo, said without indexing."""
     local = local_task_names(task_dir)
     hub = [name for name in names if name not in local]
     unknown = [name for name in hub if name.endswith("_local")]

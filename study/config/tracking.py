@@ -1,7 +1,4 @@
-"""How training runs reach MLflow: buffering, retries, timeouts.
-
-Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
-"""
+"""How training runs reach MLflow: buffering, retries, timeouts (none of it changes a run's key)."""
 
 from __future__ import annotations
 

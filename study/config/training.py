@@ -1,7 +1,4 @@
-"""Optimisation and the training loop's settings.
-
-Each field's docstring says what it does; `study/config/identity.py` says which of them change a run's key.
-"""
+"""Optimisation and the training loop's settings (study/config/identity.py says which change a run's key)."""
 
 from __future__ import annotations
 
@@ -11,23 +8,19 @@ from dataclasses import dataclass
 @dataclass
 class TrainConfig:
     micro_batch: int = 8
-    """Most sequences per rank per forward/backward (a memory setting: the planner splits the global batch into the
-    largest micro batch up to this that divides each rank's share). `auto` keeps the number it had (the global batch
-    and the run key stay as they were) and sets `micro_batch_auto`."""
+    """Most sequences per rank per forward/backward (a memory setting: the planner takes the largest micro batch up to
+    this that divides each rank's share of the global batch). `auto` keeps the number and sets `micro_batch_auto`."""
     micro_batch_auto: bool = False
-    """Set by `train.micro_batch: auto`: the planner splits each rank's share of the global batch into the largest
-    micro batch whose estimated peak memory leaves 10 % of the device free (study.plan.memory), whatever
-    `micro_batch` says; `study plan` names the choice."""
+    """Set by `train.micro_batch: auto`: the planner picks the largest micro batch whose estimated peak memory leaves
+    10 % of the device free (study.plan.memory), whatever `micro_batch` says; `study plan` names the choice."""
     grad_accum: int = 1
-    """With global_batch 0: the global batch is micro_batch * grad_accum sequences, split over however many ranks run."""
+    """With global_batch 0: the global batch is micro_batch * grad_accum sequences, split over the ranks that run."""
     global_batch: int = 0
     """When > 0, the global batch in sequences (paired runs see the same batches whatever their resources)."""
     max_steps: int = 0
-    """Optimizer steps (a fixed iteration count, as a release states it); 0 derives them from tokens_per_param and
-    the scale's budget, the same for every arm."""
+    """Optimizer steps; 0 derives them from tokens_per_param and the scale's budget, the same for every arm."""
     tokens_per_param: float = 20.0
-    """Training tokens per parameter of the scale's budget when max_steps is 0 (Chinchilla, Hoffmann et al. 2022:
-    about 20)."""
+    """Training tokens per parameter of the scale's budget when max_steps is 0 (Chinchilla: about 20)."""
     lr: float = 0.0
     """Peak learning rate; 0 applies the OLMo model-ladder rule lr = 0.0047 * (N / 108e6) ** (-1/3) at the scale's
     budget N (the same for every arm)."""
@@ -38,18 +31,17 @@ class TrainConfig:
     warmup_steps: int = 0
     """Linear warm-up steps; 0 means 2 % of max_steps (at least 1)."""
     lr_schedule: str = "cosine"
-    """Learning-rate schedule: `cosine` decay after warm-up, or `wsd` (warm-up, stable, linear decay over the last decay_fraction)."""
+    """`cosine` decay after warm-up, or `wsd` (warm-up, stable, linear decay over the last decay_fraction)."""
     decay_fraction: float = 0.2
     """WSD: share of steps spent decaying."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices (on the embedding only as embedding_decay says, on norm gains only as
-    qk_norm_decay says)."""
+    """AdamW decoupled weight decay on matrices (on the embedding and QK-norm gains only as the next two say)."""
     qk_norm_decay: bool = False
-    """Weight decay on the QK-norm gains too (Megatron's apply_wd_to_qk_layernorm, which the hourglass release sets);
+    """Weight decay on the QK-norm gains too (Megatron's apply_wd_to_qk_layernorm, set by the hourglass release);
     other norm gains never decay."""
     embedding_decay: bool = False
-    """Weight decay on the token embedding too (and so on a tied output head). False follows the OLMo-2 and LLaMA
-    recipes; Megatron, which the hourglass release trains with, decays every parameter but biases and 1-D ones."""
+    """Weight decay on the token embedding (and a tied head) too: off in the OLMo-2 and LLaMA recipes, on in
+    Megatron's, which the hourglass release trains with."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -63,9 +55,8 @@ class TrainConfig:
     val_interval: int = 50
     """Steps between validation passes (and always at the last step)."""
     val_batches: int = 4
-    """Validation batches per pass at the planned layout: the planner fixes the pass's windows at val_batches x
-    micro_batch x ranks (`Recipe.val_windows`), the first of the held-out split, so every pass, world size and micro
-    batch scores the same tokens."""
+    """Validation batches per pass at the planned layout: the planner fixes the pass's windows (`Recipe.val_windows`),
+    so every pass, world size and micro batch scores the same tokens."""
     ckpt_interval: int = 50
     """Steps between checkpoints (and always at the last step)."""
     keep_last: int = 2
@@ -77,20 +68,16 @@ class TrainConfig:
     precision: str = "auto"
     """`auto` (bf16 mixed precision on CUDA, fp32 on CPU), `fp32` or `bf16`."""
     compile: bool | None = None
-    """torch.compile the model: None (the default) compiles on CUDA and not on CPU (no speed-up there); true or
-    false decides outright (`train.compile=false` when a model does not compile)."""
+    """torch.compile the model: None compiles on CUDA and not on CPU (no speed-up there); true or false decides."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (GPU memory switch)."""
     sharding: str = "auto"
-    """How parameters, gradients and optimizer state are laid out over the ranks: `full` (FSDP2 shards them over every
-    rank), `hybrid` (HSDP: shards within a node and replicates across nodes, on a 2-D device mesh, so the per-step
-    all-gathers stay on the node's fast links and only the gradient all-reduce crosses nodes) or `auto` (the default:
-    full on one node, hybrid across nodes). The layout never changes the numbers a run's key stands for; the run's
-    MLflow record says which layout trained which steps."""
+    """Parameter layout over the ranks: `full` (FSDP2 over every rank), `hybrid` (HSDP: sharded within a node and
+    replicated across nodes, so only the gradient all-reduce crosses nodes) or `auto` (full on one node, hybrid
+    across nodes). It never changes a run's numbers; the MLflow record says which layout trained which steps."""
     collective_timeout_s: int = 600
-    """Seconds the rendezvous and every collective wait for all ranks before the job fails: a rank lost with its node
-    ends the job (SLURM requeues it and it resumes from its last complete checkpoint) instead of leaving the other
-    ranks waiting until the wall-clock limit. Long enough for the slowest checkpoint write."""
+    """Seconds the rendezvous and every collective wait for all ranks: a rank lost with its node fails the job (SLURM
+    requeues it, it resumes) instead of hanging to the time limit. Long enough for the slowest checkpoint write."""
     gpu_peak_tflops: float = 989.0
     """Peak dense bf16 TFLOP/s per GPU for MFU and GPU-hour estimates (H100 SXM datasheet)."""
     assumed_mfu: float = 0.4
