@@ -1,17 +1,9 @@
-"""The one composer: the `sweeps/` tree plus Hydra-grammar overrides into a typed, validated `RunConfig`.
-
-Every path composes here: `study plan/launch/status/report` (per variant and scale of an experiment), `study train`,
-and `python -m study.train` (Hydra expands sweeps and launchers, then hands each job's task overrides to `compose`).
-Order: the primary `sweeps/train.yaml` body <- the selected group files (scale, model, train, data, cluster) <-
-caller layers (an experiment's identity, shared and per-variant settings) <- the overrides. A layer may name a
-schedule's family alone (`model.ffn.schedule: cosine`); a field under a name it no longer has (`RENAMED`) is refused
-naming the new one.
-
-Overrides follow Hydra's grammar: `key=value`, `+key=value`, `++key=value` set a field; `~key` restores its typed
-default; `group=option` selects a file and `~group` drops the selection. The typed config has a fixed schema, so a
-key it does not have is an error whatever the prefix. Plain OmegaConf merges keep `study plan` fast for hundreds of
-runs.
-"""
+"""The one composer: the `sweeps/` tree plus Hydra-grammar overrides into a typed, validated `RunConfig`, for every
+command and for `python -m study.train` (Hydra expands sweeps, then hands each job's overrides here). Layers, lowest
+first: `sweeps/train.yaml`, the selected group files, the caller's (an experiment's identity and settings), the
+overrides: `key=value` (also `+key`, `++key`: the schema is fixed, so an unknown key is an error whatever the
+prefix), `~key` for the typed default, `group=option` to select a file and `~group` to drop it. Layers merge as plain
+containers and are typed once, which keeps `study plan` fast for hundreds of runs."""
 
 from __future__ import annotations
 
@@ -61,7 +53,7 @@ def _renamed(old: str, where: str) -> StudyError:
 
 def with_family(node: dict) -> dict:
     """`model.ffn.schedule: cosine` (the family alone) as `{family: cosine}`; the caller's mapping is left as it is."""
-    ffn = (node.get("model") or {}).get("ffn") if isinstance(node.get("model"), dict) else None
+    ffn = node["model"].get("ffn") if isinstance(node.get("model"), dict) else None
     if not isinstance(ffn, dict) or not isinstance(ffn.get("schedule"), str):
         return node
     return {**node, "model": {**node["model"], "ffn": {**ffn, "schedule": {"family": ffn["schedule"]}}}}
@@ -243,14 +235,16 @@ def merge_checked(base: Any, node: Any, where: str):
                          "check the spelling and type against the typed config in study/config/") from None
 
 
+_MISSING = object()
+
+
 def _default_of(dotted: str) -> Any:
     from omegaconf import OmegaConf
 
     if dotted in RENAMED:  # refused here: the default of an old name cannot be looked up
         raise _renamed(dotted, "the `~` overrides")
-    node = typed_defaults()
-    value = OmegaConf.select(node, dotted, default="<missing>")
-    if isinstance(value, str) and value == "<missing>":
+    value = OmegaConf.select(typed_defaults(), dotted, default=_MISSING)
+    if value is _MISSING:
         raise StudyError(f"~{dotted}", "is not a field of the run config", "check the spelling against study/config/")
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 

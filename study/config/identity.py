@@ -1,13 +1,7 @@
-"""Run identity: the run key hashes exactly what changes the trained model's numbers, and nothing else.
-
-Every field of `RunConfig` is placed here, on one side, with a one-line reason (a test walks the config and fails on
-a field that is not). A section can be placed whole. `scheduled` fields join the key of geometry-scheduled runs
-only: they decide those runs' widths and nothing about any other run.
-
-The key is computed once, by the planner, and travels in the run spec; jobs never recompute it. The key schema is
-frozen: fields added or moved since it froze are hashed by one rule, `_frozen`, that leaves every existing key as it
-was.
-"""
+"""Run identity: the run key hashes exactly what changes the trained model's numbers, and nothing else. Every field
+of `RunConfig` (or its whole section) is placed in `FIELDS` on one side with a one-line reason, which a test checks;
+`scheduled` fields join the key of geometry-scheduled runs only. The planner computes the key once and it travels in
+the run spec. The key schema is frozen: fields added or moved since are hashed by `_frozen`, which keeps every key."""
 
 from __future__ import annotations
 
@@ -21,12 +15,9 @@ from study.config.model import FAMILIES
 from study.config.run import RunConfig, leaves
 
 SCHEMA_VERSION = 4
-"""Version of the key schema (and of the run spec). Run directories and MLflow runs of another version are named
-in a clear error instead of being resumed or matched. Raised whenever what a hashed field means changes (3: the
-`non_embedding` budget counts norm gains; 4: one init rule and one recipe per comparison: llama blocks start every
-matrix at N(0, init_std) with no depth scaling by the arm's own L and K, steps and the peak LR come from the
-scale's budget instead of each arm's own count, and the geometry schedule's `reverse` (the anti control) reflects the
-allocated widths instead of the measured work)."""
+"""Version of the key schema (and of the run spec): runs of another version are refused by name, never resumed or
+matched. Raised whenever what a hashed field means changes (3: the `non_embedding` budget counts norm gains; 4: one
+init rule and one recipe per comparison, from the scale's budget, and `reverse` reflects the allocated widths)."""
 
 KEY, OUT, SCHEDULED = "key", "out", "scheduled"
 
@@ -98,7 +89,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.assumed_mfu": (OUT, "an estimate for GPU-hours"),
     "geometry": (SCHEDULED, "the profile and the allocation decide a scheduled run's widths"),
     "geometry.gw_starts": (SCHEDULED, "the product start can find a lower GW, which changes the profile"),
-    "geometry.vr_backend": (OUT, "ripser and giotto-ph give the same diagrams bit for bit (tests/test_geometry_work.py)"),
+    "geometry.vr_backend": (OUT, "ripser and giotto-ph give the same diagrams bit for bit "
+                                 "(tests/test_geometry_work.py)"),
     "eval": (OUT, "downstream evaluation happens after training"),
     "tracking": (OUT, "where metrics go"),
     "cluster": (OUT, "cluster resources"),
@@ -122,22 +114,19 @@ SCHEDULE = "model.ffn.schedule."
 FROZEN_NAMES = {SCHEDULE + "family": "model.ffn.schedule", SCHEDULE + "start": "model.ffn.cosine_start",
                 SCHEDULE + "end": "model.ffn.cosine_end"}
 """Fields moved since key schema 3 (study.config.compose.RENAMED), hashed under the names they had then."""
-ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data_seed", "model.init", "model.init_depth", "model.qk_norm",
-                   "train.final_lr", "train.qk_norm_decay", "train.embedding_decay",
+ADDED = frozenset({"model.layer_heads", "geometry.gw_starts", "init_seed", "data_seed", "model.init",
+                   "model.init_depth", "model.qk_norm", "train.final_lr", "train.qk_norm_decay",
+                   "train.embedding_decay", "data.tokens", "data.val_tokens", "data.token_dtype",
                    *("model.rope_scaling." + f for f in ("factor", "low_freq_factor", "high_freq_factor",
                                                          "original_max_seq_len")),
-                   "data.tokens", "data.val_tokens", "data.token_dtype",
                    *(SCHEDULE + p for p in ("steepness", "beta", "alpha", "isotropic_ends", "reverse"))})
 """Fields added since key schema 3."""
 WRITTEN_DEFAULTS = {"init_seed": "seed", "data_seed": "seed"}
-"""Fields whose default (None) means another field's value: written out at that value they are the default, so the
-same model keeps one key (`init_seed=0` for seed 0 hashes as if unset). The other fields whose default stands for a
-value are left as they are, each for a reason: `model.norm_eps` and `model.init` written at the llama block's default
-are hashed in shipped keys (the hourglass release writes both); `model.head_dim` = d_model / n_heads and
-`model.n_kv_heads` = n_heads are not the same model once the matcher solves d_model or the heads; `train.final_lr` =
-min_lr_ratio x lr is not once a tuning stage moves the LR; `model.rope_theta` and `model.qk_norm` are hashed as
-written in every existing key, so any run that wrote their default out would move (a written-out seed trained the
-same model as its unset twin under another key: those keys move on purpose)."""
+"""Fields whose default (None) means another field's value: written out at that value they hash as the default, so
+the same model keeps one key (`init_seed=0` for seed 0 hashes as if unset). The other fields whose default stands for
+a value are hashed as written: shipped keys hash `model.norm_eps`, `model.init`, `model.rope_theta` and
+`model.qk_norm` so, and `model.head_dim`, `model.n_kv_heads` and `train.final_lr` stop meaning their default once the
+matcher or a tuning stage moves what they derive from."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,15 +135,10 @@ def _defaults() -> dict[str, Any]:
 
 
 def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[str, bool]:
-    """(name, hashed?) of a field on the key's side, under the frozen key schema.
-
-    The key schema is frozen (within a SCHEMA_VERSION every existing run keeps its key), so a field added since enters the
-    key only when it can change the trained model: when it differs from its default (a run that leaves it there hashes
-    exactly what it did before), and, for a width-schedule parameter, when the run's family reads it (`FAMILIES`: a
-    parameter of another family cannot change this model, so it must not make a second key for it). A field moved
-    since is hashed under its old name; the geometry schedule's `reverse` is the anti control, hashed as
-    `geometry.anti` for every scheduled run as schema 3 did.
-    """
+    """(name, hashed?) of a field on the key's side. A field added since the schema froze is hashed only when it
+    differs from its default (a run leaving it there keeps its key) and, for a width-schedule parameter, when the
+    run's family reads it (`FAMILIES`). A moved field is hashed under its old name; a scheduled run's `reverse` as
+    `geometry.anti`, as schema 3 did."""
     if dotted in FROZEN_NAMES:
         return FROZEN_NAMES[dotted], True
     if scheduled and dotted == SCHEDULE + "reverse":
@@ -167,10 +151,8 @@ def _frozen(dotted: str, value: Any, cfg: RunConfig, scheduled: bool) -> tuple[s
 
 def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None,
              trunk: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the key hashes: the placed fields (as composed, before matching; new fields by the frozen schema's
-    rule, `_frozen`), for a scheduled run the reference runs its profile comes from, for a run whose LR a
-    declared tuning stage chooses, that tuning (grid, scales, seeds, cap: its choice is a function of them), and for
-    a trunk its branch points (where it stops and what it keeps)."""
+    """What the key hashes: the key-side fields as composed (`_frozen`), and a scheduled run's reference runs, the
+    tuning that chooses a run's LR (its choice is a function of it), a trunk's branch points."""
     scheduled = cfg.model.ffn.schedule.family == "geometry"
     sides = (KEY, SCHEDULED) if scheduled else (KEY,)
     payload: dict[str, Any] = {"schema": SCHEMA_VERSION}

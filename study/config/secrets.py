@@ -12,8 +12,8 @@ _SECRET_WORDS = ("password", "passwd", "passphrase", "secret", "credential")
 # a last word ending in `pass` is a password (`DB_PASS`, `SSHPASS`, `PGPASS`) unless it is one of these words
 _NOT_A_PASS = frozenset({"bypass", "compass", "encompass", "overpass", "underpass", "surpass", "trespass",
                          "multipass"})
-# a key whose last word is `token` is a secret when it says whose (`api_token`, `hf_token`) or stands alone; `eos_token`,
-# `pad_token` are vocabulary entries and `flops_per_token` a figure
+# a key whose last word is `token` is a secret when it says whose (`api_token`, `hf_token`) or stands alone;
+# `eos_token`, `pad_token` are vocabulary entries and `flops_per_token` a figure
 _TOKEN_OWNERS = frozenset({"api", "auth", "access", "bearer", "refresh", "hf", "github", "gh", "mlflow", "wandb",
                            "slack", "session", "id", "private", "personal", "secret", "user", "oauth"})
 # in free text (`SERVICE_TOKEN=`, `--token`) any last word `token` or `key` is one, but a vocabulary entry's
@@ -74,8 +74,7 @@ def _lead(m: re.Match) -> str:
 
 
 _PLACEHOLDERS = frozenset({"value", "VALUE", "<value>", "...", MASK})
-"""Values that stand for any value in help text (`write key=value`): masking them hides nothing and garbles the
-help."""
+"""Values that stand for any value in help text (`write key=value`): masking them would only garble the help."""
 
 
 def _named(m: re.Match) -> str | None:
@@ -93,9 +92,8 @@ def _quoted_value(m: re.Match) -> str | None:
 
 
 def _client(command: str, option: str, spaced: bool = True) -> re.Pattern:
-    """`command ... option PASSWORD`: a client whose option takes a password though its name does not say so. Other
-    arguments may come first, up to the end of the shell command; a spaced value never starts with `-` (that is the
-    next option, the password left to a prompt)."""
+    """`command ... option PASSWORD`: a client option that takes a password though its name does not say so, after
+    any other arguments of the shell command; a spaced value never starts with `-` (that is the next option)."""
     gap, value = (r"[ \t]*", rf"(?!-){_VALUE}") if spaced else ("", _VALUE)
     return re.compile(rf"(?P<lead>(?<![\w.-])(?:{command})(?![\w-])(?:[ \t]+(?!{option}){_WORD})*?"
                       rf"[ \t]+{option}{gap}){value}")
@@ -171,18 +169,15 @@ def _substitute(pattern: re.Pattern, replace, text: str, read: Mapping[str, str]
 
 
 def mask_text(text: str) -> str:
-    """A string with its secrets masked. A value read from the environment (`study.config.environment`) becomes the
-    interpolation that read it, `${oc.env:NAME,***}`: a job re-reads it from its own environment (inherited from the
-    launcher) and a reader without the variable sees the mask. Every other secret of a form `_FORMS` knows (URI
-    userinfo, HTTP credentials, values named for a secret, clients' password options, keys as arguments, credentials
-    by their shape) becomes `***`."""
+    """A string with its secrets masked: a value read from the environment (`study.config.environment`) becomes the
+    interpolation that read it, `${oc.env:NAME,***}` (a job re-reads it from the environment it inherits; a reader
+    sees the mask), and every other secret of a form `_FORMS` knows becomes `***`."""
     from study.config.environment import read_values
 
     read = sorted(read_values().items(), key=lambda kv: -len(kv[0]))
-    for value, name in read:
-        if text == value:
-            return _from_environment(name)
     by_value = dict(read)
+    if text in by_value:
+        return _from_environment(by_value[text])
     for pattern, replace in _FORMS:
         text = _substitute(pattern, replace, text, by_value)
     for value, name in read:

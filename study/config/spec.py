@@ -1,11 +1,7 @@
-"""The run spec: one run, resolved once by the planner, frozen, and read by every job that touches the run.
-
-Life of a spec: planned (`study plan` builds it: composed config, matched shape with every per-layer width,
-parameter breakdown, role, upstream runs, key) -> written (`study launch` or `study train` puts it at
-`<run dir>/run.json` before anything runs) -> consumed (training, evaluation and profiling build their model from
-it alone, never from `sweeps/`) -> completed (a geometry-scheduled run's spec is pending until its reference's
-profile exists; the scheduled run's job fills in the widths once and writes it back before training starts).
-"""
+"""The run spec: one run, resolved once by the planner (config, matched widths, parameters, role, upstream runs, key),
+written to `<run dir>/run.json` before anything runs, and the only thing training, evaluation and profiling build
+their model from. A geometry-scheduled run's spec is pending until its reference's profile exists: its job fills in
+the widths once and writes it back before training starts."""
 
 from __future__ import annotations
 
@@ -53,14 +49,12 @@ class RunSpec:
     reference_total: int | None = None
     """Every parameter, embeddings included, of the scale's reference model (for the mismatch of the total)."""
     recipe: Recipe | None = None
-    """The resolved training recipe (batch, steps, tokens, LR schedule), the same for every arm of a comparison
-    unless a declared tuning stage chose the arm's LR; the job reads it and never recomputes it."""
+    """The resolved training recipe, the same for every arm of a comparison unless a tuning stage chose the LR."""
     tuned: Tuned | None = None
-    """The tuning the run's LR comes from (tune runs and the main runs of an experiment with `tune:`); None when
-    the experiment declares none."""
+    """The tuning the run's LR comes from (tune runs, and main runs of an experiment with `tune:`); else None."""
     points: list[BranchPoint] = field(default_factory=list)
     """Decay branches (`branches:`): a trunk's every point (it keeps a checkpoint at each start and stops at the
-    last), a branch's own one; empty for a run without branches."""
+    last), a branch's own one."""
     trunk: str | None = None
     """A branch's trunk: the run key whose checkpoint at `points[0].start` it starts from."""
     schema: int = SCHEMA_VERSION
@@ -139,11 +133,9 @@ class RunSpec:
         return asdict(self)
 
     def shown(self, tracking_uri: str) -> dict[str, Any]:
-        """The spec as `study train --cfg job` prints it: what the run will use, not the placeholders it was written
-        with. Model fields whose 0, empty or None stands for a default (n_kv_heads, head_dim, norm_eps, rope_theta,
-        init, qk_norm) and the seeds that default to `seed` show the value used; tracking.uri shows `tracking_uri`,
-        the store the run will log to (the caller resolves it); secrets are masked. run.json keeps the fields as
-        written: the run key hashes them so."""
+        """The spec as `study train --cfg job` prints it, masked: the values the run will use where a field's 0, empty
+        or None stands for a default (model fields, seeds), and `tracking_uri`, the store it will log to. run.json
+        keeps the fields as written: the run key hashes them so."""
         from study.config.secrets import redact
 
         out = json.loads(json.dumps(self.as_dict(), default=str))  # plain data, as run.json holds it (a role by name)
@@ -169,20 +161,17 @@ def held_spec(spec: RunSpec) -> RunSpec | None:
 
 
 def write_spec(spec: RunSpec) -> Path:
-    """Write the spec atomically into its run directory (a job never reads a half-written spec); secrets in
-    setup lines are masked (no job reads them)."""
-    path = spec.run_dir.spec
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise StudyError("paths.runs", f"cannot create the run directory {path.parent} ({os.strerror(err.errno or 0)})",
-                         "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
+    """Write the spec, masked, whole into its run directory (a job never reads a half-written spec)."""
     from study.config.secrets import redact
 
+    path = spec.run_dir.spec
+    what = f"create the run directory {path.parent}"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        what = f"write the run spec {path}"
         replace_file(path, json.dumps(redact(spec.as_dict()), indent=1, default=str))
     except OSError as err:
-        raise StudyError("paths.runs", f"cannot write the run spec {path} ({os.strerror(err.errno or 0)})",
+        raise StudyError("paths.runs", f"cannot {what} ({os.strerror(err.errno or 0)})",
                          "point paths.runs at a writable directory (shared between nodes on a cluster)") from None
     return path
 
@@ -201,8 +190,7 @@ def read_spec(path: Path | str) -> RunSpec:
                          "directory")
     raw = read_mapping(path, {}, f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again "
                        "from its plan (its checkpoints stay)")
-    if raw.get("schema") != SCHEMA_VERSION:
-        found = raw.get("schema")
+    if (found := raw.get("schema")) != SCHEMA_VERSION:
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
     refuse_renamed(raw.get("config"), str(path))
@@ -225,9 +213,8 @@ LOSS = Kind(f"a finite loss from 0 to {LARGEST:g}", lambda v: NUMBER.holds(v) an
 
 
 def read_result(path: Path, key: str) -> dict | None:
-    """The result.json at `path` as the trainer wrote it when run `key` finished (final `step`, `val_loss`, or why a
-    tune run diverged); None until it finished, and for a result of another run key, which is none of this run's.
-    Refused by name when damaged: deleting it has the run finish again from its last checkpoint."""
+    """The result.json at `path` the trainer wrote when run `key` finished (final `step`, `val_loss`, or why a tune run
+    diverged); None until then, and for another run key's. Refused by name when damaged."""
     if not path.exists() and not path.is_symlink():
         return None
     fix = (f"delete {path}: the run's next start (`study launch EXPERIMENT`, or `study train`) finishes it again from "

@@ -1,6 +1,5 @@
-"""The checks of a composed run config, in one place: the composer runs them for every run it builds, so an experiment
-with a bad setting plans, writes and submits nothing. (Model shapes are checked by the budget matcher, the geometry
-section by its own `__post_init__`, files on disk by `validate_data(files=True)` where the data is read.)"""
+"""The checks of a composed run config, run by the composer for every run it builds, so a bad setting plans nothing
+(model shapes: the budget matcher; the geometry section: its `__post_init__`; data files: `validate_data`)."""
 
 from __future__ import annotations
 
@@ -32,9 +31,10 @@ POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "trai
             "tracking.flush_interval_s", "tracking.retry_initial_s", "tracking.retry_max_s",
             "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s",
             "train.collective_timeout_s")
-NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
-                "train.z_loss", "train.global_batch", "cluster.gpus_per_node", "cluster.max_requeues",
-                "cluster.signal_delay_s", "cluster.mem_gb", "cluster.gpu_mem_gb", "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
+NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay",
+                "train.grad_clip", "train.z_loss", "train.global_batch", "cluster.gpus_per_node",
+                "cluster.max_requeues", "cluster.signal_delay_s", "cluster.mem_gb", "cluster.gpu_mem_gb",
+                "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 SEED_MAX = 2**64 - 1
 """The largest seed a run may have: torch's generators take 64-bit seeds (the run's seed, an experiment's `seeds:`,
 a tuning's `tune.seeds`)."""
@@ -82,9 +82,9 @@ def _check_cluster(cfg: RunConfig) -> None:
 
 
 def _refuse_layout(c: ClusterConfig, global_batch: int, source: str) -> None:
-    """The cluster layout is refused when it cannot split a step's sequences: more ranks than sequences, or a
-    derived batch the ranks do not divide. The layout is what was set for this launch (the batch is the run's, and
-    its key), so the refusal names the layout field that multiplies the ranks, and a value of it that fits."""
+    """Refuse a cluster layout that cannot split a step's sequences (more ranks than sequences, or a derived batch
+    they do not divide), naming the layout field that multiplies the ranks and a value that fits: the batch is the
+    run's key, the layout only this launch's."""
     per_node = c.gpus_per_node or c.tasks_per_node
     per_node_field = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
     field, current, scale = ("cluster.nodes", c.nodes, per_node) if c.nodes > 1 else (per_node_field, per_node, 1)
