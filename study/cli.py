@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from study.errors import StudyError
 from study.command_options import command_options, whole_option
+from study.errors import StudyError
 from study.parser import build_parser
 
 
@@ -21,34 +21,33 @@ def _filtered(args: argparse.Namespace, plan):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from study.plan.planner import plan_experiment
     from analysis.power import plan_power_rows
+    from study.plan.planner import plan_experiment
     from study.plan.show import estimates, print_plan
 
     plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
     unread = _unanswered(plan)
     power, note = plan_power_rows(plan, unread)
     cost = estimates(plan, read_store=unread is None)
-    if args.json:
-        from study.plan.alignment import misaligned
-        from study.plan.memory import memories
-
-        out, memory = plan.as_json(), memories(plan)
-        models = {r.key: r.model for r in plan.runs}
-        for run in out["runs"]:
-            est = cost[run["run_key"]]
-            run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s,
-                       memory=memory[run["run_key"]].as_json(), misaligned=misaligned(models[run["run_key"]]))
-        print(json.dumps({**out, "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
+    if not args.json:
+        print_plan(plan, power, note, cost)
         return 0
-    print_plan(plan, power, note, cost)
+    from study.plan.alignment import misaligned
+    from study.plan.memory import memories
+
+    out, memory = plan.as_json(), memories(plan)
+    models = {r.key: r.model for r in plan.runs}
+    for run in out["runs"]:
+        est = cost[run["run_key"]]
+        run.update(gpu_hours=est.gpu_hours, gpu_hours_from=est.source, tokens_per_s=est.tokens_per_s,
+                   memory=memory[run["run_key"]].as_json(), misaligned=misaligned(models[run["run_key"]]))
+    print(json.dumps({**out, "power": [r.to_dict() for r in power], "power_noise": note}, indent=1))
     return 0
 
 
 def _unanswered(plan) -> str | None:
-    """Why the plan's tracking server is not read (it did not answer the one probe other commands refuse on), said
-    on one line; None when it answered or the store is local. A plan only reads measured noise and throughput from
-    the store, so it plans without them (the prior sd, the assumed MFU) instead of refusing."""
+    """Why the plan's tracking server is not read (it did not answer the probe other commands refuse on); None when
+    it answered or is local. A plan then goes without the store's noise and throughput instead of refusing."""
     from study.track.store import check_answers, resolve_tracking_uri
 
     if not plan.runs:
@@ -63,7 +62,9 @@ def _unanswered(plan) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from study.config.data import validate_data
     from study.config.spec import read_spec, write_spec
+    from study.track.store import check_answers, resolve_tracking_uri
 
     if args.nproc < 1:
         raise StudyError("--nproc", f"{args.nproc} processes", "use --nproc 1 or more (one rank per process)")
@@ -73,21 +74,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         from study.plan.planner import select_run
 
         spec = select_run(args.overrides)  # validated before anything is written or spawned
-    from study.config.data import validate_data
-
     validate_data(spec.config.data)
+    uri = resolve_tracking_uri(spec.config.tracking.uri)
     if args.cfg:
         import yaml
 
-        from study.track.store import resolve_tracking_uri
-
-        print(yaml.safe_dump(spec.shown(resolve_tracking_uri(spec.config.tracking.uri)), sort_keys=False), end="")
+        print(yaml.safe_dump(spec.shown(uri), sort_keys=False), end="")
         return 0
-    if not args.spec:
-        from study.track.store import check_answers, resolve_tracking_uri
-
-        # a person at a prompt hears at once that the server is down; a job (--spec) waits out an outage instead
-        check_answers(resolve_tracking_uri(spec.config.tracking.uri))
+    if not args.spec:  # a person at a prompt hears at once that the server is down; a job waits out an outage
+        check_answers(uri)
     if spec.pending is not None and not spec.awaits_tuning:  # a run waiting for its tuning is refused by train()
         from study.plan.complete import complete_spec
 
@@ -96,11 +91,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         from study.plan.memory import check_here
 
         check_here(spec, args.nproc)
-    if args.nproc > 1 and "RANK" not in os.environ:
-        from study.train.distributed import spawn_local
+        if args.nproc > 1:
+            from study.train.distributed import spawn_local
 
-        restart = ["--restart"] if args.restart else []
-        return spawn_local(args.nproc, ["train", "--spec", str(write_spec(spec)), *restart])
+            restart = ["--restart"] if args.restart else []
+            return spawn_local(args.nproc, ["train", "--spec", str(write_spec(spec)), *restart])
     from study.train.loop import EXIT_PREEMPTED, train
 
     outcome = train(spec, restart=args.restart)
@@ -112,9 +107,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _planned_here(spec):
-    """A spec handed to `study train --spec`, held to what the planner writes: its experiment is one name and its
-    `dir` the run directory its experiment and key give under its `paths.runs` (a relative root is the working
-    directory's, as when it was planned), so training writes nowhere else."""
+    """A spec handed to `study train --spec`, held to what the planner writes: one experiment name, and the run
+    directory its experiment and key give under its `paths.runs` (from the working directory), so training writes
+    nowhere else."""
     from study.schema import RunDir, check_name
 
     check_name("experiment", spec.config.experiment, "a usable experiment name")
@@ -129,19 +124,15 @@ def _planned_here(spec):
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from study.config.data import validate_data
     from study.jobs.prepare import data_groups, prepare_group
+    from study.plan.planner import plan_experiment, select_run
 
     if "=" in args.target:  # `study prepare data=... [overrides]`: the data of the run `study train` would train
-        from study.plan.planner import select_run
-
         runs = [select_run([args.target, *args.overrides])]
     else:
-        from study.plan.planner import plan_experiment
-
         runs = _filtered(args, plan_experiment(args.target, args.overrides)).runs
     groups = data_groups(runs)
-    from study.config.data import validate_data
-
     for group in groups:
         validate_data(group.data)  # every group's input is checked before the first one is tokenised
     for group in groups:
@@ -173,8 +164,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _restart(args: argparse.Namespace) -> None:
-    """`study launch X --restart KEY`: the run's earlier training is set aside before the launch, which then finds
-    it unfinished and submits it; its job starts from step 0."""
+    """`study launch X --restart KEY`: the run's training is set aside, so the launch submits it from step 0."""
     from study.plan.planner import plan_experiment
     from study.train.restart import restart_idle
 
@@ -206,13 +196,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from study.eval.locate import find_run
     from study.jobs.eval import evaluate_run
+    from study.track.store import check_answers, resolve_tracking_uri
 
     settings = command_options(args.overrides, ("tasks", "limit", "num_fewshot", "paths.runs"), "eval")
     tasks = [t for t in settings.get("tasks", "").split(",") if t] or None
     limit, num_fewshot = (whole_option(settings, name) for name in ("limit", "num_fewshot"))
     spec = find_run(args.run_key, settings.get("paths.runs", "runs"))
-    from study.track.store import check_answers, resolve_tracking_uri
-
     # asked once, before the checkpoint loads and lm-eval scores: the scores go to the run's MLflow run
     check_answers(resolve_tracking_uri(spec.config.tracking.uri))
     record = evaluate_run(spec, tasks, limit, num_fewshot)
@@ -256,9 +245,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _report_folder(out: Path, experiment: str) -> None:
-    """Refuse an --out the report cannot be written under before anything is read or written: the nearest folder
-    that exists on the way to <out>/<experiment> must be a folder this process can write in (a read-only file
-    system answers no too), so no report is left half-written and no folder is made for one that is not."""
+    """Refuse an --out the report cannot be written under before anything is read or written: the nearest existing
+    folder on the way to <out>/<experiment> must be one this process can write in."""
     target = out / experiment
     found = next(p for p in (target, *target.parents) if p.exists() or p == Path(p.anchor))
     fix = f"give a folder you can write to (it is created; the report goes to {out}/{experiment}/)"
@@ -347,29 +335,31 @@ def cmd_allocate(args: argparse.Namespace) -> int:
 
     experiment, _, scale = args.budget_from.partition(":")
     if not scale:
-        raise StudyError("--budget-from", f"{args.budget_from!r} has no scale", "write EXPERIMENT:SCALE, e.g. geometry:128M")
+        raise StudyError("--budget-from", f"{args.budget_from!r} has no scale",
+                         "write EXPERIMENT:SCALE, e.g. geometry:128M")
     exp = load_experiment(experiment)
     if scale not in exp.scales:
-        raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}", f"use one of {', '.join(exp.scales)}")
+        raise StudyError("--budget-from", f"experiment {experiment} has no scale {scale}",
+                         f"use one of {', '.join(exp.scales)}")
     settings = parse_overrides([f"geometry.statistic={args.statistic}", f"geometry.geometry={args.geometry}",
                                 f"model.ffn.schedule.reverse={args.reverse}"])
     reference = compose_run(exp, Variant("reference", "conventional"), scale, parse_overrides([]))
     cfg = with_budget(compose_run(exp, Variant("allocated", "geometry"), scale, settings), reference)
     budget = cfg.budget.target
     widths, m = allocated(cfg, read_profile(args.profile, cfg.model.n_layers), budget)
-    out = {"statistic": args.statistic, "geometry": args.geometry, "reverse": args.reverse, "scale": scale,
-           "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
-           "params": asdict(m.params), "budget": budget, "mismatch": m.mismatch}
     if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"{scale} {args.statistic}/{args.geometry}{' reversed' if args.reverse else ''}: widths {m.model.ffn.widths}")
-        print(f"counted {m.params.counted:,} vs budget {budget:,} ({cfg.budget.mode}): mismatch {m.mismatch:+.2e}")
+        print(json.dumps({"statistic": args.statistic, "geometry": args.geometry, "reverse": args.reverse,
+                          "scale": scale, "allocated": [round(w, 3) for w in widths], "widths": m.model.ffn.widths,
+                          "params": asdict(m.params), "budget": budget, "mismatch": m.mismatch}))
+        return 0
+    reversed_ = " reversed" if args.reverse else ""
+    print(f"{scale} {args.statistic}/{args.geometry}{reversed_}: widths {m.model.ffn.widths}")
+    print(f"counted {m.params.counted:,} vs budget {budget:,} ({cfg.budget.mode}): mismatch {m.mismatch:+.2e}")
     return 0
 
 
-HANDLERS = {"allocate": cmd_allocate, "calibrate": cmd_calibrate, "demo": cmd_demo, "eval": cmd_eval, "export": cmd_export, "launch": cmd_launch, "plan": cmd_plan, "preflight": cmd_preflight, "prepare": cmd_prepare, "profile": cmd_profile, "report": cmd_report, "status": cmd_status, "train": cmd_train}
-"""Each command's function (study/parser.py builds the parser around them)."""
+HANDLERS = {name.removeprefix("cmd_"): command for name, command in globals().items() if name.startswith("cmd_")}
+"""Each command's function, `cmd_<command>` (study/parser.py builds the parser around them)."""
 
 
 def main(argv: list[str] | None = None) -> int:

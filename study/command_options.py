@@ -1,5 +1,4 @@
-"""A command's own `key=value` options (`study eval KEY tasks=a,b limit=8`): not run-config overrides, so they take
-no sweep grammar, and a key the command does not know is refused by name."""
+"""A command's own `key=value` options (`study eval KEY tasks=a,b limit=8`)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from study.errors import StudyError
 
 
 def command_options(overrides: list[str], allowed: tuple[str, ...], command: str) -> dict[str, str]:
-    """A command's own `key=value` options (`tasks=a,b limit=8`): not run-config overrides, so no sweep grammar."""
+    """The options by key: not run-config overrides, so no sweep grammar, and a key not `allowed` is refused by name."""
     values = {}
     for item in overrides:
         key, eq, value = item.partition("=")
@@ -18,7 +17,6 @@ def command_options(overrides: list[str], allowed: tuple[str, ...], command: str
             raise StudyError(key, f"is not an option of `study {command}`", f"use {', '.join(allowed)}")
         values[key] = value
     return values
-
 
 
 def whole_option(settings: dict[str, str], name: str) -> int | None:

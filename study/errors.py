@@ -4,10 +4,7 @@ from __future__ import annotations
 
 
 class StudyError(Exception):
-    """Bad input from the user. The CLI prints it as one paragraph and exits with status 2.
-
-    Tracebacks are reserved for bugs; everything a user can get wrong raises this instead.
-    """
+    """Bad input from the user (tracebacks are for bugs): the CLI prints it as one paragraph and exits with status 2."""
 
     def __init__(self, field: str, problem: str, fix: str):
         self.field = field

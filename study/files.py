@@ -1,11 +1,8 @@
 """Files written whole and locked, and records read back checked: what run directories, caches and launch records
-share.
-
-Every record a user can open, edit or damage by hand (a run's result.json, a launch record, a tuning record, a
-profile) is read through `read_json` or `read_json_lines` and its fields checked with `shape_problem`: a directory in
-its place, a file that cannot be read, text that is not UTF-8 or not JSON, a JSON of another shape, a missing field
-or a number no record holds is refused by the file's name, with the fix its reader gives (usually: delete it, and
-what then recomputes it), never met later as a traceback."""
+share. A record a user can open, edit or damage by hand (a result.json, a launch or tuning record, a profile) is read
+through `read_json`, `read_json_lines` or `read_mapping`: whatever keeps it from being read or makes it of another
+shape is refused by the file's name with its reader's fix (usually: delete it, and what recomputes it), never met
+later as a traceback."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ def _text(path: Path, fix: str) -> str:
 
 
 def _parse(text: str) -> Any:
-    """JSON, or ValueError (RecursionError: nested past Python's stack; ValueError also for an integer of more digits
-    than Python converts)."""
+    """JSON, or ValueError (also for nesting past Python's stack, and an integer of more digits than it converts)."""
     try:
         return json.loads(text)
     except RecursionError:
@@ -89,14 +85,12 @@ def read_json(path: Path, fix: str) -> Any:
 
 
 def read_json_lines(path: Path, fix: str, check: Callable[[Any], str] | None = None) -> list:
-    """The entries of an append-only record of JSON lines, none before the first is written. Its last line, when a
-    killed writer cut it short (no newline ends it), is left out: the next append removes it (`end_cut_line`).
-    Refused (naming the file, the line and `fix`) like `read_json`, and when any other line is not JSON or `check`
-    finds a problem with its entry (`check` returns what is wrong, '' when nothing)."""
+    """The entries of an append-only record of JSON lines, none before the first is written. A last line a killed
+    writer cut short (no newline ends it) is left out: the next append removes it (`end_cut_line`). Refused like
+    `read_json`, naming the line, when any other line is not JSON or `check` says what is wrong with its entry."""
     if not path.exists() and not path.is_symlink():
         return []
-    text = _text(path, fix)
-    lines = text.split("\n")
+    lines = _text(path, fix).split("\n")
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -107,16 +101,15 @@ def read_json_lines(path: Path, fix: str, check: Callable[[Any], str] | None = N
             if number == len(lines):  # not ended by a newline: cut short by a killed writer
                 break
             raise damaged(path, f"line {number} does not read as JSON ({err})", fix) from None
-        problem = check(entry) if check is not None else ""
-        if problem:
+        if check is not None and (problem := check(entry)):
             raise damaged(path, f"line {number} {problem}", fix)
         out.append(entry)
     return out
 
 
 def end_cut_line(fd: int) -> None:
-    """Before appending to the record open at `fd`: remove a last line a killed writer cut short (no newline ends
-    it), so that the new lines start a line of their own and no line of JSON is glued to half of one."""
+    """Before appending to the record open at `fd`: remove a last line a killed writer cut short, so that the new
+    lines start a line of their own and no line of JSON is glued to half of one."""
     end = os.fstat(fd).st_size
     if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
         return
@@ -162,9 +155,8 @@ def shape_problem(record: Any, fields: dict[str, Kind], present: dict[str, Kind]
     (a field older versions did not write) of its kind; '' when nothing does."""
     if not isinstance(record, dict):
         return f"holds a JSON {_json_type(record)}, not a mapping"
-    for name, kind in fields.items():
-        if name not in record:
-            return f"has no `{name}`"
+    if (missing := next((name for name in fields if name not in record), None)) is not None:
+        return f"has no `{missing}`"
     for name, kind in {**fields, **(present or {})}.items():
         if name in record and not kind.holds(record[name]):
             return f"has `{name}` {_shown(record[name])}, not {kind.what}"
@@ -172,11 +164,10 @@ def shape_problem(record: Any, fields: dict[str, Kind], present: dict[str, Kind]
 
 
 def read_mapping(path: Path, fields: dict[str, Kind], fix: str, present: dict[str, Kind] | None = None) -> dict:
-    """The JSON mapping in the file `path` with each of `fields` (and of `present` it holds) of its kind, other
-    fields unchecked; refused as `read_json` refuses, and naming the first field missing or of another kind."""
+    """The JSON mapping in the file `path`, checked by `shape_problem` (other fields unchecked); refused as
+    `read_json` refuses, and naming the first field missing or of another kind."""
     record = read_json(path, fix)
-    problem = shape_problem(record, fields, present)
-    if problem:
+    if problem := shape_problem(record, fields, present):
         raise damaged(path, problem, fix)
     return record
 

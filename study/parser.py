@@ -10,10 +10,12 @@ from study.schema import TAG_BASELINE
 
 DESCRIPTION = "Parameter-matched transformer architecture scaling studies, one command each."
 
-def _selection(p: argparse.ArgumentParser) -> None:
+
+def _selection(p: argparse.ArgumentParser, seed: bool = True) -> None:
     p.add_argument("--variant", action="append", help="only this variant's runs (repeatable)")
     p.add_argument("--scale", action="append", help="only this scale's runs (repeatable)")
-    p.add_argument("--seed", action="append", type=int, help="only this seed's runs (repeatable)")
+    if seed:
+        p.add_argument("--seed", action="append", type=int, help="only this seed's runs (repeatable)")
 
 
 def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
@@ -24,33 +26,38 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"study {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="expand an experiment into parameter-matched runs (nothing is submitted)")
-    p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    def command(name: str, help: str, subject: str | None = None, overrides: str | None = None):
+        """Command `name`, run by handlers[name], with its `subject` argument and `overrides` (their help)."""
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=handlers[name])
+        if subject:
+            p.add_argument(subject)
+        if overrides:
+            p.add_argument("overrides", nargs="*", help=overrides)
+        return p
+
+    p = command("plan", "expand an experiment into parameter-matched runs (nothing is submitted)", "experiment",
+                "key=value overrides applied to every run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _selection(p)
-    p.set_defaults(func=handlers["plan"])
 
-    p = sub.add_parser("train", help="train one run (resumes from its latest checkpoint)")
-    p.add_argument("overrides", nargs="*", help="experiment=X variant=V scale=S seed=N, or any key=value")
+    p = command("train", "train one run (resumes from its latest checkpoint)",
+                overrides="experiment=X variant=V scale=S seed=N, or any key=value")
     p.add_argument("--nproc", type=int, default=1, help="local processes (FSDP2 over gloo on CPU, NCCL on GPU)")
     p.add_argument("--cfg", choices=["job"], help="print the resolved run spec and exit (Hydra's --cfg job)")
     p.add_argument("--spec", help="train the run spec in this run.json (what launched jobs and ranks do)")
     p.add_argument("--restart", action="store_true",
                    help="train from step 0: checkpoints, metric log, results and the MLflow run are set aside "
                    "(when every checkpoint is damaged, or the data changed)")
-    p.set_defaults(func=handlers["train"])
 
-    p = sub.add_parser("prepare", help="tokenise the data of an experiment (or of data=... overrides) into the "
-                       "shard cache, once; resumes after a kill")
+    p = command("prepare", "tokenise the data of an experiment (or of data=... overrides) into the shard cache, once; "
+                "resumes after a kill")
     p.add_argument("target", metavar="EXPERIMENT|data=...", help="an experiment, or the first key=value override")
     p.add_argument("overrides", nargs="*", help="key=value overrides (data.*, model.vocab_size, ...)")
     _selection(p)
-    p.set_defaults(func=handlers["prepare"])
 
-    p = sub.add_parser("launch", help="submit the runs of an experiment that are not finished yet")
-    p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="cluster=local|slurm|<preset> and key=value overrides")
+    p = command("launch", "submit the runs of an experiment that are not finished yet", "experiment",
+                "cluster=local|slurm|<preset> and key=value overrides")
     p.add_argument("--dry-run", action="store_true", help="print arrays, dependencies and sbatch scripts only")
     p.add_argument("--wait", action="store_true", help="follow the jobs until none is pending or running")
     p.add_argument("--new-runs", action="store_true",
@@ -61,65 +68,46 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     p.add_argument("--max-gpu-hours", type=float, default=None, help="adaptive cap: estimated GPU-hours in total")
     p.add_argument("--restart", action="append", metavar="RUN_KEY", default=[],
                    help="train this run again from step 0, its earlier training set aside (repeatable)")
-    p.set_defaults(func=handlers["launch"])
 
-    p = sub.add_parser("calibrate", help="one short job per distinct model shape: measured tokens/s and MFU for "
-                       "`study plan`'s GPU-hours")
-    p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="cluster=<preset> (the cluster the study will run on) and key=value")
+    p = command("calibrate", "one short job per distinct model shape: measured tokens/s and MFU for `study plan`'s "
+                "GPU-hours", "experiment", "cluster=<preset> (the cluster the study will run on) and key=value")
     p.add_argument("--steps", type=int, default=40, help="training steps per job (the first quarter is warm-up)")
     p.add_argument("--again", action="store_true", help="measure shapes already calibrated on this profile anew")
-    p.set_defaults(func=handlers["calibrate"])
 
-    p = sub.add_parser("preflight", help="step each distinct shape once at its real size on fake tensors, over a fake "
-                       "process group of its real world size: peak memory per rank, FLOPs, graph breaks")
-    p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="cluster=<preset> cluster.nodes=N (the layout the runs will train at) "
-                   "and key=value")
-    p.add_argument("--variant", action="append", help="only this variant's runs (repeatable)")
-    p.add_argument("--scale", action="append", help="only this scale's runs (repeatable)")
+    p = command("preflight", "step each distinct shape once at its real size on fake tensors, over a fake process "
+                "group of its real world size: peak memory per rank, FLOPs, graph breaks", "experiment",
+                "cluster=<preset> cluster.nodes=N (the layout the runs will train at) and key=value")
+    _selection(p, seed=False)
     p.add_argument("--json", action="store_true", help="print one JSON object with a `shapes` list")
     p.add_argument("--no-trace", action="store_true", help="skip torch.compile's trace (the graph-break check)")
     p.add_argument("--again", action="store_true", help="measure shapes already in the cache anew")
-    p.set_defaults(func=handlers["preflight"])
 
-    p = sub.add_parser("status", help="each launched run's MLflow and scheduler state")
-    p.add_argument("experiment")
-    p.add_argument("overrides", nargs="*", help="none: the runs of the last launch")
+    p = command("status", "each launched run's MLflow and scheduler state", "experiment",
+                "none: the runs of the last launch")
     p.add_argument("--json", action="store_true")
     _selection(p)
-    p.set_defaults(func=handlers["status"])
 
-    p = sub.add_parser("eval", help="lm-eval on a run's checkpoint; scores go to its MLflow run")
-    p.add_argument("run_key")
-    p.add_argument("overrides", nargs="*", help="tasks=arc_easy,hellaswag,piqa limit=N (0: all) num_fewshot=N "
-                   "(default: the run's eval config)")
-    p.set_defaults(func=handlers["eval"])
+    command("eval", "lm-eval on a run's checkpoint; scores go to its MLflow run", "run_key",
+            "tasks=arc_easy,hellaswag,piqa limit=N (0: all) num_fewshot=N (default: the run's eval config)")
 
-    p = sub.add_parser("export", help="a trained run's checkpoint as transformers files (safetensors + config)")
-    p.add_argument("run_key")
-    p.add_argument("overrides", nargs="*", help="paths.runs=DIR")
+    p = command("export", "a trained run's checkpoint as transformers files (safetensors + config)", "run_key",
+                "paths.runs=DIR")
     p.add_argument("--format", required=True, help="hf: what transformers, lm-eval's hf model and vLLM read")
     p.add_argument("--out", default=None, help="output directory (default: <run dir>/export)")
     p.add_argument("--force", action="store_true", help="replace an earlier export in --out")
     p.add_argument("--dtype", default="auto", help="auto (what the run computed in), fp32 or bf16")
-    p.set_defaults(func=handlers["export"])
 
-    p = sub.add_parser("report", help="paired-difference report of an experiment")
-    p.add_argument("experiment")
+    p = command("report", "paired-difference report of an experiment", "experiment")
     p.add_argument("--baseline", default=None, help=f"variant to pair against (default: the runs' {TAG_BASELINE})")
     p.add_argument("--metric", action="append", help="metric(s), e.g. val/loss or eval/arc_easy/acc")
     p.add_argument("--json", action="store_true", help="print one JSON object with a `results` list")
     p.add_argument("--out", default="reports", help="output folder (reports/<experiment>/ inside it)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
-    p.set_defaults(func=handlers["report"])
 
-    p = sub.add_parser("profile", help="geometric work profile of a trained run (writes profile.json, plots)")
-    p.add_argument("run_key")
-    p.add_argument("overrides", nargs="*", help="geometry.n_tokens=N geometry.seed=S ...")
-    p.set_defaults(func=handlers["profile"])
+    command("profile", "geometric work profile of a trained run (writes profile.json, plots)", "run_key",
+            "geometry.n_tokens=N geometry.seed=S ...")
 
-    p = sub.add_parser("allocate", help="per-layer widths from a profile under a scale's parameter budget")
+    p = command("allocate", "per-layer widths from a profile under a scale's parameter budget")
     p.add_argument("--profile", required=True, help="profile.json written by `study profile`")
     p.add_argument("--statistic", default="topo", choices=["shift", "gw", "topo"])
     p.add_argument("--geometry", default="hyperbolic", choices=["raw", "spherical", "hyperbolic"])
@@ -128,12 +116,10 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                         "control)")
     p.add_argument("--budget-from", required=True, help="EXPERIMENT:SCALE whose budget the widths must meet")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=handlers["allocate"])
 
-    p = sub.add_parser("demo", help="the main job: train, evaluate and report the tiny `demo` experiment on CPU")
+    p = command("demo", "the main job: train, evaluate and report the tiny `demo` experiment on CPU")
     p.add_argument("--ladder", action="store_true",
                    help="the longer demo: the `ladder` experiment (4 sizes x 3 arms x 3 seeds, decay branches, "
                         "tuning, racing; about 24 minutes on 2 cores) and its L(N, D) report")
     p.add_argument("overrides", nargs="*")
-    p.set_defaults(func=handlers["demo"])
     return parser

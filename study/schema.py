@@ -10,13 +10,12 @@ from typing import Mapping
 from study.errors import StudyError
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-"""Names of experiments, variants, scales and config-group options: one SLURM and file-system word that starts with a
-letter or digit (so never `.`, `..` or a path), since they become directory, MLflow and job names."""
+"""Names of experiments, variants, scales and config-group options, which become directory, MLflow and job names: one
+word starting with a letter or digit (so never `.`, `..` or a path)."""
 
 
 def check_name(field: str, value: str, what: str = "name") -> None:
-    """Refuse `value`, naming `field`, unless it is one NAME: `experiment=../../x` would put a run directory outside
-    `paths.runs`, `data=../../evil` would merge any YAML file."""
+    """Refuse `value`, naming `field`, unless it is one NAME (`experiment=../../x` would leave `paths.runs`)."""
     if not isinstance(value, str) or not NAME.match(value):
         raise StudyError(field, f"{str(value)[:120]!r} is not {what}",
                          "use letters, digits, _ . - (starting with a letter or digit, at most 100 characters)")
@@ -29,11 +28,10 @@ TAG_VARIANT = "study.variant"
 TAG_SCALE = "study.scale"
 TAG_SEED = "study.seed"
 TAG_ROLE = "study.role"
-"""What a run is in the study. A training run's value is its role (`study.config.run.Role`: train, reference,
-scheduled, tune, calibrate, trunk, branch); runs that train nothing carry one of the `ROLE_*` values below."""
+"""What a run is in the study: a training run's `study.config.run.Role`, or for a run that trains nothing one of the
+`ROLE_*` values below."""
 OLD_TAG_ROLE = "study.stage"
-"""Where stores written before `study.role` hold the role: read only through `role_of` and
-`study.track.query.runs_with_role`, never written."""
+"""The role in stores written before `study.role`: read only (`role_of`, `study.track.query.runs_with_role`)."""
 ROLE_REPORT = "report"
 """Role of an experiment's report run (`study report`: the report's files)."""
 ROLE_GROUP = "group"
@@ -53,8 +51,7 @@ def role_of(tags: Mapping[str, str]) -> str | None:
 
 TAG_BASELINE = "study.baseline"
 TAG_REPLACED = "study.replaced"
-"""On a run set aside by `study.track.store.retire_runs`: when and why it was replaced by a run trained again from
-step 0."""
+"""On a run set aside by `study.track.store.retire_runs`: when and why it was replaced by one trained from step 0."""
 TAG_FAILURE_REASON = "study.failure_reason"
 """Why a run failed, in one line (set when its tracker closes FAILED)."""
 TAG_SLURM_JOB = "study.slurm_job_id"
@@ -120,8 +117,8 @@ def _own(name: str) -> property:
 
 
 class RunDir:
-    """<runs>/<experiment>/<run key>/: everything one run leaves on disk. The files and folders the run writes are
-    read through `not_a_link`: each access refuses a symbolic link by name."""
+    """<runs>/<experiment>/<run key>/: everything one run leaves on disk, each file or folder refused when it is a
+    symbolic link (`not_a_link`)."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -160,8 +157,8 @@ class RunDir:
 
 
 def launch_dir(runs_root: str | Path, experiment: str) -> Path:
-    """<runs>/<experiment>/_launch/: the job journal (jobs.jsonl) and the launch manifest (manifest.jsonl). A link in
-    its place is refused: a launch would write its journal and manifest wherever it points."""
+    """<runs>/<experiment>/_launch/: the job journal (jobs.jsonl) and the launch manifest (manifest.jsonl), refused
+    when it is a symbolic link."""
     return not_a_link(Path(runs_root).resolve() / experiment / "_launch")
 
 
