@@ -37,11 +37,9 @@ SCHEDULE = "model.ffn.schedule"
 
 def refuse_renamed(node: Any, where: str) -> None:
     """StudyError naming the new name when a nested mapping (a config layer, a run spec's config) holds an old one."""
-    for old, new in RENAMED.items():
+    for old in RENAMED:
         *parents, leaf = old.split(".")
-        inner = node
-        for p in parents:
-            inner = inner.get(p) if isinstance(inner, dict) else None
+        inner = functools.reduce(lambda d, p: d.get(p) if isinstance(d, dict) else None, parents, node)
         if isinstance(inner, dict) and leaf in inner:
             raise _renamed(old, where)
 

@@ -81,15 +81,14 @@ def validate_data(cfg: DataConfig, files: bool = True) -> None:
     token files and tokenizers exist (where the data is read, not where a cluster run is planned)."""
     if cfg.tokens is not None:
         _validate_flat(cfg, files)
-    else:
-        if cfg.val_tokens is not None:
-            raise StudyError("data.val_tokens", "validation token files are given without training ones (data.tokens)",
-                             "give the training token files in data.tokens, or drop data.val_tokens")
-        if not cfg.name:
-            raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
-        if files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
-            raise StudyError("data.name", f"no dataset at {cfg.name}",
-                             f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
+    elif cfg.val_tokens is not None:
+        raise StudyError("data.val_tokens", "validation token files are given without training ones (data.tokens)",
+                         "give the training token files in data.tokens, or drop data.val_tokens")
+    elif not cfg.name:
+        raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
+    elif files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
+        raise StudyError("data.name", f"no dataset at {cfg.name}",
+                         f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
     if not cfg.text_field:
         raise StudyError("data.text_field", "no text column given", "name the column holding the text, e.g. `text`")
     if cfg.seq_len <= 0:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict
 from operator import attrgetter
 from typing import Any
 
@@ -36,8 +35,7 @@ NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.
                 "cluster.max_requeues", "cluster.signal_delay_s", "cluster.mem_gb", "cluster.gpu_mem_gb",
                 "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 SEED_MAX = 2**64 - 1
-"""The largest seed a run may have: torch's generators take 64-bit seeds (the run's seed, an experiment's `seeds:`,
-a tuning's `tune.seeds`)."""
+"""The largest seed (a run's, an experiment's `seeds:`, a tuning's `tune.seeds`): torch's generators take 64 bits."""
 AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
 """Upper bounds: MLflow takes at most 1,000 metrics per batch; an MFU is a fraction."""
 URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
@@ -53,7 +51,7 @@ def is_number(value: Any) -> bool:
 def _check_values(cfg: RunConfig) -> None:
     """Strings reach sbatch scripts, file names and shell lines: no control characters anywhere (a newline in a
     cluster setting would be a shell line of its own). Numbers must be finite."""
-    for dotted, value in leaves(asdict(cfg), into_lists=True).items():
+    for dotted, value in leaves(cfg, into_lists=True).items():
         if isinstance(value, str) and (hidden := hidden_character(value)):
             # a right-to-left override or a zero-width space shows one command and runs another
             raise StudyError(dotted, f"contains a control or format character ('{hidden}')",
