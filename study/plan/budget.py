@@ -1,35 +1,14 @@
 """Exact parameter accounting from the config alone, and matching a variant to a parameter budget.
 
-Counting. Every group is a closed form of the shape (a test checks it equals `sum(p.numel())` of the built model):
-
-    embedding  = V d (x2 when untied)
-    attention  = sum_l (d q_l + 2 d kv_l + q_l d)  q_l = heads_l * head_dim, kv_l = kv_heads_l * head_dim (every
-                                                   layer n_heads / n_kv_heads, unless `layer_heads` sets them)
-    ffn        = 3 d * sum_l widths[l]             (SwiGLU and hourglass alike: each hidden unit owns W_1, W_2, W_u rows)
-    norm       = 2 L d + d  (+ sum_l (q_l + kv_l) QK-norm, + L K d hourglass sub-norms, - L d when the hourglass
-                            chain runs on the residual stream: its sub-norms replace the FFN pre-norm)
-
-The budget counts `non_embedding` = attention + ffn + norm, every parameter outside the embeddings (the default, so
-a variant with more norm gains carries no unmatched parameters), `matrices` = attention + ffn (the papers'
-arithmetic: 113,246,208 at 113M) or `total` = everything.
-
-Matching. A variant keeps its declared shape and solves its free dimension so that its counted parameters meet the
-budget of the scale's reference model:
-
-    ffn        the FFN widths (the schedule's shape is kept, its scale solved; heads per layer stay as the
-               `layerwise` family sets them, so attention is fixed and the FFN alone meets the budget)
-    depth      L, at the target d_h, then the FFN widths            (hourglass: saved parameters become layers)
-    attention  n_heads at fixed head_dim, at the target d_h, then the FFN widths (saved parameters become attention)
-    width      d_model at fixed attention (n_heads x head_dim, apart from d_model) and d_h/d_model, then the FFN
-               widths                                             (hourglass: saved parameters widen the stream)
-    none       nothing (the reference itself)
-
-Fine adjustment. One FFN hidden unit costs 3 d parameters (2,304 at d=768, 2e-5 of 113M), coarser than the 1e-5
-tolerance. Every parameter group is a multiple of d, so the budget gap is a multiple of d and the nearest whole number
-of hidden units leaves at most d parameters (6.8e-6 at 113M). Widths are first rounded to `multiple_of` by the
-largest-remainder rule; the few single units left over all go to one layer (the next in remainder order), so at most
-one layer is off the multiple, and for hourglass they spread over that layer's sub-MLPs, one unit each at most
-(`ModelConfig.sub_widths`). The result is a deterministic function of the config.
+Every group is a closed form of the shape (a test holds it to `sum(p.numel())` of the built model): embedding V d
+(twice untied); attention sum_l 2 d (q_l + kv_l) for q_l, kv_l query and key/value widths; FFN 3 d sum_l widths[l]
+(SwiGLU and hourglass alike); norms 2 L d + d, plus QK-norms and hourglass sub-norms, less L d when the hourglass chain
+runs on the residual stream. A budget counts `non_embedding` (attention + FFN + norms, the default), `matrices`
+(attention + FFN: the papers' arithmetic) or `total`. Matching keeps the variant's declared shape and solves its free
+dimension (`budget.match`: the FFN widths, or first the depth, the attention heads or d_model, then the widths) so
+that its count meets the budget of the scale's reference model. One hidden unit costs 3 d parameters and every group
+is a multiple of d, so whole units land within d of the budget: widths are rounded to `multiple_of` by largest
+remainder and the single units left over go to one layer (spread over its sub-MLPs, `ModelConfig.sub_widths`).
 """
 
 from __future__ import annotations
@@ -97,51 +76,55 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def reference_budget(reference: ModelConfig, mode: str) -> int:
     """The budget a scale's reference conventional model defines: its own count, uniform widths."""
     check_positive(reference)
-    params = count_params(_uniform(reference), mode)
+    params = count_params(with_widths(reference, [reference.ffn.width * reference.ffn.k] * reference.n_layers), mode)
     check_buildable(params, "model", f"the reference shape (d_model {reference.d_model:,}, {reference.n_layers:,} "
-                    f"layers, FFN width {reference.ffn.width:,})",
-                    "lower model.d_model, model.n_layers or model.ffn.width, or use a scale preset of the size you mean")
+                    f"layers, FFN width {reference.ffn.width:,})", "lower model.d_model, model.n_layers or "
+                    "model.ffn.width, or use a scale preset of the size you mean")
     return params.counted
 
 
-def _uniform(cfg: ModelConfig) -> ModelConfig:
-    """The shape with every layer at its declared FFN width (what a reference builds)."""
-    return replace(cfg, ffn=replace(cfg.ffn, widths=[cfg.ffn.width * cfg.ffn.k] * cfg.n_layers))
+def with_widths(cfg: ModelConfig, widths: list | None) -> ModelConfig:
+    """The shape with these per-layer FFN widths."""
+    return replace(cfg, ffn=replace(cfg.ffn, widths=widths))
+
+
+def ffn_units(cfg: ModelConfig, budget: int, mode: str) -> tuple[int, int]:
+    """(counted parameters outside the FFN, the whole FFN hidden units of 3 d parameters the rest of `budget` buys)."""
+    fixed = count_params(with_widths(cfg, [0] * cfg.n_layers), mode).counted
+    return fixed, round((budget - fixed) / (3 * cfg.d_model))
 
 
 MAX_LAYERS = 4096
-"""Most layers a model may have, declared or solved by the depth strategy: far past any trained transformer. Widths,
-heads and counts go layer by layer, so a budget a million times the scale's (`budget.target=100000000000000`) or
-`model.n_layers=1000000000` would take minutes (and gigabytes of lists) before anything could be said."""
+"""Most layers a model may have, declared or solved by depth: far past any trained transformer, and widths, heads and
+counts go layer by layer, so a billion layers would take minutes and gigabytes before anything could be said."""
 MAX_DIMENSION = 2**31 - 1
-"""Largest size of one dimension (d_model, heads, widths, vocabulary, context): torch's kernels index with 32-bit
-integers, and one d x d matrix this wide already holds 2**62 entries."""
+"""Largest size of one dimension (d_model, heads, widths, vocabulary, context): torch indexes with 32-bit integers."""
 MAX_PARAMS = 10**13
-"""Most parameters a model may have (all of them, embeddings included, counted exactly by `count_params`): 1e13
-parameters are 20 TB of bf16 weights and 160 TB with fp32 AdamW state, past the memory of any machine a study trains
-on. Refused when planned, so torch never tries the allocation (an overflow error, or the OOM killer minutes in)."""
+"""Most parameters a model may have (every one, `count_params`): 20 TB of bf16 weights, past any machine's memory, so
+torch never tries the allocation."""
+_NEAR_BUDGET = ("use a budget near the scale's own (budget.target=0 is its reference model's count) or a larger "
+                "scale")
 
 
 def check_positive(cfg: ModelConfig) -> None:
-    """The sizes every count divides or multiplies by are positive, and each within what a machine can build: at most
-    MAX_LAYERS layers and no dimension past MAX_DIMENSION (checked before the reference is counted, layer by layer)."""
-    for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
-        if getattr(cfg, name) <= 0:
-            raise StudyError(f"model.{name}", f"must be positive, got {getattr(cfg, name)}", "use a value > 0")
-    for name in ("width", "k", "multiple_of"):
-        if getattr(cfg.ffn, name) <= 0:
-            raise StudyError(f"model.ffn.{name}", f"must be positive, got {getattr(cfg.ffn, name)}", "use a value > 0")
+    """The sizes every count divides or multiplies by are positive, at most MAX_LAYERS layers and no dimension past
+    MAX_DIMENSION (checked before the reference is counted, layer by layer)."""
+    ffn = {f"model.ffn.{n}": getattr(cfg.ffn, n) for n in ("width", "k", "multiple_of")}
+    positive = {f"model.{n}": getattr(cfg, n) for n in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len")}
+    for name, size in (positive | ffn).items():
+        if size <= 0:
+            raise StudyError(name, f"must be positive, got {size}", "use a value > 0")
     if cfg.n_layers > MAX_LAYERS:
         raise StudyError("model.n_layers", f"{cfg.n_layers:,} layers is past the {MAX_LAYERS:,} a model here may have",
                          "use the scale's own depth, or a scale preset of the size you mean")
     sizes = {f"model.{n}": getattr(cfg, n) for n in ("d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
                                                        "max_seq_len")}
-    sizes |= {f"model.ffn.{n}": getattr(cfg.ffn, n) for n in ("width", "k", "multiple_of")}
-    sizes |= {"model.ffn.widths": max(cfg.ffn.widths or [0]), "model.layer_heads": max(cfg.layer_heads or [0])}
+    sizes |= ffn | {"model.ffn.widths": max(cfg.ffn.widths or [0]), "model.layer_heads": max(cfg.layer_heads or [0])}
     for name, size in sizes.items():
         if size > MAX_DIMENSION:
             raise StudyError(name, f"{size:,} is past the largest dimension a model can have ({MAX_DIMENSION:,}: "
-                             "torch indexes with 32-bit integers)", "use the scale's own value or a larger scale preset")
+                             "torch indexes with 32-bit integers)",
+                             "use the scale's own value or a larger scale preset")
 
 
 def check_buildable(params: ParamCount, field: str, what: str, fix: str) -> None:
@@ -164,7 +147,8 @@ def validate_shape(cfg: ModelConfig) -> None:
         raise StudyError("model.n_heads", f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}",
                          "choose n_heads dividing d_model, or set model.head_dim")
     if cfg.dim_head % 2:
-        raise StudyError("model.head_dim", f"head_dim {cfg.dim_head} is odd; RoPE rotates pairs", "use an even head_dim")
+        raise StudyError("model.head_dim", f"head_dim {cfg.dim_head} is odd; RoPE rotates pairs",
+                         "use an even head_dim")
     if cfg.n_heads % cfg.kv_heads:
         raise StudyError("model.n_kv_heads", f"n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.kv_heads}",
                          "choose n_kv_heads dividing n_heads")
@@ -223,16 +207,13 @@ def with_schedule(cfg: ModelConfig) -> tuple[ModelConfig, list[float] | None]:
 
 
 def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    """Scale the schedule's shape so the counted parameters land on the budget (within d parameters). Heads per
-    layer are the schedule's: only the FFN widths move."""
+    """Scale the schedule's shape so the counted parameters land within d of the budget (the heads stay the
+    schedule's)."""
     k = cfg.ffn.k
     cfg, shape = with_schedule(cfg)
     if shape is None:
         return cfg
-    zero = replace(cfg, ffn=replace(cfg.ffn, widths=[0] * cfg.n_layers))
-    fixed = count_params(zero, mode).counted
-    per_unit = 3 * cfg.d_model
-    units = round((budget - fixed) / per_unit)
+    fixed, units = ffn_units(cfg, budget, mode)
     if units < k * cfg.n_layers:
         raise StudyError("budget", f"the budget {budget:,} leaves no room for the FFN of this variant "
                          f"({fixed:,} parameters outside the FFN)", "use a larger scale or fewer layers/heads")
@@ -245,7 +226,7 @@ def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
                          f"width {least} (one block of multiple_of {cfg.ffn.multiple_of}, one unit per sub-MLP)",
                          "raise the schedule's smallest ratio (end, beta) or lower its steepness, or use a larger "
                          "budget")
-    out = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
+    out = with_widths(cfg, widths)
     if cfg.ffn.kind == "hourglass" and max(max(out.sub_widths(l)) for l in range(cfg.n_layers)) >= cfg.d_model:
         raise StudyError("model.ffn.width", f"matching needs hourglass d_h >= d_model ({cfg.d_model})",
                          "move the parameters elsewhere: budget.match=depth or attention, or raise model.ffn.k")
@@ -254,19 +235,21 @@ def solve_ffn(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
 
 def _counted_at_target(cfg: ModelConfig, mode: str) -> int:
     """Counted parameters of the shape with every layer at the variant's target FFN width."""
-    w = target_width(cfg) * cfg.ffn.k
-    return count_params(replace(cfg, ffn=replace(cfg.ffn, widths=[w] * cfg.n_layers)), mode).counted
+    return count_params(with_widths(cfg, [target_width(cfg) * cfg.ffn.k] * cfg.n_layers), mode).counted
+
+
+def _per_unit(shape_of, mode: str) -> tuple[int, int]:
+    """(fixed, per unit) counted parameters of shapes linear in one dimension, `shape_of(n)` the shape at n units."""
+    one, two = (_counted_at_target(shape_of(n), mode) for n in (1, 2))
+    return 2 * one - two, two - one
 
 
 def _solve_depth(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    one, two = (_counted_at_target(replace(cfg, n_layers=n), mode) for n in (1, 2))
-    per_layer, fixed = two - one, 2 * one - two
+    fixed, per_layer = _per_unit(lambda n: replace(cfg, n_layers=n), mode)
     layers = max(1, round((budget - fixed) / per_layer))
     if layers > MAX_LAYERS:
         raise StudyError("budget.target", f"meeting the budget {budget:,} by depth takes {layers:,} layers of "
-                         f"{per_layer:,} parameters (at most {MAX_LAYERS:,})",
-                         "use a budget near the scale's own (budget.target=0 is its reference model's count) or a "
-                         "larger scale")
+                         f"{per_layer:,} parameters (at most {MAX_LAYERS:,})", _NEAR_BUDGET)
     return replace(cfg, n_layers=layers)
 
 
@@ -275,8 +258,8 @@ def _solve_heads(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
         raise StudyError("budget.match", "the attention strategy grows multi-head attention only",
                          "set model.n_kv_heads=0 or use budget.match=ffn")
     hd = cfg.dim_head
-    one, two = (_counted_at_target(replace(cfg, n_heads=n, head_dim=hd), mode) for n in (1, 2))
-    heads = math.floor((budget - (2 * one - two)) / (two - one))
+    fixed, per_head = _per_unit(lambda n: replace(cfg, n_heads=n, head_dim=hd), mode)
+    heads = math.floor((budget - fixed) / per_head)
     if heads < 1:
         raise StudyError("budget", "no attention head fits next to the target FFN", "lower the hourglass d_h or K")
     return replace(cfg, n_heads=heads, head_dim=hd)
@@ -289,8 +272,8 @@ MAX_D_MODEL = 65_536
 
 
 def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    """d_model at fixed attention: the declared heads keep their head_dim, so attention width (n_heads x head_dim)
-    is set apart from d_model, as in the revised hourglass paper and its release."""
+    """d_model at fixed attention (n_heads x the declared head_dim, apart from d_model), as in the revised hourglass
+    paper and its release."""
     hd = cfg.dim_head
     best, best_gap = None, None
     for d in range(WIDTH_STEP, MAX_D_MODEL + 1, WIDTH_STEP):
@@ -300,8 +283,7 @@ def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
             return best
         best, best_gap = trial, gap
     raise StudyError("budget.target", f"meeting the budget {budget:,} by width takes d_model past {MAX_D_MODEL:,}",
-                     "use a budget near the scale's own (budget.target=0 is its reference model's count) or a "
-                     "larger scale")
+                     _NEAR_BUDGET)
 
 
 def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
@@ -309,7 +291,8 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
     if budget_cfg.mode not in MODES:
         raise StudyError("budget.mode", f"unknown mode {budget_cfg.mode!r}", f"use one of {', '.join(MODES)}")
     if budget_cfg.match not in STRATEGIES:
-        raise StudyError("budget.match", f"unknown strategy {budget_cfg.match!r}", f"use one of {', '.join(STRATEGIES)}")
+        raise StudyError("budget.match", f"unknown strategy {budget_cfg.match!r}",
+                         f"use one of {', '.join(STRATEGIES)}")
     validate_shape(cfg)
     mode, strategy = budget_cfg.mode, budget_cfg.match
     if strategy not in ("ffn", "none") and cfg.ffn.schedule.family == "layerwise" and cfg.ffn.schedule.alpha:
@@ -320,16 +303,14 @@ def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
         cfg = solve(cfg, budget, mode)
     if strategy == "none":
         cfg, shape = with_schedule(cfg)
-        widths = None if shape is None else [max(cfg.ffn.k, round(s)) for s in shape]
-        cfg = replace(cfg, ffn=replace(cfg.ffn, widths=widths))
+        cfg = with_widths(cfg, None if shape is None else [max(cfg.ffn.k, round(s)) for s in shape])
     else:
         cfg = solve_ffn(cfg, budget, mode)
     if cfg.ffn.widths is None:
         return Matched(cfg, None, budget, None)
     params = count_params(cfg, mode)
     check_buildable(params, "budget.target", f"the matched shape (d_model {cfg.d_model:,}, {cfg.n_layers:,} layers, "
-                    f"widest FFN layer {max(cfg.ffn.widths):,})", "use a budget near the scale's own "
-                    "(budget.target=0 is its reference model's count) or a larger scale")
+                    f"widest FFN layer {max(cfg.ffn.widths):,})", _NEAR_BUDGET)
     mismatch = (params.counted - budget) / budget
     if strategy != "none" and abs(mismatch) > budget_cfg.tolerance:
         raise StudyError("budget.tolerance", f"the closest match is {mismatch:.2e} off the budget "

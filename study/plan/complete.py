@@ -13,7 +13,7 @@ from study.config.run import RunConfig
 from study.config.spec import RunSpec
 from study.errors import StudyError
 from study.geometry.allocate import geometry_widths, read_profile
-from study.plan.budget import Matched, flops_per_token, match, target_width
+from study.plan.budget import Matched, flops_per_token, match, target_width, with_widths
 
 
 def allocated(cfg: RunConfig, profile: dict, budget: int) -> tuple[list[float], Matched]:
@@ -22,7 +22,7 @@ def allocated(cfg: RunConfig, profile: dict, budget: int) -> tuple[list[float], 
     allocate` alike)."""
     widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
                              reverse=cfg.model.ffn.schedule.reverse)
-    return widths, match(replace(cfg.model, ffn=replace(cfg.model.ffn, widths=widths)), budget, cfg.budget)
+    return widths, match(with_widths(cfg.model, widths), budget, cfg.budget)
 
 
 def complete_spec(spec: RunSpec) -> RunSpec:

@@ -1,33 +1,14 @@
 """Memory per rank of one training step, estimated from the config alone (no torch), and the checks built on it.
 
-What is modelled is the step study.train runs (study.train.step, study.train.parallelize, study.models), tensor by
-tensor, in eager mode:
-
-- parameters: fp32, sharded by FSDP2 over the run's shard group (every rank for `full`, the node's ranks for
-  `hybrid`; each tensor padded to a multiple of the group on its first dimension), whole on one rank. Under FSDP2 a
-  block's compute copy (bf16 under mixed precision, else fp32) exists only around its forward and backward: the
-  running block's, the next one's all-gather (backward prefetch) and its gradient's reduce-scatter input; the root's
-  (embedding, final norm, LM head) stays gathered from the forward to the end of the backward. One process on CUDA
-  autocasts: a bf16 copy of every matrix is cached in the forward and kept for the backward.
-- gradients: fp32, as sharded as the parameters; with several micro-batches per step every micro-batch
-  reduce-scatters its gradients into the sharded ones (study.train.step), so between micro-batches a rank holds its
-  shard of every gradient (under HSDP the partial sums awaiting the last micro-batch's all-reduce, as sharded), and
-  during a micro-batch's backward also the root's whole gradients, reduced at its end.
-- optimizer: AdamW's two fp32 states per sharded parameter, and its step counter per tensor.
-- activations: what autograd keeps of one micro-batch, tensor by tensor: RMSNorm's input (in fp32), reciprocal rms
-  and normalised input, every linear's input, the rotated queries and keys, values, SDPA's output and log-sum-exp,
-  the SwiGLU hidden tensors of each FFN or of each of an hourglass FFN's K sub-MLPs, and the fp32 log-softmax of the
-  logits; with activation checkpointing each block keeps only its input, and one block's set is recomputed at a
-  time.
-- the peak: the largest of the step's phases: the backward's start (every activation, plus the two fp32 logit-sized
-  gradients of the loss), each block's backward (gradients of the blocks above, activations below, the block's own
-  transient tensors) and the end of the backward (every gradient, the root's reduce-scatter).
-
-tests/test_memory.py measures one real step (torch's MemTracker, FSDPMemTracker on a fake process group) for every
-distinct block and FFN at tiny sizes and holds the estimate within 10 % of the tracked peak. What is not modelled: the
-CUDA caching allocator's rounding and fragmentation, the CUDA context and NCCL buffers (the headroom of
-`train.micro_batch: auto` is for those), and what torch.compile saves less than eager mode (so on CUDA, where runs
-compile by default, the estimate errs high).
+The step study.train runs is modelled tensor by tensor, in eager mode: fp32 parameters, gradients and AdamW's two
+states, sharded by FSDP2 over the run's shard group (each tensor padded on its first dimension) or whole on one rank;
+the compute copies FSDP2 gathers around each block (the root's stay gathered through the backward) or CUDA autocast
+caches on one rank; the gradient shards an accumulated step holds between micro-batches; and what autograd keeps of
+one micro-batch (only each block's input under activation checkpointing). The peak is the largest of the backward's
+phases: its start, each block's backward and its end. tests/test_memory.py holds the estimate within 10 % of torch's
+tracked peak for every block and FFN at tiny sizes. Not modelled: the CUDA allocator's rounding and fragmentation,
+the CUDA context and NCCL buffers (`HEADROOM` is for those), and what torch.compile saves (on CUDA the estimate errs
+high).
 """
 
 from __future__ import annotations
@@ -44,8 +25,7 @@ from study.errors import StudyError
 
 GIB = 2**30
 HEADROOM = 0.10
-"""Share of the device's memory `train.micro_batch: auto` leaves free: the allocator's rounding and fragmentation,
-the CUDA context and the communication buffers that the estimate does not count."""
+"""Share of the device's memory `train.micro_batch: auto` leaves free for what the estimate does not count."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +59,7 @@ class Layout:
 
 def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int | None = None,
                    cuda: bool | None = None) -> Layout:
-    """The layout a run trains at: its cluster's (or `world` ranks on one node, as `study train --nproc` runs), on
-    GPUs when its cluster has them or its device says cuda (or `cuda`, as the job will find it)."""
+    """The layout a run trains at: its cluster's, or `world` ranks on one node (`study train --nproc`)."""
     c, t = cfg.cluster, cfg.train
     nodes = c.nodes if world is None else 1
     world = c.ranks if world is None else world
@@ -88,8 +67,13 @@ def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int
         cuda = t.device == "cuda" or (t.device == "auto" and c.gpus_per_node > 0)
     # as study.train.parallelize decides: bf16 when asked or auto on CUDA; it computes so on CUDA or under FSDP
     bf16 = (t.precision == "bf16" or (t.precision == "auto" and cuda)) and (world > 1 or cuda)
-    sharding = ("hybrid" if nodes > 1 else "full") if t.sharding == "auto" else t.sharding
-    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, sharding, t.activation_checkpointing)
+    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, _sharding(t.sharding, nodes),
+                  t.activation_checkpointing)
+
+
+def _sharding(setting: str, nodes: int) -> str:
+    """`train.sharding` resolved as study.train.parallelize.sharding resolves `auto`."""
+    return ("hybrid" if nodes > 1 else "full") if setting == "auto" else setting
 
 
 @dataclass(frozen=True)
@@ -99,13 +83,13 @@ class Memory:
     params: int
     """Parameters and buffers: the fp32 shards, and the compute copies gathered at the peak."""
     grads: int
-    """Gradients held at the peak: the sharded fp32 ones (between the micro-batches of an accumulated step too)."""
+    """Gradients held at the peak: the sharded fp32 ones."""
     optimizer: int
     """AdamW's states."""
     activations: int
     """What one micro-batch's forward keeps for the backward."""
     peak: int
-    """The largest total of the step (not the sum of the parts: they peak at different moments)."""
+    """The largest total of the step (the parts peak at different moments, so not their sum)."""
     device: int | None
     """The device's memory (a CPU rank: its share of the host's); None when the cluster does not say."""
     layout: Layout
@@ -143,24 +127,23 @@ def _block_tensors(m: ModelConfig, layer: int) -> list[tuple[int, int]]:
     out = [(q, q * d), (kv, kv * d), (kv, kv * d), (d, d * q), (d, d)]  # attention and its sublayer's norm
     if m.has_qk_norm:
         out += [(q, q), (kv, kv)]
-    hourglass = m.ffn.kind == "hourglass"
-    for w in (m.sub_widths(layer) if hourglass else [m.ffn.widths[layer]]):
+    for w in _hidden(m, layer):
         out += [(w, w * d), (w, w * d), (d, d * w)]
-        if hourglass and m.ffn.sub_norm:
+        if m.ffn.kind == "hourglass" and m.ffn.sub_norm:
             out.append((d, d))
     if not m.hourglass_on_stream:
         out.append((d, d))  # the FFN sublayer's norm
     return out
 
 
+def _hidden(m: ModelConfig, layer: int) -> list[int]:
+    """Hidden widths of block `layer`'s FFN: one per hourglass sub-MLP, else the SwiGLU's one."""
+    return m.sub_widths(layer) if m.ffn.kind == "hourglass" else [m.ffn.widths[layer]]
+
+
 def _sharded(tensors: list[tuple[int, int]], shard: int) -> int:
     """Elements one rank holds of `tensors` split over `shard` ranks on their first dimension (padded to it)."""
     return sum(math.ceil(rows / shard) * (n // rows) for rows, n in tensors)
-
-
-def _padded(tensors: list[tuple[int, int]], shard: int) -> int:
-    """Elements of `tensors` gathered whole (with the padding of their shards)."""
-    return _sharded(tensors, shard) * shard
 
 
 def parameter_count(m: ModelConfig) -> int:
@@ -172,16 +155,15 @@ def parameter_count(m: ModelConfig) -> int:
 
 
 def _norm(tokens: int, width: int, c: int, output_saved: bool, fused: bool) -> int:
-    """Bytes an RMSNorm keeps: on CUDA (torch's fused kernel) its input and the reciprocal rms; elsewhere (torch's
-    composite rms_norm) its input upcast to fp32 (the input itself in fp32), the reciprocal rms and the fp32
-    normalised input the gain multiplies. And its output, when a linear consumes it."""
+    """Bytes an RMSNorm keeps: its input and reciprocal rms (CUDA's fused kernel; elsewhere the input in fp32 and the
+    fp32 normalised input too), and its output when a linear consumes it."""
     kept = c * width + 4 if fused else 4 * width + 4 + 4 * width
     return tokens * (kept + (c * width if output_saved else 0))
 
 
 def block_activations(m: ModelConfig, layer: int, batch: int, seq: int, c: int, cuda: bool = False) -> int:
-    """Bytes block `layer` keeps for the backward from a micro-batch of `batch` x `seq` tokens computing in `c`
-    bytes, on CUDA or not (the input stream counted by whoever keeps it)."""
+    """Bytes block `layer` keeps for the backward from `batch` x `seq` tokens computing in `c` bytes (its input
+    stream counted by whoever keeps it)."""
     tokens, d, hd = batch * seq, m.d_model, m.dim_head
 
     def norm(width: int, output_saved: bool) -> int:
@@ -198,14 +180,12 @@ def block_activations(m: ModelConfig, layer: int, batch: int, seq: int, c: int, 
         out += 4 * seq * hd * c  # the fp32 RoPE tables cast to the compute dtype, for q and k
     if post:
         out += norm(d, False)  # on the attention's output
-    hourglass = m.ffn.kind == "hourglass"
-    widths = m.sub_widths(layer) if hourglass else [m.ffn.widths[layer]]
-    sub_norm = hourglass and m.ffn.sub_norm
+    sub_norm = m.ffn.kind == "hourglass" and m.ffn.sub_norm
     if post:
         out += 0 if sub_norm else c * tokens * d  # the stream, kept by the first linears
     elif not m.hourglass_on_stream:
         out += norm(d, not sub_norm)  # the block's pre-norm (its output feeds the sub-norm, if any)
-    for i, w in enumerate(widths):
+    for i, w in enumerate(_hidden(m, layer)):
         if sub_norm:
             out += norm(d, True)
         elif i > 0:
@@ -229,16 +209,16 @@ def head_activations(m: ModelConfig, batch: int, seq: int, c: int, z_loss: bool,
 
 def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False, device: int | None = None
              ) -> Memory:
-    """The memory per rank of one training step of model `m` (every width set) at `layout`, in its steady state
-    (the optimizer's states exist)."""
+    """The memory per rank of one steady-state training step of model `m` (every width set) at `layout`."""
     s, c, fsdp = layout.shard, 2 if layout.bf16 else 4, layout.world > 1
     tokens, d, v = layout.micro_batch * seq_len, m.d_model, m.vocab_size
     root = _root_tensors(m)
     blocks = [_block_tensors(m, l) for l in range(m.n_layers)]
     root_shard, block_shards = _sharded(root, s), [_sharded(blk, s) for blk in blocks]
-    root_whole, block_whole = _padded(root, s), [_padded(blk, s) for blk in blocks]
-    params = 4 * (root_shard + sum(block_shards)) + 2 * 4 * m.max_seq_len * m.dim_head  # and the RoPE tables
-    optimizer = 2 * 4 * (root_shard + sum(block_shards)) + 4 * (len(root) + sum(map(len, blocks)))
+    root_whole, block_whole = root_shard * s, [n * s for n in block_shards]  # gathered whole, with the padding
+    sharded_grads = 4 * (root_shard + sum(block_shards))  # fp32, as the parameters
+    params = sharded_grads + 2 * 4 * m.max_seq_len * m.dim_head  # and the RoPE tables
+    optimizer = 2 * sharded_grads + 4 * (len(root) + sum(map(len, blocks)))
     if fsdp:  # the root's compute copy stays gathered from its forward to the end of the backward
         gathered = c * root_whole
     elif layout.bf16:  # autocast's cached bf16 copy of every matrix a linear reads (the LM head's, tied or not)
@@ -247,7 +227,7 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
         gathered = 0
     # an accumulated step holds every gradient between its micro-batches: each micro-batch reduce-scatters its own
     # into the sharded fp32 ones (one rank: the whole ones autograd accumulates into)
-    held = 4 * (root_shard + sum(block_shards)) if layout.grad_accum > 1 else 0
+    held = sharded_grads if layout.grad_accum > 1 else 0
 
     stream = c * tokens * d
     own = [block_activations(m, l, layout.micro_batch, seq_len, c, layout.cuda) for l in range(m.n_layers)]
@@ -265,15 +245,13 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
     below = 8 * tokens + sum(kept)
     for l in reversed(range(m.n_layers)):
         below -= kept[l]
-        widest = max(m.sub_widths(l) if m.ffn.kind == "hourglass" else [m.ffn.widths[l]])
-        transient = own[l] + 2 * stream + 2 * c * tokens * max(widest, d)
+        transient = own[l] + 2 * stream + 2 * c * tokens * max(*_hidden(m, l), d)
         if fsdp:
             transient += (2 * c + 4) * block_whole[l]
         phases.append((accumulating if held else grads) + below + transient)
         grads += 4 * (block_shards[l] if fsdp else sum(n for _, n in blocks[l]))
     # the backward's end: every gradient and the embedding's (accumulated into a held or tied one: a second copy);
     # under FSDP2 the root's whole gradients, their reduce-scatter input and output (the held shards beside it)
-    sharded_grads = 4 * (root_shard + sum(block_shards))
     if fsdp:
         end = (c + 4) * root_whole + 4 * root_shard + (sharded_grads if held else 4 * sum(block_shards))
     else:
@@ -314,16 +292,14 @@ def device_memory(cfg: RunConfig, layout: Layout) -> int | None:
 
 
 def estimable(m: ModelConfig, budget: int, mode: str) -> ModelConfig:
-    """`m`, or for a geometry-scheduled model whose widths wait for its profile, the FFN total that its budget
-    leaves spread evenly over the layers: activations follow the total width, which the allocation keeps."""
+    """`m`, or for a geometry-scheduled model awaiting its profile, its budget's FFN total spread evenly over the
+    layers (activations follow the total width, which the allocation keeps)."""
     if m.ffn.widths is not None:
         return m
-    from study.plan.budget import count_params
+    from study.plan.budget import ffn_units, with_widths
 
-    rest = count_params(replace(m, ffn=replace(m.ffn, widths=[0] * m.n_layers)), mode).counted
-    total = max(m.n_layers * m.ffn.k, round((budget - rest) / (3 * m.d_model)))
-    widths = [total // m.n_layers + (l < total % m.n_layers) for l in range(m.n_layers)]
-    return replace(m, ffn=replace(m.ffn, widths=widths))
+    total = max(m.n_layers * m.ffn.k, ffn_units(m, budget, mode)[1])
+    return with_widths(m, [total // m.n_layers + (l < total % m.n_layers) for l in range(m.n_layers)])
 
 
 def _model(spec: RunSpec) -> ModelConfig:
@@ -332,8 +308,7 @@ def _model(spec: RunSpec) -> ModelConfig:
 
 
 def run_memory(spec: RunSpec, layout: Layout | None = None, device: int | None = None) -> Memory:
-    """The spec's memory per rank at `layout` (default: the planned one) on a device of `device` bytes (default: its
-    cluster's)."""
+    """The spec's memory per rank at `layout` on a device of `device` bytes (defaults: the planned ones)."""
     cfg, r = spec.config, spec.planned
     layout = layout or planned_layout(cfg, r.micro_batch, r.grad_accum)
     device = device if device is not None else device_memory(cfg, layout)
@@ -349,8 +324,8 @@ def memories(plan) -> dict[str, Memory]:
 
 
 def largest_fit(spec_model: ModelConfig, cfg: RunConfig, layout: Layout, limit: float) -> Layout | None:
-    """`layout` at the largest micro batch dividing its rank's share of the step (micro batch x accumulation) whose
-    estimated peak is at most `limit` bytes; None when not even one sequence at a time is."""
+    """`layout` at the largest micro batch dividing its rank's share of the step whose estimated peak is at most
+    `limit` bytes; None when not even one sequence at a time is."""
     share = layout.micro_batch * layout.grad_accum
     for micro in (m for m in range(share, 0, -1) if share % m == 0):
         at = replace(layout, micro_batch=micro, grad_accum=share // micro)
@@ -360,9 +335,8 @@ def largest_fit(spec_model: ModelConfig, cfg: RunConfig, layout: Layout, limit: 
 
 
 def fit_micro_batch(cfg: RunConfig, model: ModelConfig, global_batch: int) -> tuple[int, int]:
-    """(micro batch, accumulation steps) of `train.micro_batch: auto`: the largest micro batch dividing each rank's
-    share of the global batch whose estimated peak leaves `HEADROOM` of the device free (1 when none does: the
-    launch then refuses the run, naming what would fit)."""
+    """(micro batch, accumulation steps) of `train.micro_batch: auto`: the largest fit leaving `HEADROOM` free (1
+    when none does: the launch then refuses the run, naming what would fit)."""
     share = global_batch // cfg.cluster.ranks
     layout = planned_layout(cfg, share, 1)
     device = device_memory(cfg, layout)
@@ -403,15 +377,13 @@ def _more_nodes(spec: RunSpec, layout: Layout, factor: int) -> Layout | None:
     if r.global_batch % world:
         return None
     micro, accum = batch_layout(r.global_batch, spec.config.train.micro_batch, world)
-    sharding = spec.config.train.sharding
     return replace(layout, world=world, nodes=nodes, micro_batch=micro, grad_accum=accum,
-                   sharding=("hybrid" if nodes > 1 else "full") if sharding == "auto" else sharding)
+                   sharding=_sharding(spec.config.train.sharding, nodes))
 
 
 def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:
-    """The settings that would make every run of `unfit` fit its device, each with the largest peak it leaves:
-    `train.micro_batch=auto` (the same global batch and keys), activation checkpointing, more nodes (`nodes`: where
-    a job can have more), and the first two together when neither fits alone."""
+    """The settings that would make every run of `unfit` fit, each with the largest peak it leaves: micro-batch auto,
+    activation checkpointing, more nodes (where `nodes` allows), or the first two together when neither suffices."""
     def fits_all(change) -> list[Memory] | None:
         out = []
         for spec, mem in unfit:
@@ -448,9 +420,8 @@ def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:
 
 
 def check_fits(runs: list[tuple[RunSpec, Memory]], where: str, nodes: bool, outcome: str) -> None:
-    """StudyError naming every run whose estimated peak exceeds its device's memory, the estimate, the memory and
-    the settings that would fit (`where` says whose memory it is, `outcome` what was therefore not done; `nodes`:
-    a job can have more nodes)."""
+    """Refuse (naming the estimate, `where` the memory is and what would fit) every run that does not fit its device;
+    `outcome` says what was therefore not done, `nodes` whether a job can have more nodes."""
     unfit = [(spec, mem) for spec, mem in runs if mem.fits is False]
     if not unfit:
         return
@@ -494,15 +465,13 @@ def check_launch(runs: list[RunSpec]) -> None:
 
 
 def check_here(spec: RunSpec, world: int) -> None:
-    """`study train`'s refusal before it allocates anything: the run at `world` ranks on this machine, its device
-    the one the job will take (a CUDA device's own memory, else this machine's share per rank)."""
+    """`study train`'s refusal before it allocates anything: the run at `world` ranks on this machine's device."""
     import torch
 
     from study.train.distributed import Dist
     from study.train.loop import layout as split
 
-    device = spec.config.train.device
-    cuda = torch.cuda.is_available() and device != "cpu"
+    cuda = torch.cuda.is_available() and spec.config.train.device != "cpu"
     micro, accum = split(spec, Dist(0, world, 0, "cuda" if cuda else "cpu"))
     layout = planned_layout(spec.config, micro, accum, world=world, cuda=cuda)
     if cuda:
