@@ -1,4 +1,4 @@
-"""Experiment files (`sweeps/experiment/*.yaml`): which variants, scales and seeds a study runs, and its stages."""
+"""Experiment files (`sweeps/experiment/*.yaml`): which variants, scales and seeds a study runs, and how."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ class Variant:
     settings: dict[str, Any] = field(default_factory=dict)
     """Dotted overrides on top of the preset (`model.ffn.k: 8`)."""
     per_scale: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Dotted overrides for one scale only, applied after `settings` (`at: {113M: {model.n_layers: 6}}`): a shape
-    that differs by scale, such as a width/depth ratio the variant keeps."""
+    """Dotted overrides for one scale only, after `settings` (`at: {113M: {model.n_layers: 6}}`)."""
 
 
 PUBLISHED_METRICS = ("val/loss", "val/ppl")
@@ -71,26 +70,21 @@ class Experiment:
     common: dict[str, Any] = field(default_factory=dict)
     """Overrides applied to every run."""
     per_scale: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Dotted overrides for every variant at one scale (top-level `at: {906M: {train.lr: 2.5e-4}}`), after `common`
-    and before the variants' own: a recipe that differs by scale, such as a release's per-size LR and length."""
+    """Dotted overrides for every variant at one scale (`at: {906M: {train.lr: 2.5e-4}}`), after `common`."""
     description: str = ""
     """One line for the plan's title."""
     published: Published | None = None
     """The papers' reported figures (the `published:` block); the report compares their deltas with ours."""
     tuning: Tuning | None = None
-    """The declared tuning stage (`tune:`): each variant's peak LR chosen from tune runs (study.plan.tune)."""
+    """The declared tuning (`tune:`): each variant's peak LR chosen from tune runs (study.plan.tune)."""
     decision: DecisionRule = field(default_factory=DecisionRule)
-    """How the report decides (the `decision:` block, checked once here): primary metric, equivalence margin,
-    alpha, power, prior sd of paired deltas for planning. Every reader (report, power, adaptive launch) uses it."""
+    """How the report, power and adaptive launch decide (the `decision:` block, checked once here)."""
     compares: tuple[str, ...] = ()
-    """Shared fields the arms differ in on purpose (`compares: [train.lr]`): a variant may set them, and the report
-    says the arms differ in them (study.plan.fairness). Empty: the arms differ in their model only."""
+    """Shared fields the arms differ in on purpose (`compares: [train.lr]`, study.plan.fairness); else only models."""
     branches: Branches | None = None
-    """Decay branches (`branches:`): each run is a stable-LR trunk and one decay branch per point
-    (study.plan.branches); None trains each run straight."""
+    """Decay branches (`branches:`, study.plan.branches); None trains each run straight."""
     racing: Racing | None = None
-    """Racing (`racing:`): an arm decided worse (or equivalent, where declared) at a branch point stops training
-    (analysis.racing); None (the default) trains every arm to its end."""
+    """Racing (`racing:`, analysis.racing); None (the default) trains every arm to its end."""
 
 
 _PUBLISHED_KEYS = ("metric", "values", "source")
@@ -250,7 +244,7 @@ class ExperimentFile:
     decision: dict[str, Any] | None = None
     """How the report decides (`DecisionRule.from_mapping`)."""
     tune: dict[str, Any] | None = None
-    """The tuning stage (`parse_tuning`)."""
+    """The tuning (`parse_tuning`)."""
     compares: list[str] | None = None
     """Shared fields the arms differ in on purpose (`check_compares`)."""
     branches: dict[str, Any] | None = None

@@ -1,16 +1,10 @@
 """The paired t test, its TOST and Holm's step-down: the one implementation every verdict of study is reached with.
 
-The report's decisions (:func:`analysis.decide.decide`), the race's rungs (through it) and the plan's simulation of
-many races (:func:`study.plan.racing.race_arrays`, which prices racing in ``study plan``) all test here, so a rung the
-plan prices is decided as the launch decides it. Everything works along the last axis of arrays of any shape: a plan
-decides thousands of simulated families at once.
-
-The t distribution is scipy's: :func:`scipy.special.stdtr`, the function ``scipy.stats.ttest_1samp`` and
-``scipy.stats.t.sf`` evaluate, imported where a test is made (scipy.stats takes about a second to import, and a plan
-does not wait for it). Holm and TOST are a few lines on it rather than statsmodels' ``multipletests`` and
-``ttost_paired``: those take one family at a time, and ``multipletests``' Holm runs a full garbage collection on every
-call (tens of milliseconds each), which a simulation of 2,000 races at three rungs cannot pay. tests/test_decide.py
-checks all three against scipy and statsmodels.
+The report's decisions (:func:`analysis.decide.decide`), the race's rungs and the plan's simulation of many races
+(:func:`study.plan.racing.race_arrays`) all test here, along the last axis of arrays of any shape. The t distribution
+is :func:`scipy.special.stdtr` (scipy.stats takes a second to import); Holm and TOST are a few lines on it because
+statsmodels' take one family at a time and its Holm collects garbage on every call, which a simulation of thousands
+of races cannot pay. tests/test_decide.py checks all three against scipy and statsmodels.
 """
 
 from __future__ import annotations
@@ -40,8 +34,7 @@ class PairedT:
     """Two-sided p of t = mean / se on n - 1 degrees of freedom (scipy.stats.ttest_1samp's)."""
 
     def tost(self, margin: float) -> np.ndarray:
-        """TOST p for |delta| < ``margin``: the larger of the one-sided p of mean > -margin and of mean < margin
-        (statsmodels' ttost_paired)."""
+        """TOST p for |delta| < ``margin``: the larger one-sided p (statsmodels' ttost_paired)."""
         from scipy.special import stdtr
 
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -66,8 +59,8 @@ def paired_t(deltas: np.ndarray) -> PairedT:
 
 
 def holm(p: np.ndarray, tested: np.ndarray | None = None) -> np.ndarray:
-    """Holm-adjusted p along the last axis (statsmodels' ``multipletests(p, method="holm")``), over the entries
-    ``tested`` marks only: the others are neither corrected for nor adjusted (inf)."""
+    """Holm-adjusted p along the last axis (statsmodels' ``multipletests(p, method="holm")``) over the entries
+    ``tested`` marks; the others are inf."""
     p = np.asarray(p, float)
     tested = np.ones(p.shape, bool) if tested is None else np.broadcast_to(tested, p.shape)
     p = np.where(tested, p, np.inf)

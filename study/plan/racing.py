@@ -1,11 +1,8 @@
 """Racing as a plan sees it: the `racing:` block, the rungs and the alpha each spends, what a branched run costs by
-part, and the simulation of many races that prices what racing would save (:func:`expected_saving`, which ``study
-plan`` prints).
+part, and the simulation of many races that prices racing in ``study plan`` (:func:`expected_saving`).
 
-Numpy only at import, no MLflow, pandas or scipy.stats: ``study plan`` imports it. A race is decided with the paired
-t test and Holm of :mod:`study.plan.paired_t`, as the report decides (scipy.special, imported when a race is
-simulated). How a rung is decided on a study's endpoints, the error-rate argument, the stops and their record are in
-:mod:`analysis.racing`, which builds on these functions.
+Numpy only at import (``study plan`` imports it); a race is decided with :mod:`study.plan.paired_t`, as the report
+decides. How a rung is decided on a study's endpoints, and the stops, are in :mod:`analysis.racing`.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ class Racing:
 
 
 def parse_racing(raw: Any, where: str, branches: Branches | None) -> Racing | None:
-    """`racing: false` (the default: train everything), `racing: true`, or `racing: {stop_equivalent: true}`; racing
-    reads the branch points, so it needs a branches block."""
+    """`racing: false` (the default), `true` or `{stop_equivalent: true}`; it races at the branch points."""
     if raw is None or raw is False:
         return None
     if raw is True:
@@ -54,18 +50,14 @@ def parse_racing(raw: Any, where: str, branches: Branches | None) -> Racing | No
 
 
 RHO = 3.0
-"""Default shape of the alpha spending (alpha * t ** rho): at rungs [0.25, 0.5, 1.0] it spends 1.6 %, 10.9 % and
-87.5 % of alpha. Linear spending (rho = 1: 25 %, 25 %, 50 %) cost 8-11 points of power against the fixed design in
-the racing benchmark; rho = 3 costs 2-4 and still stops an arm worse by twice the margin at the first or second
-rung (benchmarks/RESULTS.md)."""
+"""Shape of the alpha spending (alpha * t ** rho): linear spending cost 8-11 points of power against the fixed design
+in the racing benchmark, rho = 3 costs 2-4 and still stops an arm worse by twice the margin early."""
 
 RUNG_CORRELATION = 0.7
-"""Correlation of one seed's noise between two rungs of a run (they share the trunk) assumed by
-:func:`expected_saving`."""
+"""Correlation of one seed's noise between two rungs of a run (one trunk), as :func:`expected_saving` assumes."""
 
 VERDICT_CODES = VERDICTS
-"""Verdict of code i in :func:`race_arrays`; -1 is an arm no longer racing. A rung is decided on at least
-:data:`~study.plan.paired_t.MIN_PAIRS` seed pairs, so a scale with one seed never stops an arm."""
+"""Verdict of code i in :func:`race_arrays`; -1 is an arm no longer racing."""
 
 NOT_RACING = -1
 
@@ -79,7 +71,7 @@ class Rung:
     at: float
     """Branch length as a fraction of the run's planned tokens (``branches.at``)."""
     information: float
-    """at / the largest rung's at: the information fraction the spending is linear or power in."""
+    """at / the largest rung's at: the information fraction the spending is a power of."""
     alpha: float
     """Alpha this rung's verdicts are reached at."""
     alpha_spent: float
@@ -92,11 +84,8 @@ class Rung:
 
 
 def rungs(at: Sequence[float], alpha: float, rho: float = RHO) -> tuple[Rung, ...]:
-    """Every planned rung with its alpha: alpha * (t_r ** rho - t_{r-1} ** rho), t_r = at_r / max(at).
-
-    The alphas sum to ``alpha`` (up to rounding) whatever the points, so a union bound over the rungs keeps the
-    family-wise error at or below ``alpha``.
-    """
+    """Every planned rung with its alpha, alpha * (t_r ** rho - t_{r-1} ** rho) for t_r = at_r / max(at): they sum to
+    ``alpha``, so a union bound over the rungs keeps the family-wise error at or below it."""
     points = sorted(float(a) for a in at)
     if not points or points[0] <= 0 or len(set(points)) != len(points):
         raise StudyError("branches.at", f"{list(at)!r} are not distinct positive branch points",
@@ -137,10 +126,8 @@ class RunCost:
 
 
 def branched_cost(at: Sequence[float], decay: float) -> RunCost:
-    """A run's parts in units of its planned length (a run of T steps costs T), ignoring the rounding to steps.
-
-    A branch of length a starts at a * (1 - decay) and trains a * decay; the trunk stops at the last start.
-    """
+    """A run's parts in units of its planned length: a branch of length a starts at a * (1 - decay) and trains
+    a * decay; the trunk stops at the last start."""
     points = sorted(float(a) for a in at)
     starts = [a * (1 - decay) for a in points]
     return RunCost(tuple(s - before for s, before in zip(starts, [0.0, *starts[:-1]])),
@@ -154,7 +141,7 @@ def separate_cost(at: Sequence[float]) -> float:
 
 def saved_by_stop(cost: RunCost, rung: int) -> float:
     """What a run stopped at ``rung`` does not train: every later branch, and the trunk after that rung's start less
-    the stretch it trained while that rung's branch decayed (about the branch's own hours)."""
+    what it trained while that branch decayed."""
     trunk_left = sum(cost.trunk[rung + 1:])
     return max(0.0, trunk_left - cost.branches[rung]) + sum(cost.branches[rung + 1:])
 
@@ -171,32 +158,27 @@ class RaceArrays:
 
 def race_arrays(deltas: np.ndarray, alphas: Sequence[float], margin: float | None,
                 stop_equivalent: bool = False) -> RaceArrays:
-    """The race of :func:`analysis.racing.race` on arrays of paired deltas of a lower-is-better metric, for simulation.
-
-    ``deltas`` is [sims, arms, rungs, seeds] (variant - baseline; positive is worse), one scale; ``alphas`` each
-    rung's alpha (:func:`rungs`). Each rung decides what :func:`analysis.decide.decide` does on those deltas, with the
-    same tests (:mod:`study.plan.paired_t`: paired t and TOST, Holm over the arms still racing) and the same order of
-    verdicts (better or worse when the t test rejects, else equivalent when TOST does); tests/test_racing.py runs both
-    races on the same deltas.
-    """
+    """The race of :func:`analysis.racing.race` on arrays, for simulation: ``deltas`` [sims, arms, rungs, seeds] of a
+    lower-is-better metric (variant - baseline), ``alphas`` each rung's. Each rung decides as
+    :func:`analysis.decide.decide` does (tests/test_racing.py runs both races on the same deltas)."""
     sims, arms, n_rungs, _ = deltas.shape
     racing = np.ones((sims, arms), bool)
     verdicts = np.full((sims, arms, n_rungs), NOT_RACING, np.int8)
     stop_rung = np.full((sims, arms), n_rungs, np.int64)
+    code = {v: i for i, v in enumerate(VERDICT_CODES)}
     for r in range(n_rungs):
         test = paired_t(deltas[:, :, r, :])
-        verdict = np.full((sims, arms), VERDICT_CODES.index("undecided"), np.int8)
+        verdict = np.full((sims, arms), code["undecided"], np.int8)
         if margin is not None:
-            verdict[holm(test.tost(margin), racing) < alphas[r]] = VERDICT_CODES.index("equivalent")
+            verdict[holm(test.tost(margin), racing) < alphas[r]] = code["equivalent"]
         rejected = holm(test.p, racing) < alphas[r]
-        verdict[rejected] = np.where(test.mean[rejected] > 0, VERDICT_CODES.index("worse"),
-                                     VERDICT_CODES.index("better"))
+        verdict[rejected] = np.where(test.mean[rejected] > 0, code["worse"], code["better"])
         verdict[~racing] = NOT_RACING
         verdicts[:, :, r] = verdict
         if r < n_rungs - 1:
-            stop = (verdict == VERDICT_CODES.index("worse"))
+            stop = verdict == code["worse"]
             if stop_equivalent:
-                stop |= verdict == VERDICT_CODES.index("equivalent")
+                stop |= verdict == code["equivalent"]
             stop_rung[stop] = r
             racing &= ~stop
     return RaceArrays(verdicts, stop_rung)
@@ -204,12 +186,8 @@ def race_arrays(deltas: np.ndarray, alphas: Sequence[float], margin: float | Non
 
 def correlated_deltas(rng: np.random.Generator, sims: int, arms: int, seeds: int, effects: np.ndarray,
                       sd: float, rung_correlation: float = RUNG_CORRELATION) -> np.ndarray:
-    """[sims, arms, rungs, seeds] paired deltas: ``effects`` [arms, rungs] plus seed noise.
-
-    Each (variant or baseline, seed) run draws its noise once per run, shared by its rungs with correlation
-    ``rung_correlation`` (one trunk), with sd sd / sqrt(2), so a paired delta has sd ``sd`` and two arms' deltas at
-    a seed correlate 0.5 through the shared baseline run.
-    """
+    """[sims, arms, rungs, seeds] paired deltas: ``effects`` [arms, rungs] plus each run's noise (sd sd / sqrt(2),
+    ``rung_correlation`` between its rungs), so a delta has sd ``sd`` and two arms' correlate 0.5 at a seed."""
     n_rungs = effects.shape[1]
     run_sd = sd / math.sqrt(2)
     shared = rng.standard_normal((sims, arms + 1, 1, seeds))
@@ -225,28 +203,14 @@ def effect_profile(effect: float, information: Sequence[float], growth: float = 
     return effect * (np.where(t < 1.0, 0.0, 1.0) if math.isinf(growth) else t ** growth)
 
 
-def expected_saving(
-    at: Sequence[float],
-    decay: float,
-    arms: int,
-    seeds: int,
-    sd: float,
-    alpha: float = 0.05,
-    margin: float | None = None,
-    effect: float | Sequence[float] | None = None,
-    growth: float = 0.0,
-    stop_equivalent: bool = False,
-    rho: float = RHO,
-    sims: int = 2000,
-) -> float:
+def expected_saving(at: Sequence[float], decay: float, arms: int, seeds: int, sd: float, alpha: float = 0.05,
+                    margin: float | None = None, effect: float | Sequence[float] | None = None, growth: float = 0.0,
+                    stop_equivalent: bool = False, rho: float = RHO, sims: int = 2000) -> float:
     """Expected share of a branched experiment's GPU-hours that racing does not train, by a small simulation.
 
-    Assumes one scale's race (every scale races alike), ``arms`` variants besides the baseline, ``seeds`` pairs at
-    every rung, paired deltas with sd ``sd`` at every rung (:func:`correlated_deltas`: correlation
-    :data:`RUNG_CORRELATION` between one run's rungs, 0.5 between arms through the baseline) and a true delta of
-    ``effect`` at the last rung for every arm (a sequence: one per arm; None: no arm differs; positive: worse),
-    ``effect * t ** growth`` at earlier ones. The baseline's runs count in the total and are never saved.
-    Deterministic (a fixed generator seed); about 10 ms at the default 2,000 draws.
+    One scale's race of ``arms`` variants besides the baseline, ``seeds`` pairs at every rung, deltas with sd ``sd``
+    (:func:`correlated_deltas`) and a true delta of ``effect`` at the last rung (per arm, or one for all; None: no arm
+    differs; positive: worse), ``effect * t ** growth`` before. Deterministic; about 10 ms at 2,000 draws.
     """
     points = rungs(at, alpha, rho)
     info = [r.information for r in points]

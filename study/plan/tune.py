@@ -1,28 +1,14 @@
-"""The tuning stage: each variant's peak LR chosen from short runs over a grid of multiples of the recipe's LR.
+"""Tuning: each variant's peak LR chosen from short runs over a grid of multiples of the recipe's LR.
 
-An experiment declares `tune: {lr: [0.25, 0.5, 1, 2, 4], scale: 113M, seeds: [0]}`. The planner adds one tune run
-per variant x multiple x seed at the tune scale (the scale's recipe, at `multiple x` its peak LR), and holds every
-main run of the variant until its tune runs have finished. Then, per variant:
-
-- the grid's best point is the multiple with the lowest mean final validation loss over the tune seeds;
-- when it lies at an edge of the grid, the next multiple in that direction (the edge's own spacing) joins the grid,
-  up to `extend` points per direction, instead of taking the edge; past the cap the edge is taken, and said so;
-- otherwise the chosen multiple is the minimum of the quadratic in log LR through the best point and its two
-  neighbours (the best point itself when that parabola opens downward), inside their span.
-
-A tune point that diverged (its loss went non-finite) is a result, not a failure: its loss counts as the worst there
-is and the choice goes on; a grid whose every point diverged decides nothing, and the plan says to lower `tune.lr`.
-
-The choice is a result and is recorded as one, once, in `<runs>/<experiment>/_tune/<variant>.json`: the grid, every
-point's tune runs (keys) and their final losses, and the choice per tune scale. The record is used only while it
-names the tune runs the plan holds now (anything a tune run's numbers depend on changes their keys: the main runs
-then wait for the new tuning, and the plan says why), only while every tune run it names holds its result (a result
-gone: the record is not used and the main runs wait while that tune run trains again, whose result then checks the
-record), and only when its choice follows from its points and its losses are the runs' own results; a record damaged
-or edited by hand is refused, naming the file. A main run's key includes its tuning's grid and the keys of its
-declared tune runs. Other scales take the tuned multiple of the recipe's LR rule (the transfer assumption the report
-states); with two or more tune scales, log LR* is fitted linearly against log N (the scales' budgets) and read at
-each scale's budget instead.
+`tune: {lr: [0.25, 0.5, 1, 2, 4], scale: 113M, seeds: [0]}` adds one tune run per variant x multiple x seed at the
+tune scale and holds the variant's main runs until they finish. The best point is the multiple with the lowest mean
+final validation loss; at an edge of the grid the next multiple beyond it (the edge's spacing) joins, up to `extend`
+per direction, after which the edge is taken; otherwise the choice is the vertex of the parabola in log LR through
+the best point and its neighbours. A diverged point counts as the worst loss; a grid diverged everywhere decides
+nothing. The choice is recorded once, in `<runs>/<experiment>/_tune/<variant>.json`, and used only while it names the
+plan's tune runs (a main run's key includes their keys), their results are all present and equal its losses, and its
+choice follows from them; a damaged record is refused, naming the file. Other scales take the tuned multiple of the
+recipe's LR rule, or with two or more tune scales log LR* fitted linearly against log N (the budgets).
 """
 
 from __future__ import annotations
@@ -63,7 +49,8 @@ class Tuning:
 def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
     """The `tune:` block, checked: every refusal names its field and the fix."""
     if not isinstance(raw, dict):
-        raise StudyError(where, "must be a mapping", "write e.g. `tune: {lr: [0.25, 0.5, 1, 2, 4], scale: 113M, seeds: [0]}`")
+        raise StudyError(where, "must be a mapping",
+                         "write e.g. `tune: {lr: [0.25, 0.5, 1, 2, 4], scale: 113M, seeds: [0]}`")
     unknown = sorted(set(raw) - {"lr", "scale", "scales", "seeds", "extend"})
     if unknown:
         raise StudyError(f"{where}.{unknown[0]}", "is not a tuning key", "use lr, scale (or scales), seeds, extend")
@@ -74,24 +61,26 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
     if ("scale" in raw) == ("scales" in raw):
         raise StudyError(f"{where}.scale", "give one tune scale (`scale: 113M`) or a list (`scales: [113M, 256M]`)",
                          "set exactly one of scale and scales")
-    scales = [raw["scale"]] if "scale" in raw else raw["scales"]
+    listed = "scales" in raw
+    scales = raw["scales"] if listed else [raw["scale"]]
     if not isinstance(scales, list) or not scales or any(not isinstance(s, str) for s in scales) or (
-            "scales" in raw and len(set(scales)) < 2):
-        raise StudyError(f"{where}.{'scale' if 'scale' in raw else 'scales'}", f"{scales!r} names no tune scale"
-                         + (" (a list needs two or more to fit against N)" if "scales" in raw else ""),
+            listed and len(set(scales)) < 2):
+        raise StudyError(f"{where}.{'scales' if listed else 'scale'}", f"{scales!r} names no tune scale"
+                         + (" (a list needs two or more to fit against N)" if listed else ""),
                          "name scale presets of sweeps/scale/")
     for s in scales:
         try:
             scale_exists(s)
         except StudyError as err:
-            raise StudyError(f"{where}.{'scale' if 'scale' in raw else 'scales'}", err.problem, err.fix) from None
+            raise StudyError(f"{where}.{'scales' if listed else 'scale'}", err.problem, err.fix) from None
     seeds = raw.get("seeds", [0])
-    if (not isinstance(seeds, list) or not seeds
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds) or len(set(seeds)) != len(seeds)):
+    if not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds) or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise StudyError(f"{where}.seeds", f"{seeds!r} is not a list of distinct non-negative integers",
                          "e.g. seeds: [0]")
     if max(seeds) > SEED_MAX:
-        raise StudyError(f"{where}.seeds", f"{max(seeds)} is past the largest seed torch takes", "use seeds below 2**64")
+        raise StudyError(f"{where}.seeds", f"{max(seeds)} is past the largest seed torch takes",
+                         "use seeds below 2**64")
     extend = raw.get("extend", DEFAULT_EXTEND)
     if isinstance(extend, bool) or not isinstance(extend, int) or not 0 <= extend <= 8:
         raise StudyError(f"{where}.extend", f"{extend!r} is not a number of points from 0 to 8",
@@ -124,8 +113,8 @@ class Choice:
     multiple: float
     """The chosen multiple of the recipe's peak LR."""
     status: str
-    """`interior` (the grid's best point had a neighbour on each side), `extended` (it did after adding points
-    beyond an edge) or `edge` (still at an edge when the cap was reached: the edge is taken)."""
+    """`interior` (the best point had a neighbour on each side), `extended` (after adding points beyond an edge) or
+    `edge` (still at an edge when the cap was reached)."""
     best: float
     """The grid point with the lowest mean loss."""
     points: list[Point] = field(default_factory=list)
@@ -133,43 +122,50 @@ class Choice:
 
 
 def grid_with_extensions(tuning: Tuning, results: dict[float, Point]) -> tuple[list[Point], bool]:
-    """The points to train (declared and added) and whether they decide the choice: extensions are added while
-    the best finished point sits at an edge and the cap allows, one point at a time, once every point is in."""
-    points = [results.get(m) or Point(m, [None] * len(tuning.seeds)) for m in tuning.lr]
+    """The points to train (declared and added) and whether they decide the choice: once every point is in, one
+    point is added beyond an edge at a time while the best point sits there and the cap allows."""
+    def point(multiple: float) -> Point:
+        return results.get(multiple) or Point(multiple, [None] * len(tuning.seeds))
+
+    points = [point(m) for m in tuning.lr]
     added = {"low": 0, "high": 0}
     while True:
         if any(p.mean is None for p in points):
             return points, False
-        best = min(range(len(points)), key=lambda i: (points[i].mean, i))
+        best = _best(points)
         if 0 < best < len(points) - 1:
             return points, True
         side = "low" if best == 0 else "high"
         if added[side] >= tuning.extend:
             return points, True
         edge, inner = (points[0], points[1]) if side == "low" else (points[-1], points[-2])
-        nxt = _round(edge.multiple * edge.multiple / inner.multiple)
-        point = results.get(nxt) or Point(nxt, [None] * len(tuning.seeds))
-        point.extension = True
-        points = [point, *points] if side == "low" else [*points, point]
+        nxt = point(_round(edge.multiple * edge.multiple / inner.multiple))
+        nxt.extension = True
+        points = [nxt, *points] if side == "low" else [*points, nxt]
         added[side] += 1
 
 
 def choose(points: list[Point], extended: bool) -> Choice:
     """The chosen multiple from finished points (see the module docstring)."""
-    means = [p.mean for p in points]
-    best = min(range(len(points)), key=lambda i: (means[i], i))
+    best = _best(points)
+    top = points[best].multiple
     if best in (0, len(points) - 1):
-        return Choice(points[best].multiple, EDGE, points[best].multiple, points)
-    x = [math.log(points[i].multiple) for i in (best - 1, best, best + 1)]
-    y = [means[i] for i in (best - 1, best, best + 1)]
+        return Choice(top, EDGE, top, points)
+    status = EXTENDED if extended else INTERIOR
+    x = [math.log(p.multiple) for p in points[best - 1:best + 2]]
+    y = [p.mean for p in points[best - 1:best + 2]]
     if not all(map(math.isfinite, y)):  # a diverged neighbour bounds the optimum but gives no curve: the best point
-        return Choice(points[best].multiple, EXTENDED if extended else INTERIOR, points[best].multiple, points)
+        return Choice(top, status, top, points)
     # the parabola through three points: its vertex, when it opens upward
     d1, d2 = (y[1] - y[0]) / (x[1] - x[0]), (y[2] - y[1]) / (x[2] - x[1])
     curvature = (d2 - d1) / (x[2] - x[0])
     vertex = x[1] if curvature <= 0 else (x[0] + x[1]) / 2 - d1 / (2 * curvature)
-    chosen = _round(math.exp(min(max(vertex, x[0]), x[2])))
-    return Choice(chosen, EXTENDED if extended else INTERIOR, points[best].multiple, points)
+    return Choice(_round(math.exp(min(max(vertex, x[0]), x[2]))), status, top, points)
+
+
+def _best(points: list[Point]) -> int:
+    """Index of the point with the lowest mean loss (the first of equals)."""
+    return min(range(len(points)), key=lambda i: (points[i].mean, i))
 
 
 def _round(multiple: float) -> float:
@@ -179,8 +175,8 @@ def _round(multiple: float) -> float:
 
 def transfer(choices: dict[str, tuple[float, float]], budgets: dict[str, int], scale: str, rule_lr: float,
              ) -> tuple[float, str]:
-    """(peak LR, how it was found) at `scale` from the tune scales' choices {scale: (multiple, tuned LR)}: the
-    scale's own choice, the tuned multiple of the recipe's rule (one tune scale), or log LR* fitted against log N."""
+    """(peak LR, how it was found) at `scale` from the tune scales' {scale: (multiple, tuned LR)}: the tuned multiple
+    of the recipe's rule (one tune scale), or log LR* fitted against log N."""
     if len(choices) == 1:
         tuned_at, (multiple, _) = next(iter(choices.items()))
         how = "tuned" if tuned_at == scale else f"tuned at {tuned_at}, transferred as a multiple of the LR rule"
@@ -213,8 +209,7 @@ def record_path(runs_root: str, experiment: str, variant: str) -> Path:
 
 
 def confined(path: Path) -> Path:
-    """The record's path, refused when its folder or the file is a symbolic link: nothing is read or written
-    through a link out of the runs folder."""
+    """The record's path, refused when its folder or the file is a symbolic link (never read or written through one)."""
     for p in (path.parent, path):
         if p.is_symlink():
             raise StudyError(str(p), "is a symbolic link: the tuning record is kept in the experiment's own runs "
@@ -238,13 +233,9 @@ def _number(x: Any) -> bool:
 
 def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[float, int], str]],
                 result_of) -> tuple[dict[str, Choice] | None, str]:
-    """A variant's recorded choices per tune scale, checked; or (None, why it is not used).
-
-    `grid_keys[scale][(multiple, seed)]` are the keys of the declared grid's tune runs as planned now; a record that
-    names others was computed from other tune runs and is stale: not used (the caller waits for the current ones).
-    `result_of(key)` is a tune run's settled loss (inf: diverged; None: no result in its run directory); a record
-    naming a tune run with no result is not used either (its choice cannot be checked). A record whose shape,
-    values, losses or choice do not hold is refused (StudyError naming the file and the fix)."""
+    """A variant's recorded choices per tune scale, checked; or (None, why it is not used): it names other tune runs
+    than `grid_keys[scale][(multiple, seed)]` (the plan's now), or one whose `result_of(key)` (its settled loss, inf
+    when diverged) is None. A record whose shape, values, losses or choice do not hold is refused."""
     path = confined(path)
     if not path.exists():
         return None, ""
@@ -316,9 +307,8 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         if not _number(p["multiple"]) or not isinstance(p["extension"], bool):
             raise _damaged(path, f"{at}: multiple {p['multiple']!r} must be a positive finite number up to "
                                  f"{LARGEST:g}")
-        if p["seeds"] != list(tuning.seeds) or not isinstance(p["keys"], list) or not isinstance(p["losses"], list) \
-                or len(p["keys"]) != len(tuning.seeds) or len(p["losses"]) != len(tuning.seeds) \
-                or not all(isinstance(k, str) for k in p["keys"]):
+        shaped = all(isinstance(p[k], list) and len(p[k]) == len(tuning.seeds) for k in ("keys", "losses"))
+        if p["seeds"] != list(tuning.seeds) or not shaped or not all(isinstance(k, str) for k in p["keys"]):
             raise _damaged(path, f"{at} must give a key and a loss for each tune seed {list(tuning.seeds)}")
         losses = []
         for loss in p["losses"]:

@@ -8,10 +8,9 @@ With t = l / (L - 1), d_s = start x base and d_e = end x base (base: the uniform
     sigmoid    d(l) = d_e + (d_s - d_e) (s(k (1/2 - t)) - s(-k/2)) / (s(k/2) - s(-k/2)),  s the logistic
     layerwise  d(l) = beta_l d_model, q_l = alpha_l d_model / head_dim in whole KV groups (OpenELM; arXiv 2509.06518)
 
-`reverse` reflects a family about its midrange (m_l -> max m + min m - m_l); a `geometry` schedule arrives reflected
-from the allocator (the anti control: its widths above their lower bound, study.geometry.allocate.reflect_allocation,
-so the bound and the budget hold). The budget matcher (`study.plan.budget.solve_ffn`) keeps the shape and solves one
-scale factor for the FFN widths; heads stay as the family sets them.
+`reverse` reflects a family about its midrange; a `geometry` schedule arrives reflected from the allocator
+(study.geometry.allocate.reflect_allocation). The budget matcher (`study.plan.budget.solve_ffn`) keeps the shape and
+solves one scale factor for the FFN widths.
 """
 
 from __future__ import annotations
@@ -24,42 +23,38 @@ from study.errors import StudyError
 FIELD = "model.ffn.schedule"
 
 
-def cosine_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0.5) -> list[float]:
-    """Tapered Language Models (arXiv 2606.23670): d_ff(l) = d_end + (d_start - d_end) (1 + cos(pi l / (L-1))) / 2,
-    with d_start = start * base and d_end = end * base (mean 1.0 x base for the default 1.5 / 0.5)."""
+def _taper(n_layers: int, base: float, start: float, end: float, curve) -> list[float]:
+    """`curve(d_s, d_e, l, L - 1)` at every layer; one layer takes the mean of the ends."""
     if n_layers == 1:
         return [base * (start + end) / 2]
-    d_start, d_end = start * base, end * base
-    return [d_end + (d_start - d_end) * (1 + math.cos(math.pi * l / (n_layers - 1))) / 2 for l in range(n_layers)]
+    return [curve(start * base, end * base, l, n_layers - 1) for l in range(n_layers)]
+
+
+def cosine_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0.5) -> list[float]:
+    """Tapered Language Models (arXiv 2606.23670): d_e + (d_s - d_e) (1 + cos(pi t)) / 2 (mean 1.0 x base)."""
+    return _taper(n_layers, base, start, end,
+                  lambda ds, de, l, span: de + (ds - de) * (1 + math.cos(math.pi * l / span)) / 2)
 
 
 def linear_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0.5) -> list[float]:
     """TLM's linear taper: d(l) = d_s + (d_e - d_s) l / (L - 1)."""
-    if n_layers == 1:
-        return [base * (start + end) / 2]
-    d_start, d_end = start * base, end * base
-    return [d_start + (d_end - d_start) * l / (n_layers - 1) for l in range(n_layers)]
+    return _taper(n_layers, base, start, end, lambda ds, de, l, span: ds + (de - ds) * l / span)
 
 
 def sigmoid_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0.5,
                   steepness: float = 8.0) -> list[float]:
-    """TLM's sigmoid taper: a logistic step from d_s to d_e centred at mid-depth, shifted and scaled so that the first
-    layer is exactly d_s and the last exactly d_e."""
-    if n_layers == 1:
-        return [base * (start + end) / 2]
-    d_start, d_end = start * base, end * base
-
+    """TLM's sigmoid taper: a logistic step from d_s to d_e at mid-depth, scaled to meet both ends exactly."""
     def logistic(x: float) -> float:
         return 1.0 / (1.0 + math.exp(-x))
 
     low, high = logistic(-steepness / 2), logistic(steepness / 2)
-    return [d_end + (d_start - d_end) * (logistic(steepness * (0.5 - l / (n_layers - 1))) - low) / (high - low)
-            for l in range(n_layers)]
+    return _taper(n_layers, base, start, end, lambda ds, de, l, span: de + (ds - de) * (
+        logistic(steepness * (0.5 - l / span)) - low) / (high - low))
 
 
 def interpolate(points: list[float], n_layers: int) -> list[float]:
-    """Values at each layer of the piecewise-linear curve through `points`, placed evenly from the first layer to
-    the last. Two points give exactly numpy.linspace (corenet's interpolation), so OpenELM's multipliers round alike."""
+    """The piecewise-linear curve through `points`, spread evenly over the layers (two points: numpy.linspace, as
+    corenet interpolates, so OpenELM's multipliers round alike)."""
     m = len(points)
     if n_layers == 1:
         return [(points[0] + points[-1]) / 2 if m % 2 == 0 else points[m // 2]]
@@ -81,8 +76,8 @@ def reflect(values: list[float]) -> list[float]:
 
 
 def make_divisible(value: float, divisor: int) -> int:
-    """corenet's rounding (corenet/utils/math_utils.py, from TF-slim MobileNet): the nearest multiple of `divisor`,
-    half up, at least one `divisor`, and one more `divisor` when that would fall more than 10 % below `value`."""
+    """corenet's rounding (from TF-slim MobileNet): the nearest multiple of `divisor`, at least one, and one more when
+    that falls more than 10 % below `value`."""
     rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
     return rounded + divisor if rounded < 0.9 * value else rounded
 
@@ -116,10 +111,9 @@ def check_schedule(s: WidthSchedule, n_layers: int) -> None:
 
 
 def _layerwise(model: ModelConfig, base: float) -> tuple[list[float], list[int] | None]:
-    """OpenELM's layer-wise scaling (corenet GPTConfig): beta_l and alpha_l interpolated across depth and rounded to
-    two decimals as corenet does; FFN shape beta_l d_model, query heads make_divisible(alpha_l d_model, head_dim x
-    group) / head_dim (whole KV groups, KV heads = query heads / group). `isotropic_ends` keeps the first and last
-    layer at the declared model's width and heads (Frame)."""
+    """OpenELM's layer-wise scaling (corenet GPTConfig): beta_l and alpha_l interpolated across depth, rounded to two
+    decimals; FFN shape beta_l d_model, query heads make_divisible(alpha_l d_model, head_dim x group) / head_dim.
+    `isotropic_ends` keeps the first and last layer at the declared width and heads (Frame)."""
     s = model.ffn.schedule
     inner = model.n_layers - 2 if s.isotropic_ends else model.n_layers
 
@@ -139,14 +133,15 @@ def _layerwise(model: ModelConfig, base: float) -> tuple[list[float], list[int] 
         if a * model.d_model / hd < 0.5:
             raise StudyError(f"{FIELD}.alpha", f"layer {layer + (1 if s.isotropic_ends else 0)} gets "
                              f"alpha = {a:g}, {a * model.d_model / hd:.2f} heads of {hd} dimensions: zero heads",
-                             f"raise alpha so that alpha x d_model ({model.d_model}) is at least half a head ({hd / 2:g})")
+                             f"raise alpha so that alpha x d_model ({model.d_model}) is at least half a head "
+                             f"({hd / 2:g})")
         heads.append(make_divisible(a * model.d_model, hd * group) // hd)
     return shape, framed(heads, model.n_heads)
 
 
 def schedule_shape(model: ModelConfig, base: float) -> tuple[list[float] | None, list[int] | None]:
-    """(relative per-layer widths at any scale, query heads per layer or None) of the model's schedule; the widths
-    are None for `geometry` until a profile gives them."""
+    """(relative per-layer widths, query heads per layer or None) of the model's schedule; widths None for
+    `geometry` until a profile gives them."""
     s, n_layers = model.ffn.schedule, model.n_layers
     check_schedule(s, n_layers)
     if s.family == "uniform":
