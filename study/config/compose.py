@@ -61,9 +61,8 @@ AUTO = "auto"
 
 
 def micro_batch_auto(nodes: list[tuple[dict, str]]) -> list[tuple[dict, str]]:
-    """The layers with `train.micro_batch: auto` read as `train.micro_batch_auto: true`, the micro batch left at
-    the number the layers below it set: that number (and so the global batch and the run key) stays as it was, and
-    the planner picks the micro batch that fits (study.plan.memory). A number set above the `auto` replaces it."""
+    """The layers with `train.micro_batch: auto` read as `train.micro_batch_auto: true`, the number set below kept
+    (and so the global batch and run key): the planner picks the micro batch that fits. A number set above wins."""
     out = []
     for node, where in nodes:
         train = node.get("train") if isinstance(node.get("train"), dict) else {}
@@ -132,8 +131,7 @@ def clear_cache() -> None:
 
 
 def plain_yaml(path: Path) -> Any:
-    """A YAML file of the tree as plain containers (interpolations kept), cached until the file changes; a copy of
-    the cached one for the caller."""
+    """A YAML file of the tree as plain containers (interpolations kept): a copy of the one cached until it changes."""
     path = Path(path)
     return copy.deepcopy(_load_yaml_cached(path, path.stat().st_mtime_ns))
 
@@ -283,9 +281,8 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
 
 def _build(cls: type, node: dict[str, Any]):
     """The dataclass `cls` from a mapping whose every value already has its field's type (an int may stand for a
-    float); None where anything would need OmegaConf's conversions or checks (an unknown key, another type, a
-    string for an enum it is not a value of), so the caller takes OmegaConf's path. Much faster than a typed
-    merge, and never different from it: it builds only what OmegaConf would build unchanged."""
+    float), much faster than a typed merge; None where OmegaConf would convert or check anything, so the caller
+    takes OmegaConf's path and the result never differs."""
     hints = _hints(cls)
     if not isinstance(node, dict) or any(k not in hints for k in node):
         return None

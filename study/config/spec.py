@@ -82,7 +82,7 @@ class RunSpec:
     @property
     def mismatch_total(self) -> float | None:
         """(total - reference total) / reference total: what matching the non-embedding budget leaves in the
-        embeddings (a wider d_model has wider embeddings)."""
+        embeddings."""
         if self.params is None or not self.reference_total:
             return None
         return (self.params["total"] - self.reference_total) / self.reference_total
@@ -148,8 +148,8 @@ class RunSpec:
 
 
 def held_spec(spec: RunSpec) -> RunSpec | None:
-    """The spec the run's directory already holds (None when it holds none), refusing one of another run: a run
-    directory belongs to one run key for good. A spec of another schema version is named, never overwritten."""
+    """The spec the run's directory already holds (None when none), refusing another run's (a run directory belongs
+    to one run key for good) and naming one of another schema version, never overwritten."""
     path = spec.run_dir.spec
     if not path.is_file():
         return None
