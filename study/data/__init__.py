@@ -13,18 +13,6 @@ from study.data.loader import BatchStream, loader_tokens_per_s
 from study.data.shards import PreparedData, prepare_data
 from study.data.tokenizer import load_tokenizer
 
-__all__ = [
-    "BatchStream",
-    "DataConfig",
-    "PreparedData",
-    "build_docstring_corpus",
-    "cache_root",
-    "get_batch",
-    "load_tokenizer",
-    "loader_tokens_per_s",
-    "num_windows",
-    "prepare_data",
-    "val_batches",
-    "validate_data",
-    "window_ids",
-]
+__all__ = ["BatchStream", "DataConfig", "PreparedData", "build_docstring_corpus", "cache_root", "get_batch",
+           "load_tokenizer", "loader_tokens_per_s", "num_windows", "prepare_data", "val_batches", "validate_data",
+           "window_ids"]

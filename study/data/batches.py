@@ -1,11 +1,10 @@
 """Batches as pure functions of (data seed, step, rank, world size, micro batch, accumulation index).
 
-The training tokens are cut into fixed windows of seq_len + 1 tokens at stride seq_len, so every token
-is a target once per epoch. Epoch e visits the windows in the permutation that PCG64 seeded with
-(data_seed, e) draws; step s's global batch is positions [s*B, (s+1)*B) of the epochs laid end to end,
-with B = micro_batch * accum_steps * world_size. Rank r takes the r-th contiguous slice of it and
-accumulation step a the a-th micro batch of that slice. Hence paired runs (same data seed) see identical
-batches, the ranks' slices concatenate to the one-process batch, and resuming needs only the step number.
+Training tokens are cut into windows of seq_len + 1 tokens at stride seq_len; epoch e visits them in the PCG64
+permutation seeded with (data_seed, e), and step s takes positions [s*B, (s+1)*B) of the epochs laid end to end
+(B = micro_batch * accum_steps * world_size), rank r the r-th contiguous slice and accumulation step a its a-th
+micro batch. Paired runs see identical batches, ranks concatenate to the one-process batch, and a resume needs
+only the step.
 """
 
 from __future__ import annotations
@@ -69,17 +68,14 @@ def to_tensors(windows: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, to
 def get_batch(tokens: np.ndarray, seq_len: int, data_seed: int, step: int, micro_batch: int, accum_steps: int = 1,
               accum_index: int = 0, rank: int = 0, world_size: int = 1,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training micro batch (x, y), each [micro_batch, seq_len]; a pure function of its arguments (`pin`: in pinned
-    host memory)."""
+    """Training micro batch (x, y), each [micro_batch, seq_len]: a pure function of its arguments."""
     ids = window_ids(num_windows(len(tokens), seq_len), data_seed, step, micro_batch=micro_batch,
                      accum_steps=accum_steps, accum_index=accum_index, rank=rank, world_size=world_size)
     return to_tensors(gather_windows(tokens, seq_len, ids), pin)
 
 
 def check_val_split(tokens, seq_len: int, batch_size: int, from_files: bool = False) -> int:
-    """Whole validation batches the held-out tokens hold; none is refused by the field that decides the split
-    (`from_files`: a run's own validation files, `data.val_tokens`), so a run learns it before training, not at its
-    first validation."""
+    """Whole validation batches the held-out tokens hold; none is refused naming the field that splits them."""
     windows = num_windows(len(tokens), seq_len)
     if windows // batch_size == 0:
         field, fix = (("data.val_tokens", "give validation files holding more tokens") if from_files else
@@ -92,13 +88,11 @@ def check_val_split(tokens, seq_len: int, batch_size: int, from_files: bool = Fa
 
 def val_windows(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, rank: int = 0,
                 world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Rank `rank`'s share of the first `count` held-out windows (all there are when fewer), `micro_batch` at a time,
-    as (inputs, targets, how many of the rows are windows of the share).
+    """Rank `rank`'s contiguous share (np.array_split) of the first `count` held-out windows, `micro_batch` at a time,
+    as (inputs, targets, rows that are windows of the share): summed over ranks, the one-process mean on any layout.
 
-    The windows scored are one set whatever the world size and micro batch: rank r takes the r-th of `world_size`
-    contiguous slices (np.array_split), so summing losses and window counts over ranks gives the one-process mean on
-    any layout. Every rank yields as many batches as the largest share needs (a sharded model's forward is a
-    collective): a rank whose share ran out scores window 0 and counts none of it."""
+    Every rank yields as many batches as the largest share needs (a sharded forward is a collective): a rank whose
+    share ran out scores window 0 and counts none of it."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not one of {world_size} ranks")
     shares = np.array_split(np.arange(min(count, num_windows(len(tokens), seq_len))), world_size)
@@ -110,11 +104,8 @@ def val_windows(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, 
 
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int | None = None, rank: int = 0,
                 world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `num_batches` batches of consecutive held-out windows (all that fit when None), seed-independent.
-
-    Batch b holds windows [b*batch_size, (b+1)*batch_size); rank r gets the r-th contiguous slice of it,
-    so the mean loss over ranks equals the one-process loss.
-    """
+    """The first `num_batches` batches of consecutive held-out windows (all that fit when None), seed-independent;
+    rank r gets the r-th contiguous slice of each, so the mean loss over ranks equals the one-process loss."""
     if batch_size % world_size or not 0 <= rank < world_size:
         raise ValueError(f"validation batch {batch_size} does not split into {world_size} ranks (rank {rank})")
     available = check_val_split(tokens, seq_len, batch_size)

@@ -1,9 +1,5 @@
-"""Build-once cache entries: keyed directories that appear atomically, built under a file lock.
-
-An entry is a directory that only ever comes into existence by `os.rename` of a finished temporary
-directory, so a crash mid-build leaves a temporary name that no reader looks at. The lock (fcntl)
-makes the parallel jobs of a sweep wait for one builder instead of each building its own copy.
-"""
+"""Build-once cache entries: keyed directories that appear only by `os.rename` of a finished build directory (a
+crash leaves a name no reader looks at), built under a file lock so a sweep's jobs wait for one builder."""
 
 from __future__ import annotations
 
@@ -35,12 +31,9 @@ def fingerprint_path(path: Path) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    """SHA-256 of a whole file, read 4 MiB at a time."""
-    h = hashlib.sha256()
+    """SHA-256 of a whole file."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_digest(paths: list[Path]) -> str:
@@ -53,11 +46,9 @@ def file_digest(paths: list[Path]) -> str:
 
 
 def build_once(entry: Path, build: Callable[[Path], None], resumable: bool = False) -> Path:
-    """Return `entry`, first calling `build(work_dir)` and renaming work_dir to it if it does not exist yet.
-
-    A failed build's directory is removed; with `resumable` it is `<entry>.partial` and survives a crash: the next
-    builder (under the same lock) calls `build` on it again, and `build` continues from whatever progress record it
-    left there."""
+    """Return `entry`, first calling `build(work_dir)` and renaming work_dir to it if it does not exist yet. A failed
+    build's directory is removed; with `resumable` it is `<entry>.partial`, which the next builder hands to `build`
+    again to continue from the progress it recorded."""
     if entry.is_dir():
         return entry
     with file_lock(entry.with_name(entry.name + ".lock")):

@@ -1,9 +1,5 @@
-"""The embedded default corpus: English docstrings of the Python standard library.
-
-Every Python installation carries it, so the corpus builds offline and licence-clean on any machine.
-The walk is in sorted order and the filters are pure functions of the text, so the same Python
-version always yields the same JSONL file, byte for byte.
-"""
+"""The embedded default corpus: English docstrings of the Python standard library, offline and licence-clean on any
+machine; a sorted walk and pure filters give the same JSONL file, byte for byte, for one Python version."""
 
 from __future__ import annotations
 

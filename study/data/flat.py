@@ -1,20 +1,11 @@
 """Pre-tokenised flat token files (OLMo-style `.npy`/`.bin`): listed, scanned once, and read in place.
 
-A flat token file is one array of token ids. OLMo's `.npy` files are mostly raw memory maps despite the name
-(little-endian ids from byte 0, no header), `.bin` files are raw too, and some `.npy` files are real NumPy files
-whose header declares dtype and shape; a header is recognised by its magic `\\x93NUMPY`, whatever the file is called.
-The files are joined end to end into one token stream (:class:`TokenStream`) whose pieces are memory maps of the
-files themselves: nothing is copied, and a batch reads only the pages its windows touch.
-
-The scan (:func:`write_flat`) runs once per cache entry, like tokenising a text corpus: it reads every file for its
-largest id (an id the tokenizer cannot emit means the wrong tokenizer or id type, refused before any run trains) and
-records each file's layout and content digest in the entry's meta.json beside a copy of the tokenizer.
-
-Validation reads `data.val_tokens` when given. Otherwise `data.val_fraction` of the stream is held out in blocks of
-VAL_BLOCK tokens (:func:`held_out_blocks`): the blocks are cut into as many equal strata as there are blocks to hold
-out, and one block of each stratum is drawn with the fixed VAL_SPLIT_SEED. The held-out blocks so spread evenly over
-the whole stream (a mix whose sources lie in files one after another is validated on every source in proportion) and
-are the same for every run, whatever its seed or seq_len. Training reads every other block.
+A file is one array of ids: raw little-endian ids from byte 0 (`.bin`, and most OLMo `.npy` files), or a real NumPy
+file when it starts with the magic `\\x93NUMPY`. The files join end to end into one :class:`TokenStream` of memory maps:
+nothing is copied. The scan (:func:`write_flat`, once per cache entry) refuses any id the tokenizer cannot emit and
+records each file's layout and content digest in meta.json. Validation reads `data.val_tokens`, else holds out
+`data.val_fraction` of the stream in VAL_BLOCK-token blocks, one drawn (fixed seed) from each of as many equal strata:
+every source of a mix is validated in proportion, the same blocks for every run.
 """
 
 from __future__ import annotations
@@ -58,8 +49,8 @@ SCANNED = "scanned.json"
 
 
 def flat_key(cfg: DataConfig) -> str:
-    """Identity of the token stream, known without reading it: every listed file or directory with its files' names,
-    sizes and modification times, the id type and the held-out rule."""
+    """Identity of the token stream without reading it: the listed paths' file names, sizes and mtimes, the id type
+    and the held-out rule."""
     rule: Any = ["val_tokens", _stats(cfg.val_tokens)] if cfg.val_tokens else ["fraction", cfg.val_fraction, VAL_BLOCK]
     return cache_key("flat", FLAT_FORMAT, _stats(cfg.tokens), cfg.token_dtype, rule)
 
@@ -70,14 +61,12 @@ def _stats(entries: list[str] | None) -> list[tuple[str, str]]:
 
 
 def natural_key(path: Path) -> list[Any]:
-    """`part-2` before `part-10`: runs of digits compare as numbers (split yields text at even, numbers at odd
-    positions, so two keys never compare a number with text)."""
+    """`part-2` before `part-10`: runs of digits compare as numbers (at odd positions of the split, never with text)."""
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", path.as_posix()))]
 
 
 def list_token_files(entries: list[str], field: str) -> list[Path]:
-    """The files of `entries` in reading order: the entries as given, each directory's `.npy`/`.bin` files (searched
-    recursively, hidden ones skipped) in natural order."""
+    """The files of `entries` in reading order, each directory's non-hidden `.npy`/`.bin` files in natural order."""
     files: list[Path] = []
     for entry in entries:
         path = Path(entry).expanduser()
@@ -145,26 +134,15 @@ def read_layout(path: Path, dtype: np.dtype, field: str) -> FlatFile:
 
 
 def content_digest(path: Path) -> str:
-    """SHA-256 of the file's size and its first and last MiB (of the whole file when it is at most 2 MiB).
-
-    A full SHA-256 of a multi-terabyte release would add hours to a scan that is already disk-bound, and mtimes or
-    paths would make the same files copied to another cluster look like another dataset. The size and both ends
-    identify a file of a release (its shards differ in their first bytes; a truncated or re-downloaded file differs
-    in size or tail), so the MLflow dataset digest made of these names the same content wherever it lives.
-    """
+    """SHA-256 of the file's size and its first and last MiB (the whole file when at most 2 MiB): names a release's
+    file wherever it lives (paths and mtimes would not), without hours of hashing terabytes."""
     return _sampled_sha256(path, 2, SAMPLE)
 
 
 def spot_digest(path: Path) -> str:
-    """SHA-256 of the file's size and SPOT_BLOCKS blocks of SPOT_BLOCK bytes at evenly spaced offsets, the first at
-    byte 0 and the last ending at the file's last byte (of the whole file when it is at most 1 MiB): what a resume
-    compares with the digests recorded when the run started (study.train.data_record).
-
-    The cache knows a file by its size and modification time, which a rewrite in place can keep (`cp -p`, `rsync -t`,
-    `os.utime`); these blocks catch another file of the same size and an edit that touches any of them, at 1 MiB
-    read per file. An edit confined to the bytes between the blocks of a larger file is not seen. Computed once per
-    file per process: the answer is kept until the file's size, modification or change time moves (a rewrite moves
-    the change time, which no user can set back)."""
+    """SHA-256 of the file's size and SPOT_BLOCKS evenly spaced blocks of SPOT_BLOCK bytes (the whole file when at
+    most 1 MiB): what a resume compares with the digests recorded at the run's start (study.train.data_record), so a
+    rewrite that kept size and mtime is caught. Kept per process until the file's size, mtime or ctime moves."""
     stat = path.stat()
     return _spot(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
@@ -181,8 +159,8 @@ def spot_digests(paths: list[str], workers: int) -> dict[str, str]:
 
 
 def _sampled_sha256(path: Path, blocks: int, length: int) -> str:
-    """SHA-256 of the file's size and `blocks` (>= 2) blocks of `length` bytes, the first at byte 0 and the last
-    ending at the end, evenly spaced between (of the whole file when it is at most blocks x length bytes)."""
+    """SHA-256 of the size and `blocks` (>= 2) evenly spaced blocks of `length` bytes, first and last at the ends
+    (the whole file when at most blocks x length bytes)."""
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
@@ -218,12 +196,9 @@ def held_out_blocks(n_tokens: int, fraction: float) -> np.ndarray:
 
 
 class TokenStream:
-    """Flat token files end to end, read in place, indexed as the training loop indexes a token array: `len()`, and
-    ints, slices or integer arrays (a batch of windows), each read as a copy of just those ids.
-
-    With `held` (sorted block indices), the stream shows only those VAL_BLOCK-token blocks (`keep_held`: the
-    validation split) or every other block (the training split).
-    """
+    """Flat token files end to end, read in place and indexed like a token array (`len()`, ints, slices, integer
+    arrays), each read a copy of just those ids. With `held` (sorted block indices) it shows only those
+    VAL_BLOCK-token blocks (`keep_held`: the validation split) or every other block (training)."""
 
     def __init__(self, files: list[FlatFile], dtype: np.dtype, held: np.ndarray | None = None,
                  keep_held: bool = False):
@@ -281,9 +256,8 @@ class TokenStream:
 
 def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = False,
                after_file: Callable[[int], None] | None = None) -> None:
-    """Scan the token files of `cfg` into the build directory `out` (renamed into the cache once this returns):
-    meta.json and a copy of the tokenizer. Each scanned file is recorded in `scanned.json` as it finishes, so a killed
-    scan resumes with the files it had not finished; `after_file(n)` runs after the n-th (fault injection)."""
+    """Scan the token files of `cfg` into the build directory `out`: meta.json and a copy of the tokenizer. Each file
+    is recorded in `scanned.json` as it finishes, so a killed scan resumes; `after_file(n)` runs after the n-th."""
     dtype = np.dtype(cfg.token_dtype)
     lists = {"tokens": list_token_files(cfg.tokens or [], "data.tokens")}
     if cfg.val_tokens:
@@ -296,11 +270,8 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
     files = {field: [scanned[str(p)] for p in paths] for field, paths in lists.items()}
     _check_ids(files, tok)
     shutil.copyfile(tok.path, out / "tokenizer.json")
-    if cfg.val_tokens:
-        rule: dict[str, Any] = {"val_from": "val_tokens"}
-    else:
-        rule = {"val_from": "fraction", "val_fraction": cfg.val_fraction, "val_block": VAL_BLOCK,
-                "val_seed": VAL_SPLIT_SEED}
+    rule: dict[str, Any] = {"val_from": "val_tokens"} if cfg.val_tokens else {
+        "val_from": "fraction", "val_fraction": cfg.val_fraction, "val_block": VAL_BLOCK, "val_seed": VAL_SPLIT_SEED}
     train, val = _streams(files, dtype, cfg.val_fraction)
     digests = {field: [f["digest"] for f in records] for field, records in files.items()}
     meta = {
@@ -332,8 +303,7 @@ def _read_scanned(record: Path, out: Path) -> dict[str, Any]:
 
 def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: np.dtype, record: Path,
                   workers: int, progress: bool, name: str, after_file: Callable[[int], None] | None) -> None:
-    """Scan the files not in `scanned` yet, `workers` at a time (NumPy and hashlib read without the GIL), recording
-    each one atomically as it finishes."""
+    """Scan the files not in `scanned` yet, `workers` at a time, recording each atomically as it finishes."""
     from tqdm import tqdm
 
     todo = [layout for path, layout in layouts.items() if path not in scanned]
@@ -371,8 +341,7 @@ def flat_streams(meta: dict[str, Any]) -> tuple[TokenStream, TokenStream]:
 
 def _streams(records: dict[str, list[dict[str, Any]]], dtype: np.dtype,
              val_fraction: float | None) -> tuple[TokenStream, TokenStream]:
-    """Training and validation streams of the scanned files: `val_tokens` when scanned, else the held-out blocks of
-    `tokens` (and training the others)."""
+    """Training and validation streams: `val_tokens` when scanned, else `tokens` split by its held-out blocks."""
     files = {field: [FlatFile(f["path"], f["offset"], f["tokens"]) for f in found] for field, found in records.items()}
     if "val_tokens" in files:
         return TokenStream(files["tokens"], dtype), TokenStream(files["val_tokens"], dtype)

@@ -1,8 +1,5 @@
-"""Training batches built ahead of the step that needs them, in one background thread.
-
-The stream's only state is the step number: `BatchStream(..., start_step=s)` yields exactly what an
-uninterrupted run would have yielded from step s on, because every batch is `get_batch` of its step.
-"""
+"""Training batches built ahead of the step that needs them, in one background thread; the step is the whole state
+(every batch is `get_batch` of its step), so `BatchStream(..., start_step=s)` resumes exactly."""
 
 from __future__ import annotations
 
@@ -22,10 +19,7 @@ Step = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class BatchStream:
-    """Yields, for consecutive steps, the list of `accum_steps` micro batches (x, y) of this rank.
-
-    `step` is the step whose batches the next `next()` returns: the whole resumable state.
-    """
+    """For consecutive steps from `step`, the list of `accum_steps` micro batches (x, y) of this rank."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, data_seed: int, micro_batch: int, accum_steps: int = 1,
                  rank: int = 0, world_size: int = 1, start_step: int = 0, device: str | torch.device = "cpu",

@@ -1,12 +1,9 @@
-"""Tokenising a corpus into its shard entry as a stream, in chunks, resumable after a kill.
+"""Tokenising a corpus into its shard entry as a stream, resumable after a kill.
 
-Documents are read pass by pass (:mod:`study.data.sources`), `data.chunk_docs` at a time, encoded in one batched
-call (the tokenizer spreads a batch over its own threads) and appended to `train.bin` / `val.bin` of the entry's
-build directory. After each chunk both files are flushed to disk and then `progress.json` records, atomically, where
-the stream stands (pass, documents and text bytes read) and how many tokens each file holds. A build that starts
-on a directory with a progress record cuts the files back to the recorded lengths (a chunk written after the last
-record is dropped) and goes on from the recorded document, so a resumed build writes the same bytes as one that
-was never interrupted. Nothing but the token files and the record is written while tokenising.
+Documents are read pass by pass, `data.chunk_docs` at a time, encoded in one batched call and appended to
+`train.bin` / `val.bin`; after each chunk the files are fsync'd and `progress.json` records atomically where the
+stream stands and each file's length. A resumed build cuts the files back to the record and goes on from its
+document, so it writes the same bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +44,9 @@ def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, c
     dtype = token_dtype(tok.vocab_size)
     state = _resume(out, dtype)
     encoder = load_tokenizer(tok.path)
-    files = {name: open(out / f"{name}.bin", "ab") for name in SPLITS}
-    bar = _bar(cfg, parts, state, progress)
-    try:
+    with ExitStack() as stack:
+        files = {name: stack.enter_context(open(out / f"{name}.bin", "ab")) for name in SPLITS}
+        bar = stack.enter_context(_bar(cfg, parts, state, progress))
         for index in range(state["pass"], len(parts.passes)):
             p = parts.passes[index]
             if index != state["pass"]:
@@ -58,10 +56,6 @@ def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, c
                 _write_chunk(chunk, p, state, encoder, tok.eos_id, dtype, files, out, bar)
                 if after_chunk:
                     after_chunk(state["chunks"])
-    finally:
-        for f in files.values():
-            f.close()
-        bar.close()
     shutil.copyfile(tok.path, out / "tokenizer.json")
     tokens = sum(s["tokens"] for s in state["splits"].values())
     meta = {

@@ -1,5 +1,4 @@
-"""The shard entry's on-disk format, shared by the writer (`prepare`) and the reader (`shards`): which files an entry
-holds, its format version, and the dtype its ids are stored in."""
+"""The shard entry's on-disk format, shared by the writer (`prepare`) and the reader (`shards`)."""
 
 from __future__ import annotations
 

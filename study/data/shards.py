@@ -1,13 +1,8 @@
 """Token shards: each split tokenised once into a flat memory-mapped array of ids, documents joined by EOS.
 
-A shard directory is keyed by (documents, tokenizer) and holds `train.bin`, `val.bin` (raw uint16 when
-the vocabulary fits, else uint32), the `tokenizer.json` that produced them and `meta.json` with each file's
-SHA-256. Every run of a sweep opens the same files read-only; nothing is tokenised twice. A file is checked
-against its checksum when it is first opened and again whenever its size or modification time changes
-(`.verified` records what was checked); an entry that fails is moved away and built again, saying so.
-
-Pre-tokenised flat token files (`data.tokens`, :mod:`study.data.flat`) are not copied: their entry holds the
-tokenizer and a meta.json of the scanned files, and the splits are read from the files in place.
+An entry, keyed by (documents, tokenizer), holds `train.bin`, `val.bin`, the `tokenizer.json` that produced them and
+`meta.json` with their SHA-256, checked when first opened and whenever a file's size or mtime changes (`.verified`);
+a damaged entry is built again, saying so. Flat token files (`data.tokens`, :mod:`study.data.flat`) are read in place.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ from study.data.tokenizer import TokenizerFile, resolve_tokenizer
 from study.errors import StudyError
 
 
-
 @dataclass(frozen=True)
 class PreparedData:
     train: np.memmap | TokenStream
@@ -60,12 +54,9 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = True, progress: bool = False,
                  after_chunk: Callable[[int], None] | None = None) -> PreparedData:
-    """Token shards for `cfg`, tokenised on first use (streaming, resumable: :mod:`study.data.prepare`) and opened
-    from the cache afterwards; flat token files are scanned once instead (:func:`study.data.flat.write_flat`) and
-    read in place. `model_vocab`, when given, must cover the tokenizer, checked before any token is written or
-    scanned; with `build=False` missing shards are an error naming `study prepare` (commands that only read them);
-    `progress` shows a progress line; `after_chunk(n)` runs after each of the n finished chunks, or scanned flat
-    files (fault injection)."""
+    """Token shards for `cfg`, tokenised (or, flat token files, scanned) on first use and opened from the cache after.
+    `model_vocab` must cover the tokenizer, checked before anything is written; with `build=False` missing shards are
+    an error naming `study prepare`; `after_chunk(n)` runs after each finished chunk or scanned file."""
     validate_data(cfg)
     cache = cache_root(cfg)
     with _writing(cache):
@@ -92,22 +83,20 @@ def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool,
     check_model_vocab(tok, model_vocab)
     if cfg.tokens is not None:
         build_fn = lambda tmp: write_flat(tmp, cfg, tok, progress, after_chunk)  # noqa: E731
-        open_fn = lambda: open_flat(entry, cfg)  # noqa: E731
     else:
         if not entry.is_dir():
             parts()  # the splits and the text column exist, before the build directory is made
         build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
-        open_fn = lambda: open_shards(entry, cfg.seq_len)  # noqa: E731
     build_once(entry, build_fn, resumable=True)
     try:
-        return open_fn()
+        return open_entry(entry, cfg)
     except BrokenEntry as broken:
         import sys
 
         print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
         discard(entry)
         build_once(entry, build_fn, resumable=True)
-        return open_fn()
+        return open_entry(entry, cfg)
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -116,9 +105,7 @@ UNWRITABLE = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPE
 
 @contextmanager
 def _writing(cache: Path) -> Iterator[None]:
-    """The cache failing to take a write is refused naming data.cache_dir: no space left (a write to an open file
-    names no path, and only the cache is written here), or a path in it that is a file or read-only. A corpus that
-    cannot be read is the source's to refuse (`data.name`)."""
+    """The cache failing to take a write (full, read-only, a file in the way) is refused naming data.cache_dir."""
     try:
         yield
     except OSError as err:
@@ -173,8 +160,7 @@ class BrokenEntry(Exception):
 
 
 def verify(entry: Path, names: tuple[str, ...] = CHECKED) -> dict[str, Any]:
-    """The entry's meta.json, after checking every file of `names` whose size or modification time changed since it
-    was last verified against its SHA-256."""
+    """The entry's meta.json, after checking against its SHA-256 every file of `names` changed since last verified."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
         sums = meta["sha256"]
@@ -207,33 +193,27 @@ def discard(entry: Path) -> None:
             shutil.rmtree(gone, ignore_errors=True)
 
 
-def open_shards(entry: Path, seq_len: int) -> PreparedData:
-    meta = verify(entry)
-    arrays = {name: np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r",
-                              shape=(meta["splits"][name]["tokens"],)) for name in SPLITS}
-    for name, tokens in arrays.items():
-        check_windows(name, tokens, seq_len, "data.seq_len",
-                      "lower data.seq_len, or keep more documents (data.max_docs, data.max_bytes, data.val_fraction)")
-    return PreparedData(arrays["train"], arrays["val"], entry / "tokenizer.json", meta["vocab_size"],
-                        meta["eos_id"], seq_len, entry, meta)
-
-
-def open_flat(entry: Path, cfg: DataConfig) -> PreparedData:
-    """The streams of a flat-token entry, read from the user's files in place."""
-    meta = verify(entry, ("tokenizer.json",))
-    train, val = flat_streams(meta)
-    check_windows("train", train, cfg.seq_len, "data.tokens", "give more tokens, or lower data.seq_len")
-    held_out = "data.val_tokens" if cfg.val_tokens else "data.val_fraction"
-    check_windows("val", val, cfg.seq_len, held_out, f"hold out more tokens ({held_out}), or lower data.seq_len")
-    return PreparedData(train, val, entry / "tokenizer.json", meta["vocab_size"], meta["eos_id"], cfg.seq_len, entry,
+def open_entry(entry: Path, cfg: DataConfig) -> PreparedData:
+    """A finished entry's splits, each holding at least one window of seq_len + 1 tokens: memory maps of its shards,
+    or (flat token files) streams of the user's files read in place."""
+    if cfg.tokens is None:
+        meta = verify(entry)
+        splits = [np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r",
+                            shape=(meta["splits"][name]["tokens"],)) for name in SPLITS]
+        fix = "lower data.seq_len, or keep more documents (data.max_docs, data.max_bytes, data.val_fraction)"
+        fields = [("data.seq_len", fix), ("data.seq_len", fix)]
+    else:
+        meta = verify(entry, ("tokenizer.json",))
+        splits = flat_streams(meta)
+        held_out = "data.val_tokens" if cfg.val_tokens else "data.val_fraction"
+        fields = [("data.tokens", "give more tokens, or lower data.seq_len"),
+                  (held_out, f"hold out more tokens ({held_out}), or lower data.seq_len")]
+    for name, tokens, (field, fix) in zip(SPLITS, splits, fields):
+        if len(tokens) < cfg.seq_len + 1:
+            raise StudyError(field, f"the {name} split has {len(tokens)} tokens, fewer than one window of "
+                             f"seq_len + 1 = {cfg.seq_len + 1}", fix)
+    return PreparedData(*splits, entry / "tokenizer.json", meta["vocab_size"], meta["eos_id"], cfg.seq_len, entry,
                         meta)
-
-
-def check_windows(split: str, tokens: np.ndarray | TokenStream, seq_len: int, field: str, fix: str) -> None:
-    """A split holds at least one window of seq_len + 1 tokens."""
-    if len(tokens) < seq_len + 1:
-        raise StudyError(field, f"the {split} split has {len(tokens)} tokens, fewer than one window of "
-                         f"seq_len + 1 = {seq_len + 1}", fix)
 
 
 def _slug(name: str) -> str:

@@ -1,12 +1,7 @@
 """Where documents come from, read as a stream: the embedded corpus, a `save_to_disk` directory, local data files
-(json/parquet/...) or a Hugging Face hub dataset.
-
-Nothing is loaded whole. A local or hub dataset is read with `datasets.load_dataset(..., streaming=True)`, so the
-same builder yields the same documents in the same order as a full load would, without converting the corpus into
-an Arrow copy first, and a hub dataset is fetched only as far as the caps reach. What goes where is a list of
-passes (:class:`Pass`) over source splits; each document index of a pass goes to `train` or `val`. Both the split
-rule and the caps are those of the former whole-corpus loader, so existing shard caches keep their keys and bytes.
-`datasets` is imported lazily: planning commands import this package.
+or a Hugging Face hub dataset (`datasets.load_dataset(..., streaming=True)`: the same documents in the same order as
+a full load, fetched only as far as the caps reach). What goes where is a list of passes (:class:`Pass`) over source
+splits, each document of a pass going to `train` or `val`. `datasets` is imported lazily.
 """
 
 from __future__ import annotations
@@ -15,10 +10,10 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +23,7 @@ from study.data.corpus import build_docstring_corpus
 from study.data.flat import flat_key
 from study.errors import StudyError
 
+T = TypeVar("T")
 READ_BATCH = 1000
 UNREADABLE = (OSError, ValueError)
 """How `datasets` and Arrow fail on a damaged corpus: OSError (a damaged page), ValueError (ArrowInvalid, a line cut
@@ -64,8 +60,8 @@ class Layout:
 
 
 def source_key(cfg: DataConfig) -> str:
-    """Identity of the documents, known without loading them: name, config, split rule, caps, local file stats (flat
-    token files: :func:`study.data.flat.flat_key`)."""
+    """Identity of the documents without loading them: name, config, split rule, caps, local file stats (flat token
+    files: :func:`study.data.flat.flat_key`)."""
     if cfg.tokens is not None:
         return flat_key(cfg)
     local = Path(cfg.name).expanduser()
@@ -130,45 +126,42 @@ class Source:
         ds = self.splits[split]
         if self.kind == "jsonl":
             return None
-        names = ds.column_names
-        if names is None:  # a stream whose features are unknown until read: its first document says
-            try:
-                first = next(iter(ds.take(1)), None)
-            except UNREADABLE as err:
-                failure = self._unreadable(err)
-            else:
-                return None if first is None else list(first)
-            raise failure
-        return names
+        if ds.column_names is None:  # a stream whose features are unknown until read: its first document says
+            first = next(self._readable(lambda: ds.take(1)), None)
+            return None if first is None else list(first)
+        return ds.column_names
 
-    def _unreadable(self, err: BaseException) -> StudyError:
-        """A corpus that cannot be read (cut short, not UTF-8, a damaged parquet page), refused naming data.name.
+    def _readable(self, read: Callable[[], Iterable[T]]) -> Iterator[T]:
+        """What `read()` yields; a corpus that cannot be read (cut short, not UTF-8, a damaged parquet page) is refused
+        naming data.name.
 
-        The readers raise from deep inside `datasets` and Arrow; this is raised only after leaving the `except` block,
-        so that the failed reader (an Arrow scan, whose threads may still be reading) is freed then, not at
-        interpreter exit, where a scan still alive aborts the process (`terminate called`, 3 of 40 runs)."""
-        return StudyError("data.name", f"the dataset {self.cfg.name!r} cannot be read ({_first_line(err)})",
-                          "repair or download again the damaged or empty file (JSON lines must be whole lines of "
-                          "UTF-8 JSON, parquet files whole), or remove it: a changed file is read afresh")
-
-    def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
-        """Batches of `size` of the split's texts from document `start` on, in source order (a null text is
-        empty)."""
-        ds, field = self.splits[split], self.cfg.text_field
+        The refusal is raised after leaving the `except` block, so the failed Arrow reader (whose threads may still be
+        reading) is freed then, not at interpreter exit, where a live scan aborts the process."""
         try:
-            if self.kind == "jsonl":
-                with open(ds, encoding="utf-8") as f:
-                    lines = itertools.islice(f, start, None)
-                    while batch := [json.loads(line).get(field) or "" for line in itertools.islice(lines, size)]:
-                        yield batch
-            else:
-                for table in self._tables(split, start, size):
-                    yield [t or "" for t in table.column(field).to_pylist()]
+            yield from read()
         except UNREADABLE as err:
-            failure = self._unreadable(err)
+            failure = StudyError("data.name", f"the dataset {self.cfg.name!r} cannot be read ({_first_line(err)})",
+                                 "repair or download again the damaged or empty file (JSON lines must be whole lines "
+                                 "of UTF-8 JSON, parquet files whole), or remove it: a changed file is read afresh")
         else:
             return
         raise failure
+
+    def texts(self, split: str, start: int = 0, size: int = READ_BATCH) -> Iterator[list[str]]:
+        """Batches of `size` of the split's texts from document `start` on, in source order (null: empty)."""
+        ds, field = self.splits[split], self.cfg.text_field
+
+        def read() -> Iterator[list[str]]:
+            if self.kind != "jsonl":
+                for table in self._tables(split, start, size):
+                    yield [t or "" for t in table.column(field).to_pylist()]
+                return
+            with open(ds, encoding="utf-8") as f:
+                lines = itertools.islice(f, start, None)
+                while batch := [json.loads(line).get(field) or "" for line in itertools.islice(lines, size)]:
+                    yield batch
+
+        yield from self._readable(read)
 
     def byte_lengths(self, split: str, size: int = READ_BATCH) -> Iterator[np.ndarray]:
         """The UTF-8 length of each text, batch by batch, computed in Arrow (no text becomes a Python string)."""
@@ -178,14 +171,9 @@ class Source:
             return
         import pyarrow.compute as pc
 
-        try:
-            for table in self._tables(split, 0, size):
-                yield pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
-        except UNREADABLE as err:
-            failure = self._unreadable(err)
-        else:
-            return
-        raise failure
+        yield from self._readable(lambda: (
+            pc.fill_null(pc.binary_length(table.column(self.cfg.text_field)), 0).to_numpy().astype(np.int64)
+            for table in self._tables(split, 0, size)))
 
     def _tables(self, split: str, start: int, size: int):
         """Arrow tables of `size` rows of the text column from row `start` on."""
@@ -202,9 +190,7 @@ class Source:
 def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Iterator[list[str]]:
     """The pass's texts from document `start` (with `start_bytes` of text before it) up to its caps."""
     index, total = start, start_bytes
-    # a batch never reaches past the document cap, so a stream is read (or downloaded) no further than needed
-    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs - start))
-    for batch in source.texts(p.split, start, size):
+    for batch in source.texts(p.split, start, _batch_size(p, start)):
         keep = []
         for text in batch:
             if (p.max_docs is not None and index >= p.max_docs) or (p.max_bytes is not None and total >= p.max_bytes):
@@ -218,11 +204,15 @@ def capped(source: Source, p: Pass, start: int = 0, start_bytes: int = 0) -> Ite
             return
 
 
+def _batch_size(p: Pass, start: int = 0) -> int:
+    """Documents read at a time: never past the document cap, so a stream is read (or downloaded) no further."""
+    return READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs - start))
+
+
 def count(source: Source, p: Pass) -> int:
     """How many documents the pass keeps: the caps of :func:`capped`, applied to text lengths alone."""
-    size = READ_BATCH if p.max_docs is None else max(1, min(READ_BATCH, p.max_docs))
     n, total = 0, 0
-    for lengths in source.byte_lengths(p.split, size):
+    for lengths in source.byte_lengths(p.split, _batch_size(p)):
         if p.max_docs is not None:
             lengths = lengths[:p.max_docs - n]
         if p.max_bytes is not None:
@@ -238,8 +228,8 @@ def count(source: Source, p: Pass) -> int:
 
 
 def layout(cfg: DataConfig, source: Source) -> Layout:
-    """The passes that give train and validation documents. A fraction split must know how many documents the
-    capped training split has, so it counts them first (reading text lengths only, stopping at the caps)."""
+    """The passes that give train and validation documents (a fraction split first counts the capped training
+    documents, reading text lengths only)."""
     source.check()
     splits = source.splits
     if cfg.val_split in splits and cfg.val_split != cfg.train_split:

@@ -1,8 +1,5 @@
-"""The tokenizer: a byte-level BPE trained on the corpus, or a given tokenizer.json / transformers directory.
-
-Whatever the source, the result is one `tokenizer.json` that `tokenizers.Tokenizer.from_file` loads,
-so tokenisation, checkpoints and evaluation all read the same file.
-"""
+"""The tokenizer: a byte-level BPE trained on the corpus, or a given tokenizer.json / transformers directory, always
+resolved to one `tokenizer.json` that tokenisation, checkpoints and evaluation all read."""
 
 from __future__ import annotations
 
@@ -31,17 +28,15 @@ class TokenizerFile:
     eos_id: int
     """Id of the token placed between documents."""
     vocab_size: int
-    """One more than the largest id the tokenizer can emit, added tokens included: the rows an embedding needs (a
-    vocabulary with gaps in its ids needs more rows than it has entries)."""
+    """One more than the largest id the tokenizer can emit, added tokens included: the rows an embedding needs."""
     key: str
     """Content hash of the tokenizer file and EOS choice: part of the token shards' cache key."""
 
 
 def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
                       train_docs: Callable[[], Iterator[list[str]]], build: bool = True) -> TokenizerFile | None:
-    """The tokenizer.json for `cfg`, training the BPE once per (corpus, vocab size) when tokenizer=bpe from the
-    batches of training texts `train_docs()` streams. With `build=False` nothing is trained or converted: None when
-    the tokenizer does not exist yet."""
+    """The tokenizer.json for `cfg`, training the BPE once per (corpus, vocab size) on `train_docs()` when
+    tokenizer=bpe. With `build=False` nothing is trained or converted: None when it does not exist yet."""
     given = Path(cfg.tokenizer).expanduser()
     if cfg.tokenizer == TRAIN_BPE:
         entry = cache / "tokenizers" / f"bpe{cfg.vocab_size}-{source_key}"
@@ -71,14 +66,12 @@ def resolve_tokenizer(cfg: DataConfig, cache: Path, source_key: str,
 
 
 def id_bound(tok: Tokenizer) -> int:
-    """One more than the largest id `tok` emits. `get_vocab_size` counts entries instead: a vocabulary of 350
-    entries whose largest id is 60,000 would pass a 512-row embedding and then index past it."""
+    """One more than the largest id `tok` emits (`get_vocab_size` counts entries, fewer where ids have gaps)."""
     return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def train_bpe(batches: Iterator[list[str]], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 pre-tokenisation, no unknown token) with `<|endoftext|>` as id 0, trained on batches
-    of texts read as a stream."""
+    """Byte-level BPE (GPT-2 pre-tokenisation) with `<|endoftext|>` as id 0, trained on a stream of text batches."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -101,8 +94,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
 
 def eos_id(tok: Tokenizer, wanted: str | None, field: str = "data.eos_token") -> int:
-    """Id of the token that ends a document: `wanted`, else the first of EOS_CANDIDATES in the vocabulary. The one
-    rule for data, evaluation and export; `field` is the setting a user would change, named in the error."""
+    """Id of the token that ends a document: `wanted`, else the first of EOS_CANDIDATES in the vocabulary."""
     for token in (wanted,) if wanted else EOS_CANDIDATES:
         token_id = tok.token_to_id(token)
         if token_id is not None:
@@ -113,8 +105,7 @@ def eos_id(tok: Tokenizer, wanted: str | None, field: str = "data.eos_token") ->
 
 
 def declared_eos(directory: Path) -> str | None:
-    """The EOS a tokenizer directory declares in tokenizer_config.json (as transformers writes it), if any: a
-    transformers tokenizer's, or the one a run directory records beside the tokenizer it trained with."""
+    """The EOS a directory's tokenizer_config.json declares (a transformers tokenizer's, or a run directory's)."""
     config = directory / TOKENIZER_CONFIG
     if not config.exists():
         return None
