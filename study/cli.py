@@ -312,6 +312,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from study.jobs.profile import profile_run
 
     settings = command_options(args.overrides, ("geometry", "paths.runs"), "profile")
+    if "geometry" in settings:  # the config as a whole: only its fields can be set here
+        raise StudyError("geometry", "names no field of the geometry config",
+                         "set its fields one by one: geometry.FIELD=VALUE, e.g. geometry.statistic=shift")
     spec = find_run(args.run_key, settings.pop("paths.runs", "runs"))
     geometry = None
     if settings:

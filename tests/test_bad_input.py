@@ -237,6 +237,7 @@ CASES = [
     (["export", "0123456789ab", "--format", "hf", "dtype=bf16"], "dtype"),
     (["profile", "*"], "RUN_KEY"),
     (["profile", "0123456789ab", "colour=red"], "colour"),
+    (["profile", "0123456789ab", "geometry=spherical"], "geometry"),  # the config as a whole, not one of its fields
     (["status", "demo", "seed=1"], "seed"),
     (["status", "nosuch"], "EXPERIMENT"),
     (["status", "demo", "--variant", "nosuch"], "--variant"),
