@@ -1,22 +1,10 @@
-"""The decision table: one verdict per (scale, variant, metric) that a study can act on.
-
-Every comparison is a paired one (variant − baseline over seeds that both finished, :mod:`analysis.paired`). A
-verdict is one of four:
-
-- **better** / **worse**: the paired t test rejects "no difference" after the family's correction;
-- **equivalent**: TOST shows the delta lies inside the declared margin, after the same correction;
-- **undecided**: neither, with the seeds that would probably decide it.
-
-Beside each verdict stands the t interval the verdict agrees with: the paired t interval at the level the family's
-correction tested the row at, 1 − α·p/p_adjusted (:func:`adjusted_interval`), so it excludes 0 exactly when the
-adjusted p is below α. The unadjusted interval at 1 − α is kept too, and always labelled so.
-
-The primary family (every variant x scale on the experiment's primary metric) is corrected with Holm, which
-holds the family-wise error rate; secondary metrics (other metrics and downstream tasks) with Benjamini-Hochberg,
-which holds the false discovery rate. With 3-5 seeds the exact nonparametric tests cannot reach p < 0.05 (the
-two-sided sign-flip and Wilcoxon minimum with 5 pairs is 0.0625), so they are reported beside the t test but do not
-decide; a bootstrap over fewer than :data:`BOOTSTRAP_MIN_N` seeds has too few distinct resamples to be evidence and
-is left out.
+"""The decision table: one verdict per (scale, variant, metric) that a study can act on, on the paired deltas of
+:mod:`analysis.paired`. *better* / *worse* when the paired t test rejects "no difference" after the family's
+correction (Holm over the primary family, every variant x scale on the primary metric; Benjamini-Hochberg over the
+secondary metrics), *equivalent* when TOST shows the delta inside the declared margin after the same correction,
+else *undecided* with the seeds that would probably decide it. Beside each verdict stands the t interval it agrees
+with, at the level the correction tested the row at (:func:`adjusted_interval`). The sign-flip and Wilcoxon p
+(0.0625 at best with 5 pairs) are shown, never decide; the bootstrap is shown from :data:`BOOTSTRAP_MIN_N` pairs.
 """
 
 from __future__ import annotations
@@ -27,7 +15,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from analysis.paired import PairedResult, spread
+from analysis.paired import PairedResult, spread, t_interval
 from analysis.records import JsonRecord
 from analysis.sample_size import minimum_detectable_effect, seeds_phrase, seeds_to_decide
 from study.config.decision import DecisionRule
@@ -93,8 +81,7 @@ class Decision(JsonRecord):
     margin: float | None
     """Equivalence margin, when declared for this metric."""
     p_tost: float
-    """TOST p for |delta| < margin (:meth:`study.plan.paired_t.PairedT.tost`, as statsmodels' ttost_paired); NaN
-    without a margin."""
+    """TOST p for |delta| < margin (:meth:`study.plan.paired_t.PairedT.tost`); NaN without a margin."""
     p_tost_adjusted: float
     """p_tost after the family's correction."""
     verdict: str
@@ -112,11 +99,9 @@ class Decision(JsonRecord):
     alpha: float
     """Error rate the verdict was reached at (after any sequential spending)."""
 
-
     @classmethod
     def from_dict(cls, row: Mapping) -> "Decision":
-        """Inverse of :meth:`to_dict` (None back to NaN where the field is a float); a row recorded before the
-        adjusted interval was (a look of an earlier adaptive launch) gets it from the statistics it holds."""
+        """Inverse of :meth:`to_dict` (None back to NaN for a float); an older row gets its adjusted interval here."""
         floats = {name for name, f in cls.__dataclass_fields__.items() if f.type == "float"}
         fields = {k: (math.nan if v is None and k in floats else v) for k, v in row.items()
                   if k in cls.__dataclass_fields__}
@@ -129,31 +114,19 @@ class Decision(JsonRecord):
 
 def adjusted_interval(n: int, mean: float, sd: float, p: float, p_adjusted: float, alpha: float
                       ) -> tuple[float, float]:
-    """The paired t interval at 1 − α·p/p_adjusted: the per-comparison level at which the family's correction
-    (Holm, Benjamini-Hochberg) tested this row, so, as the t test and its interval are dual, it excludes 0 exactly
-    when ``p_adjusted`` < α. Never narrower than the unadjusted interval at 1 − α (p_adjusted ≥ p). NaN where no t
-    test was possible."""
-    from scipy import stats
-
+    """The paired t interval at 1 − α·p/p_adjusted, the level the family's correction tested this row at: it excludes
+    0 exactly when ``p_adjusted`` < α. NaN where no t test was possible."""
     if n < 2 or not sd > 0 or not (math.isfinite(p) and math.isfinite(p_adjusted)):
         return math.nan, math.nan
     level_alpha = alpha * p / p_adjusted if p_adjusted > 0 else alpha  # p_adjusted 0: p is 0, any level excludes 0
-    low, high = stats.t.interval(1 - level_alpha, n - 1, loc=mean, scale=sd / math.sqrt(n))
-    return float(low), float(high)
+    return t_interval(1 - level_alpha, n, mean, sd)
 
 
-def decide(
-    results: Mapping[str, Sequence[PairedResult]],
-    rule: DecisionRule,
-    baseline_means: Mapping[tuple[str, str, str], float] | None = None,
-    alpha: float | None = None,
-) -> list[Decision]:
-    """Verdicts for every paired result; ``results`` maps metric to its per-(scale, variant) results.
-
-    ``alpha`` overrides the rule's (a sequential look spends part of it). ``baseline_means`` maps
-    (metric, scale, variant) to the baseline's mean over the paired seeds, for the percentage column. Holm is
-    :func:`study.plan.paired_t.holm`, the one racing decides with; Benjamini-Hochberg is statsmodels'.
-    """
+def decide(results: Mapping[str, Sequence[PairedResult]], rule: DecisionRule,
+           baseline_means: Mapping[tuple[str, str, str], float] | None = None, alpha: float | None = None
+           ) -> list[Decision]:
+    """Verdicts for every paired result (``results`` by metric). ``alpha`` overrides the rule's (a sequential look
+    spends part of it); ``baseline_means`` by (metric, scale, variant) give the percentage column."""
     from statsmodels.stats.multitest import multipletests
 
     alpha = rule.alpha if alpha is None else alpha
@@ -180,8 +153,6 @@ def decide(
 
 
 def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean: float | None) -> dict:
-    from scipy import stats
-
     d = np.asarray(r.deltas, float)
     n = len(d)
     sd = spread(d)
@@ -200,8 +171,7 @@ def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean
         row["boot_ci_low"], row["boot_ci_high"] = r.boot_ci_low, r.boot_ci_high
     if n < 2 or not sd > 0:
         return row
-    row["ci_low"], row["ci_high"] = (float(x) for x in stats.t.interval(1 - alpha, n - 1, loc=mean,
-                                                                        scale=sd / math.sqrt(n)))
+    row["ci_low"], row["ci_high"] = t_interval(1 - alpha, n, mean, sd)
     test = paired_t(d)
     row["p_t"] = float(test.p)
     row["p_signflip"] = signflip_p(d)

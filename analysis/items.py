@@ -1,12 +1,8 @@
-"""Downstream-task deltas with item-level uncertainty: a two-level bootstrap over seeds, then items.
-
-A task score is a mean over a fixed set of items, so its noise has two sources: which seeds were trained and which
-items the benchmark happens to hold. Each run's evaluation of record keeps its per-item scores (the ``items.jsonl``
-artifact in ``evals/<id>/``, the evaluation the run's ``study.eval.<task>`` tag names; :mod:`study.eval.records`),
-so limited or few-shot re-evaluations never enter. Paired runs scored the same items, so the per-(seed, item) difference
-``variant - baseline`` is the unit. One bootstrap draw resamples the seeds and, independently, the items (the same
-items for every seed, as a new benchmark of the same size would be), and takes the mean difference. The interval
-is descriptive: with few seeds its seed level has few distinct draws, and the verdicts come from the paired t test.
+"""Downstream-task deltas with item-level uncertainty: a two-level bootstrap over seeds, then items. A task score is
+a mean over a fixed set of items, so its noise comes from the seeds trained and from the items the benchmark holds.
+Paired runs scored the same items (each run's evaluation of record, the ``items.jsonl`` of the evaluation its
+``study.eval.<task>`` tag names), so the per-(seed, item) difference is the unit; one draw resamples the seeds and,
+independently, the items (the same for every seed). Descriptive: the verdicts come from the paired t test.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis.paired import CONFIDENCE
+from analysis.paired import TAILS
 from analysis.records import JsonRecord
 from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 
@@ -46,8 +42,7 @@ class ItemDelta(JsonRecord):
     n_items: int
     """Items scored on both sides of every pair."""
     chance: float
-    """Accuracy a random guess scores on those items (mean of 1 / their number of choices); NaN for ll_correct or
-    where the items do not say how many choices they have."""
+    """A random guess's accuracy on those items (mean of 1 / choices); NaN for ll_correct or unknown choices."""
     baseline_mean: float
     """The baseline's mean score over those seeds and items (an absolute level beside the delta)."""
     variant_mean: float
@@ -60,13 +55,9 @@ class ItemDelta(JsonRecord):
     """Upper end of the two-level bootstrap interval."""
 
 
-
 def two_level_bootstrap(deltas: np.ndarray, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of the mean of a (seeds x items) delta matrix, resampling seeds and items.
-
-    Resampling is done with multinomial counts, so a draw costs two small matrix products instead of an
-    n_seeds x n_items gather.
-    """
+    """Percentile interval of the mean of a (seeds x items) delta matrix, resampling seeds and items (as multinomial
+    counts: a draw is two small matrix products, not an n_seeds x n_items gather)."""
     d = np.asarray(deltas, float)
     n, m = d.shape
     if n < 2 or m < 1:
@@ -76,16 +67,14 @@ def two_level_bootstrap(deltas: np.ndarray, n_resamples: int = 9999, seed: int =
     seed_counts = rng.multinomial(n, np.full(n, 1 / n), size=n_resamples)      # (B, n)
     per_seed = item_counts @ d.T / m                                             # (B, n): each seed's item mean
     means = np.einsum("bn,bn->b", seed_counts, per_seed) / n
-    low, high = np.quantile(means, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    low, high = np.quantile(means, TAILS)
     return float(low), float(high)
 
 
 def item_deltas(runs: pd.DataFrame, items: dict[str, pd.DataFrame], baseline: str, n_resamples: int = 9999,
                 seed: int = 0) -> list[ItemDelta]:
-    """Per (task, metric, scale, variant): the paired delta over seeds and items with its two-level interval.
-
-    ``items`` maps a run id to its per-item rows (task, doc_id and the scores); runs without items are left out.
-    """
+    """Per (task, metric, scale, variant): the paired delta over seeds and items with its two-level interval;
+    ``items`` maps a run id to its per-item rows (task, doc_id and the scores)."""
     finished = runs[(runs["status"] == "FINISHED") & runs["run_id"].isin(list(items))]
     newest = finished.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
     out = []
@@ -133,11 +122,8 @@ def _chance(tables, task: str, metric: str, items: list) -> float:
 
 
 def read_items(client, run_ids) -> dict[str, pd.DataFrame]:
-    """Per run id, the per-item scores of its evaluation of record, task by task (runs without one are left out).
-
-    Tag ``study.eval.<task>`` names the evaluation whose scores are the run's ``eval/<task>/*`` metrics; its rows of
-    that task come from ``evals/<id>/items.jsonl``.
-    """
+    """Per run id, the per-item scores (``evals/<id>/items.jsonl``) of each task's evaluation of record, the one tag
+    ``study.eval.<task>`` names; runs without one are left out."""
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per run would flood stderr

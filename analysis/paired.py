@@ -1,9 +1,7 @@
-"""Paired-seed differences against the baseline variant, with their uncertainty.
-
-Runs that share (scale, seed) share data order and initialisation, so the per-seed difference
-``delta = variant - baseline`` cancels most seed-to-seed noise. Per (scale, variant) we report the mean delta,
-a paired t interval, a bootstrap interval over seeds, the Wilcoxon signed-rank p and the win rate. Runs that
-cannot be paired are returned with the reason, never dropped silently.
+"""Paired-seed differences against the baseline variant, with their uncertainty: runs sharing (scale, seed) share
+data order and initialisation, so ``delta = variant - baseline`` per seed cancels most seed noise. Per (scale,
+variant): the mean delta, a paired t interval, a bootstrap interval over seeds, the Wilcoxon p and the win rate;
+runs that cannot be paired are returned with the reason, never dropped silently.
 """
 
 from __future__ import annotations
@@ -22,6 +20,9 @@ from study.errors import StudyError
 
 CONFIDENCE = 0.95
 """Coverage of every interval in the report."""
+
+TAILS = ((1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2)
+"""The quantiles that bound a CONFIDENCE percentile interval."""
 
 _LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "bits_per_byte", "bpb")
 
@@ -88,7 +89,6 @@ class PairedResult(JsonRecord):
     """Runs of this scale and of these two variants that could not be paired."""
 
 
-
 @dataclass(frozen=True)
 class JointResult(JsonRecord):
     """Mean across several metrics of variant minus baseline, bootstrapped with seeds resampled jointly."""
@@ -115,7 +115,6 @@ class JointResult(JsonRecord):
     """Seeds used."""
 
 
-
 def is_higher_better(metric: str) -> bool:
     """Direction of a metric: losses and perplexities are lower-is-better, other ``eval/*`` scores higher."""
     last = metric.rsplit("/", 1)[-1].lower()
@@ -123,73 +122,55 @@ def is_higher_better(metric: str) -> bool:
         return False
     if metric.startswith("eval/"):
         return True
-    raise StudyError(
-        "higher_is_better",
-        f"cannot tell whether higher or lower {metric!r} is better",
-        "choose a loss, perplexity or eval/* metric, or call paired_deltas with higher_is_better set",
-    )
+    raise StudyError("higher_is_better", f"cannot tell whether higher or lower {metric!r} is better",
+                     "choose a loss, perplexity or eval/* metric, or call paired_deltas with higher_is_better set")
 
 
-def paired_deltas(
-    df: pd.DataFrame,
-    metric: str,
-    baseline: str,
-    higher_is_better: bool | None = None,
-    n_resamples: int = 9999,
-    seed: int = 0,
-) -> list[PairedResult]:
-    """Per (scale, variant != baseline): paired statistics of ``metric`` against ``baseline``.
-
-    ``df`` is :func:`analysis.run_table.read_runs` output. Only FINISHED runs with a finite value pair up; the rest
-    are listed in each result's ``unpaired``. The bootstrap is seeded so the report is reproducible;
-    ``n_resamples=0`` skips it (the decision procedure does not use it).
-    """
+def paired_deltas(df: pd.DataFrame, metric: str, baseline: str, higher_is_better: bool | None = None,
+                  n_resamples: int = 9999, seed: int = 0) -> list[PairedResult]:
+    """Per (scale, variant != baseline) of :func:`analysis.run_table.read_runs` rows: paired statistics of ``metric``
+    against ``baseline``, over FINISHED runs with a finite value (the rest in ``unpaired``). The bootstrap is seeded;
+    ``n_resamples=0`` skips it (no decision uses it)."""
     _check(df, [metric], baseline)
     df = _narrow(df, [metric])
     better_high = is_higher_better(metric) if higher_is_better is None else higher_is_better
     results = []
-    for scale in scale_order(df):
-        at_scale = df[df["scale"] == scale]
-        for variant in sorted(set(at_scale["variant"]) - {baseline}):
-            paired, unpaired = _pairs(at_scale, variant, baseline, [metric])
-            deltas = paired[f"{metric}|v"].to_numpy(float) - paired[f"{metric}|b"].to_numpy(float)
-            results.append(
-                _summarise(scale, variant, baseline, metric, paired["seed"].tolist(), deltas, unpaired,
-                           better_high, n_resamples, seed)
-            )
+    for scale, variant, paired, unpaired in _comparisons(df, baseline, [metric]):
+        deltas = paired[f"{metric}|v"].to_numpy(float) - paired[f"{metric}|b"].to_numpy(float)
+        results.append(_summarise(scale, variant, baseline, metric, paired["seed"].tolist(), deltas, unpaired,
+                                  better_high, n_resamples, seed))
     return results
 
 
-def joint_bootstrap(
-    df: pd.DataFrame, metrics: Sequence[str], baseline: str, n_resamples: int = 9999, seed: int = 0
-) -> list[JointResult]:
-    """Per (scale, variant): CI of the mean-across-metrics delta, resampling whole seeds.
-
-    Each bootstrap draw picks seed indices once and uses them for every metric, so correlation between tasks
-    (a lucky seed is lucky on all of them) stays in the interval. Metrics must share a direction.
-    """
+def joint_bootstrap(df: pd.DataFrame, metrics: Sequence[str], baseline: str, n_resamples: int = 9999, seed: int = 0
+                    ) -> list[JointResult]:
+    """Per (scale, variant): the interval of the mean-across-metrics delta, each draw resampling whole seeds for every
+    metric, so a seed lucky on all tasks stays lucky in the resample. Metrics must share a direction."""
     metrics = list(metrics)
     _check(df, metrics, baseline)
     if len({is_higher_better(m) for m in metrics}) > 1:
-        raise StudyError(
-            "metrics", f"{metrics} mix higher- and lower-is-better metrics", "average only metrics of one direction"
-        )
-    df = _narrow(df, metrics)
+        raise StudyError("metrics", f"{metrics} mix higher- and lower-is-better metrics",
+                         "average only metrics of one direction")
     results = []
+    for scale, variant, paired, _ in _comparisons(_narrow(df, metrics), baseline, metrics):
+        # the mean over tasks of per-task mean deltas is the mean over seeds of each seed's task-mean delta, so
+        # resampling rows of that per-seed vector is exactly resampling seeds jointly for every task
+        per_seed = np.mean([paired[f"{m}|v"].to_numpy(float) - paired[f"{m}|b"].to_numpy(float)
+                            for m in metrics], axis=0)
+        low, high, method = _bootstrap(per_seed, n_resamples, seed)
+        mean = float(per_seed.mean()) if len(per_seed) else math.nan
+        low, high = enclosing(low, high, mean)
+        results.append(JointResult(scale, variant, baseline, metrics, len(per_seed), mean, low, high, method,
+                                   paired["seed"].tolist()))
+    return results
+
+
+def _comparisons(df: pd.DataFrame, baseline: str, metrics: Sequence[str]):
+    """(scale, variant, seed-aligned pairs, unpaired runs) of every variant but the baseline, scale by scale."""
     for scale in scale_order(df):
         at_scale = df[df["scale"] == scale]
         for variant in sorted(set(at_scale["variant"]) - {baseline}):
-            paired, _ = _pairs(at_scale, variant, baseline, metrics)
-            # The mean over tasks of per-task mean deltas is the mean over seeds of each seed's task-mean delta,
-            # so resampling rows of that per-seed vector is exactly resampling seeds jointly for every task.
-            per_seed = np.mean([paired[f"{m}|v"].to_numpy(float) - paired[f"{m}|b"].to_numpy(float)
-                                for m in metrics], axis=0)
-            low, high, method = _bootstrap(per_seed, n_resamples, seed)
-            mean = float(per_seed.mean()) if len(per_seed) else math.nan
-            low, high = enclosing(low, high, mean)
-            results.append(JointResult(scale, variant, baseline, metrics, len(per_seed), mean, low, high, method,
-                                       paired["seed"].tolist()))
-    return results
+            yield scale, variant, *_pairs(at_scale, variant, baseline, metrics)
 
 
 def _check(df: pd.DataFrame, metrics: Sequence[str], baseline: str) -> None:
@@ -208,15 +189,14 @@ _PAIRING = ("run_id", "run_key", "variant", "scale", "seed", "status", "failure_
 
 
 def _narrow(df: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
-    """Only the columns pairing reads, strings as Python objects: every row selection copies each column, and
-    copying Arrow-backed strings was most of the report's statistics time."""
+    """Only the columns pairing reads, strings as Python objects (copying Arrow-backed strings on every row selection
+    was most of the report's statistics time)."""
     narrow = df[[c for c in _PAIRING if c in df.columns] + list(metrics)]
     return narrow.astype({c: object for c in narrow.columns if pd.api.types.is_string_dtype(narrow[c])})
 
 
-def _pairs(
-    at_scale: pd.DataFrame, variant: str, baseline: str, metrics: Sequence[str]
-) -> tuple[pd.DataFrame, list[UnpairedRun]]:
+def _pairs(at_scale: pd.DataFrame, variant: str, baseline: str, metrics: Sequence[str]
+           ) -> tuple[pd.DataFrame, list[UnpairedRun]]:
     """Seed-aligned finished runs of both sides, and every run of either side that cannot be used."""
     unpaired: list[UnpairedRun] = []
     chosen = {}
@@ -246,15 +226,13 @@ def _pairs(
 
 
 def _unpaired(run: pd.Series, reason: str, seed: int | None = None) -> UnpairedRun:
-    return UnpairedRun(
-        run_id=run["run_id"], run_key=run["run_key"], variant=run["variant"], scale=run["scale"],
-        seed=int(run["seed"] if seed is None else seed), status=run["status"], reason=reason,
-    )
+    return UnpairedRun(run["run_id"], run["run_key"], run["variant"], run["scale"],
+                       int(run["seed"] if seed is None else seed), run["status"], reason)
 
 
 def spread(deltas: np.ndarray) -> float:
-    """The deltas' sample sd, 0 when they are equal up to rounding (an accuracy on the same items, one item apart in
-    every pair): a t test or interval would otherwise read the rounding noise as their spread. NaN below 2 pairs."""
+    """The deltas' sample sd, 0 when they are equal up to rounding (so no test reads rounding noise as spread); NaN
+    below 2 pairs."""
     if len(deltas) < 2:
         return math.nan
     if np.allclose(deltas, deltas[0], rtol=1e-9, atol=1e-12):
@@ -262,33 +240,30 @@ def spread(deltas: np.ndarray) -> float:
     return float(np.std(deltas, ddof=1))
 
 
-def _summarise(
-    scale: str, variant: str, baseline: str, metric: str, seeds: list[int], deltas: np.ndarray,
-    unpaired: list[UnpairedRun], better_high: bool, n_resamples: int, seed: int,
-) -> PairedResult:
+def t_interval(level: float, n: int, mean: float, sd: float) -> tuple[float, float]:
+    """The t interval at ``level`` of the mean of ``n`` paired deltas whose sample sd is ``sd``."""
+    from scipy import stats
+
+    low, high = stats.t.interval(level, n - 1, loc=mean, scale=sd / math.sqrt(n))
+    return float(low), float(high)
+
+
+def _summarise(scale: str, variant: str, baseline: str, metric: str, seeds: list[int], deltas: np.ndarray,
+               unpaired: list[UnpairedRun], better_high: bool, n_resamples: int, seed: int) -> PairedResult:
     from scipy import stats
 
     n = len(deltas)
     mean = float(np.mean(deltas)) if n else math.nan
     sd = spread(deltas)
-    if n < 2:
-        ci = (math.nan, math.nan)
-    elif sd == 0:
-        ci = (mean, mean)
-    else:
-        ci = tuple(float(x) for x in stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=sd / math.sqrt(n)))
+    ci = (math.nan, math.nan) if n < 2 else (mean, mean) if sd == 0 else t_interval(CONFIDENCE, n, mean, sd)
     boot_low, boot_high, method = (_bootstrap(deltas, n_resamples, seed) if n_resamples > 0
                                    else (math.nan, math.nan, "none"))
     boot_low, boot_high = enclosing(boot_low, boot_high, mean)
     p = float(stats.wilcoxon(deltas).pvalue) if n >= 2 and np.any(deltas != 0) else math.nan
     wins = deltas > 0 if better_high else deltas < 0
     win_rate = float(np.mean(wins)) if n else math.nan
-    return PairedResult(
-        scale=scale, variant=variant, baseline=baseline, metric=metric, n=n, mean_delta=mean, sd_delta=sd,
-        ci_low=ci[0], ci_high=ci[1], boot_ci_low=boot_low, boot_ci_high=boot_high, p_wilcoxon=p,
-        win_rate=win_rate, boot_method=method, higher_is_better=better_high, seeds=[int(s) for s in seeds],
-        deltas=[float(d) for d in deltas], unpaired=unpaired,
-    )
+    return PairedResult(scale, variant, baseline, metric, n, mean, sd, ci[0], ci[1], boot_low, boot_high, p, win_rate,
+                        method, better_high, [int(s) for s in seeds], [float(d) for d in deltas], unpaired)
 
 
 def _bootstrap(per_seed: np.ndarray, n_resamples: int, seed: int) -> tuple[float, float, str]:
@@ -314,9 +289,8 @@ def _bootstrap(per_seed: np.ndarray, n_resamples: int, seed: int) -> tuple[float
 
 
 def enclosing(low: float, high: float, point: float) -> tuple[float, float]:
-    """[low, high] taken out to `point` where it misses it: a percentile or BCa interval of a statistic over few
-    resamples, or of a nonlinear one, need not hold the estimate it is the interval of, and a report that prints an
-    estimate outside its own interval says nothing readable. An interval not computed (NaN) stays as it is."""
+    """[low, high] taken out to `point` where it misses it (a percentile or BCa interval over few resamples, or of a
+    nonlinear statistic, need not hold its estimate); an interval not computed (NaN) stays as it is."""
     if math.isnan(low) or math.isnan(high) or math.isnan(point):
         return low, high
     return min(low, point), max(high, point)
