@@ -1,23 +1,11 @@
 """Effective compute: how many times a variant's training compute the baseline needs to reach the variant's loss.
 
-Each run's compute comes from its own records: ``resolved.flops_per_token`` (the matched model's training FLOPs per
-token, attention included) times ``recipe.tokens``. Where a run lacks either, every run of the experiment falls back
-to 6 N D (N = counted parameters, D = the recipe's tokens, else steps x global batch x sequence length) and the report
-names the fallback: one rule for all runs, because 6 N D leaves out the attention FLOPs, which differ between arms,
-and a mix of the two would shift some arms against others.
-
-Each variant's final loss is fitted against its compute with the scaling fits of :mod:`analysis.scaling` (the same
-form, Huber loss and seed-cluster bootstrap, the same draws for every variant). At a compute C of the variant,
-``k(C) = C_base(L_variant(C)) / C`` with ``C_base`` the inverse of the baseline's fit: k = 1.5 says the baseline
-needs 1.5 times the variant's compute to reach its loss. k is read at each scale (the variant's median compute
-there) and at the centre of the fitted range (the geometric mean of the variant's observed compute, where the fit
-is best determined). Its interval is the percentile interval of k over the paired bootstrap draws in which both fits
-converged; a draw whose baseline fit never comes down to the variant's loss (it lies below that fit's E) counts as an
-infinite k. A 95 % interval needs seeds enough to resample: below :data:`analysis.decide.BOOTSTRAP_MIN_N` seeds
-(the rule the paired bootstrap follows: 2 seeds give 3 distinct resamples, 3 give 10) the interval is the range of k
-over the draws instead, labelled ``range``, with no coverage claimed. Either is taken out to k itself where it
-misses it (:func:`analysis.paired.enclosing`): k is a nonlinear function of two fits, so its draws need not surround
-it.
+Each variant's final loss is fitted against its training compute with :mod:`analysis.scaling`'s fits (the same draws
+for every variant), and ``k(C) = C_base(L_variant(C)) / C``, read at each scale's median compute and at the centre of
+the fitted range. Compute is each run's ``resolved.flops_per_token`` x ``recipe.tokens``, or 6 N D for every run when
+any lacks them (one rule for all: 6 N D leaves out attention FLOPs, which differ between arms). The interval of k is
+the percentile interval of its paired draws from :data:`analysis.decide.BOOTSTRAP_MIN_N` seeds, their range below, a
+draw whose baseline never reaches the loss counting as infinite. analysis/README.md ("Effective compute") has the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.decide import BOOTSTRAP_MIN_N
-from analysis.paired import CONFIDENCE, enclosing
+from analysis.paired import TAILS, enclosing
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant, in_order
@@ -42,8 +30,7 @@ SIX_N_D = "6 N D"
 """Name of the fallback: 6 x counted parameters x training tokens."""
 
 PERCENTILE, RANGE = "95%", "range"
-"""What a multiplier's interval is: the percentile interval of its draws, or (below BOOTSTRAP_MIN_N seeds) their
-range."""
+"""A multiplier's interval: the percentile interval of its draws, or their range (below BOOTSTRAP_MIN_N seeds)."""
 
 
 @dataclass(frozen=True)
@@ -67,15 +54,11 @@ class Multiplier(JsonRecord):
     fitted_range: bool = False
     """True for the row read at the centre of the fitted range rather than at one scale."""
     interval: str = PERCENTILE
-    """``95%``: the percentile interval of k over the draws; ``range``: their lowest and highest k, when fewer than
-    BOOTSTRAP_MIN_N seeds leave too few distinct resamples for a 95 % interval (no coverage is claimed)."""
+    """``95%`` (percentile interval of the draws) or ``range`` (below BOOTSTRAP_MIN_N seeds; no coverage claimed)."""
     seeds: int = 0
     """Seeds the bootstrap resamples: the fewer of the variant's and the baseline's."""
     read_at: str = ""
-    """On an L(N, D) surface (analysis.surface): ``frontier`` (between the arms' compute-optimal frontiers) or
-    ``planned N`` (at the variant's planned size, where a frontier's minimum lies beyond the searched sizes); empty
-    for a fit against compute or an L(D) curve."""
-
+    """On an L(N, D) surface: ``frontier`` or ``planned N`` (analysis.surface.FRONTIER, PLANNED); else empty."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +97,8 @@ class EffectiveCompute:
 
 
 def training_compute(runs: pd.DataFrame) -> tuple[pd.Series, str, str]:
-    """(compute per run in FLOPs, how it was counted, why the fallback was taken or "").
-
-    ``runs`` has the columns of :func:`analysis.run_table.read_runs`. The fallback is taken when any finished run lacks
-    ``resolved.flops_per_token`` or ``recipe.tokens``; a run that has neither its FLOPs nor a way to count its
-    tokens gets NaN and stays out of the fits.
-    """
+    """(compute per run in FLOPs, how it was counted, why the fallback was taken or "") of
+    :func:`analysis.run_table.read_runs` rows; a run with no way to count it gets NaN and stays out of the fits."""
     finished = runs["status"] == FINISHED
     direct = runs["flops_per_token"] * runs["tokens"]
     missing = finished & direct.isna()
@@ -137,11 +116,8 @@ def effective_compute(runs: pd.DataFrame, baseline: str, metric: str = "val/loss
                       seed: int = 0, by_params: Mapping[str, ScalingFit] | None = None) -> EffectiveCompute:
     """Each variant's compute multiplier against ``baseline`` from fits of ``metric`` against training compute.
 
-    ``by_params``: the variants' fits against counted parameters (:func:`analysis.scaling.scaling_report`, drawn
-    with the same ``n_boot`` and ``seed``), when made. Across a variant's runs compute goes nearly as a power of N
-    (C ~ N^gamma: tokens and FLOPs per token both grow with N), so its fit against N, with alpha / gamma for alpha,
-    lies next to the compute fit's optimum: it replaces the grid of nine starts, and each of its bootstrap draws
-    starts the same draw's compute refit, which then converges in a few steps.
+    ``by_params``: the fits against counted parameters (same ``n_boot`` and ``seed``), when made. Compute goes nearly
+    as N^gamma, so each of them, with alpha / gamma, starts the compute fit of its draw near its optimum.
     """
     compute, source, fallback = training_compute(runs)
     frame = runs.assign(compute=compute)
@@ -175,8 +151,7 @@ def effective_compute(runs: pd.DataFrame, baseline: str, metric: str = "val/loss
 
 
 def _starts(points: pd.DataFrame, by_params: ScalingFit | None) -> tuple[list[float] | None, list[list[float]]]:
-    """(E, b, alpha) of the fit against N carried over to compute, and of each of its bootstrap draws; (None, [])
-    without a usable fit."""
+    """(E, b, alpha) of the fit against N carried over to compute, and of each of its draws; (None, []) without one."""
     known = points[points["params_counted"].notna()]
     if by_params is None or by_params.form == "none" or known["scale"].nunique() < 2:
         return None, []
@@ -196,23 +171,26 @@ def multiplier(variant: ScalingFit, baseline: ScalingFit, compute: float) -> flo
 
 def _multiplier(fit: ScalingFit, reference: ScalingFit, pairs: list[tuple[ScalingFit, ScalingFit]], compute: float,
                 scale: str, seeds: int, fitted_range: bool = False) -> Multiplier:
-    """k at ``compute`` from the point fits, its interval from the paired draws (variant fit, baseline fit): their
-    percentile interval from BOOTSTRAP_MIN_N seeds on, their range below, either one taken out to k."""
+    """k at ``compute`` from the point fits, its :func:`interval` from the paired draws (variant fit, baseline fit)."""
     k = multiplier(fit, reference, compute)
-    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+    kind = interval_kind(seeds)
     low, high = interval(np.array([multiplier(v, b, compute) for v, b in pairs]), k, kind)
     return Multiplier(fit.variant, scale, compute, k, low, high, len(pairs), fitted_range, kind, seeds)
 
 
+def interval_kind(seeds: int) -> str:
+    """:data:`PERCENTILE` from BOOTSTRAP_MIN_N seeds (too few distinct resamples below), else :data:`RANGE`."""
+    return PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+
+
 def interval(values: np.ndarray, point: float, kind: str) -> tuple[float, float]:
     """The percentile interval (:data:`PERCENTILE`) or range (:data:`RANGE`) of ``values``, taken out to ``point``
-    (:func:`analysis.paired.enclosing`); NaN without values. Infinite values stay infinite (inverted_cdf picks drawn
-    values instead of interpolating to NaN)."""
+    (:func:`analysis.paired.enclosing`); NaN without values; inverted_cdf keeps infinite values infinite."""
     values = values[~np.isnan(values)]
     if not len(values):
         return (math.nan, math.nan)
     if kind == RANGE:
         low, high = float(values.min()), float(values.max())
     else:
-        low, high = np.quantile(values, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2], method="inverted_cdf")
+        low, high = np.quantile(values, TAILS, method="inverted_cdf")
     return enclosing(float(low), float(high), float(point))

@@ -1,22 +1,10 @@
-"""Loss-versus-size fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross. N is
-counted parameters, or training compute for effective compute (:mod:`analysis.compute`).
-
-The fit follows the corrections Besiroglu et al. (2024) made to Chinchilla's approach 3: it minimises a Huber
-loss (delta = 1e-3) of the log residuals ``log L_fit - log L_obs`` rather than squared errors, from a grid of starts
-(the best one kept), so one odd run cannot drag the law and a local minimum is not mistaken for the fit. It is done
-in a centred form, ``L = E + exp(b - alpha * (ln N - ln N_ref))`` with N_ref the geometric mean of the observed
-sizes, because ``A`` in raw units spans many orders of magnitude and is nearly collinear with ``alpha``.
-Uncertainty comes from a seed-cluster bootstrap: a drawn seed brings its runs at every scale and for every variant,
-so the crossing of two variants is bootstrapped from the same draws; a draw that repeats a multiset of seeds
-reuses its fit. The saturating law needs four distinct scales, a pure power law (E = 0) three; below three scales no
-fit is made. With four scales or more, the fit without the largest scale predicts it, which tells how far the law
-can be trusted beyond the data.
-
-A fit is a function of its points, never of their order. Seed noise of a few percent puts most log residuals past the
-Huber threshold, where the loss is the sum of their absolute values: between two seeds of one scale every value
-fits equally well, and the minimum is a flat set whose point the descent reaches depends on the rounding of sums
-taken in row order (the order a store returns runs in). The points are put in one order (:func:`in_order`) before
-every fit.
+"""Loss-versus-size fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross; N is counted
+parameters, or training compute (:mod:`analysis.compute`). Besiroglu et al. (2024)'s corrections to Chinchilla's
+approach 3: a Huber loss (delta = 1e-3) of the log residuals from a grid of starts, in the centred form
+``E + exp(b - alpha (ln N - ln N_ref))`` (raw A is nearly collinear with alpha). Uncertainty is a seed-cluster
+bootstrap shared by every variant draw by draw (:func:`seed_draws`), so crossings come from paired draws. Seed noise
+leaves the Huber minimum flat between seeds, so every fit first sorts its points (:func:`in_order`) and is a function
+of the runs, not of their order. analysis/README.md ("Statistics") has the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.paired import CONFIDENCE
+from analysis.paired import TAILS
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED
 
@@ -170,11 +158,8 @@ class ScalingReport:
 def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 200, seed: int = 0,
                 size: str = "params_counted", start: Sequence[float] | None = None,
                 draw_starts: Sequence[Sequence[float]] = ()) -> ScalingFit:
-    """Fit one variant's finished runs (columns scale, seed, ``size`` and ``metric``) against N = ``size``.
-
-    ``start`` (E, b, alpha) replaces the grid of starts for the point fit when the optimum is known to lie near it
-    (the grid is the fallback when that fit fails); ``draw_starts`` gives bootstrap draw i its own start (a row of
-    NaN, or no row: the point fit)."""
+    """Fit one variant's finished runs (columns scale, seed, ``size`` and ``metric``) against N = ``size``; ``start``
+    (E, b, alpha) replaces the grid of starts (the grid is the fallback), ``draw_starts`` row i starts draw i."""
     points = in_order(points, [size, "seed", metric])
     n_scales = points["scale"].nunique()
     base = dict(variant=variant, metric=metric, n_points=len(points), n_scales=n_scales, size=size)
@@ -196,29 +181,20 @@ def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 2
     A = math.exp(b + alpha * log_ref)
     boots = _bootstrap(points, metric, size, log_ref, saturating, theta, n_boot, seed, draw_starts)
     finite = boots[np.all(np.isfinite(boots), axis=1)]
-    quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
-    E_boot = tuple(np.quantile(finite[:, 0], quantiles)) if len(finite) else (math.nan, math.nan)
-    alpha_boot = tuple(np.quantile(finite[:, 2], quantiles)) if len(finite) else (math.nan, math.nan)
+    E_boot, alpha_boot = np.quantile(finite[:, [0, 2]], TAILS, axis=0).T if len(finite) else np.full((2, 2), math.nan)
     return ScalingFit(
         form="E + A*N^-alpha" if saturating else "A*N^-alpha", status=status, n_min=float(n.min()),
         n_max=float(n.max()), E=float(E), A=A, alpha=float(alpha), E_sd=float(sd[0]),
         A_sd=A * math.sqrt(var_log_a) if np.isfinite(var_log_a) and var_log_a >= 0 else math.nan,
         alpha_sd=float(sd[2]), E_boot=tuple(map(float, E_boot)), alpha_boot=tuple(map(float, alpha_boot)),
-        boot_fits=len(finite), log_ref=log_ref, boots=[list(map(float, row)) for row in boots], **base,
-    )
+        boot_fits=len(finite), log_ref=log_ref, boots=[list(map(float, row)) for row in boots], **base)
 
 
-def scaling_report(
-    df: pd.DataFrame, baseline: str, metric: str = "val/loss", n_range: tuple[float, float] | None = None,
-    n_boot: int = 200, seed: int = 0, size: str = "params_counted",
-) -> ScalingReport:
+def scaling_report(df: pd.DataFrame, baseline: str, metric: str = "val/loss",
+                   n_range: tuple[float, float] | None = None, n_boot: int = 200, seed: int = 0,
+                   size: str = "params_counted") -> ScalingReport:
     """Fit every variant on its finished runs against N = ``size`` and find where each crosses the baseline within
-    ``n_range``.
-
-    The default range runs from the smallest observed size to ``EXTRAPOLATE`` times the largest. Every variant's
-    bootstrap uses the same seed draws (the same generator seed), so draw i of two variants resamples the same
-    seeds and their crossing in draw i is a paired quantity.
-    """
+    ``n_range`` (default: the smallest observed size to ``EXTRAPOLATE`` times the largest)."""
     usable = df[(df["status"] == FINISHED) & df[metric].notna() & df[size].notna()]
     fits = {v: fit_variant(g, v, metric, n_boot, seed, size) for v, g in usable.groupby("variant", sort=True)}
     if n_range is None:
@@ -251,8 +227,7 @@ def _crossing_with_interval(a: ScalingFit, b: ScalingFit, n_range: tuple[float, 
     if not pairs:
         return Crossing(sizes)
     firsts = [found[0] for found in (crossing(x, y, n_range, grid=128) for x, y in pairs) if found]
-    quantiles = [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2]
-    low, high = (np.quantile(firsts, quantiles) if firsts else (math.nan, math.nan))
+    low, high = np.quantile(firsts, TAILS) if firsts else (math.nan, math.nan)
     return Crossing(sizes, float(low), float(high), len(firsts) / len(pairs), len(pairs))
 
 
@@ -279,15 +254,10 @@ def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: i
             for i in np.flatnonzero(np.sign(values[:-1]) * np.sign(values[1:]) < 0)]
 
 
-def _fit(
-    n: np.ndarray, loss: np.ndarray, log_ref: float, saturating: bool, start: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(E, b, alpha) and their 3x3 covariance; E is 0 with zero variance for the pure power law.
-
-    Huber loss on log residuals from every start of a small grid (or from ``start`` alone, for bootstrap refits
-    near the full fit); the lowest loss wins (:func:`huber_fit`), so the fit and its covariance are scipy's; the
-    covariance is the Gauss-Newton one of the log residuals.
-    """
+def _fit(n: np.ndarray, loss: np.ndarray, log_ref: float, saturating: bool, start: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """(E, b, alpha) from the grid of starts (or ``start`` alone) and their Gauss-Newton covariance of the log
+    residuals; E is 0 with zero variance for the pure power law."""
     lower, upper = _bounds(float(loss.min()), saturating)
     if start is not None:
         starts = np.asarray([start if saturating else start[1:]], float)
@@ -325,14 +295,13 @@ def _bounds(floor: float, saturating: bool) -> tuple[np.ndarray, np.ndarray]:
 
 
 OUTLIER_CURVATURE = 1e-2
-"""Curvature the descent gives a residual past the Huber threshold (whose true curvature is 0): with none, a draw
-whose few inliers leave a direction flat stalls short of its minimum; from 1e-4 to 1e-2 every draw of the
-benchmark store ends within rounding of the same minimum, at a cost never above scipy's."""
+"""Curvature the descent gives a residual past the Huber threshold (truly 0): with none, a draw whose few inliers
+leave a direction flat stalls short of its minimum (1e-4 to 1e-2 all end at the same minimum)."""
 
 
 def _log_power_law(x: np.ndarray, saturating: bool):
-    """The log of ``E + exp(b - alpha x)`` (E = 0 for the pure power law) for rows of (E, b, alpha), or (b, alpha),
-    and its Jacobian: the model :func:`huber_descent` fits, x = ln N - ln N_ref."""
+    """The log of ``E + exp(b - alpha x)`` (E = 0 for the pure power law) and its Jacobian, x = ln N - ln N_ref: the
+    model :func:`huber_descent` fits."""
 
     def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         E, b, alpha = (th[:, 0:1], th[:, 1:2], th[:, 2:3]) if saturating else (0.0, th[:, 0:1], th[:, 1:2])
@@ -345,20 +314,14 @@ def _log_power_law(x: np.ndarray, saturating: bool):
     return model
 
 
-def huber_descent(
-    model, log_loss: np.ndarray, weights: np.ndarray, starts: np.ndarray, lower: np.ndarray, upper: np.ndarray,
-    max_iter: int = 2000,
-) -> tuple[np.ndarray, np.ndarray]:
+def huber_descent(model, log_loss: np.ndarray, weights: np.ndarray, starts: np.ndarray, lower: np.ndarray,
+                  upper: np.ndarray, max_iter: int = 2000) -> tuple[np.ndarray, np.ndarray]:
     """Minimise the weighted Huber loss of log residuals for many problems at once: (parameters, cost) per row.
 
-    Row d fits ``model(theta)[0][d] - log_loss`` with point weights ``weights[d]`` (a bootstrap draw's
-    multiplicities; 0 leaves a point out) from ``starts[d]`` within ``lower[d]``..``upper[d]``; ``model`` maps rows
-    of parameters to (log of the fitted curve at every point, its Jacobian: rows x points x parameters). Projected
-    Levenberg-Marquardt: the Gauss-Newton model of the Huber loss (curvature 1 inside the threshold,
-    :data:`OUTLIER_CURVATURE` past it), variables at a bound that the gradient pushes outward held there, a step
-    kept only when it lowers the row's cost. Rows stop when a kept step moves no parameter by 1e-10 relative and
-    lowers the cost by less than 1e-15 relative, or their damping runs away; a row whose cost is never finite
-    returns NaN.
+    Row d fits ``model(theta)[0][d] - log_loss`` with point weights ``weights[d]`` (a draw's multiplicities) from
+    ``starts[d]`` within its bounds; ``model`` maps rows of parameters to (log fit at every point, Jacobian). Projected
+    Levenberg-Marquardt on the Gauss-Newton model of the Huber loss, a step kept only when it lowers the row's cost,
+    until it stalls (1e-10 relative move, 1e-15 relative gain) or its damping runs away; NaN where never finite.
     """
     delta, k = HUBER_DELTA, starts.shape[1]
     ceiling = np.nextafter(upper, -np.inf)
@@ -404,10 +367,9 @@ def huber_descent(
 
 
 def huber_fit(model, log_loss: np.ndarray, starts: np.ndarray, lower: np.ndarray, upper: np.ndarray):
-    """scipy's ``least_squares`` result minimising the Huber loss of ``model(theta)[0][0] - log_loss`` within
-    ``lower``..``upper`` (``model`` as :func:`huber_descent` takes it), from the first start whose fit is finite; None
-    when none is. Several starts are first descended together and tried from the lowest cost: nine scipy descents
-    cost nine times scipy's per-call overhead, and one batched descent finds the best basin."""
+    """scipy's ``least_squares`` Huber fit of ``model`` (as :func:`huber_descent` takes it) from the first start whose
+    fit is finite, None when none is; several starts are first descended together (one batched descent finds the
+    best basin at one call's overhead) and tried from the lowest cost."""
     from scipy.optimize import least_squares
 
     ceiling = np.nextafter(upper, -np.inf)
@@ -429,18 +391,11 @@ def huber_fit(model, log_loss: np.ndarray, starts: np.ndarray, lower: np.ndarray
     return None
 
 
-def _bootstrap(
-    points: pd.DataFrame, metric: str, size: str, log_ref: float, saturating: bool, theta: np.ndarray, n_boot: int,
-    seed: int, draw_starts: Sequence[Sequence[float]] = (),
-) -> np.ndarray:
-    """Refits on seeds resampled with replacement (a drawn seed brings its runs at every scale).
-
-    Row i is draw i; a draw that cannot be fitted is a row of NaN, so the draws of two variants stay aligned. A
-    draw is a multiset of seeds, and few seeds have few multisets (5 seeds: 126, and 200 draws hit about 90 of
-    them), so each distinct multiset is fitted once, from the start of the first draw that made it, and its fit
-    reused by every draw that repeats it. A multiset is the same points weighted by how often each seed was drawn,
-    so all of them are fitted in one batched descent (:func:`huber_descent`).
-    """
+def _bootstrap(points: pd.DataFrame, metric: str, size: str, log_ref: float, saturating: bool, theta: np.ndarray,
+               n_boot: int, seed: int, draw_starts: Sequence[Sequence[float]] = ()) -> np.ndarray:
+    """Row i: the refit on seed-bootstrap draw i (NaN where it cannot be fitted, so two variants' draws stay aligned).
+    Each distinct multiset of seeds (5 seeds: about 90 among 200 draws) is fitted once, from the start of the first
+    draw that made it, as weighted points in one batched descent."""
     if points["seed"].nunique() < 2 or n_boot <= 0:
         return np.empty((0, 3))
     n = points[size].to_numpy(float)
@@ -467,16 +422,14 @@ def _bootstrap(
 
 
 def in_order(points: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
-    """``points`` sorted by ``columns`` (size first, then seed and value), so that a fit sums them in the same order
-    whatever order they were read in."""
+    """``points`` sorted by ``columns`` (size, seed, value): a fit sums them in one order whatever their order."""
     return points.sort_values(list(columns), kind="stable", ignore_index=True)
 
 
 def seed_draws(point_seeds: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The seed-cluster bootstrap's draws over points whose seeds are ``point_seeds``: (per distinct multiset of
-    seeds, in the order first drawn, each point's weight: how often its seed was drawn; the multiset of each of the
-    ``n_boot`` draws). Every fit that draws with the same ``seed`` over as many seeds draws the same seeds in draw i,
-    so draw i of two fits is a paired resample."""
+    """The seed-cluster bootstrap over points with seeds ``point_seeds``: (each point's weight in each distinct multiset
+    of seeds, in the order first drawn; each draw's multiset). Fits drawn with the same ``seed`` over as many seeds
+    draw the same seeds in draw i: a paired resample."""
     seeds = np.unique(point_seeds)
     rng = np.random.default_rng(seed)
     first: dict[tuple[int, ...], int] = {}

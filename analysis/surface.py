@@ -1,43 +1,11 @@
 """Loss against parameters and training tokens per arm, ``L(N, D) = E + A / N^alpha + B / D^beta``, fitted to the
-endpoints of an experiment's decay branches, and what the fitted surfaces say at the planned compute.
-
-Points: every finished decay branch (``study.role=branch``) with its final metric, N = counted parameters and D = the
-branch's own training tokens (``recipe.tokens``); each seed is a point. A branch equals the straight WSD run of its
-length, so the branches of one trunk are as many training budgets of one model. Trunks never enter: a trunk's last
-loss is not the end of a schedule.
-
-The fit is Hoffmann et al. (2022)'s approach 3 as :mod:`analysis.scaling` fits L(N), with Besiroglu et al. (2024)'s
-corrections: a Huber loss (delta = 1e-3) of the log residuals, minimised from every start of a small grid (the lowest
-end kept), in the centred form ``E + exp(a - alpha (ln N - ln N_ref)) + exp(b - beta (ln D - ln D_ref))`` with N_ref,
-D_ref the geometric means of the points. Uncertainty is the seed-cluster bootstrap of the L(N) fits, with the same
-draws (:func:`analysis.scaling.seed_draws`: a drawn seed brings its branches at every scale and point, and draw i of
-every arm resamples the same seeds); each distinct multiset of seeds is fitted once, from the point fit. Intervals
-follow :mod:`analysis.compute`: the 95 % percentile interval of the draws from
-:data:`analysis.decide.BOOTSTRAP_MIN_N` seeds, below that their range (labelled ``range``, no coverage claimed), either
-one taken out to the point estimate where it misses it.
-
-A surface needs as many distinct (N, D) as its five parameters, and three sizes: at two, E, A and alpha meet the data
-only through the two values E + A N^-alpha, and any E below the losses fits as well as another. With fewer sizes each
-arm is fitted at each scale as ``L(D) = E + B / D^beta`` (E is then the loss that size would reach on unlimited
-tokens), which needs three distinct D. Fewer points than that: no fit, and the status says so.
-
-Compute is FLOPs, never tokens: arms matched in parameters differ in FLOPs per token (attention), and an effective
-speedup read in tokens would credit an arm with FLOPs it spends per token. An arm's FLOPs per token F(N) comes from its
-runs' records (``resolved.flops_per_token``): the ratio F / 6N interpolated in ln N between the arm's sizes and held at
-the end ratios beyond them, so F at a run's own size is the run's own figure; compute is C = F(N) D. Where a branch
-lacks those params every run counts 6 N D instead (:func:`analysis.compute.training_compute`: one rule for all).
-
-Planned compute of an arm at a scale: the median over its branches there of F x the planned run's tokens (a branch's
-tokens over its point ``at``). There the compute-optimal N and D minimise the fitted surface along the iso-FLOP line
-C = F(N) D, and a variant's effective-compute multiplier k is the compute at which the baseline's frontier (its
-surface's minimum along the iso-FLOP line) comes down to the variant's frontier loss at the variant's planned compute,
-over that compute: k = 1.5 says the baseline needs 1.5 times the FLOPs for the loss the variant reaches. k beyond
-:data:`K_MAX` either way is taken as never (inf) or 0. The iso-FLOP line is searched a decade (:data:`SEARCH`) beyond
-the sizes fitted; where either arm's minimum lies beyond that, the frontier there is the surface at the search's
-edge, not an optimum, and k is read at the variant's planned N instead (:data:`PLANNED`): the baseline's FLOPs, at
-that N, to its fitted loss equal to the variant's at its planned N and D, over the variant's planned compute. With L(D) fits (one size per arm and scale) there is no
-frontier: k is read at the arm's planned size, the baseline's FLOPs to its fitted loss equal to the variant's at the
-variant's planned tokens, over the variant's planned compute.
+endpoints of an experiment's finished decay branches (N counted parameters, D the branch's tokens, each seed a point;
+trunks never: a trunk's last loss is not the end of a schedule), and what the surfaces say at each scale's planned
+compute: the iso-FLOP line, the compute-optimal N and D, and the effective-compute multiplier k against the baseline.
+The fit and its seed-cluster bootstrap are :mod:`analysis.scaling`'s (draw i of every arm resamples the same seeds),
+the intervals :mod:`analysis.compute`'s. With fewer than :data:`MIN_SIZES` sizes each arm is fitted per scale as
+``L(D) = E + B / D^beta`` and k is read at the planned sizes. Compute is FLOPs from each arm's own runs, never tokens.
+analysis/README.md ("The L(N, D) surface") states the rules in full.
 """
 
 from __future__ import annotations
@@ -50,8 +18,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.compute import PERCENTILE, RANGE, Multiplier, interval, training_compute
-from analysis.decide import BOOTSTRAP_MIN_N
+from analysis.compute import PERCENTILE, Multiplier, interval, interval_kind, training_compute
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import huber_descent, huber_fit, in_order, seed_draws
@@ -66,9 +33,8 @@ MIN_SIZES = 3
 """Distinct sizes (scales) a surface needs: two leave E, A and alpha underdetermined."""
 
 SEARCH = 10.0
-"""The iso-FLOP line is searched from the arm's smallest N over this factor to its largest N times it: a decade beyond
-the sizes fitted each way. Further out the surface is an extrapolation its points do not hold (a reduced ladder's,
-fitted over 8k-33k parameters, put an arm's optimum at 1.3 parameters)."""
+"""The iso-FLOP line is searched a decade beyond the sizes fitted each way: further out the surface is an
+extrapolation its points do not hold (a reduced ladder's put an arm's optimum at 1.3 parameters)."""
 
 FRONTIER, PLANNED = "frontier", "planned N"
 """Where a surface's multiplier is read: between the arms' frontiers (the minima along the iso-FLOP lines), or, where
@@ -84,9 +50,8 @@ SMALLEST_STUDIED = 113_246_208
 """Counted parameters of the smallest scale the shipped comparisons are about (sweeps/scale/113M.yaml)."""
 
 FAR_BELOW = 10.0
-"""A study whose largest size is this many times below SMALLEST_STUDIED gets the report's caveat: losses this far
-down the ladder (a CPU ladder's, a few hundred thousand to a few million parameters, trained on a few hundred
-thousand tokens) test the analysis, not the architectures at the scales their comparisons are about."""
+"""A study whose largest size is this many times below SMALLEST_STUDIED gets the report's caveat (a CPU ladder's
+losses test the analysis, not the architectures)."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +95,7 @@ class SurfaceFit(JsonRecord):
     d_range: tuple[float, float] = (math.nan, math.nan)
     """Smallest and largest D fitted."""
     boots: list[list[float]] = field(default_factory=list, repr=False)
-    """The parameters (PARAMETERS order) of every bootstrap draw in draw order, NaN where it could not be fitted
-    (not recorded)."""
+    """The parameters (PARAMETERS order) of every bootstrap draw, NaN where unfitted (not recorded)."""
     UNRECORDED = ("boots",)
 
     def predict(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
@@ -233,8 +197,7 @@ class SurfaceReport:
     why: str = ""
     """Why there is no surface, for an L(D) report."""
     caveat: str = ""
-    """A sentence for the report when every size fitted is far below the scales the studies are about
-    (:data:`FAR_BELOW`); empty otherwise."""
+    """The report's sentence when every size fitted is far below the studied scales (:data:`FAR_BELOW`), else empty."""
     fits: list[SurfaceFit] = field(default_factory=list)
     """Per arm (per arm and scale for L(D))."""
     optima: list[Optimum] = field(default_factory=list)
@@ -266,9 +229,8 @@ class SurfaceReport:
 
 def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/loss", n_boot: int = 200,
                    seed: int = 0) -> SurfaceReport:
-    """Fit every arm's finished branch endpoints (``branches``: :attr:`analysis.run_table.StudyRuns.branches`) and
-    read the optima and multipliers against ``baseline`` at each scale's planned compute. ``n_boot`` and ``seed`` are
-    the L(N) fits' (:func:`analysis.scaling.scaling_report`), so the bootstrap draws are theirs."""
+    """Fit every arm's finished branch endpoints (:attr:`analysis.run_table.StudyRuns.branches`) and read the optima
+    and multipliers against ``baseline`` at each scale's planned compute; ``n_boot`` and ``seed`` as the L(N) fits'."""
     compute, source, fallback = training_compute(branches)
     tokens = branches["tokens"].fillna(branches["max_steps"] * branches["global_batch"] * branches["seq_len"])
     frame = branches.assign(n=branches["params_counted"].astype(float), d=tokens, compute=compute)
@@ -312,10 +274,8 @@ def _caveat(points: pd.DataFrame) -> str:
 
 def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | float, n_bounds: tuple[float, float]
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N, D, loss) at the minimum of surfaces along iso-FLOP lines: row i of ``params`` (E, A, alpha, B, beta) at
-    ``compute[i]``, searched over N in ``n_bounds`` (a coarse grid in ln N, then golden-section search around its
-    best point). N and D are NaN where the minimum is at an end of the range (it lies beyond); the loss is the
-    lowest found."""
+    """(N, D, loss) at the minimum of surface row i of ``params`` along the iso-FLOP line of ``compute[i]``, N within
+    ``n_bounds`` (a grid in ln N, then golden-section search); N and D are NaN where the minimum lies beyond."""
     params = np.atleast_2d(np.asarray(params, float))
     rows = np.broadcast_shapes((len(params),), np.shape(compute))
     params, compute = np.broadcast_to(params, rows + (5,)), np.broadcast_to(np.asarray(compute, float), rows)
@@ -352,10 +312,9 @@ def frontier(params: np.ndarray, flops: FlopsPerToken, compute: np.ndarray | flo
 
 def compute_to_reach(params: np.ndarray, flops: FlopsPerToken, loss: np.ndarray, near: np.ndarray,
                      n_bounds: tuple[float, float]) -> np.ndarray:
-    """The compute at which each surface's frontier comes down to ``loss`` (row by row), found in ln C between
-    ``near`` / K_MAX and ``near`` x K_MAX (the Illinois variant of regula falsi: the frontier's loss is smooth and
-    monotone in ln C): inf where the frontier stays above ``loss`` there (or ``loss`` is at or below E: never), 0
-    where it is below it already at the low end."""
+    """The compute at which each surface's frontier comes down to ``loss``, searched in ln C within K_MAX of ``near``
+    (Illinois regula falsi: the frontier is smooth and monotone in ln C); inf where it never does, 0 where it is
+    below already at the low end."""
     params = np.atleast_2d(np.asarray(params, float))
     loss, near = np.asarray(loss, float), np.asarray(near, float)
 
@@ -394,8 +353,7 @@ def _loss(params: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 def _planned(points: pd.DataFrame) -> pd.DataFrame:
     """Per (variant, scale): the planned run's N, D and compute (medians over the arm's branches there)."""
-    frame = points.assign(planned_d=points["d"] / points["at"],
-                          planned_c=points["compute"] / points["at"])
+    frame = points.assign(planned_d=points["d"] / points["at"], planned_c=points["compute"] / points["at"])
     return frame.groupby(["variant", "scale"])[["n", "planned_d", "planned_c"]].median()
 
 
@@ -422,9 +380,8 @@ def _enough(form: str, sizes: int, distinct: int) -> str:
 
 def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_boot: int = 200, seed: int = 0,
                 form: str = SURFACE, scale: str = "") -> SurfaceFit:
-    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``), or with ``form``
-    :data:`TOKENS` its L(D) at ``scale`` from its endpoints there; in one order of the points, whatever order they
-    come in (analysis.scaling: seed noise leaves the Huber minimum flat, and row order would pick its point)."""
+    """One arm's L(N, D) from its endpoints (columns scale, seed, n, d and ``metric``), or with ``form`` :data:`TOKENS`
+    its L(D) at ``scale``; the points are put in one order first (:func:`analysis.scaling.in_order`)."""
     points = in_order(points, ["n", "d", "seed", metric])
     sizes, distinct = _counts(_codes(points))
     seeds = points["seed"].nunique()
@@ -435,12 +392,15 @@ def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_
     n, d = points["n"].to_numpy(float), points["d"].to_numpy(float)
     log_loss = np.log(points[metric].to_numpy(float))
     refs = (float(np.mean(np.log(n))), float(np.mean(np.log(d))))
-    theta = _fit(form, n, d, log_loss, refs, _starts(form, points[metric].to_numpy(float)))
-    if theta is None:
+    model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
+    best = huber_fit(model, log_loss, _starts(form, points[metric].to_numpy(float)),
+                     *_bounds(form, float(np.exp(log_loss).min())))
+    if best is None:
         return SurfaceFit(form="none", status="no fit: no start converged", **base)
+    theta = best.x
     boots = _bootstrap(points, form, metric, refs, theta, seeds, n_boot, seed)
     point = _uncentred(form, theta, refs)
-    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+    kind = interval_kind(seeds)
     finite = boots[np.all(np.isfinite(boots), axis=1)]
     intervals = {name: interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
     status = "ok" if distinct > len(theta) else (
@@ -453,8 +413,7 @@ def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_
 
 
 def _starts(form: str, loss: np.ndarray) -> np.ndarray:
-    """The grid of starts (centred parameters): E at 0, half and 0.9 of the lowest loss, the exponents at 0.1, 0.3
-    and 0.6 (analysis.scaling's grid), the terms sharing the rest of the mean loss equally."""
+    """analysis.scaling's grid of starts (centred parameters), the power terms sharing the rest of the mean loss."""
     floor, mean = float(loss.min()), float(loss.mean())
     rows = []
     for e in (0.0, 0.5, 0.9):
@@ -475,8 +434,7 @@ def _bounds(form: str, floor: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
-    """The log of the centred form at every point (xn = ln N - ln N_ref, xd = ln D - ln D_ref) for rows of centred
-    parameters, and its Jacobian: the model :func:`analysis.scaling.huber_descent` fits."""
+    """The log of the centred form and its Jacobian, as :func:`analysis.scaling.huber_descent` takes a model."""
     tokens = form == TOKENS
 
     def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -491,15 +449,6 @@ def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
     return model
 
 
-def _fit(form: str, n: np.ndarray, d: np.ndarray, log_loss: np.ndarray, refs: tuple[float, float],
-         starts: np.ndarray) -> np.ndarray | None:
-    """The centred parameters with the lowest Huber loss of the log residuals, as :mod:`analysis.scaling` fits
-    (:func:`analysis.scaling.huber_fit`); None when no start converges."""
-    model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
-    res = huber_fit(model, log_loss, starts, *_bounds(form, float(np.exp(log_loss).min())))
-    return None if res is None else res.x
-
-
 def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> np.ndarray:
     """PARAMETERS of ``form`` from the centred ones: A = exp(a + alpha ln N_ref), B = exp(b + beta ln D_ref)."""
     if form == TOKENS:
@@ -511,10 +460,8 @@ def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> 
 
 def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, float], theta: np.ndarray,
                seeds: int, n_boot: int, seed: int) -> np.ndarray:
-    """Row i: the parameters (PARAMETERS order) refitted on bootstrap draw i of the ``seeds`` distinct seeds
-    (analysis.scaling's draws), NaN where the drawn seeds leave too few points. A drawn seed brings all its points;
-    a multiset of seeds is the points weighted by how often their seed was drawn, each multiset fitted once from the
-    point fit and reused by every draw that repeats it, all of them in one batched descent."""
+    """Row i: the parameters refitted on analysis.scaling's bootstrap draw i, NaN where the drawn seeds leave too few
+    points; each multiset of seeds is fitted once from the point fit, all in one batched descent."""
     k = len(PARAMETERS[form])
     if seeds < 2 or n_boot <= 0:
         return np.empty((0, k))
@@ -583,9 +530,7 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
 
 def _k_frontier(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, variant: tuple, baseline: tuple
                 ) -> np.ndarray:
-    """k per row: the compute at which the baseline's frontier (surface ``theirs``) comes down to the variant's
-    frontier loss at ``compute`` (surface ``mine``), over ``compute``; ``variant`` and ``baseline`` are each arm's
-    (FLOPs per token, N searched)."""
+    """k per row between the arms' frontiers; ``variant`` and ``baseline`` are each arm's (FLOPs per token, N range)."""
     target = frontier(mine, variant[0], compute, variant[1])[2]
     return compute_to_reach(theirs, baseline[0], target, compute, baseline[1]) / compute
 
@@ -613,9 +558,8 @@ def _tokens_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[s
 
 def _k_at_size(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, sizes: np.ndarray, tokens: np.ndarray,
                flops: np.ndarray) -> np.ndarray:
-    """k per row at one size per scale: the baseline's FLOPs (``flops`` per token at that size) to bring its fitted
-    loss (surface ``theirs``) at N = ``sizes`` down to the variant's at its planned N and ``tokens`` (surface
-    ``mine``), over the variant's planned ``compute``. Rows run over the scales, then repeat them (the draws)."""
+    """k per row at one size per scale: the baseline's FLOPs at N = ``sizes`` to reach the variant's fitted loss at
+    ``sizes`` and ``tokens``, over the variant's planned ``compute``; rows repeat the scales once per draw."""
     reps = len(compute) // len(sizes)
     n, d, f = np.tile(sizes, reps), np.tile(tokens, reps), np.tile(flops, reps)
     target = _loss(mine, n, d)
@@ -629,8 +573,7 @@ def _k_at_size(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, sizes:
 def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: SurfaceFit, reference: SurfaceFit,
                  read, read_at: str = "") -> list[Multiplier]:
     """One Multiplier per scale: k = ``read(variant's parameters, baseline's, compute)`` from the point fits, its
-    interval from the paired draws (draw i of both arms) where both were fitted, by analysis.compute's rule
-    (percentile from BOOTSTRAP_MIN_N seeds, range below); ``read_at`` says where (FRONTIER, PLANNED)."""
+    interval from the paired draws by analysis.compute's rule; ``read_at`` says where (FRONTIER, PLANNED)."""
     k_point = read(np.tile(fit.params(), (len(scales), 1)), np.tile(reference.params(), (len(scales), 1)), compute)
     mine, theirs = fit.draw_params(), reference.draw_params()
     draws = min(len(mine), len(theirs))  # none when either arm has one seed
@@ -640,7 +583,7 @@ def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: Surf
     drawn = (read(np.repeat(mine[both], len(scales), axis=0), np.repeat(theirs[both], len(scales), axis=0),
                   np.tile(compute, pairs)).reshape(pairs, len(scales)) if pairs else np.empty((0, len(scales))))
     seeds = min(fit.seeds, reference.seeds)
-    kind = PERCENTILE if seeds >= BOOTSTRAP_MIN_N else RANGE
+    kind = interval_kind(seeds)
     rows = []
     for k, scale in enumerate(scales):
         low, high = interval(drawn[:, k], float(k_point[k]), kind)
