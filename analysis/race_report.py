@@ -1,9 +1,5 @@
-"""The report's racing section: at which branch point each arm stopped, on which interval, and the GPU-hours that saved.
-
-The race is decided while the study trains (study.launch.racing, analysis.racing); its record is the experiment's
-MLflow run tagged `study.role=racing`, artifact `race_record.json` (`racing.json` in stores written before the
-rename): every rung's verdicts (analysis.racing.RungVerdict's lines) and the stops with the GPU-hours their arms did
-not train (analysis.racing.race_record).
+"""The report's racing section: at which branch point each arm stopped, on which interval, and the GPU-hours that saved,
+from the race's record (the experiment's MLflow ``racing`` run, :func:`analysis.racing.race_record`).
 """
 
 from __future__ import annotations
@@ -15,8 +11,7 @@ from study.schema import ROLE_RACING
 
 
 def read_race(client, experiment_id: str) -> dict | None:
-    """The race's record, None when the experiment never raced (or its record has not reached MLflow). A racing run
-    of a store written before the artifact's rename holds it under its old name."""
+    """The race's record (under its old name in older stores); None when the experiment never raced."""
     for artifact in (RACE_ARTIFACT, RACE_ARTIFACT_BEFORE):
         record = latest_record(client, experiment_id, ROLE_RACING, artifact)
         if record is not None:

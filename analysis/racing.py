@@ -1,52 +1,12 @@
-"""Racing: arms decided at a decay-branch point stop training, with alpha spent across the points.
-
-An experiment with ``branches: {at: [...], decay: f}`` trains every run (variant x scale x seed) as a stable-LR trunk
-and one decay branch per point; a branch's endpoint is an end-of-schedule value (the straight WSD run of its length),
-so at each branch point, a *rung*, the arms can be compared exactly like the final comparison: paired seeds against
-the baseline variant at the same scale (:mod:`analysis.paired`), decided by :func:`analysis.decide.decide`.
-With ``racing:`` declared, an arm decided **worse** than the baseline at a rung stops: every seed's trunk of that
-(variant, scale) is cancelled and no later branch of it trains. An arm decided **equivalent** (TOST within
-``decision.margin``) stops too when ``racing: {stop_equivalent: true}``; arms decided better, or undecided, go on.
-The baseline never stops.
-
-Alpha spending. Rung r of R planned rungs is decided at
-
-    alpha_r = alpha * (t_r ** rho - t_{r-1} ** rho),    t_r = at_r / at_R,  t_0 = 0
-
-where the information t_r is the rung's tokens as a fraction of the largest rung's (the analogue of the seed fraction
-of :mod:`analysis.sequential`), and ``rho`` shapes the spending (Kim & DeMets' power family: ``rho = 1`` is linear in
-tokens, as ``--until-decided`` is in seeds; a larger ``rho`` keeps more of alpha for the last rung). The alphas of
-all planned rungs sum to alpha. The default, :data:`RHO`, is chosen by ``python -m benchmarks --only racing``
-(benchmarks/RESULTS.md): it holds the power of the fixed design within a few points where linear spending does not.
-
-The family. At each rung the primary family is every (variant, scale) still racing at that rung, Holm-corrected at
-alpha_r by :func:`~analysis.decide.decide`; an arm that stopped is neither tested nor counted. Why the error rate
-holds: with ``stop_equivalent`` false an arm leaves only through a worse verdict, so until the first false
-better/worse verdict every truly null arm is still in the family, and Holm at alpha_r then makes that first false
-verdict at rung r with probability at most alpha_r; over the rungs, at most alpha, whatever stops. With
-``stop_equivalent`` true a null arm can also leave by a correct equivalence verdict, which relaxes Holm's steps for
-the other arms by a data-dependent amount: the bound is then not a theorem, and the benchmark measures it.
-
-A rung's verdict is about that rung's budget: an arm decided better at one rung is decided again at the next (the
-question there is another budget's), and an arm that stopped is never decided again. Stopping is per (variant,
-scale), because a trunk is per (variant, scale, seed): one scale's verdict stops that scale's trunks only.
-
-Cost. A trunk trains at the stable LR to its last branch start, each branch only its decay tail, so a run costs
-``(1 - decay) * at_R + decay * sum(at)`` planned-run lengths against ``sum(at)`` for separate runs of every branch
-length (:func:`branched_cost`). Branches start the moment the trunk reaches their point and run beside it, so by the
-time rung r's branches finish, the trunk has trained on for about one such tail (same model, same batch, same
-GPU-hours per step): that much is spent before a stop can act, and :func:`hours_saved` counts only what follows.
-
-The record. Each (variant, scale) decided at a rung is one :class:`RungVerdict`, and a stop is a verdict whose
-``stops`` is true: the run directory's ``_launch/racing.jsonl`` holds one line per verdict (:meth:`RungVerdict.line`,
-checked on reading by :func:`line_problem`), and the experiment's MLflow ``racing`` run holds :func:`race_record`:
-every line, and the stops with the GPU-hours their arms did not train, which the report's section reads
-(:mod:`analysis.race_report`).
-
-Rungs, costs, the ``racing:`` block and the race simulation a plan prices with live in :mod:`study.plan.racing`
-(numpy only, so ``study plan`` can import it); this module decides rungs on a study's endpoints
-(:func:`decide_ready` is what the launch calls when branches finish, :mod:`study.launch.racing`). No MLflow or
-torch; pandas, scipy and the decision code are imported where a rung is decided.
+"""Racing's decisions: at each decay-branch point (a *rung*) the arms still racing are decided on their branch
+endpoints as the final comparison decides them (paired seeds, :func:`analysis.decide.decide`, Holm over the arms still
+racing) at the rung's share of alpha, ``alpha * (t_r^rho - t_{r-1}^rho)`` with t_r the rung's tokens over the largest
+rung's; an arm decided worse (also equivalent, with ``stop_equivalent``) stops at that scale, the baseline never.
+Each (variant, scale) decided at a rung is one :class:`RungVerdict` (a stop is one whose ``stops`` is true), a line of
+``_launch/racing.jsonl``; the MLflow ``racing`` run holds :func:`race_record`. Rungs, costs and the simulated races a
+plan prices with are :mod:`study.plan.racing`; :func:`decide_ready` is what the launch calls when branches finish
+(:mod:`study.launch.racing`). Why the error rate holds, and what a stop saves: analysis/README.md ("Racing"). No
+MLflow or torch; pandas, scipy and the decision code are imported where a rung is decided.
 """
 
 from __future__ import annotations
@@ -72,8 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RungVerdict(JsonRecord):
-    """One (variant, scale) decided at one rung, and whether it stops there: the race's one record of a verdict and
-    of a stop."""
+    """One (variant, scale) decided at one rung, and whether it stops there: the one record of a verdict and a stop."""
 
     variant: str
     """Variant compared."""
@@ -98,24 +57,19 @@ class RungVerdict(JsonRecord):
     alpha: float
     """Alpha spent at this rung."""
     stops: bool
-    """The arm stops here: its trunks are cancelled and no later branch trains (never at the last rung, after
-    which nothing is left to train)."""
+    """The arm stops here: its trunks are cancelled and no later branch trains (never at the last rung)."""
     gpu_hours_saved: float | None = None
-    """A stop's GPU-hours not trained, over its seeds' runs, once :func:`hours_saved` has costed it; None until then
-    and for a verdict that does not stop."""
+    """A stop's GPU-hours not trained, over its seeds' runs (:func:`hours_saved`); None until costed, or no stop."""
     decision: Decision | None = None
-    """The full decision row at this rung (nested under ``decision`` in :meth:`to_dict`); None for a verdict read
-    back from its line, which keeps the fields above only."""
+    """The full decision row at this rung; None for a verdict read back from its line."""
 
     def line(self) -> dict:
-        """The verdict as its records keep it (racing.jsonl, the race's MLflow record): every field but the
-        decision row."""
+        """The verdict as racing.jsonl and the race's MLflow record keep it: every field but the decision row."""
         return {k: v for k, v in self.to_dict().items() if k != "decision"}
 
     @classmethod
     def from_line(cls, line: Mapping[str, Any]) -> "RungVerdict":
-        """The verdict of a line :func:`line_problem` passed (a line written before ``gpu_hours_saved`` was
-        recorded lacks it: None)."""
+        """The verdict of a line :func:`line_problem` passed (an older line without ``gpu_hours_saved``: None)."""
         return cls(**{k: line[k] for k in _LINE_FIELDS if k in line})
 
 
@@ -131,9 +85,7 @@ RACE_ARTIFACT = "race_record.json"
 """Artifact of the experiment's MLflow ``racing`` run that holds :func:`race_record`."""
 
 RACE_ARTIFACT_BEFORE = "racing.json"
-"""What that artifact was called until it was renamed: the launch's roster in the run directory has this name too
-(``_launch/racing.json``). Stores written before then still hold it, and the report reads it where the new one is
-missing."""
+"""That artifact's name before the rename (the launch's roster shares it): the report still reads it in older stores."""
 
 PASSED = "none racing"
 """The verdict of a rung's line when every arm had stopped before it: the rung is passed, and counts as decided."""
@@ -145,24 +97,14 @@ def line_problem(line: Any) -> str:
             or (shape_problem(line, _STOP_LINE) if line["stops"] else ""))
 
 
-def decide_rung(
-    endpoints: pd.DataFrame,
-    baseline: str,
-    at: float,
-    planned: Sequence[float],
-    rule: DecisionRule,
-    stop_equivalent: bool = False,
-    stopped: Iterable[tuple[str, str]] = (),
-    rho: float = RHO,
-) -> list[RungVerdict]:
+def decide_rung(endpoints: pd.DataFrame, baseline: str, at: float, planned: Sequence[float], rule: DecisionRule,
+                stop_equivalent: bool = False, stopped: Iterable[tuple[str, str]] = (), rho: float = RHO
+                ) -> list[RungVerdict]:
     """Verdicts at the rung ``at`` for every (variant, scale) still racing, and which of them stop.
 
-    ``endpoints`` holds one row per finished branch: columns ``variant``, ``scale``, ``seed``, ``at`` (the branch
-    point) and ``rule.metric``; the other columns :func:`analysis.paired.paired_deltas` reads (``status``,
-    ``run_id``, ``start_time`` ...) are filled in where missing (every row counts as finished). ``planned`` are all
-    the experiment's branch points (they fix this rung's alpha); ``stopped`` the (variant, scale) arms that stopped
-    at an earlier rung: they are not decided again, and they leave the Holm family. The baseline is never decided
-    and never stops.
+    ``endpoints``: one row per finished branch, columns ``variant``, ``scale``, ``seed``, ``at`` and ``rule.metric``
+    (the rest pairing reads is filled in: every row counts as finished). ``planned``: every branch point (they fix
+    this rung's alpha); ``stopped``: the arms stopped at an earlier rung, neither decided again nor in the family.
     """
     from analysis.decide import decide
     from analysis.paired import paired_deltas
@@ -198,14 +140,8 @@ _PAIRING_DEFAULTS = {"status": "FINISHED", "run_key": None, "start_time": 0, "fa
 """What pairing reads besides the endpoints' own columns, for rows that do not come from the run table."""
 
 
-def race(
-    endpoints: pd.DataFrame,
-    baseline: str,
-    planned: Sequence[float],
-    rule: DecisionRule,
-    stop_equivalent: bool = False,
-    rho: float = RHO,
-) -> list[RungVerdict]:
+def race(endpoints: pd.DataFrame, baseline: str, planned: Sequence[float], rule: DecisionRule,
+         stop_equivalent: bool = False, rho: float = RHO) -> list[RungVerdict]:
     """Every rung the endpoints reach, in order, each decided on the arms still racing after the rungs before it."""
     verdicts: list[RungVerdict] = []
     stopped: set[tuple[str, str]] = set()
@@ -222,10 +158,7 @@ def stops(verdicts: Iterable[RungVerdict]) -> list[RungVerdict]:
 
 
 def hours_saved(found: Iterable[RungVerdict], costs: Mapping[tuple[str, str, int], RunCost]) -> list[RungVerdict]:
-    """Each stop with the GPU-hours its arm did not train, summed over its seeds' runs.
-
-    ``costs`` maps (variant, scale, seed) to the run's parts; every seed of the stopped (variant, scale) counts.
-    """
+    """Each stop with the GPU-hours its arm did not train, over every seed's run (``costs`` by variant, scale, seed)."""
     out = []
     for stop in found:
         seeds = [c for (v, s, _), c in costs.items() if (v, s) == (stop.variant, stop.scale)]
@@ -237,11 +170,9 @@ def decide_ready(roster: Mapping[str, Any], done: Sequence[Mapping[str, Any]],
                  endpoint: Callable[[str], float | None]) -> list[dict]:
     """The lines of every rung that is ready and not yet decided, in rung order.
 
-    ``roster`` is the launch's (:func:`study.launch.racing.write_roster`: baseline, points, decision rule,
-    stop_equivalent, every trunk and branch), ``done`` the lines recorded so far, ``endpoint`` a branch's final value
-    of the decision metric by run key (None while it has not finished, or diverged). A rung is ready once every
-    branch of the arms still racing has its endpoint, and waits for every rung before it; one where no arm is left
-    racing is passed with a line of its own (:data:`PASSED`), so it counts as decided.
+    ``roster`` is :func:`study.launch.racing.write_roster`'s, ``done`` the lines so far, ``endpoint`` a branch's final
+    decision metric by run key (None while unfinished or diverged). A rung is ready once every branch of the arms
+    still racing has its endpoint and every rung before it is decided; one with no arm left is :data:`PASSED`.
     """
     import pandas as pd
 
@@ -269,9 +200,8 @@ def decide_ready(roster: Mapping[str, Any], done: Sequence[Mapping[str, Any]],
 
 
 def race_record(roster: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]) -> dict:
-    """What the report shows (the race's MLflow record): every line, and each stop, in the order decided, with the
-    GPU-hours its arm did not train, from the roster's planned hours of each trunk (split at its branch starts, in
-    proportion to steps) and branch."""
+    """The race's MLflow record: every line, and each stop with the GPU-hours its arm did not train (the roster's
+    planned hours of each trunk, split at its branch starts in proportion to steps, and of each branch)."""
     costs = {}
     for trunk in (r for r in roster["runs"] if r["role"] == Role.trunk.value):
         mine = sorted((r for r in roster["runs"] if r.get("trunk") == trunk["key"]), key=lambda r: r["at"])
