@@ -1,6 +1,6 @@
 """The report as blocks: the answer first (a sentence per scale, the forest plot, a compact decision table), then
-the scaling figure, the decay branches' fits and the race (a branched experiment), the secondary metrics, the descriptive tables,
-fits, figures and method."""
+the scaling figure, the decay branches' fits and the race, the secondary metrics, the descriptive tables, fits,
+figures and method."""
 
 from __future__ import annotations
 
@@ -33,11 +33,8 @@ if TYPE_CHECKING:
 
 def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
              published: Sequence[PublishedDelta] = (), profile: Sequence[Block] = ()) -> list[Block]:
-    """Every block of the report, in reading order; `plots` by their place (analysis.report._plots), `profile` is
-    the reference work profile section (analysis.profile_section), empty without a profiled reference.
-
-    The first screen answers: one sentence per scale, the primary forest plot, a decision table narrow enough for
-    a 1,280-pixel window; every other statistic of the decision sits in a collapsed table below it."""
+    """Every block of the report, in reading order; `plots` by their place (analysis.report._plots), `profile` the
+    reference work profile section. The first screen answers (a 1,280-pixel window); the rest sits folded below."""
     statuses = Counter(a.runs["status"])
     rule = a.rule
     primary = [d for d in a.decisions if d.family == "primary"]
@@ -124,7 +121,7 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
                    Table(["task", "score", "scale", "variant", "seeds", "items", "chance", f"{a.baseline} mean",
                           "variant mean", "Δ", "seed × item 95% CI"],
                          [[i.task, i.metric, i.scale, i.variant, str(i.n_seeds), str(i.n_items),
-                           number(i.chance) if math.isfinite(i.chance) else "—", number(i.baseline_mean),
+                           number(i.chance), number(i.baseline_mean),
                            number(i.variant_mean), number(i.mean_delta, "+.4f"), _ci(i.ci_low, i.ci_high)]
                           for i in a.items])]
     if published:
@@ -165,8 +162,7 @@ def _published_blocks(published: Sequence[PublishedDelta], baseline: str) -> lis
 
 def _scale_sentence(scale: str, decisions: Sequence[Decision]) -> str:
     """``At 113M: hourglass_attn better by 0.031 nats [0.018, 0.044]; hourglass_fixed undecided (Holm-adjusted p
-    0.052), 9 seed pairs (4 more) would probably decide it.`` The size of a better or worse Δ and its adjusted
-    interval (the one the verdict agrees with) are given as magnitudes, in nats for a loss."""
+    0.052), 9 seed pairs (4 more) would probably decide it.``: a Δ and its adjusted interval as magnitudes."""
     unit = " nats" if decisions[0].metric.endswith("/loss") else ""
     parts = []
     for d in decisions:
@@ -188,8 +184,7 @@ def _seeds_cell(d: Decision) -> str:
 
 
 def _compact_table(rows: Sequence[Decision]) -> Table:
-    """The decision at a glance, narrow enough for a 1,280-pixel window; the rest is in _decision_table. The interval
-    beside the verdict is the adjusted one the verdict agrees with."""
+    """The decision at a glance, narrow enough for a 1,280-pixel window, with the adjusted interval."""
     correction = CORRECTION[rows[0].family]
     header = ["scale", "variant", "Δ", f"t CI, {correction}-adjusted", f"p ({correction})", "Δ %", "verdict",
               "seed pairs to decide"]
@@ -208,9 +203,8 @@ def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Tabl
             d.scale, d.variant, str(d.n), number(d.mean_delta, "+.4f"), _signed_pct(d.pct_delta),
             f"{_ci(d.ci_low, d.ci_high)} ({level:.1%})" if math.isfinite(d.ci_low) else "—",
             _ci(d.adj_ci_low, d.adj_ci_high), _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon),
-            number(d.d_z, ".2f"),
-            number(d.prob_improvement, ".0%"),
-            number(d.mde), f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
+            number(d.d_z, ".2f"), number(d.prob_improvement, ".0%"), number(d.mde),
+            f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",
             d.verdict, _seeds_cell(d)])
     return Table(header, body)
 
@@ -236,7 +230,7 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
         values = at_scale.loc[at_scale["variant"] == variant, metric]
         cells = [variant, str(len(values)), _mean_sd(values)]
         if loss_like:
-            cells.append(number(math.exp(values.mean()), ".2f") if len(values) else MISSING)
+            cells.append(number(math.exp(values.mean()), ".2f"))
         r = by_variant.get(variant)
         if r is None:
             cells += ["—"] * 3
@@ -287,19 +281,15 @@ def _scaling_blocks(scaling: ScalingReport) -> list[Block]:
         holdout = ("—" if held is None else held if isinstance(held, str) else
                    f"{held.scale}: predicted {held.predicted:.4f}, measured {held.observed:.4f} "
                    f"({held.error:+.4f})")
-        rows.append([
-            variant, fit.form, fit.status, f"{fit.n_points} / {fit.n_scales}",
-            f"{number(fit.E, '.3f')} ± {number(fit.E_sd, '.3f')}", number(fit.A, ".4g"),
-            f"{number(fit.alpha, '.3f')} ± {number(fit.alpha_sd, '.3f')}", _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3),
-            crossing, holdout,
-        ])
+        rows.append([variant, fit.form, fit.status, f"{fit.n_points} / {fit.n_scales}",
+                     f"{number(fit.E, '.3f')} ± {number(fit.E_sd, '.3f')}", number(fit.A, ".4g"),
+                     f"{number(fit.alpha, '.3f')} ± {number(fit.alpha_sd, '.3f')}",
+                     _ci(fit.alpha_boot[0], fit.alpha_boot[1], 3), crossing, holdout])
     header = ["variant", "form", "status", "runs / scales", "E ± se", "A", "α ± se", "α seed-bootstrap CI",
               f"crosses {scaling.baseline} at N", "largest scale left out"]
-    blocks: list[Block] = [Table(header, rows)]
-    if all(f.form == "none" for f in scaling.fits.values()):
-        blocks.insert(0, Paragraph("No scaling law is fitted: it needs at least 3 scales with finished runs, and "
-                                   "no curve is drawn."))
-    return blocks
+    unfitted = all(f.form == "none" for f in scaling.fits.values())
+    return [*([Paragraph("No scaling law is fitted: it needs at least 3 scales with finished runs, and no curve is "
+                         "drawn.")] if unfitted else []), Table(header, rows)]
 
 
 def _flip_blocks(pairs: Sequence[VerdictPair]) -> list[Block]:
@@ -324,7 +314,7 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
              f"×{c.best_multiple:g}", f"×{c.chosen_multiple:.4g}" if math.isfinite(c.chosen_multiple) else "—",
              number(c.chosen_lr, ".4g"), c.status or "—",
              ", ".join(f"{s}: {lr:.4g}" for s, lr in c.main_lrs.items()) or "—"] for c in curves]
-    blocks: list[Block] = [
+    return [
         Heading("Tuning curves"),
         Paragraph("Each variant's tune runs: final val/loss at each multiple of the recipe's peak LR, the mean over "
                   "seeds (each seed is a point in the figure), the grid point with the lowest mean, and the multiple "
@@ -333,13 +323,12 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
                   "neighbour on each side), extended (it did after points were added beyond an edge) or edge (it "
                   f"stayed at an edge). Tune runs are never paired or decided on. {TRANSFER}"),
         Table(["variant", "tune scale", "mean final val/loss per multiple", "runs", "lowest mean at", "chosen",
-               "chosen LR", "status", "main runs' LR by scale"], rows)]
-    return blocks + [Paragraph(note) for note in _edge_notes([c for c in curves if c.status == "edge"])]
+               "chosen LR", "status", "main runs' LR by scale"], rows),
+        *(Paragraph(note) for note in _edge_notes([c for c in curves if c.status == "edge"]))]
 
 
 def _edge_notes(edges: Sequence[TuneCurve]) -> list[str]:
-    """Why an edge choice may not be a variant's best, saying the grid was extended only where points beyond the
-    declared grid were trained (a grid with tune.extend 0 never is)."""
+    """Why an edge choice may not be a variant's best, by whether the grid was extended."""
     taken = "so the LR taken may not be that variant's best"
     groups = {
         "extended": ([c.variant for c in edges if c.extensions], f"the best point stayed at an edge of the grid after "
@@ -382,8 +371,7 @@ def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
 
 
 def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
-    """"L(N, D) per arm" (three sizes or more), else "Loss against tokens per arm": the fits, the compute-optimal
-    point and the multiplier at each scale's planned compute, the figure."""
+    """"L(N, D) per arm" (three sizes or more), else "Loss against tokens per arm": fits, optima, multipliers."""
     metric = surface.metric
     intervals = (f"Intervals: the seed-cluster bootstrap of the L(N) fits (the same draws for every arm, so a "
                  f"multiplier's are paired), the 95% percentile interval from {BOOTSTRAP_MIN_N} seeds; with fewer, "

@@ -8,9 +8,8 @@ from analysis.sample_size import seeds_phrase
 
 
 def print_headline(result: dict) -> None:
-    """The report's decision table on the console (`study report`, `study demo`), then the effective compute of each
-    variant and every verdict that flips between the shared and the tuned LR. The interval and the seeds to decide
-    are the report's own: the adjusted interval the verdict agrees with, the seeds in the words report.md uses."""
+    """The report's decision table on the console (`study report`, `study demo`), with report.md's adjusted interval
+    and seeds phrase, then each variant's effective compute and every verdict that flips with the tuned LR."""
     from study.console import console
     from rich.table import Table
 

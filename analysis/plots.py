@@ -1,8 +1,6 @@
 """The report's figures: loss curves with seed bands, the decisions as forest plots, the scaling fits, the decay
-branches' fits (iso-FLOP curves of L(N, D), or loss against tokens), the LR grids of the tuning stage.
-
-Figures are built as ``matplotlib.figure.Figure`` objects and written by the Agg canvas without touching pyplot,
-so a caller's interactive backend (a notebook, say) is left alone and nothing needs a display.
+branches' fits (iso-FLOP curves of L(N, D), or loss against tokens), the LR grids of the tuning stage. Figures are
+built as ``matplotlib.figure.Figure`` and written by the Agg canvas, never pyplot: a caller's backend is left alone.
 """
 
 from __future__ import annotations
@@ -34,20 +32,12 @@ def variant_colors(variants: Sequence[str], baseline: str) -> dict[str, str]:
 def plot_loss_curves(
     runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, path: Path, metric: str = "val/loss"
 ) -> Path:
-    """One panel per scale: mean over seeds of ``metric`` against step per variant, shaded mean +- sd.
-
-    Only finished runs enter the bands, so a crashed seed does not pull the early steps of its variant.
-    """
-    from matplotlib.figure import Figure
-
+    """One panel per scale: mean over finished seeds of ``metric`` against step per variant, shaded mean +- sd."""
     finished = runs[runs["status"] == FINISHED][["run_id", "variant", "scale", "seed"]]
     data = curves.merge(finished, on="run_id")
     scales = [s for s in scale_order(runs) if s in set(data["scale"])]
     colors = variant_colors(runs["variant"].unique(), baseline)
-    cols = min(len(scales), 3) or 1
-    rows = max(1, math.ceil(len(scales) / cols))
-    fig = Figure(figsize=(4.2 * cols, 3.2 * rows), dpi=DPI, layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    fig, axes = _panels(len(scales), min(len(scales), 3) or 1, (4.2, 3.2))
     for ax, scale in zip(axes, scales):
         stats = (data[data["scale"] == scale].groupby(["variant", "step"])["value"]
                  .agg(["mean", "std", "count"]).reset_index())
@@ -67,16 +57,13 @@ def plot_loss_curves(
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in axes[len(scales):]:
-        ax.set_visible(False)
     fig.suptitle(f"{metric} over training (mean ± sd over seeds)")
     return _save(fig, path)
 
 
 def plot_decisions(decisions: Sequence[Decision], path: Path) -> Path:
-    """The decision table as a forest: one panel per metric (small multiples when there are several), one row per
-    (scale, variant) with its mean Δ and the multiplicity-adjusted t interval its verdict agrees with (it excludes 0
-    exactly when the verdict is better or worse), coloured by verdict, the equivalence margin shaded."""
+    """The decision table as a forest, one panel per metric: per (scale, variant) its mean Δ and the adjusted t
+    interval its verdict agrees with, coloured by verdict, the equivalence margin shaded."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -124,11 +111,8 @@ def _decision_panel(ax, decisions: Sequence[Decision]) -> None:
 
 def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
                  deltas: Sequence[PairedResult] = ()) -> Path:
-    """Left: final metric against counted parameters per variant, with fits (dashed past the data).
-
-    Right: each variant's fit minus the baseline's against N, with the measured paired deltas (mean and t
-    interval at each scale's median N) on top, which is where a shrinking or growing advantage shows.
-    """
+    """Left: final metric against counted parameters per variant, with fits (dashed past the data). Right: each
+    fit minus the baseline's, with the paired deltas (mean and t interval) on top at each scale's median N."""
     from matplotlib.figure import Figure
 
     metric = report.metric
@@ -183,17 +167,11 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
 
 
 def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
-    """One panel per arm with a surface: its fitted loss along the iso-FLOP line of each scale's planned compute
-    against N (log axis), one colour per compute, the compute-optimal N marked with a dot and the planned run with a
-    cross; the panels share the loss axis, so arms compare at a glance."""
-    from matplotlib.figure import Figure
-
+    """One panel per arm with a surface, sharing the loss axis: its fitted loss along each scale's iso-FLOP line against
+    N, the compute-optimal N a dot, the planned run a cross."""
     variants = list(dict.fromkeys(i.variant for i in report.isoflops))
     optima = {(o.variant, o.scale): o for o in report.optima}
-    cols = min(len(variants), 3)
-    rows = math.ceil(len(variants) / cols)
-    fig = Figure(figsize=(4.4 * cols, 3.4 * rows), dpi=DPI, layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
+    fig, axes = _panels(len(variants), min(len(variants), 3), (4.4, 3.4), sharey=True)
     for ax, variant in zip(axes, variants):
         lines = [i for i in report.isoflops if i.variant == variant]
         shades = _shades(len(lines))
@@ -205,21 +183,15 @@ def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
             ax.plot(o.planned_n, o.planned_loss, "x", color=color, ms=6, mew=1.5)
         _log_panel(ax, "counted parameters N", f"fitted final {report.metric}",
                    f"{variant}: iso-FLOP lines (● optimum, × planned)")
-    for ax in axes[len(variants):]:
-        ax.set_visible(False)
     return _save(fig, path)
 
 
 def plot_loss_tokens(report: SurfaceReport, path: Path) -> Path:
-    """One panel per scale: every branch end's final metric against its training tokens (log axis) per arm, with
-    the arm's fitted L(D) over the tokens it covers."""
-    from matplotlib.figure import Figure
-
+    """One panel per scale: every branch end's final metric against its tokens per arm, with the arm's fitted L(D)."""
     points = report.points
     scales = list(dict.fromkeys(f.scale for f in report.fits))
     colors = variant_colors(points["variant"].unique(), report.baseline)
-    fig = Figure(figsize=(4.6 * len(scales), 3.6), dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, len(scales), squeeze=False).ravel()
+    fig, axes = _panels(len(scales), len(scales), (4.6, 3.6))
     for ax, scale in zip(axes, scales):
         for fit in (f for f in report.fits if f.scale == scale):
             mine = points[(points["variant"] == fit.variant) & (points["scale"] == scale)]
@@ -243,14 +215,11 @@ def _shades(count: int) -> list:
 
 
 def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: str = "val/loss") -> Path:
-    """One panel per tune scale: final ``metric`` against peak LR (log axis) per variant, each seed a point, the mean
-    over seeds joined by a line, the chosen LR a dashed vertical line labelled with its multiple and status."""
-    from matplotlib.figure import Figure
-
+    """One panel per tune scale: final ``metric`` against peak LR per variant, each seed a point, the means joined, the
+    chosen LR dashed."""
     scales = list(dict.fromkeys(c.scale for c in curves))
     colors = variant_colors({c.variant for c in curves} | {baseline}, baseline)
-    fig = Figure(figsize=(5.2 * len(scales), 3.8), dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, len(scales), squeeze=False).ravel()
+    fig, axes = _panels(len(scales), len(scales), (5.2, 3.8))
     for ax, scale in zip(axes, scales):
         for c in (c for c in curves if c.scale == scale):
             color = colors[c.variant]
@@ -265,6 +234,18 @@ def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: 
         _log_panel(ax, "peak LR", f"final {metric}",
                    f"LR grid at {scale}: seeds (dots), mean (line), chosen LR (dashed)")
     return _save(fig, path)
+
+
+def _panels(count: int, cols: int, size: tuple[float, float], **options):
+    """A figure of ``count`` panels of ``size`` inches, ``cols`` to a row, and its axes (the spare ones hidden)."""
+    from matplotlib.figure import Figure
+
+    rows = max(1, math.ceil(count / cols))
+    fig = Figure(figsize=(size[0] * cols, size[1] * rows), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, **options).ravel()
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes
 
 
 def _log_panel(ax, xlabel: str, ylabel: str, title: str) -> None:

@@ -1,6 +1,6 @@
 """JSON records of analysis results: strict JSON (no NaN or infinity) from dataclasses, and the records an experiment
-keeps in MLflow read back, in one place. Numpy only, so modules that must not import pandas (the race's records) can
-use it."""
+keeps in MLflow read back. Numpy only, so the race's records need no pandas.
+"""
 
 from __future__ import annotations
 

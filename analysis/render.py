@@ -1,8 +1,5 @@
-"""Write one report document as Markdown and as a self-contained HTML page.
-
-The report is a list of blocks (heading, paragraph, table, plot); both formats are rendered from the same
-blocks so they cannot drift apart. HTML figures are embedded as base64 PNG and styles are inline, so the page
-needs no network and no neighbouring files.
+"""One report document, a list of blocks (heading, paragraph, table, plot, details), rendered to Markdown and to a
+self-contained HTML page (figures as base64 PNG, inline styles: no network, no neighbouring files).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``study report``: an experiment's runs turned into paired deltas, intervals, scaling fits and plots.
-
-Writes ``<out_dir>/<experiment>/`` (report.md, self-contained report.html, report.json, pairs.csv, PNGs) and
-logs the same files to one experiment-level MLflow run named ``report`` (tag ``study.role=report``), reused
-every time the experiment is reported again.
+"""``study report``: an experiment's runs turned into paired deltas, verdicts, fits and plots, written to
+``<out_dir>/<experiment>/`` and logged to the experiment's one MLflow run named ``report`` (reused on every report).
 """
 
 from __future__ import annotations
@@ -45,23 +42,11 @@ _OWN_PLOTS = ("loss_curves.png", "scaling.png", "forest_*.png", "tuning.png", "i
               PROFILE_FIGURE)
 
 
-def build_report(
-    experiment: str,
-    baseline: str | None = None,
-    metrics: Sequence[str] | None = None,
-    tracking_uri: str | None = None,
-    out_dir: Path = Path("reports"),
-    log_to_mlflow: bool = True,
-    n_resamples: int = 9999,
-    seed: int = 0,
-    rule: DecisionRule | None = None,
-) -> dict:
-    """Report ``experiment`` against ``baseline`` (default: the runs' ``study.baseline`` tag).
-
-    ``metrics`` default to the final ``val/loss`` plus every ``eval/*/acc*`` present. Returns
-    ``{"experiment", "baseline", "metrics", "results", "joint", "unpaired", "scaling", "surface",
-    "effective_compute", "time_to_target", "tuning", "files", "report_run_id"}`` (and the rest of report.json).
-    """
+def build_report(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
+                 tracking_uri: str | None = None, out_dir: Path = Path("reports"), log_to_mlflow: bool = True,
+                 n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None) -> dict:
+    """Report ``experiment`` against ``baseline`` (default: the runs' ``study.baseline`` tag) on ``metrics`` (default:
+    final ``val/loss`` and every ``eval/*/acc*``); returns report.json's dict with ``report_run_id``."""
     a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed, rule)
     out = Path(out_dir) / experiment
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +67,8 @@ def build_report(
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
-        "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes), "item_deltas": [i.to_dict() for i in a.items],
+        "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes),
+        "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
         "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
         "racing": a.race,
@@ -90,7 +76,8 @@ def build_report(
                                                           else f"no run logged {HEADLINE}"},
         "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
         "time_to_target": a.time.to_dict() if a.time else {"status": f"no run logged {HEADLINE}"},
-        "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED, "transfer": TRANSFER if a.tuned else None,
+        "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED,
+                   "transfer": TRANSFER if a.tuned else None,
                    "curves": [c.to_dict() for c in a.tune_curves], "shared_runs": a.shared_runs,
                    "shared_vs_tuned": [p.to_dict() for p in a.verdict_pairs],
                    "flips": sum(p.flip for p in a.verdict_pairs)},
@@ -104,10 +91,9 @@ def build_report(
     return json_ready(summary)
 
 
-def analyse(
-    experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
-    tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None,
-) -> Analysis:
+def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
+            tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None
+            ) -> Analysis:
     """Read the runs and compute every comparison; no files are written. ``rule`` defaults to the experiment
     file's `decision:` block."""
     uri = resolve_tracking_uri(tracking_uri or "")
@@ -166,16 +152,14 @@ def analyse(
 
 def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str], rule: DecisionRule
                       ) -> list[Decision]:
-    """The decision table of the runs at the shared LR, on the metrics they logged (no bootstrap: it never
-    decides)."""
+    """The decision table of the runs at the shared LR, on the metrics they logged (no bootstrap: it never decides)."""
     present = [m for m in metrics if m in shared.columns]
     results = {m: paired_deltas(shared, m, baseline, n_resamples=0) for m in present}
     return decide(results, rule, _baseline_means(shared, results))
 
 
 def _experiment_file(experiment: str):
-    """The experiment file (its `decision:` rule, its declared `tune:` grid), or None where this checkout has no
-    readable one: the rule then takes the defaults on val/loss."""
+    """The experiment file (its `decision:` rule, its `tune:` grid); None where this checkout has no readable one."""
     from study.plan.experiment import load_experiment
 
     try:
@@ -244,9 +228,7 @@ def _task_groups(metrics: Sequence[str]) -> list[list[str]]:
 
 
 def _plots(a: Analysis, out: Path) -> dict[str, Plot]:
-    """The figures by the place they take in the report (analysis.document): ``decisions`` and ``scaling`` open it,
-    ``surface`` follows the scaling figure in a branched experiment, ``secondary`` heads the secondary metrics,
-    ``loss_curves`` and ``tuning`` sit with the other figures."""
+    """The figures by the place they take in the report (analysis.document)."""
     from analysis.plots import (plot_decisions, plot_isoflops, plot_loss_curves, plot_loss_tokens, plot_scaling,
                                 plot_tuning)
 
@@ -307,13 +289,9 @@ REPORT_RUNS_TAG, REPORT_RUNS_ARTIFACT, REPORT_LINK_TAG = "study.report.runs", "r
 
 def _log_report_run(uri: str, experiment: str, baseline: str, files: list[Path], decisions: list[Decision],
                     runs: pd.DataFrame) -> str:
-    """Upload the files to the experiment's single report run, creating it the first time.
-
-    The verdicts ride along as tags, ``study.verdict.<scale>.<variant>`` for the primary metric and
-    ``study.verdict.<metric>.<scale>.<variant>`` for the others, so the MLflow UI can filter on them. The runs it
-    read are linked both ways: the artifact ``runs.json`` lists them (run id, key, cell, status) with the count in
-    tag ``study.report.runs``, and each of them gets tag ``study.report_run_id``.
-    """
+    """Upload the files to the experiment's single report run (created the first time), with the verdicts as tags
+    (``study.verdict.[<metric>.]<scale>.<variant>``) and the runs it read linked both ways (``runs.json`` and the
+    count tag on it, ``study.report_run_id`` on each of them)."""
     mlflow_client = open_store(uri, required=True)
     exp_id = run_table.experiment_id(mlflow_client, experiment)
     found = runs_with_role(mlflow_client, [exp_id], schema.ROLE_REPORT, order_by=["attributes.start_time ASC"],

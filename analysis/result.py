@@ -53,7 +53,7 @@ class Analysis:
     items: list = field(default_factory=list)
     """Downstream-task deltas with two-level (seed, item) bootstrap intervals (analysis.items.ItemDelta)."""
     curves: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """val/loss histories of the finished runs (analysis.run_table.read_curves), for the curve plot and time to target."""
+    """val/loss histories of the finished runs (analysis.run_table.read_curves)."""
     tuned: bool = False
     """The runs decided on trained at their own tuned LRs (study.lr_source = tune)."""
     tune_curves: list[TuneCurve] = field(default_factory=list)
@@ -67,14 +67,11 @@ class Analysis:
     time: TimeReport | None = None
     """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
     surface: SurfaceReport | None = None
-    """Fits of val/loss against parameters and tokens (or tokens alone) over the decay branches, with the optima and
-    multipliers they give at the planned compute; None for an experiment without branches."""
+    """The L(N, D) (or L(D)) fits over the decay branches and what they say; None without branches."""
     race: dict | None = None
-    """The racing record (analysis.race_report): the arms stopped at a branch point and every rung's verdicts; None
-    for an experiment that did not race."""
+    """The racing record (analysis.race_report); None for an experiment that did not race."""
     run_notes: tuple[str, ...] = ()
-    """What the store held that the report left out: runs of another key schema, (variant, scale) cells with no run
-    (analysis.run_table.StudyRuns.notes)."""
+    """What the store held that the report left out (analysis.run_table.StudyRuns.notes)."""
 
     @property
     def flat(self) -> list[PairedResult]:

@@ -1,8 +1,6 @@
-"""Read an experiment's training runs from MLflow into one pandas row per run.
-
-Finals come from one paged ``search_runs`` query: MLflow keeps each metric's latest value (largest step, then
-latest timestamp), which is exactly the "final" the schema defines. Curves cost one metric-history call per run,
-so they are read only when a plot needs them.
+"""Read an experiment's training runs from MLflow into one pandas row per run: the finals from one paged
+``search_runs`` (MLflow's latest value is the value at the largest step, the schema's "final"), the curves (one
+history call per run) only where a figure or time to target needs them.
 """
 
 from __future__ import annotations
@@ -43,11 +41,8 @@ def experiment_id(store: MlflowClient, experiment: str) -> str:
     found = store.get_experiment_by_name(experiment)
     if found is None:
         names = sorted(e.name for e in store.search_experiments())
-        raise StudyError(
-            "experiment",
-            f"no MLflow experiment named {experiment!r}",
-            f"choose one of: {', '.join(names) or '(the store has no experiments yet)'}",
-        )
+        raise StudyError("experiment", f"no MLflow experiment named {experiment!r}",
+                         f"choose one of: {', '.join(names) or '(the store has no experiments yet)'}")
     return found.experiment_id
 
 
@@ -60,53 +55,34 @@ class StudyRuns:
     """An experiment's runs as the report reads them: the runs it decides on, kept apart from the rest."""
 
     runs: pd.DataFrame
-    """Main training runs the report decides on: the tuned ones when the store holds any, else those at the shared
-    LR (one row per run, columns as :func:`read_runs`). In a branched experiment these are the decay branches at
-    the largest point (`branches.at`), one per (variant, scale, seed): the ends of the planned runs."""
+    """Main runs decided on: the tuned ones when the store holds any, else the shared-LR ones (in a branched
+    experiment, the decay branches at the largest point: the planned runs' ends)."""
     shared_lr: pd.DataFrame | None
-    """Main runs at the shared LR beside tuned ones (for verdicts side by side; branch ends too, in a branched
-    experiment); None unless the store holds both."""
+    """Main runs at the shared LR beside tuned ones, for verdicts side by side; None unless the store holds both."""
     tune: pd.DataFrame
     """Tune runs (``study.role=tune``): points of an LR grid, never paired, decided on or fitted."""
     branches: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """Every decay branch (``study.role=branch``) at every point, of the same LR source as :attr:`runs`: what the
-    L(N, D) fits read (:mod:`analysis.surface`); empty for an experiment without branches. Trunks
-    (``study.role=trunk``) are in no frame: a trunk's last loss is not the end of a schedule, so it is never
-    paired, decided on or fitted."""
+    """Every decay branch at every point, of the LR source of :attr:`runs` (what :mod:`analysis.surface` fits). Trunks
+    are in no frame: a trunk's last loss is not the end of a schedule."""
     notes: tuple[str, ...] = ()
-    """Lines for the report to print: the runs left out for another key schema, the (variant, scale) cells with no
-    run."""
+    """Lines for the report to print: the runs it left out and why, the (variant, scale) cells with no run."""
 
 
 def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
-    """The training runs of ``experiment`` that pairing and decisions see: :attr:`StudyRuns.runs` of
-    :func:`read_study` (tune runs never among them)."""
+    """The training runs of ``experiment`` that pairing and decisions see (:attr:`StudyRuns.runs`)."""
     return read_study(experiment, tracking_uri).runs
 
 
 def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
-    """Every training run of ``experiment``, unfinished ones included with their status, from one paged query.
+    """Every training run of ``experiment`` (unfinished ones with their status) from one paged query, split into
+    tune runs, main runs at a tuned LR and main runs at the shared LR (:class:`StudyRuns`).
 
-    Columns: run_id, run_name, run_key, variant, scale, seed (int), role (the ``study.role`` tag), baseline, status,
-    failure_reason, start_time, params_counted (int or NaN), lr_source, tune_multiple, tune_status, lr (the peak LR
-    trained at), tokens, max_steps, global_batch, seq_len, flops_per_token (NaN where not logged), at, trunk_key,
-    branch_step and trunk_run_id (a decay branch's point, its trunk's key, the trunk step it started from and the
-    trunk's MLflow run, None where the store holds none; NaN and None for other runs), shared_fields (the hashed fields every arm
-    shares, as logged: JSON), then one column per final
-    metric named by its MLflow key (``val/loss``, ``eval/arc_easy/acc``, ...).
-    Report runs (``study.role=report``), parent runs (``study.role=group``) and runs without the study's
-    variant/scale/seed tags are not training runs and are left out, and so are the trunks of decay branches
-    (``study.role=trunk``). Runs split three ways: tune runs, main runs at
-    a tuned LR, main runs at the shared LR; in a branched experiment the main runs decided on are the branches at
-    the largest point, and every branch is in :attr:`StudyRuns.branches`. When `study launch` recorded a manifest, each of the three is the last
-    launch's runs if that launch trained any of its kind (earlier launches may linger), else all of its kind: a
-    study launched at the shared LR and later with a `tune:` block keeps its shared-LR runs for comparison, every
-    one of them (the tuning launch names some as the tune points it reused, never as shared-LR runs it trained).
-    A run key's run is its oldest active MLflow run, as tracking takes it (a later one is a duplicate a race
-    left); runs tagged with another ``study.key_schema`` than this version's are left out and named in
-    :attr:`StudyRuns.notes` (their keys hash other fields, so they are not the plan's runs); so are the (variant,
-    scale) cells of the decided runs that hold no run. When every decided run FAILED there is nothing to report, and
-    the StudyError says so.
+    One row per run: its tags and params (:func:`_row`: identity, status, LR source, the recipe's sizes, a branch's
+    point and trunk, ``trunk_run_id``, the shared fields as JSON), then one column per final metric by its MLflow key.
+    Runs that are not training runs (report, group, untagged) and trunks are left out. With a launch manifest each
+    kind is the last launch's runs if it trained any of that kind, else all of it (so a later tuning launch keeps the
+    shared-LR runs for comparison). A run key's run is its oldest; runs of another key schema are left out and named
+    in the notes; when every decided run FAILED the StudyError says so.
     """
     store = open_store(tracking_uri, required=True)
     exp_id = experiment_id(store, experiment)
@@ -122,12 +98,9 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     unseeded = sorted((row for row in rows if row["seed"] is None), key=lambda row: str(row["run_name"]))
     rows = [row for row in rows if row["seed"] is not None]
     if not rows:
-        raise StudyError(
-            "experiment",
-            f"MLflow experiment {experiment!r} holds no training runs" + (f" of this version: {left_out}" if other
-                                                                        else ""),
-            f"launch it first (`study launch {experiment}`), then report",
-        )
+        raise StudyError("experiment", f"MLflow experiment {experiment!r} holds no training runs"
+                         + (f" of this version: {left_out}" if other else ""),
+                         f"launch it first (`study launch {experiment}`), then report")
     frame = pd.DataFrame(rows).drop(columns=["key_schema", "seed_tag"]).sort_values(["start_time", "run_id"])
     frame = frame[frame["run_key"].isna() | ~frame.duplicated("run_key")]
     fixed = [c for c in frame.columns if "/" not in c]
@@ -152,29 +125,29 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     # scale), so narrowing to them would keep those seeds alone and drop every other shared seed
     shared = shared.reset_index(drop=True) if len(tuned) else latest(shared)
     tune = latest(frame[tune_runs])
+    beside = bool(len(tuned) and len(shared))  # shared-LR runs decided beside the tuned ones
     runs, branches, unbranched = _branch_ends(tuned if len(tuned) else shared)
-    if len(tuned) and len(shared):
+    if beside:
         shared = _branch_ends(shared)[0]
     if not len(runs):
-        raise StudyError(
-            "experiment",
-            f"MLflow experiment {experiment!r} holds only " + ("tune runs and the trunks of decay branches"
-                                                              if (frame["role"] == Role.trunk).any() else "tune runs"),
-            f"let the main runs (or the branches) train (`study launch {experiment}`), then report",
-        )
+        trunks = (frame["role"] == Role.trunk).any()
+        raise StudyError("experiment", f"MLflow experiment {experiment!r} holds only "
+                         + ("tune runs and the trunks of decay branches" if trunks else "tune runs"),
+                         f"let the main runs (or the branches) train (`study launch {experiment}`), then report")
     if (runs["status"] == "FAILED").all():
-        named = "; ".join(f"{r.run_name}: {r.failure_reason or 'no reason recorded'}" for r in runs.head(3).itertuples())
+        named = "; ".join(f"{r.run_name}: {r.failure_reason or 'no reason recorded'}"
+                          for r in runs.head(3).itertuples())
         raise StudyError(
             "experiment",
             f"every training run of MLflow experiment {experiment!r} failed ({len(runs)} FAILED; {named}"
             + ("; ..." if len(runs) > 3 else "") + ")",
-            f"each run's reason is its MLflow tag {schema.TAG_FAILURE_REASON} and its job output is among its artifacts "
-            f"(`study status {experiment}` lists the runs); fix the cause and relaunch (`study launch {experiment}`)",
-        )
+            f"each run's reason is its MLflow tag {schema.TAG_FAILURE_REASON} and its job output is among its "
+            f"artifacts (`study status {experiment}` lists the runs); fix the cause and relaunch "
+            f"(`study launch {experiment}`)")
     runs, diverged = _without_infinite_finals(runs)
     if len(branches):  # the branch ends decided on are among the branches: their note names each diverged one once
         branches, diverged = _without_infinite_finals(branches)
-    if len(tuned) and len(shared):
+    if beside:
         shared, also = _without_infinite_finals(shared)
         diverged = " ".join(n for n in (diverged, also) if n)
     cells = set(zip(runs["variant"], runs["scale"]))
@@ -185,16 +158,13 @@ def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
     notes = tuple(note for note in (_branched(runs, branches), unbranched, _differences(runs), left_out, bad_seeds,
                                     diverged, "No run of " + ", ".join(missing) + ": these cells are in no comparison"
                                     if missing else "") if note)
-    return StudyRuns(runs, shared if len(tuned) and len(shared) else None, tune, branches, notes)
+    return StudyRuns(runs, shared if beside else None, tune, branches, notes)
 
 
 def _branch_ends(main: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """(the runs to decide on, every decay branch, the note naming runs left out beside branches) of one LR source.
-
-    Without branches the runs are ``main`` itself. With them, the runs are the branches at the largest point, the
-    planned runs' ends: a comparison pairs them by seed like straight runs, and a (variant, scale) whose branch there
-    is missing is a missing cell. Main runs that are no branch (an unbranched launch of the experiment) are left out,
-    never paired with branch ends, and named."""
+    """(the runs to decide on, every decay branch, the note naming runs left out) of one LR source: ``main`` itself
+    without branches, else the branches at the largest point (the planned runs' ends, paired by seed like straight
+    runs), main runs that are no branch left out and named."""
     is_branch = main["role"] == Role.branch
     branches = main[is_branch].reset_index(drop=True)
     if not len(branches):
@@ -219,10 +189,8 @@ def _branched(runs: pd.DataFrame, branches: pd.DataFrame) -> str:
 
 
 def _without_infinite_finals(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The runs with every infinite or NaN final metric taken as not logged, and the note naming them. A run that
-    diverged is left out of every comparison and figure on that metric (it is unpaired there, with its reason)
-    rather than decided as the worst outcome: no paired interval or fit can hold an infinite value. Leaving it out
-    favours its variant, which the note says."""
+    """The runs with every infinite or NaN final taken as not logged (no paired interval or fit can hold one: the run
+    is unpaired there, with its reason), and the note naming them, since leaving them out favours their variant."""
     metrics = [c for c in runs.columns if "/" in c]
     values = runs[metrics].apply(pd.to_numeric, errors="coerce")
     # MLflow's SQL stores keep an infinity as the largest float
@@ -249,9 +217,8 @@ def _shared(dotted: str) -> bool:
 
 
 def _differences(runs: pd.DataFrame) -> str:
-    """The sentence naming each shared field (study.plan.fairness) in which a variant's runs differ from the
-    baseline's at the same scale and seed: fields the experiment compares on purpose (its `compares:` block), read
-    from what the runs logged rather than from the experiment file, so a store is described as it was trained."""
+    """The sentence naming each shared field (study.plan.fairness) in which a variant's runs differ from the baseline's
+    at the same scale and seed (its `compares:` block), as the runs logged them."""
     fields = {(r.scale, r.variant, r.seed): json.loads(r.shared_fields) for r in runs.itertuples()}
     found: dict[tuple[str, str], dict[str, tuple[str, str, str]]] = {}
     for r in runs.itertuples():
@@ -334,8 +301,8 @@ def _first(values: Mapping[str, str], *keys: str) -> float:
 
 
 def trunk_links(runs: pd.DataFrame) -> dict[str, tuple[str, int]]:
-    """Run id of each decay branch among ``runs`` whose trunk's run the store holds -> (the trunk's run id, the trunk
-    step the branch started from): what :func:`read_curves` prefixes a branch's history with."""
+    """Run id of each decay branch among ``runs`` whose trunk's run the store holds -> (the trunk's run id, the step
+    the branch started from)."""
     if "trunk_run_id" not in runs.columns:
         return {}
     linked = runs[runs["trunk_run_id"].notna() & np.isfinite(runs["branch_step"].to_numpy(float))]
@@ -344,13 +311,9 @@ def trunk_links(runs: pd.DataFrame) -> dict[str, tuple[str, int]]:
 
 def read_curves(run_ids: Iterable[str], metric: str = "val/loss", tracking_uri: str | None = None,
                 trunks: Mapping[str, tuple[str, int]] | None = None) -> pd.DataFrame:
-    """Full history of ``metric`` for each run, long form: columns run_id, step, value.
-
-    A decay branch logs only the steps it trains itself, from its trunk's checkpoint on; ``trunks`` (run id of a
-    branch -> its trunk's run id and start step, :func:`trunk_links`) prefixes its history with its trunk's points up
-    to that step, so a branch's curve is the straight WSD run's it equals, from step 0 (its trunk's points are that
-    run's: same weights, same batches, the same stable LR). A few threads (four) overlap the per-run round trips,
-    which matters against a tracking server over HTTP.
+    """Full history of ``metric`` for each run, long form: columns run_id, step, value. ``trunks``
+    (:func:`trunk_links`) prefixes a branch's history with its trunk's points up to its start, so its curve is the
+    straight WSD run's it equals, from step 0. Four threads overlap the per-run round trips to a tracking server.
     """
     store = open_store(tracking_uri, required=True)
     ids = list(run_ids)
