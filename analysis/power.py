@@ -1,10 +1,7 @@
 """Power before spending: per comparison, the seeds that resolve the declared margin and the GPU-hours they cost.
-
-The noise is the seed-to-seed sd of paired deltas on the primary metric: measured where the store already has at
-least :data:`MIN_PAIRS_FOR_SD` finished pairs of that comparison, else the experiment's ``decision.prior_sd``.
-"Resolve" means both directions of the question: a true difference of one margin is found by the paired t test with
-the rule's power, and a true difference of zero is shown equivalent by TOST with that power, each at the family's
-Bonferroni level alpha/m (which bounds Holm's strictest step).
+The noise is the sd of paired deltas measured in the store (from :data:`MIN_PAIRS_FOR_SD` finished pairs), else the
+experiment's ``decision.prior_sd``; resolving means finding a true difference of one margin (paired t) and showing a
+true 0 equivalent (TOST), each with the rule's power at the family's Bonferroni level alpha/m.
 """
 
 from __future__ import annotations
@@ -82,12 +79,9 @@ def plan_power(plan, rule: DecisionRule, measured: dict[tuple[str, str], tuple[f
 
 def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_uri: str
                    ) -> tuple[dict[tuple[str, str], tuple[float, int]], str]:
-    """(scale, variant) -> (sd of paired deltas, pairs) from the store, for comparisons with enough finished pairs,
-    and a note on what was read.
-
-    Planning must not wait on a store: a missing SQLite file or an experiment not logged yet gives {}, and a
-    tracking server is asked once with a short timeout; a store that cannot be read is named in the note.
-    """
+    """(scale, variant) -> (sd of paired deltas, pairs) for comparisons with enough finished pairs, and a note on
+    what was read. Planning never waits on a store: a server is asked once with a short timeout, and a store that
+    cannot be read gives {} and is named in the note."""
     from study.errors import StudyError
     from study.track.store import read_per_version, resolve_tracking_uri, sqlite_path
 
@@ -129,8 +123,8 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
 
 
 def plan_power_rows(plan, unread: str | None = None) -> tuple[list, str]:
-    """Power rows of a plan (study.plan.planner.Plan) when the experiment declares a decision margin, and where the
-    noise came from. `unread` says why the store is not to be read (its server did not answer): the prior stands in."""
+    """Power rows of a plan (study.plan.planner.Plan) with a decision margin, and where the noise came from; `unread`
+    says why the store is not read (its server did not answer), and the prior stands in."""
     exp = plan.experiment
     rule = exp.decision
     if rule.margin is None or not plan.runs:

@@ -1,12 +1,7 @@
 """The report's "Reference work profile" section, for an experiment whose scheduled runs take their widths from a
-profiled reference run (study 2).
-
-Each scale's reference run holds its work profile (the MLflow artifact `geometry/profile.json` that `study profile`
-logs); each scheduled run's params say which curve its widths follow (`geometry.statistic`, `geometry.geometry`),
-whether they are reflected against it (`model.ffn.schedule.reverse`, the anti control) and the widths it trained
-(`resolved.ffn_widths`). The section draws every geometry's curve of the statistics in use, normalised so their
-directions compare, and says per scheduled variant which curve it follows and which way it points, so an arm that
-runs the same way as the arm it should oppose shows before its results are read.
+profiled reference run (study 2): every geometry's curve of each statistic in use (each reference run's
+`geometry/profile.json`), and per scheduled variant the curve it follows (its `geometry.*` params, reflected for the
+anti control) and which way it points, so an arm that runs the same way as the arm it should oppose shows.
 """
 
 from __future__ import annotations

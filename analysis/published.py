@@ -1,10 +1,7 @@
-"""The papers' reported figures beside ours, compared as deltas against the baseline in nats.
-
-A paper's absolute losses and perplexities come from another corpus and tokenizer, so they never compare with ours
-as numbers. What does compare is the effect of a design: a published perplexity pair becomes
-log(ppl_variant / ppl_baseline), which is the difference of the two mean losses, and a published loss pair its plain
-difference; our side is the paired mean delta of val/loss over seeds with its t interval. Each value keeps its source
-and whether it was verified there (study.plan.experiment.Published).
+"""The papers' reported figures beside ours, compared as deltas against the baseline in nats: their absolute losses
+come from another corpus and tokenizer, but a design's effect compares (log(ppl_variant / ppl_baseline) is the
+difference of the mean losses). Our side is the paired mean val/loss delta with its t interval; each published value
+keeps its source and whether it was verified there (study.plan.experiment.Published).
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ class PublishedDelta:
 
 
 def published_figures(experiment: str) -> Published | None:
-    """The experiment file's `published:` block; None without one or without such a file in this checkout (a report
-    of runs from elsewhere). A malformed block is the user's error and is raised."""
+    """The experiment file's `published:` block; None without one or without the file (runs from elsewhere), and a
+    malformed block raises."""
     from study.errors import StudyError
     from study.plan.experiment import load_experiment
 

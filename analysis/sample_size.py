@@ -1,7 +1,5 @@
 """How many seed pairs a paired comparison needs, and what it can detect: the power of the paired t test and TOST.
-
-Numpy and scipy.special only: ``study plan`` prints the power table from these, and scipy.stats (about a second to
-import) or pandas would make a plan wait for them. :mod:`analysis.decide` reads its "seeds to decide" from here.
+Numpy and scipy.special only: ``study plan`` prints its power table from here, and scipy.stats takes a second to import.
 """
 
 from __future__ import annotations
@@ -13,14 +11,9 @@ MAX_PAIRS = 100_000
 
 
 def t_power(effect: float, n: float, alpha: float, alternative: str = "two-sided") -> float:
-    """Power of the one-sample (paired) t test at standardised effect ``effect`` over ``n`` pairs.
-
-    The formula of statsmodels' ``TTestPower.power``; the far tail is taken as the upper tail at −effect because
-    the noncentral t's lower tail is NaN there for large noncentralities, where the true value is ~0. From
-    scipy.special, whose import ``study plan`` can afford (scipy.stats costs it about a second): the upper tail at
-    ``x`` with noncentrality ``nc`` is the lower tail at ``-x`` with ``-nc`` (what ``stats.nct.sf`` returns, to the
-    last bit on the test's cases), and ``t.isf(p) = -t.ppf(p)``.
-    """
+    """Power of the one-sample (paired) t test at standardised effect ``effect`` over ``n`` pairs: the formula of
+    statsmodels' ``TTestPower.power`` from scipy.special (the upper tail at ``x``, noncentrality ``nc``, is the lower
+    tail at ``-x``, ``-nc``, as ``stats.nct.sf`` gives it; the far tail is the upper one at −effect)."""
     from scipy.special import nctdtr, stdtrit
 
     def upper(x: float, nc: float) -> float:
@@ -43,9 +36,8 @@ def minimum_detectable_effect(n: int, sd: float, alpha: float, power: float) -> 
 
     if n < 2 or not sd > 0:
         return math.nan
-    # The z test's effect is a lower bound (the t test has less power at every effect); doubling it brackets the
-    # root, so the solver starts a few steps from it instead of searching [1e-9, 1e6] (most of the report's
-    # decision time went there).
+    # the z test's effect is a lower bound (the t test has less power); doubling it brackets the root a few steps
+    # away, where a search over [1e-9, 1e6] took most of the report's decision time
     low = (-ndtri(alpha / 2) - ndtri(1 - power)) / math.sqrt(n)
     high = 2 * low
     while t_power(high, n, alpha) < power:
@@ -84,32 +76,23 @@ def seeds_for_difference(effect: float, sd: float, alpha: float, power: float) -
 
 def seeds_for_equivalence(true_delta: float, margin: float | None, sd: float, alpha: float, power: float
                           ) -> int | None:
-    """Pairs for TOST to show |delta| < ``margin`` when the true delta is ``true_delta``, with ``power``.
-
-    TOST rejects when both one-sided tests do; their joint power is at least 1 − (misses of each), so each
-    one-sided test is sized for power 1 − (1 − power)/2 against the nearer bound: a slight overestimate of the
-    seeds needed, never an underestimate.
-    """
+    """Pairs for TOST to show |delta| < ``margin`` when the true delta is ``true_delta``, with ``power``: each
+    one-sided test sized for 1 − (1 − power)/2 against the nearer bound (never an underestimate)."""
     if margin is None or not sd > 0 or abs(true_delta) >= margin:
         return None
     return _solve_pairs((margin - abs(true_delta)) / sd, alpha, 1 - (1 - power) / 2, "larger")
 
 
 def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, power: float) -> int | None:
-    """Pairs that would probably decide a comparison if the observed mean and sd are the truth.
-
-    The smaller of what detecting the observed delta needs and what showing equivalence needs (when the observed
-    delta lies inside the margin); None when neither is reachable (no spread, or a delta of exactly zero and no
-    margin).
-    """
+    """Pairs that would probably decide a comparison if the observed mean and sd are the truth: the fewer of what
+    finding the delta and showing equivalence need; None when neither is reachable."""
     options = (seeds_for_difference(abs(mean), sd, alpha, power), seeds_for_equivalence(mean, margin, sd, alpha, power))
     return min((o for o in options if o is not None), default=None)
 
 
 def seeds_phrase(seeds: int | None, n: int) -> str:
-    """"Seeds to decide" as every place shows it (the report's sentences and tables, the terminal's summary, the
-    decision's reason): the pairs in all and how many more than the ``n`` paired, ``4 seed pairs (1 more)``, so no two
-    of them can read as different figures."""
+    """"Seeds to decide" as every place shows it: the pairs in all and how many more than the ``n`` paired,
+    ``4 seed pairs (1 more)``."""
     if seeds is None:
         return "no number of seed pairs in reach"
     return f"{seeds} seed pairs" + (f" ({seeds - n} more)" if seeds > n else "")

@@ -1,21 +1,10 @@
-"""Seeds added only where a comparison is still undecided, with error rates that survive looking after every round.
-
-Design: a group-sequential procedure with Bonferroni alpha spending. Looks are planned at n_0 (the experiment's
-seeds), n_0 + 1, ..., ``max_seeds`` pairs; look k spends
-
-    alpha_k = alpha * (n_k - n_{k-1}) / max_seeds      (n_{-1} = 0; linear in the information fraction)
-
-so the alpha of all planned looks sums to at most alpha. At every look the whole primary family is decided at
-alpha_k with Holm's correction (:func:`analysis.decide.decide`); a comparison's first verdict other than
-undecided is final, and only still-undecided comparisons get another seed (for the variant and its baseline
-together, so pairs stay pairs). A false verdict anywhere needs a false rejection at some look, each of which has
-probability at most alpha_k, so the family-wise error over all looks is at most alpha by the union bound, whatever
-the stopping rule. It is conservative (it ignores the correlation between looks) and needs no boundary tables.
-
-The loop is :func:`until_decided`; it trains through an ``execute`` callable and reads through ``read``, so it
-runs the same with real launches (``study launch --until-decided``) and with a synthetic noise model in tests.
-Each look reads only the seeds planned up to it, so running the same command again after an interruption replays
-the finished looks exactly (their runs are found finished and not trained again) and carries on.
+"""Seeds added only where a comparison is still undecided, with error rates that survive looking after every round:
+a group-sequential procedure with Bonferroni alpha spending, look k at n_k pairs spending
+``alpha * (n_k - n_{k-1}) / max_seeds`` and deciding the whole primary family with Holm at that alpha; a verdict once
+reached is final, and only undecided comparisons get another seed pair. By the union bound the family-wise error over
+all looks is at most alpha whatever the stopping rule. :func:`until_decided` trains through ``execute`` and reads
+through ``read``, so it runs the same on real launches and on a noise model in tests; each look reads only the seeds
+planned up to it, so a rerun replays the finished looks exactly and carries on (analysis/README.md).
 """
 
 from __future__ import annotations
@@ -72,22 +61,13 @@ def look_alpha(alpha: float, n_now: int, n_before: int, max_seeds: int) -> float
     return alpha * (min(n_now, max_seeds) - n_before) / max_seeds
 
 
-def until_decided(
-    rule: DecisionRule,
-    baseline: str,
-    seeds: dict[str, list[int]],
-    variants: Sequence[str],
-    execute: Callable[[list[Run]], None],
-    read: Callable[[], pd.DataFrame],
-    cost: Callable[[Run], float],
-    caps: Caps,
-    record: Callable[[dict], None] = lambda look: None,
-) -> Outcome:
+def until_decided(rule: DecisionRule, baseline: str, seeds: dict[str, list[int]], variants: Sequence[str],
+                  execute: Callable[[list[Run]], None], read: Callable[[], pd.DataFrame], cost: Callable[[Run], float],
+                  caps: Caps, record: Callable[[dict], None] = lambda look: None) -> Outcome:
     """Train the experiment's runs, then add a seed per round to every undecided (scale, variant) until decided.
 
-    ``seeds`` are the experiment's seeds per scale, ``variants`` its variants (the baseline among them).
-    ``execute`` trains the given runs and returns when they are done; ``read`` returns the store's runs
-    (:func:`analysis.run_table.read_runs`); ``cost`` is one run's GPU-hours; ``record`` receives each look as it is made.
+    ``seeds``: the experiment's seeds per scale; ``execute`` trains runs and returns when they are done; ``read`` gives
+    the store's runs (:func:`analysis.run_table.read_runs`); ``cost`` one run's GPU-hours; ``record`` gets each look.
     """
     n0 = min(len(s) for s in seeds.values())
     if caps.max_seeds < n0:
@@ -135,8 +115,7 @@ def until_decided(
 
 
 def _planned(runs: pd.DataFrame, seeds: dict[str, list[int]]) -> pd.DataFrame:
-    """Only the seeds this look is planned on: a relaunch of an interrupted loop then replays every look exactly,
-    even though the store already holds the seeds later rounds trained."""
+    """Only the seeds this look is planned on, so a relaunch replays every look exactly."""
     if runs.empty:
         return runs
     planned = {(scale, seed) for scale, ss in seeds.items() for seed in ss}
@@ -204,6 +183,5 @@ def log_look(client, experiment_id: str, run_id: str | None, look: dict, looks: 
 
 
 def read_looks(client, experiment_id: str) -> list[dict]:
-    """The looks of the experiment's latest sequential run; [] when it was never run adaptively (or its first look
-    never finished uploading)."""
+    """The looks of the experiment's latest sequential run; [] when there is none (or its first look is uploading)."""
     return latest_record(client, experiment_id, ROLE_SEQUENTIAL, LOOKS_ARTIFACT) or []

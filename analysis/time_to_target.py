@@ -1,23 +1,12 @@
 """Time to target: the GPU-hours each arm needed to reach the baseline's final validation loss.
 
-At a scale, the seed-k pair's target is the baseline run's final ``val/loss``. Each run's validation curve is walked
-from its start to the first logged point at or below the target, linearly interpolated in steps between that point
-and the one before it; a run that never gets there has not reached it. Tokens to that step are the step times the
-run's tokens per step (``recipe.tokens / recipe.max_steps``, else the global batch times the sequence length), and
-GPU-hours are those tokens over the run's tokens per second per device.
-
-Throughput per device comes from ``study calibrate``'s measurement of the run's shape when the store holds one
-(:func:`study.plan.throughput.measured`; the shape, cluster profile and devices are read from the run's own spec,
-its ``run.json`` artifact), else from the run itself: the median of its logged ``train/tokens_per_s`` (a whole
-job's figure; a decay branch's with its trunk's, whose job trained the same model for most of its steps) over its
-devices. A run whose spec cannot be read counts one device, and the report says so.
-
-The throughput-adjusted verdict is the parameter-matched procedure applied to ln(GPU-hours): per (scale, variant)
-the paired log ratio variant/baseline over seeds, a paired t test, Holm over the scale x variant family
-(:mod:`analysis.decide`); *better* means fewer GPU-hours to the baseline's loss. A variant run that did not reach
-the target needed more than its whole training: its GPU-hours to its last point stand in as a lower bound. Lower
-bounds can only understate how much slower it is, so a *worse* verdict stands, and a *better* one is withheld
-(*undecided*): an arm as good as the baseline misses the baseline's own final in about half the seeds by noise alone.
+At each scale the target of a seed's pair is the baseline run's final ``val/loss``; each run's GPU-hours to it are the
+first point of its validation curve at or below it (interpolated in steps), times its tokens per step, over its tokens
+per second per device (``study calibrate``'s measurement of its shape, else the median of its own
+``train/tokens_per_s``; one device where its spec is unreadable, said in the report). The throughput-adjusted verdict
+decides ln(GPU-hours) per seed pair as the primary family is decided (paired t, Holm over scale x variant). A run that
+never reaches the target counts its whole training's hours, a lower bound: it can make a variant *worse*, never
+*better*. analysis/README.md ("Time to target") has the rest.
 """
 
 from __future__ import annotations
@@ -76,13 +65,11 @@ class TimeToTarget(JsonRecord):
     baseline_hours: float
     """Mean GPU-hours the baseline runs took to reach their own final loss."""
     variant_hours: float
-    """Mean GPU-hours the variant runs took to reach it; a run that never did counts its whole training's hours, so
-    the mean is then a lower bound."""
+    """Mean GPU-hours the variant runs took to reach it (a lower bound where some never did)."""
     reached: int
     """Pairs in which the variant reached the target."""
     ratio: float
-    """Geometric mean over pairs of variant / baseline GPU-hours (< 1: the variant gets there sooner); a lower bound
-    when reached < n."""
+    """Geometric mean over pairs of variant / baseline GPU-hours (< 1: sooner); a lower bound when reached < n."""
     ci_low: float
     """Lower end of the paired t interval of the ratio (at 1 - alpha, from the log ratios)."""
     ci_high: float
@@ -109,12 +96,8 @@ class TimeReport(JsonRecord):
 
 def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule: DecisionRule, uri: str,
                    metric: str = "val/loss") -> TimeReport:
-    """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant).
-
-    ``curves`` are the ``metric`` histories of the finished runs (:func:`analysis.run_table.read_curves`, a decay
-    branch's with its trunk's points before it: a branch reaches the target counting from step 0, not from its
-    trunk's checkpoint).
-    """
+    """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant);
+    ``curves`` are the finished runs' histories (:func:`analysis.run_table.read_curves`, a branch's from step 0)."""
     chosen = _newest(runs, metric)
     speed = throughputs(chosen, uri)
     by_run = dict(tuple(curves.groupby("run_id")))
@@ -172,8 +155,7 @@ def throughputs(runs: pd.DataFrame, uri: str) -> dict[str, Throughput]:
 
 
 def first_reach(steps: np.ndarray, values: np.ndarray, target: float) -> float:
-    """The first step at which the curve is at or below ``target``, linearly interpolated from the point before;
-    inf when it never is."""
+    """The first step at which the curve is at or below ``target``, interpolated from the point before; inf if never."""
     below = np.flatnonzero(values <= target)
     if not len(below):
         return math.inf
@@ -184,8 +166,7 @@ def first_reach(steps: np.ndarray, values: np.ndarray, target: float) -> float:
 
 
 def _newest(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """The run each pair uses: per (variant, scale, seed) the newest finished one with a final ``metric``, as in
-    :mod:`analysis.paired`."""
+    """The run each pair uses, as :mod:`analysis.paired` chooses: the newest finished one with a final ``metric``."""
     usable = runs[(runs["status"] == run_table.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
     return (usable.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
             .reset_index(drop=True))
@@ -198,8 +179,7 @@ def _targets(runs: pd.DataFrame, baseline: str, metric: str) -> list[float]:
 
 
 def _hours(run, curve: pd.DataFrame | None, speed: Throughput | None, target: float) -> tuple[float, float]:
-    """(GPU-hours the run took to reach ``target``, inf when it never did; GPU-hours to its last logged point);
-    NaN when its speed, tokens per step or curve is unknown."""
+    """(GPU-hours to reach ``target``, inf if never; GPU-hours to its last point); NaN where anything is unknown."""
     per_step = run.tokens / run.max_steps if run.tokens > 0 and run.max_steps > 0 else run.global_batch * run.seq_len
     if speed is None or not per_step > 0 or curve is None or not math.isfinite(target):
         return math.nan, math.nan

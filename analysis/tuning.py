@@ -1,12 +1,7 @@
-"""The tuning stage in the report: each variant's LR grid, the LR it chose, and verdicts at the shared LR beside the
-tuned ones.
-
-Tune runs (``study.role=tune``) are points of a grid of multiples of the recipe's LR at a tune scale; the tuning
-stage chose each variant's multiple from them and wrote it into the variant's main runs (tags
-``study.tune.multiple`` and ``study.tune.status``). Here the grid is read back as curves of final loss against LR,
-one point per seed, with the chosen LR, and where the store also holds the same experiment's main runs at the
-shared LR, the two sets of verdicts are set side by side and every verdict that changes between them is flagged.
-Tune runs are shown, never paired: the decisions come from the main runs alone.
+"""The tuning stage in the report: each variant's LR grid (its tune runs, final loss against LR, one point per seed)
+and the LR it chose (the main runs' ``study.tune.multiple`` and ``study.tune.status``), and, where the store also holds
+the main runs at the shared LR, both sets of verdicts side by side with every flip flagged. Tune runs are shown,
+never paired.
 """
 
 from __future__ import annotations
@@ -55,8 +50,7 @@ class TuneCurve(JsonRecord):
     unfinished: int = 0
     """Tune runs of this variant and scale that did not finish."""
     extensions: int | None = None
-    """Grid points its tune runs trained beyond the declared grid (the experiment file's tune.lr), added while the
-    best point sat at an edge; None where no declared grid was at hand to tell them apart."""
+    """Grid points trained beyond the declared grid (tune.lr) while the best sat at an edge; None without that grid."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +80,7 @@ class VerdictPair(JsonRecord):
 def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss",
                 declared: Sequence[float] | None = None) -> list[TuneCurve]:
     """Each variant's grid at each tune scale, with the choice its main runs record; `declared` is the experiment
-    file's grid (tune.lr), against which the points added beyond it are counted."""
+    file's grid (tune.lr), which tells the points added beyond it."""
     if not len(tune) or metric not in tune.columns:
         return []
     order = scale_order(pd.concat([main, tune]))
