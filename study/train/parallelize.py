@@ -9,9 +9,9 @@ from study.train.distributed import Dist
 
 
 def parallelize(model, cfg: RunConfig, d: Dist):
-    """(model, step_model): the model sharded over the ranks when there are several, its blocks' activations
-    recomputed in the backward pass when asked, and the callable the batches go through (compiled when
-    `use_compile`). `model` owns the parameters (optimizer, checkpoints); `step_model` runs the forward passes.
+    """(model, step_model): the model sharded over the ranks when there are several, each block's activations
+    recomputed in the backward pass with `train.activation_checkpointing`, and the callable the batches go through,
+    compiled with `train.compile` (unset: on CUDA only). `model` owns the parameters (optimizer, checkpoints).
 
     Sharding comes first so that `fully_shard` is handed the blocks themselves (`model.layers`), not their
     recomputation wrappers; compile comes last so that it traces the finished module."""
@@ -20,9 +20,13 @@ def parallelize(model, cfg: RunConfig, d: Dist):
     if d.world_size > 1:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
-        checkpoint_blocks(model)
-    step_model = torch.compile(model) if use_compile(cfg, d) else model
-    return model, step_model
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        from study.models.transformer import Block
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    use_compile = d.device.startswith("cuda") if cfg.train.compile is None else bool(cfg.train.compile)
+    return model, torch.compile(model) if use_compile else model
 
 
 def sharding(cfg: RunConfig, d: Dist) -> str:
@@ -38,44 +42,25 @@ def layout_name(cfg: RunConfig, d: Dist) -> str:
     return f"{head}, {sharding(cfg, d) if d.world_size > 1 else 'unsharded'}"
 
 
-def device_mesh(cfg: RunConfig, d: Dist):
-    """The mesh FSDP2 shards on: 1-D over every rank (full), or 2-D (replicate across nodes, shard within a node)."""
+def wrap_fsdp(model, cfg: RunConfig, d: Dist):
+    """FSDP2 sharding every block, then the root (embedding, final norm, head), in bf16 when `use_bf16`. The mesh is
+    1-D over every rank (full), or 2-D for hybrid, where `fully_shard` is HSDP: each block's parameters sharded over
+    the ranks of a node and replicated across nodes."""
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = "cuda" if d.device.startswith("cuda") else "cpu"
     if sharding(cfg, d) == "hybrid":
-        return init_device_mesh(device, (d.nodes, d.ranks_per_node), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device, (d.world_size,), mesh_dim_names=("shard",))
-
-
-def wrap_fsdp(model, cfg: RunConfig, d: Dist):
-    """FSDP2 on the run's mesh: shard every block, then the root (embedding, final norm, head); bf16 compute on CUDA
-    only. On a 2-D mesh `fully_shard` is HSDP: each block's parameters are sharded over the ranks of a node and
-    replicated across nodes."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(cfg, d) else None
-    kwargs = {"mesh": device_mesh(cfg, d), **({"mp_policy": mp} if mp else {})}
+        mesh = init_device_mesh(device, (d.nodes, d.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (d.world_size,), mesh_dim_names=("shard",))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = bf16 if use_bf16(cfg, d) else MixedPrecisionPolicy()  # the default: compute in the parameters' fp32
     for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
-
-
-def checkpoint_blocks(model) -> None:
-    """Recompute each transformer block's activations in the backward pass instead of keeping them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-    from study.models.transformer import Block
-
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-
-
-def use_compile(cfg: RunConfig, d: Dist) -> bool:
-    """`train.compile`; unset, on CUDA only."""
-    c = cfg.train.compile
-    return d.device.startswith("cuda") if c is None else bool(c)
 
 
 def use_bf16(cfg: RunConfig, d: Dist) -> bool:

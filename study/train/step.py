@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 def cross_entropy(logits, targets, z_loss: float):
+    """The mean next-token loss in fp32, plus the z-loss when `z_loss` is set."""
     import torch.nn.functional as F
 
     flat = logits.reshape(-1, logits.shape[-1]).float()
@@ -16,23 +17,11 @@ def cross_entropy(logits, targets, z_loss: float):
     return loss
 
 
-def clip_grad_norm(model, max_norm: float):
-    """Clip the global gradient norm; returns it as a tensor, read only at log steps (no device sync per step)."""
-    import torch
-
-    if max_norm <= 0:
-        max_norm = float("inf")  # measure the norm for logging, clip nothing
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
 def train_step(model, forward, optimizer, scheduler, batches, device: str, z_loss: float = 0.0,
                grad_clip: float = 1.0, autocast_bf16: bool = False, sharded: bool = False):
-    """Run one step on `batches` (a list of (x, y) micro-batches); returns (summed loss, grad norm) as tensors.
-
-    `model` owns the parameters (FSDP-wrapped when `sharded`), `forward` is the callable the batches go through (the
-    model, or its compiled form). Nothing here reads a value back to the host.
-    """
+    """Run one step on `batches` (a list of (x, y) micro-batches); returns (summed loss, grad norm) as tensors, read
+    back to the host nowhere here. `model` owns the parameters (FSDP-wrapped when `sharded`); `forward` is the
+    callable the batches go through (the model, or its compiled form)."""
     import torch
 
     loss_sum = torch.zeros((), device=device)
@@ -47,7 +36,10 @@ def train_step(model, forward, optimizer, scheduler, batches, device: str, z_los
             loss = cross_entropy(forward(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), z_loss)
         (loss / len(batches)).backward()
         loss_sum += loss.detach()
-    grad_norm = clip_grad_norm(model, grad_clip)
+    # the global norm, as a tensor read only at log steps (no device sync per step); `grad_clip` 0 clips nothing
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"),
+                                          foreach=True)
+    grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
