@@ -1,17 +1,12 @@
 """What a run still needs, in one answer (:func:`state_of`): nothing, its evaluation of record, training, or MLflow's
 copy of its result; and whether something already works on it (running, queued, or stuck).
 
-Each fact has one source. The run directory says what is done: `result.json`, which the trainer writes when training
-finished, for training; the records under `evals/` for the evaluation of record of the final checkpoint. It also says
-who trains the run now: a live process holds its lease. MLflow mirrors the run directory: where the two disagree the
-run directory wins and the disagreement is named. The scheduler (the job journal, SLURM) says what is queued, running
-on a node, or can never start. `study launch` (what to submit), `study status` (its `state` column) and
-`--until-decided` (whether a round finished) all ask this module, so they cannot answer differently.
-
-A run no job can train is a dead end, and never submitted: its job would fail the same way at every launch. That is
-a run MLflow holds FINISHED whose run directory lost its result and final checkpoint (its job refuses to reopen a
-result of record), and a decay branch whose trunk will never write the checkpoint it starts from (the trunk trained
-past it without keeping it, or diverged before it). The answer names the one command that repairs it.
+Each fact has one source: the run directory says what is done (`result.json`, the evaluation records under `evals/`)
+and who trains the run now (a live process holds its lease); the scheduler (the job journal, SLURM) says what is
+queued, running or can never start. MLflow mirrors the run directory: where they disagree the run directory wins and
+the disagreement is named. `study launch`, `study status` and `--until-decided` all ask here, so they cannot answer
+differently. A run no job can train (a dead end: its job would fail the same way at every launch) is never submitted,
+and its answer names the one command that repairs it.
 """
 
 from __future__ import annotations
@@ -37,13 +32,12 @@ from study.train.lease import held_by
 NOTHING = "nothing"
 """Trained, and evaluated when it is to be, and MLflow holds it FINISHED."""
 EVALUATION = "evaluation"
-"""Trained, but its evaluation of record is missing (`eval.after_train`): its job resumes at the final checkpoint, so
-only the evaluation runs."""
+"""Trained, but its evaluation of record (`eval.after_train`) is missing: its job evaluates the final checkpoint."""
 TRAINING = "training"
 """Not trained: its run directory holds no result.json of its key."""
 MIRROR = "mirror"
-"""Trained and evaluated as its run directory says, but MLflow does not hold it FINISHED (a store swapped, emptied, or
-unreachable when the run closed): its job resumes at the final checkpoint and brings MLflow every point."""
+"""Done as its run directory says, but MLflow does not hold it FINISHED (a store swapped, emptied, or unreachable when
+the run closed): its job resumes at the final checkpoint and brings MLflow every point."""
 
 JOB_DOES = {TRAINING: "its job trains it", EVALUATION: "its job evaluates its final checkpoint",
             MIRROR: "its job brings MLflow the result", NOTHING: "it needs no job"}
@@ -64,8 +58,7 @@ class Worker:
     what: str | None
     """RUNNING, QUEUED, STUCK, or None when nothing does."""
     by: str = ""
-    """Who, in words: `SLURM job 12_0 is PENDING`, `local process 4242 on host runs it`, `a live process (host pid)
-    holds its run directory's lease`."""
+    """Who, in words: `SLURM job 12_0 is PENDING`, `local process 4242 on host runs it`, ..."""
     source: str = ""
     """SLURM, LOCAL or LEASE."""
 
@@ -88,8 +81,7 @@ class RunState:
     diverged: bool = False
     """A tune run settled by diverging: its result is that its LR is too high (MLflow holds it FAILED)."""
     blocked: str = ""
-    """Why no job can give the run what it needs (its job would fail the same way at every launch), with the one
-    command that repairs it; empty when its job can."""
+    """Why no job can give the run what it needs, with the one command that repairs it; empty when its job can."""
 
     @property
     def done(self) -> bool:
@@ -103,15 +95,14 @@ class Sources:
     def __init__(self, runs_root: str | Path, experiment: str, tracking_uri: str, overrides: list[str] | None = None):
         self.jobs = journal(runs_root, experiment)
         self.states = job_states(self.jobs)
-        self._store = experiment, tracking_uri
-        self.experiment = experiment
+        self.experiment, self.tracking_uri = experiment, tracking_uri
         self.overrides = list(overrides or [])
         """The overrides the runs were planned with: a repair command repeats them (a run key is theirs)."""
 
     @cached_property
     def mlflow(self) -> dict[str, object]:
         """The MLflow run of each run key."""
-        return runs_by_key(*self._store)
+        return runs_by_key(self.experiment, self.tracking_uri)
 
     def job(self, key: str) -> Worker:
         """What the journal's latest job of `key` (a run key, `profile:<key>`, `prepare:<shards>`) is doing now."""

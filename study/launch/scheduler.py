@@ -18,7 +18,6 @@ from study.schema import launch_dir, not_a_link
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "SIGNALING", "STAGE_OUT"}
 
-
 DEAD = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
         "VANISHED"}
 
@@ -30,13 +29,10 @@ yet it is stuck too. A relaunch cancels such jobs and submits their runs again."
 
 @contextmanager
 def outside_allocation():
-    """Submit as if from a login shell. Inside a job (a controller job, an `salloc` shell) the environment holds that
-    allocation's SLURM_* variables; sbatch would pass them on to the new jobs, whose srun then refuses the mix
-    ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and SLURM_MEM_PER_NODE are mutually exclusive"). SLURM_CONF, which
-    names the cluster, and the user's own SBATCH_* settings stay."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k != "SLURM_CONF"}
-    for key in saved:
-        del os.environ[key]
+    """Submit as if from a login shell: inside a job (a controller job, an `salloc` shell) sbatch would pass that
+    allocation's SLURM_* variables on to the new jobs, whose srun then refuses the mix ("SLURM_MEM_PER_CPU, ... are
+    mutually exclusive"). SLURM_CONF, which names the cluster, and the user's SBATCH_* settings stay."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SLURM_") and k != "SLURM_CONF"}
     try:
         yield
     finally:
@@ -102,8 +98,9 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
             state = STUCK
         if "[" in jid:  # array tasks not started yet are listed as one line: 12_[3-8%4]
             base, _, spec = jid.partition("_[")
-            for task in _expand(spec.split("%")[0].rstrip("]")):
-                states[f"{base}_{task}"] = state
+            for part in spec.split("%")[0].rstrip("]").split(","):
+                lo, _, hi = part.partition("-")
+                states.update({f"{base}_{task}": state for task in range(int(lo), int(hi or lo) + 1)})
         states[jid] = state
     return {j: states.get(j, "VANISHED") for j in job_ids}
 
@@ -113,13 +110,9 @@ def job_states(entries: dict[str, dict]) -> dict[str, str]:
     behind a STUCK one STUCK too."""
     slurm = [e for e in entries.values() if e.get("scheduler") == "slurm"]
     states = slurm_states(sorted({e["job_id"] for e in slurm} | {j for e in slurm for j in e.get("after", [])}))
-    changed = True
-    while changed:
-        changed = False
-        for e in slurm:
-            if states[e["job_id"]] == "PENDING" and any(states.get(j) == STUCK for j in e.get("after", [])):
-                states[e["job_id"]] = STUCK
-                changed = True
+    while stuck := [e["job_id"] for e in slurm if states[e["job_id"]] == "PENDING"
+                    and any(states.get(j) == STUCK for j in e.get("after", []))]:
+        states.update(dict.fromkeys(stuck, STUCK))
     return states
 
 
@@ -140,14 +133,6 @@ def cancel(job_ids: list[str]) -> None:
                    "check the jobs with squeue, then launch again")
 
 
-def _expand(spec: str) -> list[int]:
-    out = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def check_slurm() -> None:
     _refuse_unless(["sinfo", "-h"], 10, "SLURM is not reachable",
                    "start it (eval \"$(slurm/local/up)\") or use cluster=local",
@@ -162,5 +147,3 @@ def _refuse_unless(cmd: list[str], timeout_s: float, what: str, fix_unreachable:
         raise StudyError("cluster", f"{what} ({err})", fix_unreachable) from None
     if done.returncode != 0:
         raise StudyError("cluster", f"{what}: {done.stderr.strip()}", fix_failed)
-
-

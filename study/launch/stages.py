@@ -1,8 +1,6 @@
 """A launch's stages: which runs and shard entries still need a job (asked of the job journal and the schedulers
-once, `Queue`), what each stage waits for, and submitting one stage as a job array (or local processes).
-
-A stage is a phase of a launch: jobs of one kind (study.launch.kinds) submitted together, waiting on jobs of earlier
-stages (or of earlier launches still queued or running)."""
+once, `Queue`), what each stage waits for, and submitting one stage as a job array (or local processes). A stage is
+a phase of a launch: jobs of one kind (study.launch.kinds) waiting on jobs of earlier stages or launches."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ class Stage:
     groups: list[DataGroup] = field(default_factory=list)
     """For `prepare`: the shard entries to tokenise, one job each (aligned with `runs`)."""
     held: bool = False
-    """For `branch`: submitted held (`sbatch --hold`) because their trunks have not reached their branch steps;
-    each trunk's job releases its branches as it writes their checkpoints (study.launch.branching)."""
+    """For `branch`: submitted held (`sbatch --hold`) until their trunks write their starts (study.launch.branching)."""
 
     @property
     def name(self) -> str:
@@ -65,32 +62,27 @@ def runs_root(plan: Plan) -> str:
 
 
 class Queue(Sources):
-    """The experiment's job journal and what the schedulers say of its jobs now, read once (MLflow's runs when first
-    asked), and what a launch says of the runs it passes over."""
+    """The experiment's `Sources`, and what a launch says of the runs it passes over."""
 
     def __init__(self, plan: Plan):
         super().__init__(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri, plan.overrides)
         self.on_slurm = plan.runs[0].config.cluster.name != "local"
         self.planned = {r.key for r in plan.runs}
         self.elsewhere: dict[str, tuple[str, str]] = {}
-        """(name, why) per key found taken outside this launch's own SLURM queue: the launch says so."""
+        """(name, why) per key found taken outside this launch's own SLURM queue."""
         self.disagree: dict[str, tuple[str, str]] = {}
-        """(name, what MLflow says otherwise and what the run's job does) per run submitted where MLflow and its run
-        directory disagree: the launch names it."""
+        """(name, MLflow's disagreement and what the run's job does) per run submitted against MLflow's word."""
         self.blocked: dict[str, tuple[str, str]] = {}
-        """(name, why and the repair) per run no job can train (`RunState.blocked`): not submitted, the launch names
-        it."""
+        """(name, why and the repair) per run no job can train (`RunState.blocked`), so not submitted."""
 
     def busy(self, key: str, run: RunSpec | None = None) -> bool:
-        """The key's latest job may still run (a SLURM job queued or running, a local job's live process), or, for a
-        run, a live process holds its run directory's lease (a local launch, `study train`, a job this journal does
-        not know)."""
+        """The key's latest job may still run or, for a run, a live process holds its lease (`worker_of`)."""
         return self.taken(key, run.name if run else self.jobs.get(key, {}).get("name", key),
                           worker_of(run, self) if run is not None else self.job(key))
 
     def taken(self, key: str, name: str, worker: Worker) -> bool:
-        """Whether `worker` takes the key, noting who unless it is this launch's own SLURM queue (a SLURM relaunch
-        passes over its own queue silently: that is its idempotence)."""
+        """Whether `worker` takes the key, noting who unless it is this launch's own SLURM queue (which a SLURM
+        relaunch passes over silently: that is its idempotence)."""
         if worker.what not in (RUNNING, QUEUED):
             return False
         if worker.source != SLURM or not self.on_slurm:
@@ -98,8 +90,7 @@ class Queue(Sources):
         return True
 
     def wanted(self, run: RunSpec) -> bool:
-        """Whether a launch submits the run (:func:`study.launch.run_state.state_of`): it needs something and nothing
-        works on it."""
+        """Whether a launch submits the run: its state needs something and nothing works on it."""
         state = state_of(run, self)
         if state.done or self.taken(run.key, run.name, state.worker) or self._blocked(run, state.blocked):
             return False
@@ -108,8 +99,7 @@ class Queue(Sources):
         return True
 
     def dead_end(self, run: RunSpec) -> bool:
-        """Whether no job can train the run now (a local launch asks again before each batch of branches: their
-        trunks trained, or failed, in this launch)."""
+        """Whether no job can train the run now (a local launch asks before each batch of branches)."""
         return self._blocked(run, state_of(run, self).blocked)
 
     def _blocked(self, run: RunSpec, why: str) -> bool:
@@ -119,8 +109,7 @@ class Queue(Sources):
 
     def live(self) -> dict[str, str]:
         """SLURM job id per key whose job is queued or running: what new jobs wait for (afterok). A finished job
-        needs no waiting for, sbatch refuses a dependency on a job SLURM has forgotten, and one on a failed or
-        cancelled job would never be satisfied."""
+        needs no waiting for, and a dependency on a forgotten, failed or cancelled one would never be satisfied."""
         return {k: e["job_id"] for k, e in self.jobs.items()
                 if e.get("scheduler") == "slurm" and self.states.get(e["job_id"]) in ACTIVE}
 
@@ -142,11 +131,9 @@ class Queue(Sources):
 
 
 def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec], list[RunSpec], list[RunSpec]]:
-    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job. A run is
-    submitted when its state (:func:`study.launch.run_state.state_of`) says it needs something and nothing works on
-    it: a run whose evaluation failed is submitted again (training resumes at its last checkpoint, so only the
-    evaluation runs)."""
-    stopped = stopped_keys(plan)  # the race's stopped arms train no more
+    """(shard entries to prepare, train runs, references to profile, scheduled runs) that still need a job (`wanted`),
+    leaving out the arms the race stopped."""
+    stopped = stopped_keys(plan)
 
     def wanted(run: RunSpec) -> bool:
         return run.key not in stopped and queue.wanted(run)
@@ -159,7 +146,6 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
     profile = [r for r in plan.runs if r.key in refs and not r.run_dir.profile.is_file()
                and not queue.busy(JobKind.profile.prefix + r.key)]
     scheduled = [r for r in ready if r.role == Role.scheduled and wanted(r)]
-    # the shard entries not in the cache yet
     prepare = [g for g in data_groups(train + scheduled) if find_shards(g.data) is None and not queue.busy(g.key)]
     return prepare, train, profile, scheduled
 
@@ -170,10 +156,8 @@ def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
     ex = build_executor(stage.runs[0].config.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.kind,
                         after=stage.after, held=stage.held, python=python)
     make = stage.kind.job
-    if stage.on_shards:
-        callables = [make(g.runs[0].dir, g.model_vocab) for g in stage.groups]
-    else:
-        callables = [make(r.dir) for r in stage.runs]
+    callables = ([make(g.runs[0].dir, g.model_vocab) for g in stage.groups] if stage.on_shards
+                 else [make(r.dir) for r in stage.runs])
     try:
         with outside_allocation(), ex.batch():
             jobs = [ex.submit(c) for c in callables]
@@ -194,29 +178,17 @@ def plan_stages(plan: Plan, queue: Queue) -> list[Stage]:
     """The stages still to submit, with their dependencies on jobs submitted now or still active."""
     prepare, train, profile, scheduled = to_submit(plan, queue)
     submitted = queue.live()
-    stages = []
-    if prepare:
-        stages.append(Stage(JobKind.prepare, [g.runs[0] for g in prepare], groups=prepare))
-    tune = [r for r in train if r.role == Role.tune]
-    if tune:
-        stages.append(Stage(JobKind.tune, tune))
     # rung by rung: a local launch decides each rung before it trains the next
     branches = sorted((r for r in train if r.role == Role.branch), key=lambda r: r.points[0].at)
-    train = [r for r in train if r.role not in (Role.tune, Role.branch)]
-    if train:
-        stages.append(Stage(JobKind.train, train))
-    if branches:
-        # a branch whose trunk has written its start can run now; the others wait, held, for their trunk's job
-        ready = [r for r in branches if branch_ready(r) or not queue.on_slurm]  # locally the trunks run first
-        if ready:
-            stages.append(Stage(JobKind.branch, ready))
-        if len(ready) < len(branches):
-            stages.append(Stage(JobKind.branch, [r for r in branches if not branch_ready(r)], held=True))
-    if profile:
-        stages.append(Stage(JobKind.profile, profile))
-    if scheduled:
-        stages.append(Stage(JobKind.scheduled, scheduled))
-    stages = [part for stage in stages for part in by_layout(stage)]
+    # on SLURM a branch whose trunk has not written its start waits, held, for the trunk's job; locally trunks run first
+    held = {r.key for r in branches if queue.on_slurm and not branch_ready(r)}
+    stages = [Stage(JobKind.prepare, [g.runs[0] for g in prepare], groups=prepare),
+              Stage(JobKind.tune, [r for r in train if r.role == Role.tune]),
+              Stage(JobKind.train, [r for r in train if r.role not in (Role.tune, Role.branch)]),
+              Stage(JobKind.branch, [r for r in branches if r.key not in held]),
+              Stage(JobKind.branch, [r for r in branches if r.key in held], held=True),
+              Stage(JobKind.profile, profile), Stage(JobKind.scheduled, scheduled)]
+    stages = [part for stage in stages for part in by_layout(stage)]  # an empty stage has no part
     for stage in stages:
         stage.after = dependencies(stage, submitted)
     return stages
@@ -227,12 +199,10 @@ def by_layout(stage: Stage) -> list[Stage]:
     (`cluster.nodes: 8` at 8B), and one array's jobs share one sbatch header. Runs keep their order within each."""
     parts: dict[str, Stage] = {}
     for i, run in enumerate(stage.runs):
-        layout = repr(run.config.cluster)
-        if layout not in parts:
-            parts[layout] = Stage(stage.kind, [], held=stage.held)
-        parts[layout].runs.append(run)
+        part = parts.setdefault(repr(run.config.cluster), Stage(stage.kind, [], held=stage.held))
+        part.runs.append(run)
         if stage.on_shards:
-            parts[layout].groups.append(stage.groups[i])
+            part.groups.append(stage.groups[i])
     return list(parts.values())
 
 
