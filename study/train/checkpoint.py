@@ -1,12 +1,11 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, train state, RNG.
 
-Layout: <run_dir>/checkpoints/step_00000050/ holds the DCP shards, `.metadata`, one `rng_rank<r>.pt` per rank and
+<run_dir>/checkpoints/step_00000050/ holds the DCP shards, `.metadata`, `rng_rank<r>.pt` per rank and
 `train_state.json`. Every rank writes into `step_…partial/`; after a barrier rank 0 writes train_state.json and
-renames the folder. A checkpoint counts only when its final name, `.metadata` and `train_state.json` all exist, so
-a write killed halfway (a `.partial` folder) is never loaded, and is removed by the next save. A reader that is not
-the trainer (`study eval`, lm-eval's `study` model) holds `checkpoints/.readers` (created by the first reader) shared
-while it loads weights; a save prunes old checkpoints only when it can take that file exclusively, so none is removed
-under a reader (the next save prunes it).
+renames the folder, so a checkpoint counts only when its final name, `.metadata` and `train_state.json` all exist (a
+killed write is never loaded, and the next save removes it). A reader other than the trainer (`study eval`, lm-eval's
+`study` model) holds `checkpoints/.readers` shared while it loads; a save prunes only when it can lock that file
+exclusively, so no checkpoint is removed under a reader.
 """
 
 from __future__ import annotations
@@ -32,6 +31,10 @@ READERS = ".readers"
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return RunDir(run_dir).checkpoints
+
+
+def _folder(run_dir: Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"{PREFIX}{step:08d}"
 
 
 def _step_of(path: Path) -> int:
@@ -63,9 +66,8 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    root = checkpoint_dir(run_dir)
-    final = root / f"{PREFIX}{state.step:08d}"
-    partial = root / f"{final.name}{PARTIAL}"
+    final = _folder(run_dir, state.step)
+    root, partial = final.parent, final.with_name(final.name + PARTIAL)
     if d.is_main:
         for stale in root.glob(f"{PREFIX}*{PARTIAL}") if root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)
@@ -102,18 +104,16 @@ def _prune(run_dir: Path, keep_last: int, keep: frozenset[int] = frozenset()) ->
         # O_NOFOLLOW: a link planted in the run directory is refused, never locked through
         fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        # No reader yet. One that starts now chooses after this checkpoint's rename, so it reads the newest, which
-        # this prune keeps.
+        # no reader yet: one that starts now chooses after this checkpoint's rename, so it reads the newest, kept here
         fd = None
     try:
         if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         for old in complete_checkpoints(run_dir)[:-keep_last]:
             if _step_of(old) not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+    except BlockingIOError:  # a reader holds the lease
+        return
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
@@ -157,18 +157,15 @@ def load(path: Path, model, optimizer, d: Dist) -> TrainState:
 
 
 def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_hash: str = "") -> TrainState | None:
-    """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when the run
-    has none. A checkpoint saved by another run key, or for another model shape, is refused by name, and so is a
-    run whose every checkpoint is broken: starting it from step 0 would leave its MLflow curve and its weights
-    disagreeing (the recomputed points are dropped as repeats), so only `--restart` does that."""
+    """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when there is
+    none. Refused by name: a checkpoint of another run key or model shape, and a run whose every checkpoint is broken
+    (from step 0 its MLflow curve would disagree with its weights, the recomputed points dropped as repeats)."""
     import sys
 
     broken = []
     for path in reversed(complete_checkpoints(run_dir)):
-        state = _read_state(path)
-        if state is not None and state.run_key and state.run_key != run_key:
-            raise StudyError("paths.runs", f"checkpoint {path} belongs to run {state.run_key}, not {run_key}",
-                             "remove the foreign checkpoint (a run directory holds its own run's checkpoints only)")
+        state = _own_state(path, run_key, "paths.runs",
+                           "remove the foreign checkpoint (a run directory holds its own run's checkpoints only)")
         if state is not None and state.model_hash and model_hash and state.model_hash != model_hash:
             raise StudyError("paths.runs", f"checkpoint {path} holds another model shape than run {run_key}'s spec",
                              "the spec changed under a trained run: restore its run.json, or train it elsewhere")
@@ -192,7 +189,7 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
 
 def at_step(run_dir: Path, step: int) -> Path | None:
     """The run's complete checkpoint at `step`, None while it has none there."""
-    path = checkpoint_dir(run_dir) / f"{PREFIX}{step:08d}"
+    path = _folder(run_dir, step)
     return path if is_complete(path) else None
 
 
@@ -205,10 +202,7 @@ def load_branch_start(trunk_dir: Path, step: int, model, optimizer, d: Dist, tru
             raise StudyError("trunk", f"trunk run {trunk_key} has no complete checkpoint at step {step} yet "
                              f"({checkpoint_dir(trunk_dir)})", "train the trunk to that step first (study launch "
                              "schedules a branch once its trunk's checkpoint exists)")
-        state = _read_state(path)
-        if state is not None and state.run_key and state.run_key != trunk_key:
-            raise StudyError("trunk", f"checkpoint {path} belongs to run {state.run_key}, not trunk {trunk_key}",
-                             "remove the foreign checkpoint")
+        _own_state(path, trunk_key, "trunk", "remove the foreign checkpoint", whose="trunk ")
         try:
             return load(path, model, optimizer, d)
         except (KeyboardInterrupt, SystemExit):
@@ -252,12 +246,16 @@ def _nbytes(state: Any) -> int:
     return local.numel() * local.element_size() if hasattr(local, "element_size") else 0
 
 
-def _read_state(path: Path) -> TrainState | None:
-    """The checkpoint's train state; None when damaged (loading it then says so, by name)."""
+def _own_state(path: Path, run_key: str, field: str, fix: str, whose: str = "") -> TrainState | None:
+    """The checkpoint's train state, refused by `field` when another run saved it; None when damaged (loading it
+    then says so, by name)."""
     try:
-        return TrainState.read(path / "train_state.json")
+        state = TrainState.read(path / "train_state.json")
     except StudyError:
         return None
+    if state.run_key and state.run_key != run_key:
+        raise StudyError(field, f"checkpoint {path} belongs to run {state.run_key}, not {whose}{run_key}", fix)
+    return state
 
 
 def load_model_weights(path: Path, model) -> None:

@@ -4,7 +4,16 @@ tasks), its device, and the CPU allocator's settings."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
+
+from study.errors import StudyError
 
 
 @dataclass(frozen=True)
@@ -26,29 +35,22 @@ class Dist:
 
 
 STORE_PORTS = (20000, 32768)
-"""Where a SLURM job's rendezvous port is taken from: below Linux's default ephemeral range (32768-60999), from
-which every outgoing connection of the host (to the tracking server, to slurmctld) takes its local port. submitit's
-own draw spans 20000-60000: job 10's port, 57447, was once a live connection's on the first host, and rank 0 could
-not bind it (the other ranks then waited out the collective timeout)."""
-
-
-def store_port(job_id: str) -> int:
-    """The rendezvous port of SLURM job `job_id`: the same on every rank, different for jobs whose ids are closer
-    than the range's width (an array's elements, a sweep's jobs)."""
-    low, high = STORE_PORTS
-    return low + int(job_id) % (high - low)
+"""Where a SLURM job's rendezvous port is taken from (the job id modulo its width): below Linux's ephemeral range
+(32768-60999), where the host's outgoing connections take their local ports. submitit draws from 20000-60000, and a
+port it drew was once a live connection's, so rank 0 could not bind it."""
 
 
 def _export_slurm_env() -> bool:
     """Under `srun`/submitit with several tasks, derive torch.distributed's variables from SLURM's: RANK, LOCAL_RANK,
     WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT (the first host of the job's node list, a port drawn
-    from the job id by :func:`store_port` unless MASTER_PORT is set). True when it did."""
+    from the job id unless MASTER_PORT is set). True when it did."""
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return False
     import submitit
 
     if "MASTER_PORT" not in os.environ and os.environ.get("SLURM_JOB_ID", "").isdigit():
-        os.environ["MASTER_PORT"] = str(store_port(os.environ["SLURM_JOB_ID"]))
+        low, high = STORE_PORTS  # the same on every rank, different for jobs closer than the range (an array's)
+        os.environ["MASTER_PORT"] = str(low + int(os.environ["SLURM_JOB_ID"]) % (high - low))
     # overwrite: MASTER_PORT is set (here, or by the user), and submitit refuses to export over any variable
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return True
@@ -56,11 +58,9 @@ def _export_slurm_env() -> bool:
 
 def setup(device: str = "auto", timeout_s: float = 600) -> Dist:
     """Join the process group when the environment describes one (gloo on CPU, NCCL on GPU), every collective
-    bounded by `timeout_s`.
-
-    Rendezvous: `study train --nproc N` through a file (STUDY_INIT_METHOD); a SLURM job's tasks through a TCPStore
-    rank 0 serves on the first host of the job, bound to that host's address (:func:`_job_store`); torchrun through
-    its own store. env:// would listen on every interface, unauthenticated, for as long as the run lasts."""
+    bounded by `timeout_s`. Rendezvous: `study train --nproc N` through a file (STUDY_INIT_METHOD), a SLURM job's
+    tasks through `_job_store`, torchrun through its own store; never env://, which would listen on every interface,
+    unauthenticated, for as long as the run lasts."""
     from datetime import timedelta
 
     import torch
@@ -78,11 +78,8 @@ def setup(device: str = "auto", timeout_s: float = 600) -> Dist:
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if use_cuda else "gloo"
         init = os.environ.get("STUDY_INIT_METHOD")
-        if from_slurm and not init:
-            dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
-                                    timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)
+        store = _job_store(rank, world, timeout) if from_slurm and not init else None
+        dist.init_process_group(backend, init_method=init, store=store, rank=rank, world_size=world, timeout=timeout)
     return Dist(rank, world, local_rank, dev, max(1, world // max(1, per_node)))
 
 
@@ -90,8 +87,6 @@ def _job_store(rank: int, world: int, timeout):
     """The rendezvous of a SLURM job's ranks: rank 0 (on the first host of the node list) serves a TCPStore at
     MASTER_ADDR:MASTER_PORT on a socket it binds to that host's own address, so the store never listens on every
     interface; the others connect to it. It lives as long as the process group (the run's job)."""
-    import socket
-
     import torch.distributed as dist
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -104,8 +99,6 @@ def _job_store(rank: int, world: int, timeout):
             server.bind((address, port))
         except OSError as err:
             server.close()
-            from study.errors import StudyError
-
             raise StudyError("MASTER_PORT", f"rank 0 cannot serve the job's rendezvous on {host}:{port} "
                              f"({err.strerror})", "relaunch (a requeued job binds again), or export MASTER_PORT=<a "
                              "free port> in `cluster.setup`") from None
@@ -116,8 +109,6 @@ def _job_store(rank: int, world: int, timeout):
 
 def hosts(d: Dist) -> list[str]:
     """Each rank's host name, in rank order (a collective: every rank calls it)."""
-    import socket
-
     import torch.distributed as dist
 
     name = socket.gethostname()
@@ -184,14 +175,6 @@ def barrier(d: Dist) -> None:
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m study.cli <argv>` as `nproc` ranks on this machine (what torchrun does, minus its exit-code
     folding: a preempted run's 75 must reach the caller). If one rank fails, the others are stopped."""
-    import shutil
-    import subprocess
-    import sys
-    import time
-
-    import signal
-    import tempfile
-
     store = tempfile.mkdtemp(prefix="study-rendezvous-")
     procs: list = []
 
