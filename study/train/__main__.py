@@ -1,14 +1,10 @@
 """`python -m study.train [-m] key=value ...`: Hydra (and its launcher plugins) on the sweeps/ tree.
 
-Hydra expands sweeps and runs each job through its launcher; each job then hands its own task overrides to the same
-planner `study train` uses (`select_run`), so both paths give the same run, key and budget for the same overrides:
-`experiment=X variant=V scale=S seed=N` is that planned run of experiment file X, overrides alone an ad-hoc run.
-The experiment names the grid (Hydra's `hydra.job.name`, which `experiment=X` sets: Hydra itself has no such key);
-an ad-hoc grid is filed under the MLflow experiment `hydra.job.name` (default `adhoc`).
-
-Every job's overrides are planned once before Hydra starts anything: bad input (an unknown key, a malformed override,
-an unknown variant, preset or value) is refused as `study train` refuses it, in one paragraph with exit status 2 and
-nothing written or submitted, not in Hydra's words (exit status 1) nor from inside jobs already launched.
+Hydra expands sweeps and launches the jobs; each job plans its own task overrides with `study train`'s planner
+(`select_run`), so both paths give the same run, key and budget. `experiment=X` names the grid (it becomes Hydra's
+`hydra.job.name`; an ad-hoc grid is filed under that name, default `adhoc`). Every job's overrides are planned once
+before Hydra starts anything, so bad input is refused as `study train` refuses it (one paragraph, exit status 2,
+nothing written or submitted), not in Hydra's words nor from inside jobs already launched.
 """
 
 from __future__ import annotations
@@ -96,9 +92,9 @@ def main() -> None:
         refuse(err)
     sys.argv[1:] = argv
 
-    # Hydra composes the tree here only to expand sweeps and launchers: each job's config is composed and checked again
-    # by study's composer (select_run), which also reads a schedule named by its family alone. So the schema Hydra sees
-    # holds the typed defaults as plain values: every key is known (a misspelt one is still refused).
+    # Hydra composes the tree only to expand sweeps and launchers: select_run composes and checks each job's config
+    # again (and reads a schedule named by its family alone), so Hydra's schema holds the typed defaults as plain
+    # values: every key is known, a misspelt one still refused.
     schema = OmegaConf.to_container(OmegaConf.structured(RunConfig))
     ConfigStore.instance().store(name="run_schema", node=schema)
 

@@ -1,28 +1,17 @@
 """The training loop's seams: the hooks it calls at fixed points of every step, and the callbacks that log, validate
-and checkpoint there. The loop trains; everything else a step does happens in a callback.
+and checkpoint there. After the optimizer step the loop calls each hook on every callback, in list order:
 
-At every step the loop runs the optimizer step, then calls each hook on every callback, in list order:
+    on_step(step, out)           Metrics (log steps: the loss agreed across ranks, LR, grad norm, tokens/s, MFU on
+                                 CUDA; then on_log to every callback, e.g. Progress), then Validation (val steps: the
+                                 validation loss and perplexity; then on_validation)
+    before_stop(step, stop)      the last moment a stop can be asked for and still act at this step (FaultHooks)
+    on_step_end(step, stopping)  the state holds this step and the ranks agreed on `stopping`: Checkpointing
+                                 (before_checkpoint to every callback, the tracker synced and flushed, the save)
+    close()                      once, when the loop ends, however it ends
 
-    on_step(step, out)             after the optimizer step
-        Metrics        at log steps and the last step: the training loss, agreed across ranks (non-finite ->
-                       Diverged), with LR, grad norm, tokens/s (and MFU on CUDA) to the tracker; then
-                       on_log(step, loss, tokens_per_s) to every callback (Progress: the progress line and
-                       progress.json)
-        Validation     at val steps and the last step: the validation loss (non-finite -> Diverged) and perplexity
-                       to the tracker; then on_validation(step, loss) to every callback
-    before_stop(step, stop)        before the ranks agree on whether to stop: the last moment a stop can be asked for
-                                   and still be acted on at this step (FaultHooks: the injected sleep and stop)
-    on_step_end(step, stopping)    the state holds this step and the ranks have agreed on `stopping`
-        Checkpointing  at checkpoint steps, the last step, or when stopping: before_checkpoint(step) to every
-                       callback, the tracker synced and flushed, then the checkpoint saved
-    close()                        once, when the loop ends, however it ends
-
-So at a step where all of them happen, the tracker sees the training loss, then the validation loss, then the
-checkpoint; a run stopped at a step checkpoints that step before it stops.
-
-To add a callback: subclass `Callback`, override the hooks it needs, and add it where `loop._train` builds its
-list; its place in the list orders it among the others at the same hook. A callback that raises `Diverged` fails the
-run (FAILED, with the message as its reason); any other exception fails it and propagates.
+So the tracker sees the training loss, then the validation loss, then the checkpoint, and a stopped run checkpoints
+its step first. To add a callback, subclass `Callback` and place it in `loop._train`'s list. Raising `Diverged`
+fails the run with its message as the reason (a non-finite loss does); any other exception fails it and propagates.
 """
 
 from __future__ import annotations
@@ -107,8 +96,7 @@ class Callbacks(Callback):
 
 @dataclass
 class Run:
-    """What the callbacks share: the spec, this process's place, the tracker, the resume state, and the callbacks
-    themselves (to tell the others what happened)."""
+    """What the callbacks share, the callbacks themselves included (to tell the others what happened)."""
 
     spec: RunSpec
     d: Dist
@@ -154,8 +142,7 @@ class Metrics(Callback):
 
 
 class Validation(Callback):
-    """The validation loss and perplexity at val steps; the state keeps the latest (the run's result when it
-    finishes)."""
+    """The validation loss and perplexity at val steps; the state keeps the latest (a finished run's result)."""
 
     def __init__(self, run: Run, model, data, micro: int):
         self.run, self.model, self.data, self.micro = run, model, data, micro
@@ -177,8 +164,7 @@ class Checkpointing(Callback):
 
     def __init__(self, run: Run, model, optimizer, at_branch_start=None):
         self.run, self.model, self.optimizer = run, model, optimizer
-        self.at_branch_start = at_branch_start
-        """Called with the step on rank 0 after a trunk's checkpoint at a branch start is complete."""
+        self.at_branch_start = at_branch_start  # called on rank 0 once a trunk's branch-start checkpoint is complete
 
     def on_step_end(self, step, stopping):
         run, cfg = self.run, self.run.spec.config

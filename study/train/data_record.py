@@ -1,16 +1,12 @@
 """The data a run started on: the SHA-256 of its token files and tokenizer (the prepared data's meta.json `sha256`),
 recorded in its run directory (`data.json`) on its first start and compared on every later one.
 
-The run key names the corpus (a path, a hub dataset), not its content: the same path can hold another corpus later,
-which the shard cache notices (sizes and modification times) and tokenises again, with a newly trained BPE if the
-run trains its own. A checkpoint continued on those shards would read token ids that now mean other strings, and
-the run's tokenizer copy would be replaced under its checkpoints, so a start on other data is refused by name;
-`--restart` (study.train.restart) trains the run again from step 0 on the new data instead.
-
-Flat token files (`data.tokens`) are read in place, and the cache knows them by size and modification time, both of
-which a rewrite in place can keep: the record also holds each file's sampled content digest
-(study.data.flat.spot_digest: its size and 16 blocks of 64 KiB spread over it, a file of at most 1 MiB whole),
-computed again on every start. A record from before these digests gains them at the run's next start.
+The run key names the corpus (a path, a hub dataset), not its content, and a cache that sees the corpus change
+tokenises it again (perhaps with a newly trained BPE): a checkpoint continued on it would read token ids that now mean
+other strings. So a start on other data is refused by name; `--restart` trains again from step 0 instead. Flat token
+files (`data.tokens`) are read in place and a rewrite can keep their size and modification time, so the record also
+holds each one's sampled content digest (study.data.flat.spot_digest), computed again on every start; a record from
+before these digests gains them at the run's next start.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Exactly one trainer per run key: an exclusive lease on the run directory.
+"""Exactly one trainer per run key: an exclusive OS lock (`flock`) on `<run dir>/.lease`, held for the whole run.
 
-The lease is an OS lock (`flock`) on `<run dir>/.lease`, held by the training process for the whole run. The kernel
-releases it when the process dies, however it dies, so a stale lease never blocks a restart. A second trainer of the
-same key (two launches started together, a rerun beside a still-running job) waits until the first has stopped and
-then resumes from its checkpoint, which is usually the last one: it never touches the other's checkpoints while
-that one runs. Under FSDP rank 0 holds the lease and every rank waits with it.
+The kernel releases it when the process dies, however it dies, so a stale lease never blocks a restart. A second
+trainer of the key waits until the first has stopped, then resumes from its checkpoint, never touching the other's
+checkpoints while it runs. Under FSDP rank 0 holds the lease and every rank waits with it.
 """
 
 from __future__ import annotations

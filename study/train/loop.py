@@ -5,14 +5,10 @@ resume, MLflow.
     study train experiment=demo variant=hourglass --nproc 2   # FSDP2 over gloo (CPU) or NCCL (GPU)
     python -m study.train -m hydra/launcher=submitit_slurm scale=tiny seed=0,1   # Hydra multirun
 
-The spec says what to build (its matched model) and how to train it; nothing is re-planned here. Resume is exact:
-the batch of step s is a pure function of (seed, s), the LR schedule a function of s, and the checkpoint holds
-model, optimizer, RNG and the `TrainState`; a restarted run continues from its latest complete checkpoint and
-recomputes bit-identical losses (fp32 on CPU). Tracking dedups the re-logged steps.
-
-A step is the optimizer step, then the callbacks (study.train.callbacks: logging, progress, validation, the fault
-suite's hooks, checkpoints) in a fixed order; how the model is laid out on the devices is study.train.parallelize's,
-what happens to the run directory around training study.train.run_directory's.
+The spec says what to build and how to train it; nothing is re-planned here. Resume is exact: the batch of step s is
+a pure function of (seed, s), the LR a function of s, and the checkpoint holds model, optimizer, RNG and the
+`TrainState`, so a restarted run recomputes bit-identical losses (fp32 on CPU) and tracking drops the repeats. A step
+is the optimizer step, then the callbacks (study.train.callbacks); the device layout is study.train.parallelize's.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from study.config.spec import DIVERGED, RunSpec
 from study.errors import StudyError
 from study.files import replace_file
 from study.train import checkpoint
+from study.train import restart as restarts
 from study.train.callbacks import Callbacks, Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
 from study.train.distributed import Dist, all_reduce_max, barrier, keep_freed_memory, setup
 from study.train.faults import FaultHooks
@@ -41,6 +38,7 @@ from study.train.tracking import log_job_output, open_tracker
 from study.train.step import train_step
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved its state and wants to be started again
+
 
 @dataclass
 class Outcome:
@@ -57,9 +55,9 @@ class Outcome:
 
     @property
     def settled(self) -> bool:
-        """Whether the run's result is final: it finished, or it is a tune run that diverged, which is a result of
-        its LR (too high), recorded as such, never trained again (study.plan.tune)."""
-        return self.status == "FINISHED" or self.status == "DIVERGED"
+        """Whether the run's result is final: it finished, or it is a tune run whose LR diverged (a result, never
+        trained again: study.plan.tune)."""
+        return self.status in ("FINISHED", "DIVERGED")
 
 
 def batch_stream(spec: RunSpec, data, d: Dist, start: int):
@@ -83,9 +81,8 @@ def layout(spec: RunSpec, d: Dist) -> tuple[int, int]:
 
 def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome:
     """Train (or resume) the run the spec describes, holding its run directory's lease; with `restart`, from step 0,
-    its earlier training set aside (study.train.restart). Collective when world size > 1. A trunk calls
-    `at_branch_start(step)` on rank 0 once its checkpoint at a branch start is complete (a launch releases the
-    branches waiting for it)."""
+    its earlier training set aside. Collective when world size > 1. A trunk calls `at_branch_start(step)` on rank 0
+    once its checkpoint at a branch start is complete (a launch then releases the branches waiting for it)."""
     if spec.awaits_tuning:
         raise StudyError("tune", f"run {spec.name} ({spec.key}) trains at the LR its variant's tuning chooses, which "
                          f"has not decided yet ({spec.pending})", f"launch the experiment (study launch "
@@ -98,8 +95,6 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
     try:
         if d.is_main:
             claim(spec)
-            from study.train import restart as restarts
-
             interrupted = restarts.interrupted(spec)
             if restart or interrupted is not None:
                 restarts.restart(spec, interrupted)

@@ -1,30 +1,24 @@
 """One training step of a run at its real shape without its hardware: the model built on fake tensors (shapes and
-dtypes, no storage), laid out by `parallelize` exactly as the run's job lays it out (FSDP2 over a 1-D mesh, or HSDP
-over nodes x ranks) on a fake process group of the job's real world size, then stepped by `train_step`. Every
-collective is hallucinated by the fake group and every kernel by fake tensors, so an 8-node 8B run steps on a laptop.
+dtypes, no storage), laid out by `parallelize` as the run's job lays it out (FSDP2 over a 1-D mesh, or HSDP over
+nodes x ranks) on a fake process group of the job's world size, then stepped by `train_step`: an 8-node 8B run
+steps on a laptop. What it measures, as rank 0 of the job sees it:
+- memory: torch's tracker (FSDPMemTracker; MemTracker on one rank) over one steady-state step, the optimizer's state
+  already made by an untracked step, at the job's micro batch, sequence length, precision, activation checkpointing
+  and accumulation. Two micro batches stand for any accumulation of two or more: from the second on, each meets the
+  same state (the gradients the earlier ones left), so more reach no higher peak;
+- FLOPs per token: FlopCounterMode over one forward and backward of the plain model on the meta device, attention
+  through SDPA's math kernel so that it counts as its two matrix products (fused kernels count recomputed scores);
+- graph breaks: torch._dynamo.explain of the unsharded model on the meta device, without compiling anything.
 
-What it measures, as rank 0 of the job sees it:
-- memory: torch's tracker (FSDPMemTracker; MemTracker on one rank) over one steady-state step, the optimizer's
-  state already in place (an untracked first step of one micro batch made it), at the job's micro batch, sequence
-  length, precision, activation checkpointing and gradient accumulation. Two micro batches stand for any
-  accumulation of two or more: from the second one on every micro batch meets the same state (the gradients the
-  earlier ones left), so more of them reach no higher peak;
-- FLOPs per token: torch's FlopCounterMode over one forward and backward of the plain model on the meta device,
-  attention taken through SDPA's math kernel so that it counts as the two matrix products it is (the fused kernels'
-  formulas add the scores their backward recomputes);
-- graph breaks: torch._dynamo.explain of the unsharded model (its blocks recomputed when the run checkpoints them)
-  on the meta device, the trace `torch.compile` starts from, without compiling anything.
-
-The step runs the CPU's kernels, eagerly. Where a GPU's keep less, the tracked peak is above what the GPU holds:
-CUDA's fused RMSNorm keeps no fp32 copies of its input (a fifth to a third of the release's tracked peaks),
-and a compiled step fuses more (study.plan.memory estimates both the step here and the run on its devices). A
-one-rank bf16 run autocasts on CUDA, which CPU fake tensors do not see: its activations count at fp32 here.
+The step runs the CPU's kernels, eagerly, so the tracked peak is above what a GPU holds: CUDA's fused RMSNorm keeps
+no fp32 copies of its input and a compiled step fuses more (study.plan.memory estimates both), and a one-rank bf16
+run's CUDA autocast is not seen here (its activations count at fp32).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -76,6 +70,10 @@ class StepFailed(Exception):
         super().__init__(f"cannot be {stage}: {error}")
 
 
+MAX_ERROR = 600
+"""Characters of an error's text a StepFailed keeps: torch's messages can run to pages."""
+
+
 @contextmanager
 def _stage(name: str) -> Iterator[None]:
     """Whatever goes wrong inside is a StepFailed of stage `name` (the error's own text, cut to one paragraph)."""
@@ -87,10 +85,6 @@ def _stage(name: str) -> Iterator[None]:
         text = " ".join(str(err).split())
         raise StepFailed(name, f"{type(err).__name__}: {text[:MAX_ERROR]}{'...' if len(text) > MAX_ERROR else ''}"
                          ) from err
-
-
-MAX_ERROR = 600
-"""Characters of an error's text a StepFailed keeps: torch's messages can run to pages."""
 
 
 def job_dist(cfg: RunConfig, world_size: int) -> Dist:
@@ -123,22 +117,17 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-class _Fresh(Sequence):
+class _Fresh(list):
     """The step's micro batches, each one after the first preceded by clearing the tracker's per-module records:
     torch's trackers refuse a second forward of the root module in one session, and their peak survives the
     clearing."""
 
     def __init__(self, batches: list, tracker):
-        self.batches, self.tracker = batches, tracker
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        return self.batches[i]
+        super().__init__(batches)
+        self.tracker = tracker
 
     def __iter__(self):
-        for i, batch in enumerate(self.batches):
+        for i, batch in enumerate(super().__iter__()):
             if i:
                 self.tracker.reset_mod_stats()
             yield batch

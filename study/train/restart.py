@@ -1,12 +1,9 @@
-"""`--restart`: train a run again from step 0, its earlier training set aside rather than continued or lost.
+"""`--restart`: train a run again from step 0, its earlier training set aside rather than continued or lost (every
+checkpoint damaged, the data it started on changed, a result of record to replace).
 
-The answer when a run cannot be continued: every checkpoint damaged, the data it started on changed
-(study.train.data_record), or a result of record that is to be replaced. Everything the run directory holds besides
-the spec and the resolved config (checkpoints, metric log, result, evaluations, export, tokenizer copy, data record)
-moves into `replaced/<UTC time>/`, and the key's MLflow runs are deleted (MLflow's soft delete, restorable) with tag
-`study.replaced` (study.track.store.retire_runs), so the next start opens a fresh MLflow run whose curve is the new
-training alone. The move goes through `replaced/<time>.partial/`, made before anything moves: a restart interrupted
-anywhere is finished by the next start, before it trains, so no start ever mixes the old training with the new.
+Everything in the run directory but the spec and resolved config moves into `replaced/<UTC time>/`, and the key's
+MLflow runs are soft-deleted (restorable) with tag `study.replaced`, so the next start opens a fresh curve. The move
+goes through `replaced/<time>.partial/`, made first: the next start finishes an interrupted restart before it trains.
 """
 
 from __future__ import annotations

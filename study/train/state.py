@@ -1,9 +1,5 @@
-"""The whole resume state of a run, in one object.
-
-Everything else a restarted run needs is a pure function of this state and the run spec: the LR schedule of the step,
-the batch stream of (seed, step, rank); model and optimizer tensors and each rank's RNG live beside it in the same
-DCP checkpoint (`checkpoint.py`).
-"""
+"""The whole resume state of a run, in one object: all else a restarted run needs (the LR of the step, the batches
+of (seed, step, rank)) is a pure function of it and the spec; tensors and RNG live beside it in the checkpoint."""
 
 from __future__ import annotations
 

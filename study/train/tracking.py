@@ -11,7 +11,8 @@ from pathlib import Path
 from study import schema
 from study.config.spec import RunSpec, finished_loss
 from study.errors import StudyError
-from study.train.distributed import Dist
+from study.train.distributed import Dist, hosts
+from study.train.parallelize import layout_name
 
 MAX_LOG_ARTIFACT = 64 << 20
 """Largest job log copied to MLflow at the end of a run."""
@@ -22,8 +23,6 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
     from study.track.null import NullTracker
-    from study.train.distributed import hosts
-    from study.train.parallelize import layout_name
 
     ran_on = hosts(d)  # collective: before rank 0 alone talks to MLflow
     print(f"study: {spec.name} rank {d.rank} of {d.world_size} on host {ran_on[d.rank]}", file=sys.stderr, flush=True)
@@ -101,9 +100,8 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
 
 def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
     """Refuse to resume the key's MLflow run when it FINISHED but this run directory, starting at step `start`,
-    holds neither its result nor its final checkpoint: it finished in another run directory (another `paths.runs`),
-    or this one lost them. Training here would reopen a result of record, retrain it, and on a failure mark it
-    FAILED, so the report would drop it."""
+    holds neither its result nor its final checkpoint (it finished under another `paths.runs`, or this one lost
+    them): training here would reopen a result of record, and a failure would mark it FAILED for the report."""
     if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.last_step:
         return
     here = spec.run_dir.path
