@@ -1,13 +1,11 @@
 """Our Transformer as a transformers model: which class expresses it, its config, and the weight names.
 
-A llama block with uniform SwiGLU widths is `LlamaForCausalLM`; an olmo2 block with uniform SwiGLU widths is
-`Olmo2ForCausalLM` (QK-norm over the full q and k projections, before RoPE; norms on the sublayer outputs). Both
-use rotate-half RoPE as ours does, so q and k need no permutation. Anything else (hourglass FFNs, a width schedule
-other than uniform) has no transformers class and is exported in the study format instead (`study.export.native`).
+A llama block with uniform SwiGLU widths is `LlamaForCausalLM`, an olmo2 one `Olmo2ForCausalLM` (QK-norm over the
+full q and k projections before RoPE, norms on the sublayer outputs); both use rotate-half RoPE as ours does, so q
+and k need no permutation. Anything else (hourglass FFNs, a non-uniform width schedule) is exported in the study
+format instead (`study.export.native`).
 
     cls = hf_architecture(cfg)                    # "LlamaForCausalLM", or None with hf_unsupported(cfg) saying why
-    config = hf_config(cfg, eos_id=0, dtype="float32")
-    tensors = hf_state_dict(model)                # HF names -> our tensors (the tied head appears once)
     save_pretrained(model, "out", eos_id=0, dtype="float32")   # config.json + model.safetensors
 """
 
@@ -68,28 +66,14 @@ def hf_config(cfg: ModelConfig, eos_id: int, dtype: str) -> PretrainedConfig:
     no BOS of its own, so EOS is also BOS (as GPT-2's `<|endoftext|>`): what lm-eval prefixes an empty context with."""
     from transformers import LlamaConfig, Olmo2Config
 
-    shape = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=max(cfg.ffn.widths),  # narrower layers are zero-padded (padded_units)
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.dim_head,
-        hidden_act="silu",
-        # our RoPE tables end here; transformers would extrapolate past it, the trained model never saw further
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.eps,
-        rope_parameters=rope_parameters(cfg),
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-        initializer_range=cfg.init_std,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=None,
-        dtype=dtype,
-        architectures=[ARCHITECTURES[cfg.block]],
-    )
+    # narrower FFN layers are zero-padded (padded_units); our RoPE tables end at max_seq_len, and transformers would
+    # extrapolate past it where the trained model never saw further
+    shape = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=max(cfg.ffn.widths),
+                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+                 head_dim=cfg.dim_head, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+                 rms_norm_eps=cfg.eps, rope_parameters=rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                 attention_bias=False, initializer_range=cfg.init_std, bos_token_id=eos_id, eos_token_id=eos_id,
+                 pad_token_id=None, dtype=dtype, architectures=[ARCHITECTURES[cfg.block]])
     if cfg.block == "olmo2":
         # Olmo2Config has no head_dim field; the model reads `config.head_dim` when present, as an extra attribute
         return Olmo2Config(**shape)
@@ -137,11 +121,9 @@ def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
         raise ValueError(f"no transformers name for {sorted(left_out)}")
     tensors = {hf: ours[name].detach().to(dtype or ours[name].dtype) for name, hf in names.items()}
     for layer, extra in padded_units(model.cfg).items():
-        mlp = f"model.layers.{layer}.mlp."
-        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):  # hidden units: rows in, columns out
-            w = tensors[f"{mlp}{proj}.weight"]
-            pad = (0, 0, 0, extra) if dim == 0 else (0, extra)
-            tensors[f"{mlp}{proj}.weight"] = torch.nn.functional.pad(w, pad)
+        for proj, pad in (("gate", (0, 0, 0, extra)), ("up", (0, 0, 0, extra)), ("down", (0, extra))):
+            name = f"model.layers.{layer}.mlp.{proj}_proj.weight"  # hidden units: rows of gate and up, columns of down
+            tensors[name] = torch.nn.functional.pad(tensors[name], pad)
     return {name: t.contiguous() for name, t in tensors.items()}
 
 

@@ -1,12 +1,10 @@
 """Evaluate a trained run on downstream tasks and file the scores under the same MLflow run.
 
-Each evaluation is its own record (study.eval.records): a folder in the run directory, the same folder among
-the MLflow run's artifacts, and metric points at the checkpoint's step, under `eval/<task>/<metric>` for the
-evaluation of record and `evals/<id>/<task>/<metric>` for any other. MLflow cannot delete a point, so a repeated
-evaluation replaces its points by logging only what the run does not hold yet: a score equal to the one already at
-that step adds nothing (one point per metric and step), and one that differs (scored on another device) adds one
-point at the same step, newer, which is the value MLflow's latest metric and the report read, as the rewritten
-record holds it.
+Each evaluation is its own record (study.eval.records): a folder in the run directory and among the MLflow run's
+artifacts, and metric points at the checkpoint's step, `eval/<task>/<metric>` for the evaluation of record and
+`evals/<id>/<task>/<metric>` for any other. MLflow cannot delete a point, so a repeated evaluation logs only the
+scores the run does not hold at that step: an equal score adds nothing, a different one (another device) adds a
+newer point at the same step, the value MLflow's latest metric and the report read.
 """
 
 from __future__ import annotations
@@ -23,15 +21,12 @@ from study.schema import EVAL_RECORD, TAG_EVAL, eval_artifact
 def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | None = None,
                  num_fewshot: int | None = None) -> dict:
     """Score the run's latest checkpoint with lm-eval and record it (files first, then MLflow); returns the record.
-
-    `limit` (0: every document) and `num_fewshot` default to the run's `eval` config, `tasks` to `eval.tasks`.
-    """
+    `limit` (0: every document) and `num_fewshot` default to the run's `eval` config, `tasks` to `eval.tasks`."""
+    from study.config.tasks import check_tasks
     from study.eval.harness import evaluate_model, task_summary
+    from study.eval.hub import check_hub_data
     from study.eval.locate import open_trained, run_eos_token
     from study.track.tracker import Tracker
-
-    from study.config.tasks import check_tasks
-    from study.eval.hub import check_hub_data
 
     cfg = spec.config
     names = list(tasks or cfg.eval.tasks)

@@ -1,12 +1,10 @@
 """`study export RUN_KEY --format hf`: a trained run's latest checkpoint as a directory other tools read.
 
 A model a transformers class computes (llama or olmo2 block, uniform SwiGLU) becomes `config.json`,
-`model.safetensors` and the tokenizer files, which `AutoModelForCausalLM.from_pretrained(dir)`, lm-eval's `hf`
-model and vLLM load; any other model is written in the study format (`study.export.native`), read back with
-`study.export.load(dir)`. Every export also holds `study_export.json`: run key, checkpoint, dtype and the run spec.
-
-The checkpoint is DCP, sharded over however many ranks trained it; loading it into one unsharded model reshards it
-(`checkpoint.load_model_weights`), so the export is consolidated whatever the world size was.
+`model.safetensors` and the tokenizer files, which transformers, lm-eval's `hf` model and vLLM load; any other is
+written in the study format (`study.export.native`). Every export also holds `study_export.json` (run key,
+checkpoint, dtype, run spec). Loading the DCP checkpoint into one unsharded model consolidates it whatever world size
+trained it.
 """
 
 from __future__ import annotations

@@ -65,9 +65,7 @@ class Attention(nn.Module):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos[:t], sin[:t]), apply_rope(k, cos[:t], sin[:t])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
@@ -88,11 +86,8 @@ class SwiGLU(nn.Module):
 
 class HourglassFFN(nn.Module):
     """K narrow SwiGLU sub-MLPs joined by residual paths: h_{i+1} = h_i + W_u(SiLU(W_1 n(h_i)) * W_2 n(h_i)).
-
-    Returns the accumulated increment h_K - h_0, which the block adds to its residual stream; with K = 1 and no
-    sub-norm this is exactly a SwiGLU FFN. What h_0 is, the residual stream or the block's normalised copy of it,
-    is `FFNConfig.residual` (default: the stream, since each n() already normalises its sub-MLP's input).
-    """
+    Returns the increment h_K - h_0 the block adds to its residual stream (K = 1 without sub-norm: a SwiGLU FFN).
+    h_0 is the residual stream or the block's normalised copy of it: `FFNConfig.residual`."""
 
     def __init__(self, d_model: int, widths: list[int], sub_norm: bool, eps: float):
         super().__init__()

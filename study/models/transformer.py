@@ -30,11 +30,9 @@ from study.models.layers import Attention, HourglassFFN, SwiGLU, rope_tables
 
 
 class Sublayer(nn.Module):
-    """A function with its norm: before it (llama, pre-norm) or on its output (olmo2, reordered norm); none when
-    the function normalises its own input (an hourglass chain on the residual stream).
-
-    Its output is the increment added to the residual stream, so hooks on it see (before, increment).
-    """
+    """A function with its norm: before it (llama, pre-norm) or on its output (olmo2), none when the function
+    normalises its own input (an hourglass chain on the residual stream). Its output is the increment added to the
+    residual stream, so hooks on it see (before, increment)."""
 
     def __init__(self, fn: nn.Module, d_model: int, eps: float, post_norm: bool, own_input_norm: bool = False):
         super().__init__()
@@ -97,18 +95,17 @@ class Transformer(nn.Module):
         cfg = self.cfg
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, p in self.named_parameters():
+            std = init_std_of(cfg, name)
             if p.ndim == 1:
                 value = torch.ones(p.shape)
             elif cfg.init_rule == "olmo2":
-                std = init_std_of(cfg, name)
-                value = torch.empty(p.shape)
-                nn.init.trunc_normal_(value, 0.0, std, -3 * std, 3 * std, generator=gen)
+                value = nn.init.trunc_normal_(torch.empty(p.shape), 0.0, std, -3 * std, 3 * std, generator=gen)
             else:
-                value = torch.empty(p.shape).normal_(0.0, init_std_of(cfg, name), generator=gen)
+                value = torch.empty(p.shape).normal_(0.0, std, generator=gen)
             p.copy_(value.to(p.device, p.dtype))
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta, scaling=cfg.rope_scaling)
-        self.rope_cos.copy_(cos.to(self.rope_cos.device))
-        self.rope_sin.copy_(sin.to(self.rope_sin.device))
+        tables = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.theta, scaling=cfg.rope_scaling)
+        for buffer, table in zip((self.rope_cos, self.rope_sin), tables):
+            buffer.copy_(table.to(buffer.device))
 
 
 OUTPUT_PROJECTIONS = ("wo.weight", "wu.weight")
