@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from study import schema
 from study.config.spec import RunSpec
@@ -69,31 +69,6 @@ class Callback:
         """The loop has ended (finished, stopped, diverged or failed)."""
 
 
-def _each(hook: str):
-    """`hook` called on every member of a `Callbacks`, in list order."""
-
-    def call(self: Callbacks, *args) -> None:
-        for cb in self.members:
-            getattr(cb, hook)(*args)
-
-    return call
-
-
-class Callbacks(Callback):
-    """The run's callbacks, each hook called on each of them in list order."""
-
-    def __init__(self) -> None:
-        self.members: list[Callback] = []
-
-    on_step = _each("on_step")
-    on_log = _each("on_log")
-    on_validation = _each("on_validation")
-    before_stop = _each("before_stop")
-    on_step_end = _each("on_step_end")
-    before_checkpoint = _each("before_checkpoint")
-    close = _each("close")
-
-
 @dataclass
 class Run:
     """What the callbacks share, the callbacks themselves included (to tell the others what happened)."""
@@ -102,7 +77,12 @@ class Run:
     d: Dist
     tracker: RunTracker
     state: TrainState
-    callbacks: Callbacks
+    callbacks: list[Callback] = field(default_factory=list)
+
+    def call(self, hook: str, *args) -> None:
+        """`hook` called on every callback, in list order."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
 
     def due(self, step: int, interval: int) -> bool:
         """Every `interval` steps, and always at the last one (a trunk's: its last branch start) and at a trunk's
@@ -138,7 +118,7 @@ class Metrics(Callback):
             metrics[schema.TRAIN_MFU] = run.spec.flops_per_token * tps / (train.gpu_peak_tflops * 1e12
                                                                           * run.d.world_size)
         run.tracker.log_metrics(metrics, step)
-        run.callbacks.on_log(step, mean_loss, tps)
+        run.call("on_log", step, mean_loss, tps)
 
 
 class Validation(Callback):
@@ -156,7 +136,7 @@ class Validation(Callback):
         if not math.isfinite(loss):
             raise Diverged(f"validation loss is {loss} at step {step}")
         run.tracker.log_metrics({schema.VAL_LOSS: loss, schema.VAL_PPL: math.exp(min(loss, 50.0))}, step)
-        run.callbacks.on_validation(step, loss)
+        run.call("on_validation", step, loss)
 
 
 class Checkpointing(Callback):
@@ -170,7 +150,7 @@ class Checkpointing(Callback):
         run, cfg = self.run, self.run.spec.config
         if not (stopping or run.due(step, cfg.train.ckpt_interval)):
             return
-        run.callbacks.before_checkpoint(step)
+        run.call("before_checkpoint", step)
         # points up to the checkpoint are durable in the run directory before it counts (a resumed run never
         # recomputes them); the flush only makes them land in MLflow sooner
         run.tracker.sync()

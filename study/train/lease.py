@@ -62,14 +62,12 @@ def held_by(run_dir: Path) -> str | None:
     except FileNotFoundError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.read(fd, 256).decode(errors="replace").strip() or "another process"
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
+    except BlockingIOError:
+        return os.read(fd, 256).decode(errors="replace").strip() or "another process"
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the shared lock
 
 
 def acquire(run_dir: Path, key: str, d: Dist) -> Lease | None:

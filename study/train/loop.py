@@ -25,7 +25,7 @@ from study.errors import StudyError
 from study.files import replace_file
 from study.train import checkpoint
 from study.train import restart as restarts
-from study.train.callbacks import Callbacks, Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
+from study.train.callbacks import Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
 from study.train.distributed import Dist, all_reduce_max, barrier, keep_freed_memory, setup
 from study.train.faults import FaultHooks
 from study.train.lease import acquire
@@ -153,11 +153,11 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     stream = batch_stream(spec, data, d, start)
     last = spec.last_step  # a trunk stops at its last branch start, its LR still stable
     progress = Progress(d, start, last, spec.name, spec.run_dir.progress)
-    run = Run(spec, d, tracker, state, Callbacks())
+    run = Run(spec, d, tracker, state)
     faults = FaultHooks(cfg.faults)
     metrics = Metrics(run, scheduler, recipe.global_batch * data.seq_len, inject=faults.loss)
     # the order callbacks are called in at each hook (study.train.callbacks says which hook each one uses)
-    run.callbacks.members = [metrics, progress, Validation(run, step_model, data, micro), faults,
+    run.callbacks = [metrics, progress, Validation(run, step_model, data, micro), faults,
                              Checkpointing(run, model, optimizer, at_branch_start)]
     bf16 = autocast_bf16(cfg, d)
     outcome = None
@@ -166,11 +166,11 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
             batches = next(stream)
             loss_sum, grad_norm = train_step(model, step_model, optimizer, scheduler, batches, d.device,
                                              cfg.train.z_loss, cfg.train.grad_clip, bf16, sharded=d.world_size > 1)
-            run.callbacks.on_step(step, StepOutput(loss_sum, len(batches), grad_norm))  # log, validate
-            run.callbacks.before_stop(step, stop)
+            run.call("on_step", step, StepOutput(loss_sum, len(batches), grad_norm))  # log, validate
+            run.call("before_stop", step, stop)
             state.step = step
             stopping = all_reduce_max(float(stop.requested), d) > 0  # one rank's signal stops every rank
-            run.callbacks.on_step_end(step, stopping)  # checkpoint
+            run.call("on_step_end", step, stopping)  # checkpoint
             if stopping and step < last:
                 reason = f"stopped by {stop.signal_name} at step {step}"
                 outcome = Outcome("PREEMPTED", step, None, metrics.losses, reason)
@@ -185,7 +185,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
         raise
     finally:
         stream.close()
-        run.callbacks.close()
+        run.call("close")
         stop.uninstall()
     _finish(outcome, tracker, spec, d)
     return outcome
