@@ -1,20 +1,11 @@
-"""Parent runs: one MLflow run per (experiment, variant, scale), with that cell's seed runs nested under it.
+"""Parent runs: one MLflow run per (experiment, variant, scale), its seed runs nested under it (`mlflow.parentRunId`),
+so the runs table reads one row per cell.
 
-MLflow's runs table folds nested runs under their parent (the `mlflow.parentRunId` tag), so a study reads as one
-row per variant and scale. The parent carries the mean, the sample standard deviation and the count of its finished
-seed runs' final metrics, under the seed runs' own metric names (`val/loss`, `val/loss/sd`, `val/loss/n`): one
-column of the table compares variants. Its metric step is the number of finished seeds summarised, so the history
-shows how the mean moved as seeds arrived. It also carries its seed runs' dataset input (the token shards), so the
-folded row's Dataset column names what the cell trained on.
-
-A parent has no `study.seed` and no `study.run_key`, and `study.role=group`: analysis, status and relaunch never
-take it for a training run. The summary is recomputed from the seed runs whenever one finishes or is evaluated, so
-it is never the only record of anything.
-
-In a branched experiment the parent's children are trunks, and each trunk's are its decay branches. A trunk's last
-loss is no end of a schedule, so the parent summarises the branches that end its planned runs (what the report
-decides on), never the trunks; and the summary goes to the parent alone, never onto a trunk (a
-branch's own parent), whose val/loss curve it would otherwise extend with means of its branches.
+A parent (`study.role=group`, no seed or run key, so analysis never takes it for a training run) carries the mean,
+sample standard deviation and count of its finished seed runs' final metrics under their own names (`val/loss`,
+`val/loss/sd`, `val/loss/n`; step = seeds summarised), recomputed whenever one finishes or is evaluated, and their
+dataset input. In a branched experiment it summarises the decay branches that end its planned runs, never the trunks,
+and the summary goes to the parent alone, never onto a trunk.
 """
 
 from __future__ import annotations
@@ -38,11 +29,8 @@ def group_name(variant: str, scale: str) -> str:
 
 
 def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
-    """The id of the parent run of a seed run with these `study.*` tags, created the first time.
-
-    `study launch` creates every parent first (`ensure_parents`); a run trained on its own (`study train`) creates
-    its parent if none is found, and then the oldest is kept and the rest deleted (the rule that keeps one run per
-    run key)."""
+    """The id of the parent run of a seed run with these `study.*` tags; created if none is found (`study train` on
+    its own), the oldest kept and the rest deleted."""
     name = group_name(tags[schema.TAG_VARIANT], tags[schema.TAG_SCALE])
     found = _parents(client, experiment_id, name)
     if not found:
@@ -61,10 +49,7 @@ def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
 
 
 def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
-    """The parent run of every (variant, scale) of a launch, created by the launcher before any job starts.
-
-    A seed run creating its own parent races its siblings: a run created late by a delayed write can be older than
-    one another process has already chosen. One creator, first, leaves the jobs only finding."""
+    """The parent run of every (variant, scale) of a launch, created before any job starts (jobs would race)."""
     from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
     from study.track.tags import run_tags
 
@@ -78,15 +63,14 @@ def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
 
 def _parents(client, experiment_id: str, name: str) -> list:
     from study.track.query import runs_with_role
+    from study.track.store import oldest_first
 
-    runs = runs_with_role(client, [experiment_id], schema.ROLE_GROUP, f"tags.`{TAG_GROUP}` = '{name}'")
-    return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+    return oldest_first(runs_with_role(client, [experiment_id], schema.ROLE_GROUP, f"tags.`{TAG_GROUP}` = '{name}'"))
 
 
 def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, float], int]:
     """(metrics, n finished): mean, `/sd` (n >= 2) and `/n` of each summarised final metric over the FINISHED
-    children that are neither tune runs (a grid point at a poor LR is no sample of the variant's loss) nor trunks (a
-    trunk stops at the stable LR); `keys` limits them to those run keys (the experiment's latest launch)."""
+    children that are neither tune runs nor trunks; `keys` limits them to those run keys (the latest launch)."""
     done = [c for c in children if c.info.status == "FINISHED"
             and schema.role_of(c.data.tags) not in (Role.tune, Role.trunk)
             and (keys is None or c.data.tags.get(schema.TAG_RUN_KEY) in keys)]
@@ -132,9 +116,8 @@ def refresh(client, run_id: str) -> None:
 
 
 def _planned_ends(client, experiment_id: str, parent: str, children: list) -> list:
-    """The decay branches that end the parent's planned runs: each trunk's branch as long as the trunk's recipe (a
-    trunk's recipe is its longest branch's), what the report decides on. None where a race stopped the cell before
-    that point, so a parent never shows a shorter budget's loss as its cell's."""
+    """The decay branches as long as their trunk's recipe (its longest branch): what the report decides on. None where
+    a race stopped the cell before, so a parent never shows a shorter budget's loss as its cell's."""
     longest = {c.info.run_id: c.data.params.get("recipe.max_steps") for c in children
                if schema.role_of(c.data.tags) == Role.trunk}
     cell = client.get_run(parent).data.tags
@@ -147,10 +130,7 @@ def _planned_ends(client, experiment_id: str, parent: str, children: list) -> li
 
 
 def share_datasets(client, parent_id: str, children: list) -> None:
-    """Log on the parent every dataset input its seed runs carry and it lacks (one per digest).
-
-    The runs table folds seed runs under their parent, so the folded row is the one read: its Dataset column shows
-    the shards the cell trained on, as each seed run's row does (`study.track.lineage.dataset_input`)."""
+    """Log on the parent every dataset input (one per digest) its seed runs carry and it lacks."""
     have = {i.dataset.digest for i in client.get_run(parent_id).inputs.dataset_inputs}
     new = {}
     for child in children:

@@ -1,9 +1,5 @@
-"""Where a run came from, in MLflow's own terms: the code (source and git commit tags, which the UI shows on the run
-page), a one-line description (the run page's description box), and the token shards it trained on (a dataset
-input, listed in the runs table's Dataset column).
-
-Everything here is computed once per run at open; nothing is on the training step's path.
-"""
+"""Where a run came from, in MLflow's own terms, computed once at open: the code (source and git commit tags), a
+one-line description (the run page's box), and the token shards it trained on (a dataset input)."""
 
 from __future__ import annotations
 
@@ -48,8 +44,8 @@ def _checkout() -> tuple[str | None, bool, str | None]:
 
 
 def source_tags() -> dict[str, str]:
-    """MLflow's source tags for a run started by `study train`, with the git commit of the code when it is a checkout
-    (`study.git_dirty` says whether tracked files differed from it) and the package version."""
+    """MLflow's source tags for `study train`: the package version, and in a checkout the git commit, remote and
+    `study.git_dirty` (tracked files differ from it)."""
     tags = {SOURCE_NAME: "study train", SOURCE_TYPE: "JOB", "study.version": installed_version()}
     commit, dirty, remote = _checkout()
     if commit is not None:
@@ -88,8 +84,8 @@ def _span(values: list[int]) -> str:
 
 
 def dataset_input(data, data_cfg) -> Any:
-    """The run's token shards as an MLflow `DatasetInput`: named after the corpus, digest of the shards' checksums,
-    token and document counts as its profile, context `training`."""
+    """The run's token shards as an MLflow `DatasetInput` (context `training`): the corpus's name, a digest of the
+    shards' checksums, token and document counts as its profile."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     meta = data.meta

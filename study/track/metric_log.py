@@ -1,10 +1,6 @@
-"""The run directory's own record of every metric point: `<run dir>/metrics.jsonl`, one JSON line per point.
-
-A point is appended here before it is queued for MLflow (one unbuffered write per `log_metrics` call, so a killed
-process loses nothing that was logged) and the file is fsync'd with every checkpoint. When a tracker opens, the
-store is made to match the log: points the store lacks are sent, none twice. A store swap, a deleted database or an
-outage followed by a kill therefore loses no point.
-"""
+"""The run directory's own record of every metric point, `<run dir>/metrics.jsonl`: appended before a point is queued
+for MLflow, fsync'd with every checkpoint, and replayed into the store (what it lacks, none twice) when a tracker
+opens, so a store swap, a deleted database or an outage followed by a kill loses no point."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ class MetricLog:
         self._fd: int | None = None
 
     def read(self) -> list[Point]:
-        """Every point logged so far; a last line cut short by a crash mid-write is left out (the next append
-        removes it). A line edited or damaged by hand is refused by name."""
+        """Every point logged so far, without a last line a crash cut short; a damaged line is refused by name."""
         fix = (f"delete the damaged line of {self.path}: the MLflow run keeps the points it already received, and "
                "the line's point is lost")
         return [(k, float(v), t, s) for k, v, t, s in read_json_lines(self.path, fix, _point_problem)]
@@ -63,9 +58,8 @@ def _point_problem(entry) -> str:
 
 
 def reconcile(log: MetricLog, logged_upto: dict[str, int], stored_steps) -> list[Point]:
-    """Raise `logged_upto` to every step the log holds (a resumed run's recomputed points are repeats) and return
-    the log's points whose (key, step) the store lacks, first occurrence per (key, step); `stored_steps(key)` gives
-    the steps the store has for a key."""
+    """Raise `logged_upto` to every step the log holds and return its points whose (key, step) the store lacks
+    (`stored_steps(key)`), first occurrence of each."""
     points = log.read()
     stored = {k: stored_steps(k) for k in {p[0] for p in points}}
     missing, seen = [], set()

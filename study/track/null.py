@@ -1,6 +1,4 @@
-"""The tracker of ranks other than 0, which takes a run's calls and does nothing, and `RunTracker`, what training code
-holds: that or `study.track.tracker.Tracker`, which talks to MLflow. Which rank gets which is the caller's decision
-(`study.train.tracking`)."""
+"""`NullTracker`, the tracker of ranks other than 0, and `RunTracker`: it or `study.track.tracker.Tracker`."""
 
 from __future__ import annotations
 
@@ -38,5 +36,4 @@ class NullTracker:
 
 
 RunTracker = Union["Tracker", NullTracker]
-"""What training code may call on a run's tracker: what both define (log_metrics, log_artifact, record, sync, flush,
-close and run_id)."""
+"""What training code may call on a run's tracker: what both define."""

@@ -1,6 +1,5 @@
-"""Artifacts of a run waiting to reach MLflow: each staged in a folder of its own (a copy, so later changes to the
-source do not matter) beside a file naming where it is stored. In a run directory's outbox they outlive the process:
-an artifact the store refused is sent again on the run's next start."""
+"""Artifacts waiting to reach MLflow, each copied into a folder of its own beside a file naming where it is stored; in
+a run directory's outbox, one the store refused is sent again on the run's next start."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def waiting(outbox: Path) -> list[tuple[Path, str]]:
 
 
 def stage(folder: Path, source: Path | str, name: str) -> tuple[Path, str]:
-    """Copy an artifact into `folder`: a file or folder if `source` is a Path, else `source` itself as text; returns
-    (staged path, name). `name` may contain folders."""
+    """Copy an artifact into `folder` (a Path's file or folder, else `source` as text): (staged path, name)."""
     parts = name.strip("/").split("/")
     if not parts[-1] or ".." in parts:
         raise ValueError(f"artifact name {name!r} must be a relative path to a file")

@@ -10,12 +10,8 @@ from study.config.secrets import ENV_SECTIONS, is_sequence, looks_secret
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> {"a.b.c": "value"} for MLflow params.
-
-    Keys that look secret (a last word `token`, or containing password, secret, credential, api_key; any case, any
-    depth) and environment sections (`env`, `environ`, `env_set`) are dropped with everything under them. Strings are
-    kept as they are, other values are JSON (`true`, `null`, `[512, 384]`); lists of mappings flatten by index.
-    """
+    """Nested config -> {"a.b.c": "value"} for MLflow params, without secret-looking keys and environment sections
+    (and all under them). Strings stay as they are, other values are JSON; lists of mappings flatten by index."""
     flat: dict[str, str] = {}
     for raw_key, value in config.items():
         key = str(raw_key)

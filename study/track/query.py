@@ -12,8 +12,8 @@ from typing import TypeVar
 from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
-from study.track.store import call_with_retries, check_answers, is_locked, mlflow_client, short, sqlite_path
-from study.track.store import resolve_tracking_uri
+from study.track.store import (call_with_retries, check_answers, is_locked, mlflow_client, oldest_first,
+                               resolve_tracking_uri, short, sqlite_path)
 
 T = TypeVar("T")
 
@@ -23,11 +23,9 @@ KEYS_PER_TAG = 300
 
 
 def open_store(tracking_uri: str = "", required: bool = False):
-    """A client on the store (argument, else ``MLFLOW_TRACKING_URI``, else ./mlflow.db), waited for while busy.
-
-    Reading never creates a store: an SQLite file that does not exist gives None, or, when the caller needs the
-    store to hold something (`required`: a report, a decision), a StudyError naming the path and the fix. A server
-    that does not answer is refused at once (`check_answers`), not after MLflow's minutes of retries."""
+    """A client on the store (argument, else ``MLFLOW_TRACKING_URI``, else ./mlflow.db), waited for while busy. Reading
+    never creates a store: a missing SQLite file gives None, or StudyError when `required`; a silent server is
+    refused at once (`check_answers`)."""
     uri = resolve_tracking_uri(tracking_uri)
     db = sqlite_path(uri)
     if db is not None and not db.exists():
@@ -53,9 +51,8 @@ def runs_with_role(client, experiment_ids: list[str], role: str, where: str = ""
 
 
 def read(fn: Callable[[], T], uri: str, what: str) -> T:
-    """`fn()` on the store, retried with backoff while a writer holds an SQLite store locked past SQLite's own wait
-    (for the default tracking.open_timeout_s); see `readable` for the rest. A server that does not answer is not
-    waited for: a reader is a person at a prompt (status, report) or a plan that must not stall."""
+    """`fn()` on the store, retried (for the default tracking.open_timeout_s) only while a writer holds an SQLite store
+    locked: a reader is a person at a prompt or a plan that must not stall."""
     cfg = TrackingConfig()
     with readable(uri):
         return call_with_retries(fn, cfg, time.monotonic() + cfg.open_timeout_s, f"read ({what})", is_locked)
@@ -100,7 +97,7 @@ def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
 
     runs = read(listed, resolve_tracking_uri(tracking_uri), "runs")
     out: dict[str, object] = {}
-    for run in sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id)):
+    for run in oldest_first(runs):
         key = run.data.tags.get(schema.TAG_RUN_KEY)
         if key and key not in out:
             out[key] = run

@@ -1,7 +1,5 @@
-"""The MLflow side of tracking: store URIs, SQLite first-use locking, retries, and finding or resuming a run.
-
-Everything here talks to MLflow synchronously; `study.track.tracker.Tracker` keeps it off the training step's path.
-"""
+"""The MLflow side of tracking, synchronous: store URIs, SQLite first-use locking, retries, finding or resuming a run
+(`study.track.tracker.Tracker` keeps it off the training step's path)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from study import schema
 from study.config.tracking import TrackingConfig
@@ -27,11 +25,8 @@ T = TypeVar("T")
 
 # MLflow's limit on characters per param value.
 MAX_PARAM_CHARS = 6000
-_TRANSIENT_CODES = frozenset(
-    {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
-)
-
-
+_TRANSIENT_CODES = frozenset({"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED",
+                              "DEADLINE_EXCEEDED", "ABORTED"})
 _PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
                                errno.EEXIST})
 
@@ -42,14 +37,13 @@ def resolve_tracking_uri(uri: str = "") -> str:
 
 
 PROBE_TIMEOUT_S = 5.0
-"""How long a tracking server may take to answer its first contact, once, before the URI is refused: MLflow's own
-retries of a request nothing answers (seven, backing off) take about four minutes before anything is said."""
+"""How long a tracking server may take to answer its first contact before the URI is refused (MLflow's own retries
+take about four minutes)."""
 
 
 def check_answers(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Refuses an http(s) tracking URI whose server does not answer one request (MLflow's `/health`, sent the way
-    MLflow sends its own: its credentials and TLS settings) within `timeout_s`, without retries. Any answer counts,
-    an error status too: the calls that follow report it. Other stores (SQLite, files) are local and left alone."""
+    """Refuses an http(s) tracking URI whose server does not answer one `/health` request (MLflow's credentials and
+    TLS settings, no retries) within `timeout_s`; any answer counts, an error status too. Local stores pass."""
     if not re.match(r"(?i)https?://", uri):
         return
     from mlflow.utils.credentials import get_default_host_creds
@@ -82,16 +76,13 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def read_per_version(uri: str, what: list, read: Callable[[], T]) -> T:
-    """`read()`'s answer (JSON) about the store at `uri`, kept in study's cache until the SQLite file changes (its size
-    or modification time, or its WAL file's): a plan reads measured noise and calibrations from the store, and
-    importing MLflow to open it takes about 3 s, three times the plan's own work. `what` names the question; each
-    question keeps one answer per store, that of the store's latest version read. A tracking server has no file
-    version to key on: it is asked every time. `read()` raising keeps nothing."""
+    """`read()`'s JSON answer about the store at `uri` (the question `what`), kept in study's cache until the SQLite
+    file or its WAL changes size or mtime: importing MLflow costs a plan about 3 s. A server is asked every time."""
     from study.config.data import study_cache
     from study.config.identity import json_digest
     from study.files import replace_file
 
-    db = sqlite_path(resolve_tracking_uri(uri))  # resolved
+    db = sqlite_path(resolve_tracking_uri(uri))
     if db is None or not db.exists():
         return read()
     version = [[st.st_size, st.st_mtime_ns] for st in (p.stat() for p in (db, db.with_name(db.name + "-wal"))
@@ -113,10 +104,7 @@ def read_per_version(uri: str, what: list, read: Callable[[], T]) -> T:
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
-    """Where an experiment's artifacts go: `mlartifacts/<experiment>` next to an SQLite store.
-
-    Other stores decide for themselves (a tracking server proxies `mlflow-artifacts:/`); None leaves them to it.
-    """
+    """`mlartifacts/<experiment>` next to an SQLite store; None (the store decides) for others."""
     db = sqlite_path(uri)
     if db is None:
         return None
@@ -156,8 +144,7 @@ def jittered(delay: float) -> float:
 
 def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float, what: str,
                       retry_on: Callable[[BaseException], bool] = is_transient) -> T:
-    """`fn()`, retried with jittered exponential backoff on errors `retry_on` accepts (by default transient ones)
-    until `deadline` (time.monotonic)."""
+    """`fn()`, retried with jittered exponential backoff on errors `retry_on` accepts until `deadline` (monotonic)."""
     delay = cfg.retry_initial_s
     while True:
         try:
@@ -173,10 +160,8 @@ def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float,
 
 @contextmanager
 def _store_lock(db: Path):
-    """Serialises first use of an SQLite store across processes: MLflow creates its tables on first use, and
-    several processes creating them at once collide. An existing store in a folder this process cannot write (a
-    read-only file system, another user's folder) is opened without the lock: this process can create no tables
-    there, so it has nothing to serialise, and it reads the store as it is."""
+    """Serialises first use of an SQLite store across processes (MLflow creates its tables then, and creators collide).
+    An existing store in a folder this process cannot write is opened without the lock: it can create nothing there."""
     if not db.parent.is_dir():
         db.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -212,8 +197,7 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def get_or_create_experiment(client, uri: str, name: str) -> str:
-    """The id of experiment `name`, created (see `artifact_location`, `EXPERIMENT_KIND`) or restored from deleted
-    if needed."""
+    """The id of experiment `name`, created (`artifact_location`, `EXPERIMENT_KIND`) or restored if needed."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         from mlflow.exceptions import MlflowException
@@ -232,7 +216,12 @@ def get_or_create_experiment(client, uri: str, name: str) -> str:
 
 def find_runs(client, experiment_id: str, run_key: str) -> list:
     """Active runs tagged with `run_key`, oldest first (the first is the run; others are duplicates from a race)."""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_RUN_KEY}` = '{run_key}'", max_results=100)
+    return oldest_first(client.search_runs([experiment_id], filter_string=f"tags.`{schema.TAG_RUN_KEY}` = '{run_key}'",
+                                           max_results=100))
+
+
+def oldest_first(runs: list) -> list:
+    """Runs by start time (then id): the first of a race's duplicates is the one every process keeps."""
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
@@ -273,8 +262,7 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
 
 @contextmanager
 def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
-    """A store that refuses the calls in the block, or does not answer them within `cfg.open_timeout_s`, is refused
-    naming tracking.uri."""
+    """A store that refuses the block's calls, or does not answer in time, refused naming tracking.uri."""
     try:
         yield
     except StudyError:
@@ -287,22 +275,26 @@ def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
                                  "SQLite file can be moved away and the runs replayed from their run "
                                  "directories") from None
             raise
-        raise StudyError(
-            "tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
-            f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable store"
-        ) from exc
+        raise StudyError("tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
+                         f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable "
+                         "store") from exc
 
 
-def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
-    """Sets aside every MLflow run of `run_key`, for a run trained again from step 0: tagged schema.TAG_REPLACED with
-    `note`, ended KILLED if still RUNNING, and deleted (MLflow's soft delete: the UI's deleted runs or `mlflow runs
-    restore` bring it back until `mlflow gc`). MLflow cannot delete a metric history, and recomputed points would be
-    dropped as repeats of the old ones, so the next `Tracker.open` creates a fresh run that holds the new curve alone.
-    Returns the ids set aside."""
+@contextmanager
+def connected(cfg: TrackingConfig) -> Iterator[tuple[Any, str, float]]:
+    """(client, URI, deadline) for `cfg`'s store, retried until `cfg.open_timeout_s`; the block's failures are refused
+    naming tracking.uri (`answering`)."""
     uri = resolve_tracking_uri(cfg.uri)
     deadline = time.monotonic() + cfg.open_timeout_s
     with answering(uri, cfg):
-        client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
+        yield call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect"), uri, deadline
+
+
+def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
+    """Sets aside (and returns the ids of) every MLflow run of `run_key`, for a run trained again from step 0: tagged
+    schema.TAG_REPLACED with `note`, ended KILLED if RUNNING, soft-deleted. A metric history cannot be deleted, so the
+    next `Tracker.open` creates a fresh run for the new curve."""
+    with connected(cfg) as (client, _, deadline):
         found = call_with_retries(lambda: client.get_experiment_by_name(experiment), cfg, deadline, "experiment")
         runs = [] if found is None else call_with_retries(
             lambda: find_runs(client, found.experiment_id, run_key), cfg, deadline, "find run")

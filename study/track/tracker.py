@@ -1,16 +1,10 @@
-"""MLflow tracking for training runs: one run per run key, resumed on restart, logged off the training step's path.
+"""MLflow tracking for training runs: one run per run key (the oldest active one), resumed on restart, logged off the
+training step's path. Names are study.schema's: run `<variant>-<scale>-s<seed>`, tags `study.*`, params flattened
+with dots, metrics `train/*`, `val/*`, `eval/<task>/<metric>`.
 
-Schema (the MLflow names of study.schema): experiment = experiment file name; run name `<variant>-<scale>-s<seed>`; tags `study.*`; params =
-what the caller logs, flattened with dots (training logs the config fields the run key hashes, so a resume with other
-key-neutral settings is the same run); metrics `train/*`, `val/*`, `eval/<task>/<metric>`. A key's run is the oldest
-active one; `study.track.store.retire_runs` sets a key's runs aside when it is trained again from step 0.
-
-A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, while a `log_batch` of 1000 points costs 0.3 s
-(measured on this stack), so `Tracker.log_metrics` only appends to a buffer and a background thread ships batches. A tracking outage
-(server down, HTTP errors, SQLite "database is locked") keeps points buffered and retried with backoff; training never
-waits for MLflow. MLflow's HTTP client also retries inside each call (MLFLOW_HTTP_REQUEST_MAX_RETRIES, default 7:
-up to about 2 minutes in one call); the buffer makes that harmless, and a lower value lands points sooner after an
-outage. mlflow is imported inside functions, so importing this module stays cheap.
+A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, a `log_batch` of 1000 points 0.3 s, so
+`Tracker.log_metrics` only appends to a buffer that a background thread ships in batches; an outage keeps points
+buffered and retried with backoff, and training never waits for MLflow. mlflow is imported inside functions.
 """
 
 from __future__ import annotations
@@ -35,18 +29,8 @@ from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
 from study.track.outbox import ARTIFACT_OUTBOX, stage, waiting
 from study.track.params import flatten, plain
-from study.track.store import (
-    answering,
-    resolve_tracking_uri,
-    call_with_retries,
-    find_runs,
-    get_or_create_experiment,
-    is_transient,
-    jittered,
-    mlflow_client,
-    open_run,
-    short,
-)
+from study.track.store import (call_with_retries, connected, find_runs, get_or_create_experiment, is_transient,
+                               jittered, open_run, resolve_tracking_uri, short)
 
 logger = logging.getLogger(__name__)
 STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -54,13 +38,12 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
-class Tracker:
-    """One MLflow run fed through a buffer that a background thread ships with `log_batch`.
 
-    Open it with `Tracker.open` (training) or `Tracker.attach` (adding results to a finished run). Only rank 0 opens
-    one; other ranks hold a `NullTracker` (`study.track.null.RunTracker` is either). Uses `MlflowClient`, never
-    the fluent global run, so several trackers coexist in one process.
-    """
+
+class Tracker:
+    """One MLflow run fed through a buffer that a background thread ships with `log_batch`: `Tracker.open` (training,
+    rank 0) or `Tracker.attach` (adding results to a finished run). `MlflowClient`, never the fluent global run, so
+    several trackers coexist in one process."""
 
     def __init__(self, client, run_id: str, cfg: TrackingConfig, logged_upto: dict[str, int], terminate: bool,
                  log: MetricLog | None = None, replay: list | None = None, outbox: Path | None = None):
@@ -90,25 +73,15 @@ class Tracker:
         atexit.register(self._close_at_exit)
 
     @classmethod
-    def open(
-        cls,
-        run_key: str,
-        experiment: str,
-        run_name: str,
-        tags: Mapping[str, str] | None = None,
-        params: Mapping[str, Any] | None = None,
-        cfg: TrackingConfig | None = None,
-        log_path: Path | None = None,
-        system_metrics: bool = False,
-        check: Callable[[Any, Any], None] | None = None,
-    ) -> Tracker:
+    def open(cls, run_key: str, experiment: str, run_name: str, tags: Mapping[str, str] | None = None,
+             params: Mapping[str, Any] | None = None, cfg: TrackingConfig | None = None, log_path: Path | None = None,
+             system_metrics: bool = False, check: Callable[[Any, Any], None] | None = None) -> Tracker:
         """Creates the run for `run_key`, or resumes it after a restart (never a second run for one key).
 
-        `params` (nested or dotted) go through `flatten`; a param already logged with another value raises ValueError.
-        Retries an unreachable or locked store for `cfg.open_timeout_s`, then raises StudyError. With `log_path` (the
-        run directory's metrics.jsonl) every point is also appended there first, and what the store lacks of the
-        log is sent again now. `check(client, run)` sees the key's existing run before anything about it changes,
-        and refuses to resume it by raising StudyError.
+        `params` go through `flatten`; one already logged with another value raises ValueError. An unreachable or
+        locked store is retried for `cfg.open_timeout_s`, then StudyError. With `log_path` (the run directory's
+        metrics.jsonl) every point is appended there first, and what the store lacks of it is sent now.
+        `check(client, run)` may refuse to resume the key's existing run (StudyError) before anything changes.
         """
         cfg = cfg or TrackingConfig()
 
@@ -120,16 +93,13 @@ class Tracker:
                                              "find run")
                 if existing:
                     check(client, existing[0])
-            run, missing = call_with_retries(
-                lambda: open_run(client, experiment_id, run_key, run_name, tags or {}, flatten(params or {})),
-                cfg, deadline, "open run",
-            )  # fmt: skip
+            run, missing = call_with_retries(lambda: open_run(client, experiment_id, run_key, run_name, tags or {},
+                                                              flatten(params or {})), cfg, deadline, "open run")
             items = list(missing.items())
             for i in range(0, len(items), PARAMS_PER_CALL):
                 batch = [Param(k, v) for k, v in items[i : i + PARAMS_PER_CALL]]
-                call_with_retries(
-                    lambda: client.log_batch(run.info.run_id, params=batch, synchronous=True), cfg, deadline, "params"
-                )
+                call_with_retries(lambda: client.log_batch(run.info.run_id, params=batch, synchronous=True), cfg,
+                                  deadline, "params")
             return run
 
         tracker = cls._connect(experiment, cfg, start, terminate=True, log=MetricLog(log_path) if log_path else None)
@@ -165,13 +135,9 @@ class Tracker:
     @classmethod
     def _connect(cls, experiment: str, cfg: TrackingConfig, get_run: Callable, terminate: bool,
                  log: MetricLog | None = None) -> Tracker:
-        uri = resolve_tracking_uri(cfg.uri)
-        deadline = time.monotonic() + cfg.open_timeout_s
-        with answering(uri, cfg):
-            client = call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect")
-            experiment_id = call_with_retries(
-                lambda: get_or_create_experiment(client, uri, experiment), cfg, deadline, "experiment"
-            )
+        with connected(cfg) as (client, uri, deadline):
+            experiment_id = call_with_retries(lambda: get_or_create_experiment(client, uri, experiment), cfg, deadline,
+                                              "experiment")
             run = get_run(client, experiment_id, deadline)
         # A run's latest value per key is the one at its largest step: everything up to it has landed already.
         logged_upto = {m.key: m.step for m in run.data.to_proto().metrics}
@@ -191,12 +157,9 @@ class Tracker:
             return None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Buffers one point per key at `step` and returns at once (microseconds; no I/O). Values go through
-        `float()`: pass Python numbers, since a CUDA tensor would synchronise the device here.
-
-        Points at or below the largest step the run had logged for their key when opened are skipped: a run resumed
-        from a checkpoint recomputes those steps identically, and they are already in MLflow.
-        """
+        """Buffers one point per key at `step` and returns at once (no I/O; pass Python numbers, since `float()` of a
+        CUDA tensor synchronises). Points at or below the step the run had logged for their key when opened are
+        skipped: a resumed run recomputes them identically."""
         if self._closed:
             raise RuntimeError(f"log_metrics on closed tracker for run {self.run_id}")
         timestamp, step = int(time.time() * 1000), int(step)
@@ -220,9 +183,7 @@ class Tracker:
             self._dropped += max(overflow, 0)
 
     def _publish_last_samples(self) -> None:
-        """MLflow's monitor, stopped, drops the samples it took since it last published (it publishes only after a
-        whole sampling interval): a run shorter than one interval would have no system metrics at all. They are sent
-        here, as one more point."""
+        """Sends the samples MLflow's stopped monitor took since it last published (it drops them otherwise)."""
         monitor = self._monitor
         if not any(m._metrics for m in monitor.monitors):
             return
@@ -233,8 +194,7 @@ class Tracker:
             logger.warning("the last system metrics were not sent: %s", err)
 
     def log_artifact(self, source: Path | str, name: str) -> None:
-        """Queues an artifact stored as `name` (may contain folders): a file or folder if `source` is a Path, else
-        `source` itself as text. It is copied now, so later changes to the source do not matter."""
+        """Queues an artifact stored as `name` (may contain folders), copied now (`stage`)."""
         entry = stage(self._staging, source, name)
         with self._lock:
             self._artifacts.append(entry)
@@ -269,11 +229,9 @@ class Tracker:
         return self.pending() == 0
 
     def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
-        """Flushes everything (retrying for up to `timeout_s`), sets tag `study.failure_reason` when `reason` is
-        given, and ends the run with `status` (FINISHED, FAILED or KILLED). `status=None`, and any status for an
-        attached run, only flushes. Returns within `timeout_s + cfg.terminate_timeout_s`, with the number of points
-        and artifacts not delivered.
-        """
+        """Flushes everything (retrying for up to `timeout_s`), sets `study.failure_reason` to `reason` if given, and
+        ends the run with `status` (FINISHED, FAILED or KILLED; None, or an attached run: only flushes). Returns within
+        `timeout_s + cfg.terminate_timeout_s` the number of points and artifacts not delivered."""
         if status is not None and status not in STATUSES:
             raise ValueError(f"status {status!r}: use one of {', '.join(STATUSES)}, or None to only flush")
         if not self._closed:
@@ -311,7 +269,8 @@ class Tracker:
                     continue
                 if outage_since is None:
                     outage_since = time.monotonic()
-                    logger.warning("MLflow unavailable (%s); keeping %d points and retrying", short(exc), self.pending())
+                    logger.warning("MLflow unavailable (%s); keeping %d points and retrying", short(exc),
+                                   self.pending())
                 remaining = self._deadline - time.monotonic()
                 if remaining <= 0:
                     break
