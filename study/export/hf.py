@@ -110,8 +110,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors under transformers' names, detached and contiguous (what safetensors writes), the FFNs
-    zero-padded to one width."""
+    """The model's tensors under transformers' names, detached, contiguous and the FFNs zero-padded to one width."""
     import torch
 
     ours = model.state_dict()

@@ -155,8 +155,7 @@ def _weights_dtype(choice: str, computed: str, precision: str) -> tuple[str, str
 
 
 def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int) -> str:
-    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`); returns
-    the EOS token."""
+    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`); returns it."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), model_max_length=max_len)

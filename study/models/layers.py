@@ -31,8 +31,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None and scaling.factor > 0:
         inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq).repeat(1, 2)
     return angles.cos(), angles.sin()
 
 

@@ -91,8 +91,7 @@ class Run:
 
 
 class Metrics(Callback):
-    """The training loss, LR, grad norm, throughput (and MFU on CUDA) to the tracker at log steps; the losses
-    computed in this process kept for the outcome."""
+    """Training loss, LR, grad norm, tokens/s (MFU on CUDA) to the tracker at log steps; losses kept for the outcome."""
 
     def __init__(self, run: Run, scheduler, tokens_per_step: int, inject):
         self.run, self.scheduler, self.tokens_per_step = run, scheduler, tokens_per_step

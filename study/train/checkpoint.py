@@ -60,8 +60,7 @@ def latest(run_dir: Path) -> Path | None:
 
 def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last: int,
          keep: frozenset[int] = frozenset()) -> Path:
-    """Save on every rank (collective). Returns the completed folder. Checkpoints at the `keep` steps (a trunk's
-    branch starts) are never pruned."""
+    """Save on every rank (collective); returns the completed folder. Those at the `keep` steps are never pruned."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -98,8 +97,7 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
 
 
 def _prune(run_dir: Path, keep_last: int, keep: frozenset[int] = frozenset()) -> None:
-    """All but the newest `keep_last` checkpoints (and those at the `keep` steps) removed, unless a reader holds its
-    lease (then none this time)."""
+    """All but the newest `keep_last` checkpoints and those at `keep` removed, unless a reader holds its lease."""
     try:
         # O_NOFOLLOW: a link planted in the run directory is refused, never locked through
         fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDONLY | os.O_NOFOLLOW)
@@ -247,8 +245,7 @@ def _nbytes(state: Any) -> int:
 
 
 def _own_state(path: Path, run_key: str, field: str, fix: str, whose: str = "") -> TrainState | None:
-    """The checkpoint's train state, refused by `field` when another run saved it; None when damaged (loading it
-    then says so, by name)."""
+    """The checkpoint's train state (None when damaged), refused by `field` when another run saved it."""
     try:
         state = TrainState.read(path / "train_state.json")
     except StudyError:
@@ -259,8 +256,7 @@ def _own_state(path: Path, run_key: str, field: str, fix: str, whose: str = "") 
 
 
 def load_model_weights(path: Path, model) -> None:
-    """Weights only (evaluation, profiling, export): any world size, no optimizer. A damaged checkpoint is refused by
-    its folder."""
+    """Weights only (evaluation, profiling, export), any world size; a damaged checkpoint is refused by its folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 

@@ -192,8 +192,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
 
 
 def _branch_start(spec: RunSpec, model, optimizer, d: Dist) -> TrainState | None:
-    """A decay branch with no checkpoint of its own starts from its trunk's at its branch step; other runs from
-    step 0 (None)."""
+    """A decay branch without a checkpoint of its own starts from its trunk's at its branch step; others: None."""
     if spec.role != Role.branch:
         return None
     from study.schema import RunDir

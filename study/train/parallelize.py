@@ -75,7 +75,6 @@ def autocast_bf16(cfg: RunConfig, d: Dist) -> bool:
 
 
 def compute_dtype(cfg: RunConfig, d: Dist) -> str:
-    """What the run's forward passes compute in: bf16 under FSDP's policy or CUDA autocast (the only autocast the
-    step enables), else fp32."""
+    """What the forward passes compute in: bf16 under FSDP's policy or CUDA autocast (the step's only), else fp32."""
     bf16 = use_bf16(cfg, d) and (d.world_size > 1 or d.device.startswith("cuda"))
     return "bfloat16" if bf16 else "float32"

@@ -62,8 +62,7 @@ class Measured:
 
 
 class StepFailed(Exception):
-    """A run's model could not be built, sharded, stepped, counted or traced: `stage` says which, `error` torch's
-    words."""
+    """A run's model could not be built, sharded, stepped, counted or traced (`stage`); `error` is torch's words."""
 
     def __init__(self, stage: str, error: str):
         self.stage, self.error = stage, error

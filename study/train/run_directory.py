@@ -54,8 +54,7 @@ def out_of_space(err: OSError) -> bool:
 
 
 def no_space(spec: RunSpec, err: OSError) -> StudyError:
-    """A full run directory as the user's error: where, how much is free, what to free, and where a restart
-    resumes."""
+    """A full run directory as the user's error: where, how much is free, what to free, where a restart resumes."""
     import shutil
 
     rdir = spec.run_dir.path

@@ -1,5 +1,4 @@
-"""What a training run tells MLflow beyond its metrics: params, tags and lineage when it opens, the job's own log
-when it ends."""
+"""What a training run tells MLflow beyond its metrics: params, tags, lineage at its start, its job log at the end."""
 
 from __future__ import annotations
 
