@@ -74,8 +74,8 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
         except StudyError as err:
             raise StudyError(f"{where}.{'scales' if listed else 'scale'}", err.problem, err.fix) from None
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+    if not isinstance(seeds, list) or not seeds or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise StudyError(f"{where}.seeds", f"{seeds!r} is not a list of distinct non-negative integers",
                          "e.g. seeds: [0]")
     if max(seeds) > SEED_MAX:
