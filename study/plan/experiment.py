@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -87,14 +88,16 @@ class Experiment:
     """Racing (`racing:`, analysis.racing); None (the default) trains every arm to its end."""
 
 
+_NAME_FIX = "use letters, digits, _ . - (at most 100 characters)"
+_SHAPE_FIX = "see sweeps/experiment/demo.yaml for the shape of an experiment file"
 _PUBLISHED_KEYS = ("metric", "values", "source")
 _VALUE_KEYS = ("value", "source", "verified")
 _VALUE_FORM = "write e.g. `{value: 3.43, source: \"arXiv <id> v<n>, Table <k>\", verified: false}`"
 
 
 def _published(name: str, raw: dict, baseline: str, scales: list[str], names: list[str]) -> Published:
-    """The `published:` block, validated. A value is `{value, source, verified}`; a bare number (the older form)
-    takes the block's `source` and counts as unverified, since nothing says it was checked."""
+    """The `published:` block, validated: a value is `{value, source, verified}`, or a bare number (the older form,
+    unverified) with the block's `source`."""
     where = f"{name}.yaml: published"
     unknown = sorted(set(raw) - set(_PUBLISHED_KEYS))
     if unknown:
@@ -265,27 +268,24 @@ def _read_file(name: str, raw: dict[str, Any]) -> dict[str, Any]:
         key = getattr(exc, "full_key", None) or ".".join(map(str, _failing_path(schema, raw) or ()))
         kind = "is not an experiment key" if "not in" in str(exc) else "has the wrong type"
         raise StudyError(f"{name}.yaml: {key}".rstrip(": "), f"{kind} ({str(exc).splitlines()[0]})",
-                         "see sweeps/experiment/demo.yaml for the shape of an experiment file") from None
+                         _SHAPE_FIX) from None
     out = OmegaConf.to_container(typed, resolve=False)
     for vname in out["variants"]:
         if not NAME.match(str(vname)):
-            raise StudyError(f"{name}.yaml: variants.{vname}", "is not a usable variant name",
-                             "use letters, digits, _ . - (at most 100 characters)")
+            raise StudyError(f"{name}.yaml: variants.{vname}", "is not a usable variant name", _NAME_FIX)
     return out
 
 
 def _failing_path(schema, value: Any, path: tuple = ()) -> tuple | None:
-    """The deepest key path whose value alone does not merge onto `schema` (a mismatch of a mapping and a list is
-    reported by OmegaConf without its key)."""
+    """The deepest key path whose value alone does not merge onto `schema` (OmegaConf names no key for a mapping
+    given a list)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     for key, inner in value.items() if isinstance(value, dict) else ():
-        nested = inner
-        for part in reversed((*path, key)):
-            nested = {part: nested}
+        alone = functools.reduce(lambda nested, part: {part: nested}, reversed((*path, key)), inner)
         try:
-            OmegaConf.merge(schema, nested)
+            OmegaConf.merge(schema, alone)
         except OmegaConfBaseException:
             return _failing_path(schema, inner, (*path, key)) or (*path, key)
     return None
@@ -293,102 +293,100 @@ def _failing_path(schema, value: Any, path: tuple = ()) -> tuple | None:
 
 def load_experiment(name: str) -> Experiment:
     if not NAME.match(name):
-        raise StudyError("EXPERIMENT", f"{name[:120]!r} is not an experiment name",
-                         "use letters, digits, _ . - (at most 100 characters)")
+        raise StudyError("EXPERIMENT", f"{name[:120]!r} is not an experiment name", _NAME_FIX)
     path = sweeps_dir() / "experiment" / f"{name}.yaml"
     if not path.is_file():
         raise StudyError("EXPERIMENT", f"no experiment named {name!r}",
                          f"use one of {', '.join(group_options('experiment'))} (files in {path.parent})")
-    raw = plain_yaml(path)
+    raw, y = plain_yaml(path), f"{name}.yaml"
     if not isinstance(raw, dict):
-        raise StudyError(f"{name}.yaml", "is not a mapping of experiment keys",
-                         "see sweeps/experiment/demo.yaml for the shape of an experiment file")
+        raise StudyError(y, "is not a mapping of experiment keys", _SHAPE_FIX)
     f = _read_file(name, raw)
     for key in ("baseline", "scales", "seeds", "variants"):
         if key not in raw and not (key == "variants" and "grid" in raw):
-            raise StudyError(f"{name}.yaml: {key}", "is missing", "every experiment names baseline, scales, seeds, variants")
+            raise StudyError(f"{y}: {key}", "is missing", "every experiment names baseline, scales, seeds, variants")
     scales = list(f["scales"] or [])
     if not scales:  # nothing would be planned, and `study plan` would say "no runs" as if that were the design
-        raise StudyError(f"{name}.yaml: scales", "lists no scale", "list at least one, e.g. scales: [tiny]")
+        raise StudyError(f"{y}: scales", "lists no scale", "list at least one, e.g. scales: [tiny]")
     for scale in scales:
         group_file("scale", scale)
-    seeds_raw = f["seeds"]
-    if seeds_raw is None:
-        raise StudyError(f"{name}.yaml: seeds", "lists no seed", "e.g. seeds: [0, 1, 2]")
-    if isinstance(seeds_raw, dict):
-        if stray := sorted(set(map(str, seeds_raw)) - set(scales)):
-            raise StudyError(f"{name}.yaml: seeds", f"names scale {stray[0]}, which is not one of the experiment's "
-                             f"scales ({', '.join(scales)})", f"key the seeds by {', '.join(scales)}, or add "
-                             f"{stray[0]} to scales")
-        missing = [s for s in scales if s not in seeds_raw]
-        if missing:
-            raise StudyError(f"{name}.yaml: seeds", f"no seeds for scale {missing[0]}", "list seeds for every scale")
-        if unlisted := [s for s in scales if not isinstance(seeds_raw[s], list)]:
-            raise StudyError(f"{name}.yaml: seeds", f"the seeds of scale {unlisted[0]} are not a list",
-                             f"e.g. seeds: {{{unlisted[0]}: [0, 1, 2]}}")
-        seeds = {s: list(seeds_raw[s]) for s in scales}
-    elif isinstance(seeds_raw, list):
-        seeds = {s: list(seeds_raw) for s in scales}
-    else:
-        raise StudyError(f"{name}.yaml: seeds", f"must be a list or a mapping, got {type(seeds_raw).__name__}",
-                         "e.g. seeds: [0, 1, 2]")
-    # YAML's true/false are Python bools, which are ints: [true, false] would plan seeds 1 and 0 under other keys
-    if (any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for v in seeds.values() for x in v)
-            or not all(seeds.values())):
-        raise StudyError(f"{name}.yaml: seeds", "seeds must be non-empty lists of non-negative integers (true and "
-                         "false are not seeds)", "e.g. seeds: [0, 1, 2]")
-    past = [x for v in seeds.values() for x in v if x > SEED_MAX]
-    if past:
-        raise StudyError(f"{name}.yaml: seeds", f"{past[0]} is past the largest seed torch takes",
-                         "use seeds below 2**64")
+    seeds = _seeds(f"{y}: seeds", f["seeds"], scales)
     variants = []
     for vname, spec in f["variants"].items():
         spec = spec or {}
         preset = spec.get("model") or vname
         group_file("model", preset)
-        at = _per_scale(spec.get("at"), f"{name}.yaml: variants.{vname}.at", scales)
+        at = _per_scale(spec.get("at"), f"{y}: variants.{vname}.at", scales)
         variants.append(Variant(vname, preset, spec.get("set") or {}, at))
     if f["grid"] is not None:
         variants += _grid_variants(f["grid"])
     names = [v.name for v in variants]
     if f["baseline"] not in names:
-        raise StudyError(f"{name}.yaml: baseline", f"{f['baseline']!r} is not one of the variants",
+        raise StudyError(f"{y}: baseline", f"{f['baseline']!r} is not one of the variants",
                          f"use one of {', '.join(names)}")
     reference = None
     if f["reference"] is not None:
         if f["reference"]["variant"] not in names:
-            raise StudyError(f"{name}.yaml: reference.variant", f"{f['reference']['variant']!r} is not a variant",
+            raise StudyError(f"{y}: reference.variant", f"{f['reference']['variant']!r} is not a variant",
                              f"use one of {', '.join(names)}")
         reference = (f["reference"]["variant"], f["reference"]["seed"])
     common = f["common"]
-    per_scale = _per_scale(f["at"], f"{name}.yaml: at", scales)
-    published = (_published(name, f["published"], f["baseline"], scales, names) if f["published"] else None)
-    # refused here, before anything is planned
-    decision = DecisionRule.from_mapping(f["decision"], f"{name}.yaml: decision")
-    tuning = (parse_tuning(f["tune"], f"{name}.yaml: tune", lambda s: group_file("scale", s))
-              if f["tune"] is not None else None)
-    compares = check_compares(f["compares"], f"{name}.yaml: compares") if f["compares"] is not None else ()
-    branches = (parse_branches(f["branches"], f"{name}.yaml: branches") if f["branches"] is not None else None)
-    racing = parse_racing(f["racing"], f"{name}.yaml: racing", branches)
+    per_scale = _per_scale(f["at"], f"{y}: at", scales)
+    # every block is refused here, before anything is planned
+    published = _published(name, f["published"], f["baseline"], scales, names) if f["published"] else None
+    decision = DecisionRule.from_mapping(f["decision"], f"{y}: decision")
+    tuning = parse_tuning(f["tune"], f"{y}: tune", lambda s: group_file("scale", s)) if f["tune"] is not None else None
+    compares = check_compares(f["compares"], f"{y}: compares") if f["compares"] is not None else ()
+    branches = parse_branches(f["branches"], f"{y}: branches") if f["branches"] is not None else None
+    racing = parse_racing(f["racing"], f"{y}: racing", branches)
     if racing is not None and (few := [s for s in scales if len(seeds[s]) < MIN_PAIRS]):
-        raise StudyError(f"{name}.yaml: racing", f"stops an arm decided at a branch point, and a paired test needs "
+        raise StudyError(f"{y}: racing", f"stops an arm decided at a branch point, and a paired test needs "
                          f"{MIN_PAIRS} seeds: scale {few[0]} has {len(seeds[few[0]])} (seeds: {seeds[few[0]]}), so "
                          "racing could never stop an arm there", f"list {MIN_PAIRS} or more seeds for every scale "
                          "(e.g. seeds: [0, 1, 2]), or set racing: false")
-    set_decay = (common.get("train") or {}).get("decay_fraction") if isinstance(common.get("train"), dict) else None
+    set_decay = common["train"].get("decay_fraction") if isinstance(common.get("train"), dict) else None
     if branches is not None and set_decay is not None and set_decay != branches.decay:
-        raise StudyError(f"{name}.yaml: branches.decay", f"is {branches.decay:g} and common sets "
+        raise StudyError(f"{y}: branches.decay", f"is {branches.decay:g} and common sets "
                          f"train.decay_fraction: {set_decay}; every run decays over the branches' fraction",
                          "set the decay once, in branches.decay")
     if branches is not None and reference is not None:
-        raise StudyError(f"{name}.yaml: branches", "cannot branch an experiment with a profiled reference run yet "
-                         "(a scheduled run's widths come from the reference's final checkpoint)",
-                         "remove the branches block, or split the geometry-scheduled variants into their own experiment")
-    check_owned(common, f"{name}.yaml: common")
+        raise StudyError(f"{y}: branches", "cannot branch an experiment with a profiled reference run yet "
+                         "(a scheduled run's widths come from the reference's final checkpoint)", "remove the "
+                         "branches block, or split the geometry-scheduled variants into their own experiment")
+    check_owned(common, f"{y}: common")
     for v in variants:
-        check_owned(v.settings, f"{name}.yaml: variants.{v.name}.set")
+        check_owned(v.settings, f"{y}: variants.{v.name}.set")
     return Experiment(name, f["baseline"], scales, seeds, variants, reference, common, per_scale, f["description"],
                       published, tuning, decision, compares, branches, racing)
+
+
+def _seeds(where: str, raw: Any, scales: list[str]) -> dict[str, list[int]]:
+    """The `seeds:` block as scale -> seeds: one list for every scale, or a list per scale."""
+    if raw is None:
+        raise StudyError(where, "lists no seed", "e.g. seeds: [0, 1, 2]")
+    if isinstance(raw, dict):
+        if stray := sorted(set(map(str, raw)) - set(scales)):
+            raise StudyError(where, f"names scale {stray[0]}, which is not one of the experiment's scales "
+                             f"({', '.join(scales)})", f"key the seeds by {', '.join(scales)}, or add {stray[0]} to "
+                             "scales")
+        if missing := [s for s in scales if s not in raw]:
+            raise StudyError(where, f"no seeds for scale {missing[0]}", "list seeds for every scale")
+        if unlisted := [s for s in scales if not isinstance(raw[s], list)]:
+            raise StudyError(where, f"the seeds of scale {unlisted[0]} are not a list",
+                             f"e.g. seeds: {{{unlisted[0]}: [0, 1, 2]}}")
+        seeds = {s: list(raw[s]) for s in scales}
+    elif isinstance(raw, list):
+        seeds = {s: list(raw) for s in scales}
+    else:
+        raise StudyError(where, f"must be a list or a mapping, got {type(raw).__name__}", "e.g. seeds: [0, 1, 2]")
+    # YAML's true/false are Python bools, which are ints: [true, false] would plan seeds 1 and 0 under other keys
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for v in seeds.values() for x in v) or not all(
+            seeds.values()):
+        raise StudyError(where, "seeds must be non-empty lists of non-negative integers (true and false are not "
+                         "seeds)", "e.g. seeds: [0, 1, 2]")
+    if past := [x for v in seeds.values() for x in v if x > SEED_MAX]:
+        raise StudyError(where, f"{past[0]} is past the largest seed torch takes", "use seeds below 2**64")
+    return seeds
 
 
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
