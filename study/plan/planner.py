@@ -28,7 +28,6 @@ from study.plan.tune import EDGE, EXTENDED, INTERIOR, Choice, Point, all_diverge
 from study.schema import RunDir
 
 
-
 @dataclass
 class Plan:
     experiment: Experiment
@@ -50,7 +49,7 @@ class Plan:
 
 @dataclass
 class VariantTuning:
-    """One variant's tuning stage as planned: its tune runs and, once they decide, its choice per tune scale."""
+    """One variant's tuning as planned: its tune runs and, once they decide, its choice per tune scale."""
 
     variant: str
     """The variant tuned."""
@@ -67,11 +66,9 @@ class VariantTuning:
     recorded: bool = False
     """The choices were read from the record (else a launch writes them there)."""
     grid_keys: list[str] = field(default_factory=list)
-    """Keys of the declared grid's tune runs at every tune scale: a main run's key includes them, so a main run
-    trained at one tuning's choice is never taken for another's."""
+    """Keys of the declared grid's tune runs at every tune scale, which a main run's key includes."""
     note: str = ""
-    """Why the choice is not made or not read from the record (a grid that diverged everywhere, a stale record);
-    empty when nothing needs saying."""
+    """Why the choice is not made or not read from the record (a grid diverged everywhere, a stale record)."""
 
     def identity(self, tuning) -> dict[str, Any]:
         """What a tuned main run's key hashes of its tuning: the tune block and the tune runs it declares."""
@@ -239,20 +236,19 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                          else None)
             added = [s for s in (extra_seeds or {}).get(scale, {}).get(variant.name, []) if s not in exp.seeds[scale]]
             for seed in [*exp.seeds[scale], *added]:
-                is_ref = exp.reference == (variant.name, seed)
-                cfg = replace(base, seed=seed, role=Role.reference if is_ref else (Role.scheduled if scheduled else Role.train))
-                if not scheduled and exp.branches:
+                role = Role.scheduled if scheduled else Role.train
+                cfg = replace(base, seed=seed, role=Role.reference if exp.reference == (variant.name, seed) else role)
+                if scheduled:
+                    profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
+                    spec = make_spec(cfg, run_key(cfg, [ref_key], tuning_id), None, reference, [ref_key], str(profile),
+                                     f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
+                    runs.append(complete_spec(spec) if profile.is_file() else spec)
+                elif exp.branches:
                     check_schedule(cfg, exp.branches, f"{name}.yaml: branches")
                     runs += expand(make_spec(cfg, "", matched, reference), exp.branches, f"{name}.yaml: branches",
                                    tuning=tuning_id)
-                    continue
-                if not scheduled:
+                else:
                     runs.append(make_spec(cfg, run_key(cfg, tuning=tuning_id), matched, reference))
-                    continue
-                profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
-                spec = make_spec(cfg, run_key(cfg, [ref_key], tuning_id), None, reference, [ref_key], str(profile),
-                                 f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
-                runs.append(complete_spec(spec) if profile.is_file() else spec)
     if exp.tuning:
         runs = [r for t in tunings.values() for r in t.runs] + [_with_tuning(r, exp, tunings) for r in runs]
     _check_distinct(name, runs)
@@ -270,14 +266,13 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
     tuning = exp.tuning
     out: dict[str, VariantTuning] = {}
     for variant in exp.variants:
-        tuned_runs: list[RunSpec] = []
+        runs: list[RunSpec] = []
         choices: dict[str, Choice] = {}
         rule_lr: dict[str, float] = {}
         budgets: dict[str, int] = {}
         grid_keys: dict[str, dict[tuple[float, int], str]] = {}
-        losses: dict[str, RunSpec] = {}
-        blocked = ""
-        record = None
+        by_key: dict[str, RunSpec] = {}
+        blocked, record = "", None
         for scale in tuning.scales:
             reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
             base = with_budget(compose_run(exp, variant, scale, ov, per_variant.get(variant.name)), reference)
@@ -289,30 +284,29 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
             rule_lr[scale], budgets[scale] = rule.lr, base.budget.target
             specs: dict[tuple[float, int], RunSpec] = {}
 
-            def tune_spec(multiple: float, seed: int, extension: bool) -> RunSpec:
+            def tune_spec(p: Point, seed: int) -> RunSpec:
                 cfg = replace(base, seed=seed, role=Role.tune, eval=replace(base.eval, after_train=False),
-                              train=replace(base.train, lr=float(f"{multiple * rule.lr:.6g}")))
+                              train=replace(base.train, lr=float(f"{p.multiple * rule.lr:.6g}")))
                 spec = make_spec(cfg, run_key(cfg), matched, reference)
-                return replace(spec, name=f"{spec.name}-lr{multiple:g}",
-                               tuned=Tuned(multiple, "extension" if extension else "grid", str(record)))
+                return replace(spec, name=f"{spec.name}-lr{p.multiple:g}",
+                               tuned=Tuned(p.multiple, "extension" if p.extension else "grid", str(record)))
 
+            # the grid grows (extensions) as its points settle: read the losses until it adds no point
             results: dict[float, Point] = {}
             while True:
                 points, decided = grid_with_extensions(tuning, results)
                 for p in points:
                     for i, seed in enumerate(tuning.seeds):
                         if (p.multiple, seed) not in specs:
-                            specs[p.multiple, seed] = tune_spec(p.multiple, seed, p.extension)
+                            specs[p.multiple, seed] = tune_spec(p, seed)
                         p.losses[i] = finished_loss(specs[p.multiple, seed])
                     p.keys = [specs[p.multiple, seed].key for seed in tuning.seeds]
-                fresh = {p.multiple: p for p in points}
-                if decided or fresh.keys() == results.keys() and all(
-                        fresh[m].losses == results[m].losses for m in fresh):
+                if decided or results.keys() == {p.multiple for p in points}:
                     break
-                results = fresh
-            tuned_runs += [specs[p.multiple, seed] for p in points for seed in tuning.seeds]
+                results = {p.multiple: p for p in points}
+            runs += [specs[p.multiple, seed] for p in points for seed in tuning.seeds]
             grid_keys[scale] = {(m, seed): specs[m, seed].key for m in tuning.lr for seed in tuning.seeds}
-            losses.update({spec.key: spec for spec in specs.values()})
+            by_key.update({spec.key: spec for spec in specs.values()})
             if decided and all_diverged(points):
                 blocked = (f"every tune point of {variant.name} at {scale} diverged (x{points[0].multiple:g} to "
                            f"x{points[-1].multiple:g}): lower tune.lr (or raise tune.extend) so that some LR trains")
@@ -321,14 +315,13 @@ def plan_tunings(exp: Experiment, ov: Overrides, per_variant: dict[str, dict[str
         if record is None:
             continue
         recorded, stale = read_record(record, tuning, grid_keys,
-                                      lambda key: finished_loss(losses[key]) if key in losses else None)
+                                      lambda key: finished_loss(by_key[key]) if key in by_key else None)
         if recorded is not None:
             choices, blocked = recorded, ""
         decided = not blocked and len(choices) == len(tuning.scales)
-        out[variant.name] = VariantTuning(variant.name, record, tuned_runs, choices if decided else None, rule_lr,
-                                          budgets, recorded is not None, sorted({k for g in grid_keys.values()
-                                                                                 for k in g.values()}),
-                                          blocked or stale)
+        keys = sorted({k for g in grid_keys.values() for k in g.values()})
+        out[variant.name] = VariantTuning(variant.name, record, runs, choices if decided else None, rule_lr, budgets,
+                                          recorded is not None, keys, blocked or stale)
     return out
 
 
@@ -351,9 +344,8 @@ def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTunin
 def _check_distinct(name: str, runs: list[RunSpec]) -> None:
     seen: dict[str, RunSpec] = {}
     for r in runs:
-        if r.key in seen:
-            raise _same_run(name, seen[r.key], r)
-        seen[r.key] = r
+        if (first := seen.setdefault(r.key, r)) is not r:
+            raise _same_run(name, first, r)
 
 
 def _same_run(name: str, a: RunSpec, b: RunSpec) -> StudyError:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import math
 from itertools import groupby
 
+from study.config.run import Role
+from study.plan.alignment import misaligned_lines
+from study.plan.memory import auto_choices, memories
 from study.plan.planner import Plan
-
+from study.plan.throughput import devices, estimate, measured
 
 BARS = "▁▂▃▄▅▆▇█"
 
 
 def fmt_widths(widths: list[int] | None) -> str:
-    """Uniform widths as `3840x8`; others as first..last, their sum and a bar per layer, so a crown, a taper and its
-    mirror read apart at a glance. A bar's height is its width over the widest, from 0: widths a unit apart (669 and
-    668, what rounding to whole units leaves) draw the same bar instead of the full range of a taper."""
+    """Uniform widths as `3840x8`; others as first..last, their sum and a bar per layer (its width over the widest,
+    from 0, so widths a unit apart draw the same bar), so a crown, a taper and its mirror read apart at a glance."""
     if widths is None:
         return "pending"
     if len(set(widths)) == 1:
@@ -39,18 +41,13 @@ def fmt_heads(heads: list[int]) -> str:
 
 
 def estimates(plan: Plan, read_store: bool = True) -> dict:
-    """run key -> its GPU-hour `Estimate` (measured by `study calibrate` where its shape was, else assumed; always
-    assumed without `read_store`, where the store's server did not answer)."""
-    from study.plan.throughput import estimate, measured
-
+    """run key -> its GPU-hour `Estimate`: measured by `study calibrate` where its shape was (and `read_store`)."""
     calibrations = measured(plan.runs[0].config.tracking.uri) if plan.runs and read_store else {}
     return {run.key: estimate(run, calibrations) for run in plan.runs}
 
 
 def per_job(run) -> str:
-    """The run's job as nodes x devices per node (study.plan.throughput.devices): '8x8' (GPUs), '2x2 cpu'."""
-    from study.plan.throughput import devices
-
+    """The run's job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu'."""
     c = run.config.cluster
     return f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu")
 
@@ -58,11 +55,6 @@ def per_job(run) -> str:
 def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
     from study.config.secrets import mask_text
     from study.console import for_terminal, plain_table, text_width, wrapped
-
-    from study.plan.throughput import devices
-
-    from study.plan.alignment import misaligned_lines
-    from study.plan.memory import auto_choices, memories
 
     width = text_width()
     memory = memories(plan)
@@ -81,9 +73,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
     total_hours = 0.0
     for run in plan.runs:
         m, p = run.model, run.params
-        shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}"
-        if m.ffn.kind == "hourglass":
-            shape += f" K{m.ffn.k}"
+        shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}" + (
+            f" K{m.ffn.k}" if m.ffn.kind == "hourglass" else "")
         est = cost[run.key]
         hours = est.gpu_hours
         total_hours += hours or 0.0
@@ -111,35 +102,27 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
           flush=True)
     n_measured = sum(e.tokens_per_s is not None for e in cost.values())
     sources = sorted({e.source for e in cost.values() if e.tokens_per_s is not None})
-    say(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured "
-                  f"throughput ({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} "
-                  f"at an assumed {plan.runs[0].config.train.assumed_mfu:.0%} MFU of "
-                  f"{plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s" if plan.runs else "no runs")
-    for line in auto_choices(plan.runs, memory):
-        say(line)
-    for line in misaligned_lines(plan.runs):
+    say(f"{len(plan.runs)} runs, about {total_hours:,.0f} GPU-hours: {n_measured} from measured throughput "
+        f"({', '.join(sources) or '`study calibrate` measures it'}), {len(plan.runs) - n_measured} at an assumed "
+        f"{plan.runs[0].config.train.assumed_mfu:.0%} MFU of {plan.runs[0].config.train.gpu_peak_tflops:g} TFLOP/s"
+        if plan.runs else "no runs")
+    for line in [*auto_choices(plan.runs, memory), *misaligned_lines(plan.runs)]:
         say(line)
     if plan.experiment.branches is not None:
         say(_branch_cost(plan, cost))
-    for run in plan.runs:
-        if run.pending:
-            say(f"{run.name} ({run.key}): waits for the {run.pending}")
-            break
-    for t in plan.tunings.values():
-        if t.choices is None:
-            continue
+    if waiting := next((run for run in plan.runs if run.pending), None):
+        say(f"{waiting.name} ({waiting.key}): waits for the {waiting.pending}")
+    for t in (t for t in plan.tunings.values() if t.choices is not None):
         chosen = ", ".join(f"x{c.multiple:g} at {s} ({c.status})" for s, c in t.choices.items())
-        say(f"tuning of {t.variant}: {chosen} of the recipe's LR; other scales take it as a multiple of "
-                      "their own LR rule" if len(t.choices) == 1 else f"tuning of {t.variant}: {chosen}; log LR* "
-                      "is fitted against log N for the other scales")
+        how = (" of the recipe's LR; other scales take it as a multiple of their own LR rule" if len(t.choices) == 1
+               else "; log LR* is fitted against log N for the other scales")
+        say(f"tuning of {t.variant}: {chosen}{how}")
     if power:
         print(_power_table(plan, power, note, width), flush=True)
 
 
 def _branch_cost(plan: Plan, cost: dict) -> str:
     """The line comparing trunks + branches with separate straight runs of every branch's length."""
-    from study.config.run import Role
-
     trunks = [r for r in plan.runs if r.role == Role.trunk]
     branches = [r for r in plan.runs if r.role == Role.branch]
     hours = sum(cost[r.key].gpu_hours or 0.0 for r in trunks + branches)
