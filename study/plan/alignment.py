@@ -1,8 +1,8 @@
 """Shapes a GPU runs well: every matrix product's dimensions a multiple of 64.
 
-A GPU's tensor cores (and cuBLAS's kernels) tile matrix products in blocks whose sides are multiples of 64 (bf16); a
-dimension that is not one leaves part of a tile idle or falls back to slower kernels, so such a run pays for FLOPs
-its plan does not count. `study plan` names the dimensions of each (variant, scale) that are not (`misaligned`)."""
+Tensor cores (and cuBLAS's kernels) tile bf16 matrix products in blocks whose sides are multiples of 64: any other
+dimension idles part of a tile or falls back to slower kernels, FLOPs the plan does not count. `study plan` names
+each (variant, scale)'s dimensions that are not (`misaligned`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ ALIGN = 64
 
 
 def _widths(label: str, per_layer: list[list[int]]) -> str | None:
-    """`label` and its misaligned values among each layer's widths: one number when every width is that one, else
-    the distinct misaligned ones and how many layers have one; None when all are multiples of ALIGN."""
+    """`label` and the misaligned widths among each layer's (and how many layers have one); None when none is."""
     values = [w for ws in per_layer for w in ws]
     odd = sorted({w for w in values if w % ALIGN})
     if not odd:
@@ -26,9 +25,8 @@ def _widths(label: str, per_layer: list[list[int]]) -> str | None:
 
 
 def misaligned(m: ModelConfig) -> list[str]:
-    """The matmul dimensions of model `m` that are not multiples of ALIGN, in words (`d_model 2536`, `FFN width
-    5461`, `sub-MLP widths 2016, 2022 (2 of 22 layers)`, `attention 20 x 100`, `vocabulary 50257`); empty when every
-    one is. FFN widths still waiting for a geometry profile are not checked."""
+    """The matmul dimensions of model `m` that are not multiples of ALIGN, in words (`d_model 2536`, `sub-MLP widths
+    2016, 2022 (2 of 22 layers)`, `attention 20 x 100`); widths awaiting a geometry profile are not checked."""
     layers = range(m.n_layers)
     out = [] if m.d_model % ALIGN == 0 else [f"d_model {m.d_model}"]
     q, kv = [m.q_heads(l) for l in layers], [m.kv_heads_of(l) for l in layers]

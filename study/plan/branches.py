@@ -1,16 +1,11 @@
 """Decay branches: many token budgets from one run at the stable LR (Hägele et al. 2024, "Scaling Laws and
-Compute-Optimal Training Beyond Fixed Training Durations"; OLMo-core's ladder decays at 0.5, 1, 2 ... x Chinchilla).
+Compute-Optimal Training Beyond Fixed Training Durations"), e.g. `branches: {at: [0.25, 0.5, 1.0], decay: 0.2}`.
 
-    train: {lr_schedule: wsd}
-    branches: {at: [0.25, 0.5, 1.0], decay: 0.2}   # fractions of the run's steps; decay: of each branch
-
-A straight WSD run of L steps warms up over the recipe's warm-up, holds the peak LR until step L - int(decay x L) and
-decays linearly to the final LR. Up to that step it is the same computation for every L: the batch of a step is a
-function of (seed, step), the LR a function of the step, and the warm-up is the run's own (the full run's, in steps,
-for every branch). So each planned run becomes a trunk (role `trunk`) that trains at the stable LR to its last branch
-start, keeping a checkpoint at every branch start, and one branch per point (role `branch`) that starts from the
-trunk's checkpoint there and decays: its numbers equal the straight WSD run of its length. A trunk's key hashes its
-points; a branch's key is its trunk's key, its point and its decay (study.config.identity.branch_key).
+A straight WSD run of L steps is the same computation for every L until it decays at L - int(decay x L): a step's
+batch is a function of (seed, step) and the warm-up is the full run's. So each planned run becomes a trunk (role
+`trunk`) at the stable LR to its last branch start, checkpointed at every start, and one branch per point (role
+`branch`) that decays from the trunk's checkpoint, equal to the straight WSD run of its length. A trunk's key hashes
+its points; a branch's is its trunk's key, its point and its decay (study.config.identity.branch_key).
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ def parse_branches(raw: Any, where: str) -> Branches:
     if unknown:
         raise StudyError(f"{where}.{unknown[0]}", "is not a branches key", "use only at and decay")
     at, decay = raw.get("at"), raw.get("decay", 0.2)
-    if (not isinstance(at, list) or not at
-            or any(not is_number(a) or not 0 < a <= 64 for a in at)):
+    if not isinstance(at, list) or not at or any(not is_number(a) or not 0 < a <= 64 for a in at):
         raise StudyError(f"{where}.at", f"{at!r} is not a list of branch lengths",
                          "list fractions of the run's planned steps in (0, 64], e.g. at: [0.25, 0.5, 1.0]")
     if len(set(at)) != len(at):
@@ -63,7 +57,7 @@ def parse_branches(raw: Any, where: str) -> Branches:
 
 def branch_points(branches: Branches, max_steps: int, warmup: int, where: str) -> list[BranchPoint]:
     """Each point's length and trunk step for a run of `max_steps`, refused where a branch would start inside the
-    warm-up or two branches would be the same run."""
+    warm-up or two would be the same run."""
     points = []
     for at in branches.at:
         length = round(at * max_steps)
@@ -80,10 +74,8 @@ def branch_points(branches: Branches, max_steps: int, warmup: int, where: str) -
 
 
 def check_schedule(cfg: RunConfig, branches: Branches, where: str) -> None:
-    """Refused unless the run's schedule is WSD (a cosine run has no stable LR to branch from) and decays over the
-    branches' fraction: the branch points are placed by `branches.decay`, the trunk's and each branch's LR by
-    `train.decay_fraction`, so any other value (the command line, an `at:` or variant block) would decay the trunk
-    before its branch starts and no branch would be the straight WSD run of its length."""
+    """Refused unless the run's schedule is WSD (a stable LR to branch from) and decays over `branches.decay` (any
+    other `train.decay_fraction` would decay the trunk before its branches start)."""
     if cfg.train.lr_schedule != "wsd":
         raise StudyError("train.lr_schedule", f"is {cfg.train.lr_schedule!r}, and {where} needs a stable LR to branch "
                          "from", "set train: {lr_schedule: wsd} in the experiment's common block")
@@ -96,9 +88,8 @@ def check_schedule(cfg: RunConfig, branches: Branches, where: str) -> None:
 
 
 def expand(spec: RunSpec, branches: Branches, where: str, tuning: dict[str, Any] | None = None) -> list[RunSpec]:
-    """A planned run as its trunk and its branches. The trunk's recipe is the longest branch's (so its LR is stable
-    to its last branch start); each branch's recipe is the straight WSD run of its length, with the full run's
-    warm-up."""
+    """A planned run as its trunk (the longest branch's recipe, stable to its last branch start) and its branches
+    (each the straight WSD run of its length, with the full run's warm-up)."""
     r = spec.planned
     points = branch_points(branches, r.max_steps, r.warmup_steps, where)
     per_step = r.tokens // r.max_steps

@@ -1,7 +1,5 @@
-"""Completing a geometry-scheduled run's spec: widths from its reference's work profile, matched to the budget.
-
-Runs once per scheduled run, in the job that consumes the profile (before training starts), and the completed spec
-is written back to the run directory; `study plan` uses the same function to show widths once a profile exists.
+"""Completing a geometry-scheduled run's spec: widths from its reference's work profile, matched to the budget, in
+the job that consumes the profile (the spec is written back to the run directory) and in `study plan` alike.
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from study.plan.budget import Matched, flops_per_token, match, target_width, wit
 
 
 def allocated(cfg: RunConfig, profile: dict, budget: int) -> tuple[list[float], Matched]:
-    """The real-valued widths the config's allocation settings take from a work profile (reflected when its
-    schedule says `reverse`), and the model with them matched to `budget` (the scheduled run's job and `study
-    allocate` alike)."""
+    """The real-valued widths the config's allocation takes from a work profile (reflected for `reverse`), and the
+    model with them matched to `budget` (the scheduled run's job and `study allocate` alike)."""
     widths = geometry_widths(profile, target_width(cfg.model) * cfg.model.ffn.k, cfg.model.n_layers, cfg.geometry,
                              reverse=cfg.model.ffn.schedule.reverse)
     return widths, match(with_widths(cfg.model, widths), budget, cfg.budget)

@@ -1,11 +1,9 @@
 """What the arms of a comparison share: a variant may change only what the experiment compares.
 
-Every arm at a scale trains on the same data, in the same order, from the same init rule and seeds, with one recipe
-(steps, batch, LR and its schedule, optimizer, precision) and one budget; the arms differ in their model. A variant's
-`set:`, `at:` or `variants.<name>.<key>=` override that changes a shared field would pair runs as matched that are
-not, so it is refused, naming the field, unless the experiment declares that the comparison is about that field
-(`compares: [train.lr]`; the report then says the arms differ in it). The fields that place a run (`experiment`,
-`variant`, `scale`, `seed`, `baseline`, `role`) are the experiment file's alone: no declaration frees them.
+Every arm at a scale trains on the same data, order, init rule and seeds, with one recipe and one budget; the arms
+differ in their model. A variant's setting of a shared field is refused, naming it, unless the experiment declares
+the comparison is about it (`compares: [train.lr]`; the report then says so). The fields that place a run are the
+experiment file's alone.
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ OWNED = ("experiment", "variant", "scale", "seed", "baseline", "role")
 
 SHARED_PREFIXES = ("init_seed", "data_seed", "data.", "train.", "budget.mode", "budget.target", "model.init",
                    "model.vocab_size")
-"""Hashed fields every arm of a scale shares: the seeds of weights and data order, the data, the recipe, the budget
-and the init rule (`model.init`, `init_std`, `init_depth`). `budget.match` is not among them: which dimension an arm
-solves is part of its model."""
+"""Hashed fields every arm of a scale shares: seeds, data, recipe, budget and init rule (`budget.match`, the dimension
+an arm solves, is part of its model)."""
 
 ALSO_SHARED = ("train.val_batches",)
 """Unhashed fields the arms share all the same: the validation windows every arm is scored on."""
@@ -49,21 +46,19 @@ def check_owned(settings: dict[str, Any], where: str) -> None:
 
 def check_arms(experiment: str, scale: str, baseline: str, arms: dict[str, RunConfig],
                compares: tuple[str, ...]) -> None:
-    """Every arm at one scale agrees with the baseline's composed config on each shared field, except those the
-    experiment compares on purpose."""
+    """Every arm at one scale agrees with the baseline on each shared field the experiment does not compare."""
     base = leaves(asdict(arms[baseline]))
     for name, cfg in arms.items():
-        if name == baseline:
+        unshared = [(dotted, value) for dotted, value in leaves(asdict(cfg)).items()
+                    if value != base.get(dotted) and shared(dotted) and not declared(dotted, compares)]
+        if name == baseline or not unshared:
             continue
-        for dotted, value in leaves(asdict(cfg)).items():
-            if not shared(dotted) or value == base.get(dotted) or declared(dotted, compares):
-                continue
-            raise StudyError(f"{experiment}.yaml: variants.{name}", f"sets {dotted}={value!r} at scale {scale}, "
-                             f"where the baseline {baseline} has {base.get(dotted)!r}: the arms of a comparison share "
-                             "their data, seeds, recipe, budget and init rule, so its runs would be paired as matched "
-                             "while they are not",
-                             f"set {dotted} in `common` (every arm), or, if the comparison is about it, declare it in "
-                             f"the experiment file: `compares: [{dotted}]` (the report then says the arms differ in it)")
+        dotted, value = unshared[0]
+        raise StudyError(f"{experiment}.yaml: variants.{name}", f"sets {dotted}={value!r} at scale {scale}, where the "
+                         f"baseline {baseline} has {base.get(dotted)!r}: the arms of a comparison share their data, "
+                         "seeds, recipe, budget and init rule, so its runs would be paired as matched while they are "
+                         "not", f"set {dotted} in `common` (every arm), or, if the comparison is about it, declare it "
+                         f"in the experiment file: `compares: [{dotted}]` (the report then says the arms differ in it)")
 
 
 def declared(dotted: str, compares: tuple[str, ...]) -> bool:

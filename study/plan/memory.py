@@ -50,11 +50,16 @@ class Layout:
     """Each block's activations are recomputed in the backward."""
 
     @property
+    def per_node(self) -> int:
+        """Ranks on each node."""
+        return self.world // self.nodes
+
+    @property
     def shard(self) -> int:
         """Ranks each parameter is split over: none on one rank, a node's ranks under hybrid, else every rank."""
         if self.world == 1:
             return 1
-        return self.world // self.nodes if self.sharding == "hybrid" else self.world
+        return self.per_node if self.sharding == "hybrid" else self.world
 
 
 def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int | None = None,
@@ -288,7 +293,7 @@ def device_memory(cfg: RunConfig, layout: Layout) -> int | None:
     if layout.cuda:
         return round(c.gpu_mem_gb * GIB) if c.gpu_mem_gb else None
     host = c.mem_gb * GIB if c.mem_gb else host_memory()
-    return host // max(1, layout.world // layout.nodes)
+    return host // max(1, layout.per_node)
 
 
 def estimable(m: ModelConfig, budget: int, mode: str) -> ModelConfig:
@@ -431,8 +436,7 @@ def check_fits(runs: list[tuple[RunSpec, Memory]], where: str, nodes: bool, outc
         f"; and {len(unfit) - 5} more" if len(unfit) > 5 else "")
     parts = (f"params {_gib(worst.params)}, grads {_gib(worst.grads)}, optimizer {_gib(worst.optimizer)}, "
              f"activations {_gib(worst.activations)}, and the backward's own gradients at its peak")
-    per = lay.world // lay.nodes
-    layout = (f"{lay.nodes} node{'s' * (lay.nodes > 1)} x {per} rank{'s' * (per > 1)}, "
+    layout = (f"{lay.nodes} node{'s' * (lay.nodes > 1)} x {lay.per_node} rank{'s' * (lay.per_node > 1)}, "
               f"{'bf16' if lay.bf16 else 'fp32'}, micro-batch {lay.micro_batch} x {lay.grad_accum}")
     fixes = _fixes(unfit, nodes)
     raise StudyError(
@@ -450,9 +454,8 @@ def device_source(cfg: RunConfig, layout: Layout) -> str:
     c = cfg.cluster
     if layout.cuda:
         return f"cluster {c.name}: cluster.gpu_mem_gb={c.gpu_mem_gb:g}" + (f" ({c.gpu})" if c.gpu else "")
-    per = layout.world // layout.nodes
     host = f"cluster.mem_gb={c.mem_gb}" if c.mem_gb else "this machine's memory"
-    return host + (f" shared by {per} ranks" if per > 1 else "")
+    return host + (f" shared by {layout.per_node} ranks" if layout.per_node > 1 else "")
 
 
 def check_launch(runs: list[RunSpec]) -> None:

@@ -1,11 +1,9 @@
 """Throughput for GPU-hour estimates: measured by `study calibrate` where a run's shape was calibrated, else
 assumed (FLOPs per token at `train.assumed_mfu` of `train.gpu_peak_tflops`).
 
-A calibration measures one *shape*: what sets the speed of a step (the matched model with every per-layer width,
-sequence length, micro batch, precision, compilation, devices per job), not seeds, data or learning rates. Runs of
-several experiments that share a shape share its measurement. The figures live in the MLflow experiment
-`CALIBRATION_EXPERIMENT`, one finished run per shape and cluster profile, with metrics `calibration/tokens_per_s`
-(whole job), `calibration/tokens_per_s_per_device` and, on GPUs, `calibration/mfu`.
+A calibration measures one shape (what sets a step's speed: the matched model, sequence length, micro batch,
+precision, compilation, devices per job), so runs of any experiment that share it share the measurement: one finished
+run per shape and cluster profile in the MLflow experiment `CALIBRATION_EXPERIMENT`.
 """
 
 from __future__ import annotations
@@ -29,10 +27,9 @@ def devices(spec: RunSpec) -> int:
 def shape_key(spec: RunSpec) -> str:
     """What sets the step time of `spec`'s job, hashed (12 hex characters)."""
     t = spec.config.train
-    what = {"model": asdict(spec.model), "seq_len": spec.config.data.seq_len, "micro_batch": t.micro_batch,
-            "precision": t.precision, "compile": t.compile, "activation_checkpointing": t.activation_checkpointing,
-            "devices": devices(spec)}
-    return json_digest(what)
+    return json_digest({"model": asdict(spec.model), "seq_len": spec.config.data.seq_len, "micro_batch": t.micro_batch,
+                        "precision": t.precision, "compile": t.compile,
+                        "activation_checkpointing": t.activation_checkpointing, "devices": devices(spec)})
 
 
 @dataclass(frozen=True)
@@ -79,10 +76,9 @@ class Estimate:
 
 
 def estimate(spec: RunSpec, calibrations: dict[str, dict[str, Measured]]) -> Estimate:
-    """The run's device-hours from its shape's measurement (its own cluster profile's first, else any), else from
-    the assumed MFU."""
+    """The run's device-hours from its shape's measurement (its own cluster profile's first), else the assumed MFU."""
     found = calibrations.get(shape_key(spec), {}) if calibrations else {}
-    figure = found.get(spec.config.cluster.name) or (next(iter(found.values())) if found else None)
+    figure = found.get(spec.config.cluster.name) or next(iter(found.values()), None)
     if figure is not None and figure.tokens_per_s_per_device > 0:
         n = devices(spec)
         rate = figure.tokens_per_s_per_device * n
