@@ -1,8 +1,6 @@
 """`study prepare`: the shard entries a set of runs reads, each tokenised once (also the first stage of a launch).
-
-Runs that read the same shards (same documents, tokenizer and cache; `seq_len` only cuts windows) form one group,
-prepared once, with the smallest `model.vocab_size` among them checked against the tokenizer before tokenising.
-"""
+Runs reading the same shards (same documents, tokenizer and cache; `seq_len` only cuts windows) form one group,
+prepared once, its smallest `model.vocab_size` checked against the tokenizer before tokenising."""
 
 from __future__ import annotations
 
