@@ -1,11 +1,8 @@
 """`study launch EXPERIMENT --until-decided`: the sequential loop of :mod:`analysis.sequential` on real launches.
 
-Each round is an ordinary idempotent launch of the experiment with the seeds added so far (recorded in the launch
-manifest, so `study status` sees them), waited on until it finishes; each look reads the store and is logged to the
-experiment's `until-decided` MLflow run. On SLURM the loop itself runs in a small CPU controller job, so the user's
-shell can go away; the controller is checkpointable, and a requeued or relaunched controller replays the finished
-looks from the store (their runs are found finished) and carries on.
-"""
+Each round is an ordinary launch with the seeds added so far (in the launch manifest, so `study status` sees them),
+waited on; each look is logged to the experiment's `until-decided` MLflow run. On SLURM the loop runs in a CPU
+controller job, which a requeue or relaunch replays from the store (its finished runs) to where it was."""
 
 from __future__ import annotations
 
@@ -19,8 +16,8 @@ from study.errors import StudyError
 
 @dataclass
 class Adaptive(submitit.helpers.Checkpointable):
-    """Everything one adaptive launch needs, so the same object runs in the shell or as a controller job (called):
-    on a time-limit warning the job is requeued and replays to where it was."""
+    """Everything one adaptive launch needs, so the same object runs in the shell or as a controller job (called),
+    which a time-limit warning requeues."""
 
     experiment: str
     """Experiment name."""
@@ -44,29 +41,24 @@ class Adaptive(submitit.helpers.Checkpointable):
 
         plan = plan_experiment(self.experiment, self.overrides)
         exp = plan.experiment
-        rule = exp.decision
         caps = Caps(self.max_seeds or max(len(s) for s in exp.seeds.values()) + 3, self.max_gpu_hours)
         uri = plan.runs[0].config.tracking.uri
         hours = {(r.config.variant, r.config.scale): r.gpu_hours() or 0.0 for r in plan.runs}
-        extra: dict[str, dict[str, list[int]]] = {}
-        state = {"first": True, "run_id": None, "looks": []}
+        extra: dict[str, dict[str, set[int]]] = {}
+        state = {"run_id": None, "looks": []}
 
         def execute(runs):
             for variant, scale, seed in runs:
                 if seed not in exp.seeds[scale]:
-                    seeds = extra.setdefault(scale, {}).setdefault(variant, [])
-                    if seed not in seeds:
-                        seeds.append(seed)
-            first, state["first"] = state["first"], False
+                    extra.setdefault(scale, {}).setdefault(variant, set()).add(seed)
             seeds = {s: {v: sorted(x) for v, x in vs.items()} for s, vs in extra.items()}
-            launch(self.experiment, self.overrides, wait=True, echo=echo, new=self.new_runs or not first,
+            # every round after the first (which follows a look) adds seeds: new runs
+            launch(self.experiment, self.overrides, wait=True, echo=echo, new=self.new_runs or bool(state["looks"]),
                    extra_seeds=seeds)
-            # A look on a round with failed runs would count them as missing pairs and add seeds for them:
-            # stop instead, and say which runs to look at (a relaunch resumes them, then the loop replays).
+            # a look would count a failed run as a missing pair and add seeds for it: stop instead, naming the runs
             wanted = {f"{v}-{scale}-s{seed}" for v, scale, seed in runs}
-            rows = experiment_status(self.experiment, self.overrides, plan_experiment(self.experiment,
-                                                                                      self.overrides, seeds))
-            # a run is finished when its state says it needs nothing (study.launch.run_state), as for a launch
+            rows = experiment_status(self.experiment, self.overrides,
+                                     plan_experiment(self.experiment, self.overrides, seeds))
             unfinished = [f"{r.name} ({r.key}): {r.verdict}" for r in rows if r.name in wanted and not r.state.done]
             if unfinished:
                 raise LaunchFailed(f"{len(unfinished)} runs of this round did not finish: {'; '.join(unfinished)}. "
@@ -83,7 +75,7 @@ class Adaptive(submitit.helpers.Checkpointable):
                  f"(spent {look['alpha_spent']:.4g}): {counts}"
                  + (f"; adding {', '.join(look['added'])}" if look["added"] else ""))
 
-        outcome = until_decided(rule, exp.baseline, exp.seeds, [v.name for v in exp.variants], execute,
+        outcome = until_decided(exp.decision, exp.baseline, exp.seeds, [v.name for v in exp.variants], execute,
                                 lambda: read_runs(self.experiment, uri), lambda run: hours[run[0], run[1]], caps,
                                 record)
         echo(f"{self.experiment}: stopped after {len(outcome.looks)} looks: {outcome.stopped} "

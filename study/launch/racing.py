@@ -1,31 +1,28 @@
-"""Racing at run time (`racing:` in an experiment with branches), the glue between the launch and the race's
-decisions (analysis.racing): a rung is decided once every branch of it has settled, and an arm decided there stops.
-
-The launch writes the race's roster, `_launch/racing.json`: the baseline, the branch points, the decision rule and
-every trunk and branch with its variant, scale, seed, point and estimated GPU-hours. `settle` is called by the job of
-every branch that finishes (rank 0) and by a local launch after each batch of branches. Under `_launch/racing.lock`
-it has analysis.racing.decide_ready decide each rung that is ready, from its branches' `result.json`, and appends
-the verdicts to `_launch/racing.jsonl`, each rung once. A (variant, scale) decided worse (or equivalent, with
-`stop_equivalent`) stops: the SLURM jobs of its trunks and of its later branches are cancelled (a trunk gets TERM,
-checkpoints and stops), and no launch submits them again (`stopped_keys`); `study status` names them. A branch that
-fails never settles, so its rung is never decided and nothing stops: racing only ever trains less when it has
-decided. The race's record (analysis.racing.race_record) goes to MLflow as the experiment's `racing` run, artifact
-`race_record.json` (analysis.racing.RACE_ARTIFACT), for the report.
-"""
+"""Racing at run time (`racing:` in an experiment with branches): the glue between the launch and the race's
+decisions (analysis.racing). The launch writes the race's roster, `_launch/racing.json`. `settle`, called by every
+finishing branch's job and by a local launch after each batch of branches, decides under `_launch/racing.lock` each
+rung whose branches all have their `result.json`, and appends its verdicts to `_launch/racing.jsonl`. An arm decided
+worse (or equivalent, with `stop_equivalent`) stops: the SLURM jobs of its trunks and later branches are cancelled and
+no launch submits them again (`stopped_keys`). A branch that fails never settles, so its rung is never decided: racing
+only trains less once it has decided. The race's record goes to MLflow as the experiment's `racing` run."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from analysis.racing import RACE_ARTIFACT, decide_ready, line_problem, race_record
+from study.config.decision import DecisionRule
 from study.config.run import Role
+from study.config.spec import DIVERGED, read_result
 from study.errors import StudyError
 from study.files import (COUNT, FLAG, LIST, MAPPING, NUMBER, NUMBERS, TEXT, damaged, file_lock, optional,
                          read_json_lines, read_mapping, replace_file, shape_problem)
-from study.launch.scheduler import append_lines
-from study.schema import RunDir, launch_dir
+from study.launch.scheduler import ACTIVE, append_lines, journal, slurm_states
+from study.schema import ROLE_RACING, TAG_ROLE, RunDir, launch_dir
 
 ROSTER, RECORD, LOCK = "racing.json", "racing.jsonl", "racing.lock"
 
@@ -63,8 +60,6 @@ def decided(runs_root: str, experiment: str) -> list[dict]:
 
 def _read_roster(path: Path) -> dict:
     """The race's roster, its fields checked (the decision rule as an experiment file's is)."""
-    from study.config.decision import DecisionRule
-
     fix = f"delete {path}: the next `study launch` of the experiment writes it again from its plan"
     roster = read_mapping(path, _ROSTER, fix)
     for i, run in enumerate(roster["runs"]):
@@ -86,9 +81,7 @@ def stopped_keys(plan) -> dict[str, str]:
     out = {}
     for r in plan.runs:
         v = stops.get((r.config.variant, r.config.scale))
-        if v is None or r.role not in (Role.trunk, Role.branch):
-            continue
-        if r.role == Role.trunk or r.points[0].at > v["at"]:
+        if v is not None and (r.role == Role.trunk or r.role == Role.branch and r.points[0].at > v["at"]):
             out[r.key] = (f"stopped by racing at branch point {v['at']:g}: {v['verdict']} than {v['baseline']} "
                           f"(Δ {v['mean_delta']:+.4g}, interval [{v['ci_low']:.4g}, {v['ci_high']:.4g}] at alpha "
                           f"{v['alpha']:.3g})")
@@ -113,16 +106,12 @@ def settle(runs_root: str, experiment: str, tracking_uri: str = "") -> list[dict
 
 def _endpoint(runs_root: str, experiment: str, key: str) -> float | None:
     """A branch's final val_loss, None until it has finished (or where it diverged)."""
-    from study.config.spec import DIVERGED, read_result
-
     result = read_result(RunDir.of(runs_root, experiment, key).result, key)
     return None if result is None or result.get(DIVERGED) else float(result["val_loss"])
 
 
 def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[dict]) -> None:
     """Cancel the SLURM jobs of the stopped arms' trunks and later branches (local runs are skipped by the launch)."""
-    from study.launch.scheduler import ACTIVE, journal, slurm_states
-
     arms = {(v["variant"], v["scale"]): v["at"] for v in stops}
     keys = {r["key"] for r in roster["runs"] if (r["variant"], r["scale"]) in arms
             and (r["role"] == Role.trunk.value or r["at"] > arms[(r["variant"], r["scale"])])}
@@ -130,8 +119,6 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
     ids = [jobs[k]["job_id"] for k in keys if k in jobs and jobs[k].get("scheduler") == "slurm"]
     live = [j for j, state in slurm_states(ids).items() if state in ACTIVE]
     if live:
-        import subprocess
-
         # TERM first: a trunk checkpoints and stops (scancel's default signal, then KILL after SLURM's KillWait)
         subprocess.run(["scancel", *live], capture_output=True, text=True)
 
@@ -139,7 +126,6 @@ def _cancel_stopped(roster: dict, runs_root: str, experiment: str, stops: list[d
 def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str) -> None:
     """The race so far as the experiment's `racing` run (artifact RACE_ARTIFACT); a store that does not answer is
     left for the next settle (the run directory's record is what acts)."""
-    from study.schema import ROLE_RACING, TAG_ROLE
     from study.track.query import runs_with_role
     from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
 
@@ -153,6 +139,4 @@ def _to_mlflow(roster: dict, runs_root: str, experiment: str, tracking_uri: str)
         client.log_dict(run_id, race_record(roster, decided(runs_root, experiment)), RACE_ARTIFACT)
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:  # noqa: BLE001 - the record in the run directory stands; the report waits for the next
-        import sys
-
         print(f"racing: the record did not reach MLflow ({type(err).__name__}: {err})", file=sys.stderr)

@@ -1,10 +1,6 @@
 """`study status`: every launched run of an experiment with its MLflow state, its scheduler's view of it, and the one
-word to act on, from the run's state (:func:`study.launch.run_state.state_of`: the run directory decides, MLflow's
-disagreement is named).
-
-Without overrides the runs are those of the experiment's last launch (its manifest), so a sweep launched with
-`train.lr=...` or `cluster=h100` shows as launched without repeating them.
-"""
+word to act on, from the run's state (:func:`study.launch.run_state.state_of`). Without overrides the runs are those
+of the experiment's last launch (its manifest), so a sweep launched with `cluster=h100` shows without repeating it."""
 
 from __future__ import annotations
 
@@ -13,7 +9,10 @@ from dataclasses import dataclass
 
 from study import schema
 from study.config.run import Role
+from study.config.spec import RunSpec
+from study.launch.branching import branch_ready
 from study.launch.manifest import latest_manifest
+from study.launch.racing import stopped_keys
 from study.launch.run_state import EVALUATION, LEASE, MIRROR, NOTHING, QUEUED, RUNNING, STUCK, RunState, Sources, \
     state_of
 from study.launch.scheduler import DEAD
@@ -25,7 +24,7 @@ LOCAL = "local process"
 COLUMNS = ("run key", "run", "role", "MLflow status", "job id", "scheduler state", "checkpoint step",
            "val/loss (last)", "restarts", "state")
 """`study status` columns: `scheduler state` is SLURM's view of the job (or `local process`), `state` the one word
-to act on, from the run's state: its run directory, the lease and the scheduler (MLflow's disagreement named)."""
+to act on."""
 
 
 @dataclass
@@ -39,9 +38,8 @@ class RunStatus:
     job_id: str
     """SLURM job id (`<array>_<task>` for an array task), or the local process id, `-` when never submitted."""
     job_state: str
-    """What the scheduler says now: a SLURM state (PENDING, RUNNING, COMPLETED, ...), DEPENDENCY_NEVER_SATISFIED for a
-    job that can never start, `local process` for a run the launcher ran on this machine (no queue keeps its state),
-    `-` when never submitted."""
+    """What the scheduler says now: a SLURM state (or DEPENDENCY_NEVER_SATISFIED for a job that can never start),
+    `local process` for a local job (no queue keeps its state), `-` when never submitted."""
     last_step: int | None
     val_loss: float | None
     restarts: int
@@ -53,10 +51,16 @@ class RunStatus:
     """The run's one answer: what it still needs and what works on it."""
 
 
-def _verdict(state: RunState, job_state: str, submitted: bool) -> str:
+def _verdict(planned: RunSpec, state: RunState, job_state: str, submitted: bool, stopped: str | None) -> str:
+    if planned.awaits_tuning and not submitted and not state.done:
+        return "waiting for its tuning"
+    if stopped and not state.done:
+        return f"stopped ({stopped})"
     word, details = _word(state, job_state, submitted)
     if state.disagreement and not state.blocked:  # a dead end's reason says it already
         details.append(f"{state.disagreement}: the run directory wins")
+    if word == QUEUED and not details and planned.role == Role.branch and not branch_ready(planned):
+        details = [f"held until trunk {planned.trunk} writes step {planned.first_step}"]  # its job is held till then
     return f"{word} ({'; '.join(details)})" if details else word
 
 
@@ -76,7 +80,7 @@ def _word(state: RunState, job_state: str, submitted: bool) -> tuple[str, list[s
         return "not evaluated", ["trained; `study launch` evaluates its final checkpoint"]
     if state.mlflow == "FAILED":
         return "failed", []
-    if state.mlflow == "RUNNING" or (submitted and job_state in DEAD):  # MLflow RUNNING, nothing on it: it stopped without a word
+    if state.mlflow == "RUNNING" or (submitted and job_state in DEAD):  # nothing works on it: it stopped unsaid
         return "died", [job_state.lower()] if job_state in DEAD else []
     if not submitted:
         return "not submitted", []
@@ -99,8 +103,6 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
     plan = plan or launched_plan(experiment, overrides)
     cfg0 = plan.runs[0].config
     sources = Sources(cfg0.paths.runs, experiment, cfg0.tracking.uri, plan.overrides)
-    from study.launch.racing import stopped_keys
-
     stopped = stopped_keys(plan)
     out = []
     for planned in plan.runs:
@@ -116,20 +118,9 @@ def experiment_status(experiment: str, overrides: list[str], plan: Plan | None =
             int(latest.name.split("_")[-1]) if latest else None,
             r.data.metrics.get(schema.VAL_LOSS) if r else None,
             int(r.data.tags.get(schema.TAG_RESTARTS, "0")) if r else 0,
-            "waiting for its tuning" if planned.awaits_tuning and not entry and not state.done
-            else f"stopped ({stopped[planned.key]})" if planned.key in stopped and not state.done
-            else _held(planned, _verdict(state, job_state, bool(entry))), state,
+            _verdict(planned, state, job_state, bool(entry), stopped.get(planned.key)), state,
         ))
     return out
-
-
-def _held(planned, verdict: str) -> str:
-    """A queued branch whose trunk has not written its start says what it waits for (its job is held until then)."""
-    from study.launch.branching import branch_ready
-
-    if planned.role != Role.branch or verdict != QUEUED or branch_ready(planned):
-        return verdict
-    return f"{QUEUED} (held until trunk {planned.trunk} writes step {planned.first_step})"
 
 
 def print_status(rows: list[RunStatus], title: str) -> None:
