@@ -1,10 +1,7 @@
-"""Downstream evaluation with lm-eval: the project's Transformer scored on multiple-choice tasks.
-
-`StudyLM` wraps any causal module `model(idx) -> logits` (idx: LongTensor (B, T), logits: (B, T, V)) and a
-`tokenizers.Tokenizer` as an lm-eval model, scoring continuations the way lm-eval's HFLM does. `evaluate_model`
-runs lm-eval on the real hub tasks (`arc_easy`, `hellaswag`, `piqa`; they download their data) or on the small
-tasks shipped in `study/eval/tasks/` (`arc_easy_local`, `hellaswag_local`, `piqa_local`, `sciq_local`; offline,
-same prompts and metrics), and flattens the scores to the MLflow names `eval/<task>/<metric>`.
+"""Downstream evaluation with lm-eval: `StudyLM` wraps a causal module `model(idx) -> logits` and its tokenizer as
+an lm-eval model scoring continuations as HFLM does; `evaluate_model` runs hub tasks (`arc_easy`, ...; they download
+their data) or the offline ones in `study/eval/tasks/` (`*_local`, same prompts and metrics) and names the scores
+`eval/<task>/<metric>`.
 
 CPU recipe:
     evaluate_model(model, "runs/tok/tokenizer.json", ["arc_easy_local", "piqa_local"], limit=20)
@@ -38,30 +35,16 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]
 
 @register_model("study")
 class StudyLM(TemplateLM):
-    """A causal module `model(idx) -> logits` and its tokenizer as an lm-eval model.
+    """A causal module `model(idx) -> logits` and its tokenizer as an lm-eval model. Context/continuation splitting is
+    TemplateLM's, so boundaries match HFLM's; the caller puts the module on `device` and in eval mode."""
 
-    Context/continuation splitting (trailing whitespace of the context moves to the continuation; an empty
-    context becomes the EOS token) is inherited from lm-eval's TemplateLM, so boundaries match HFLM's.
-    The module is used as it is: the caller puts it on `device` and in eval mode.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Tokenizer,
-        *,
-        max_length: int,
-        batch_size: int = 16,
-        device: str = "cpu",
-        eos_token: str | None = None,
-    ):
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, max_length: int, batch_size: int = 16,
+                 device: str = "cpu", eos_token: str | None = None):
         super().__init__()
         if max_length < 1 or batch_size < 1:
-            raise StudyError(
-                "max_length" if max_length < 1 else "batch_size",
-                f"must be at least 1, got max_length={max_length}, batch_size={batch_size}",
-                "pass positive values",
-            )
+            raise StudyError("max_length" if max_length < 1 else "batch_size",
+                             f"must be at least 1, got max_length={max_length}, batch_size={batch_size}",
+                             "pass positive values")
         self.model = model
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -96,11 +79,8 @@ class StudyLM(TemplateLM):
                 # Position t predicts token t + 1: the continuation's n tokens come from the last n positions.
                 scored = logprobs[row, end - len(continuation) : end]
                 target = torch.tensor(continuation)
-                result = (
-                    float(scored.gather(-1, target[:, None]).sum()),
-                    bool((scored.argmax(dim=-1) == target).all()),
-                )
-                results[i] = result
+                results[i] = result = (float(scored.gather(-1, target[:, None]).sum()),
+                                       bool((scored.argmax(dim=-1) == target).all()))
                 if strings is not None:
                     self.cache_hook.add_partial("loglikelihood", strings, result)
         return results
@@ -108,11 +88,9 @@ class StudyLM(TemplateLM):
     def _input_tokens(self, context: list[int], continuation: list[int]) -> list[int]:
         """Model input for one request: context + continuation minus the last token, cut from the left."""
         if len(continuation) > self.max_length:
-            raise StudyError(
-                "max_length",
-                f"a continuation of {len(continuation)} tokens is longer than max_length={self.max_length}",
-                "raise max_length up to the model's max_seq_len or evaluate tasks with shorter answers",
-            )
+            raise StudyError("max_length", f"a continuation of {len(continuation)} tokens is longer than "
+                             f"max_length={self.max_length}",
+                             "raise max_length up to the model's max_seq_len or evaluate tasks with shorter answers")
         return (context + continuation)[-(self.max_length + 1) :][:-1]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -120,15 +98,9 @@ class StudyLM(TemplateLM):
         windows: list[Request] = []
         counts: list[int] = []
         for (text,) in (request.args for request in requests):
-            pairs = [
-                make_disjoint_window(pair)
-                for pair in get_rolling_token_windows(
-                    token_list=self.tok_encode(text),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length,
-                    context_len=1,
-                )
-            ]
+            pairs = [make_disjoint_window(pair) for pair in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1)]
             windows += [(None, context, continuation) for context, continuation in pairs]
             counts.append(len(pairs))
         scores = iter(self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm))
@@ -140,10 +112,8 @@ class StudyLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None) -> StudyLM:
-        """How lm-eval's CLI builds the model (`--model study --model_args run=KEY[,tracking_uri=URI][,runs=DIR]`,
-        or `checkpoint=<run dir>/checkpoints/step_N`): the run is found and loaded as `study eval` does, with the
-        tokenizer, context length and EOS token it was trained with. A `--batch_size` that is not a number
-        (`auto`) takes the run's `eval.batch_size`."""
+        """How lm-eval's CLI builds the model (`--model_args run=KEY[,tracking_uri=URI][,runs=DIR]` or
+        `checkpoint=<run dir>/checkpoints/step_N`): loaded as `study eval` does (study.eval.model_args)."""
         from study.eval.model_args import from_model_args
 
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
@@ -154,18 +124,14 @@ class StudyLM(TemplateLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        raise StudyError(
-            "tasks",
-            "generation tasks (lm-eval output_type generate_until) are not supported by the study evaluator",
-            "evaluate multiple-choice or perplexity tasks, e.g. arc_easy, hellaswag, piqa or their *_local versions",
-        )
+        raise StudyError("tasks", "generation tasks (lm-eval output_type generate_until) are not supported by the "
+                         "study evaluator", "evaluate multiple-choice or perplexity tasks, e.g. arc_easy, hellaswag, "
+                         "piqa or their *_local versions")
 
 
 def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
-    """lm-eval's per-task scores as `eval/<task>/<metric>` (stderrs as `eval/<task>/<metric>_stderr`).
-
-    lm-eval keys a score `"<metric>,<filter>"`; the filter joins the name only when it is not the default `none`.
-    """
+    """lm-eval's per-task scores (keyed `"<metric>,<filter>"`) as `eval/<task>/<metric>`, the filter appended when it
+    is not `none` (stderrs as `eval/<task>/<metric>_stderr`)."""
     flat: dict[str, float] = {}
     for task, scores in results["results"].items():
         for key, value in scores.items():
@@ -184,24 +150,13 @@ def _task_list(tasks: Sequence[str] | str) -> list[str]:
     return names
 
 
-def evaluate_model(
-    model: torch.nn.Module,
-    tokenizer_path: str | Path,
-    tasks: Sequence[str] | str,
-    *,
-    limit: int | float | None = None,
-    batch_size: int = 16,
-    device: str = "cpu",
-    num_fewshot: int = 0,
-    max_length: int | None = None,
-    eos_token: str | None = None,
-) -> dict[str, Any]:
-    """Score `model` with lm-eval; returns {"lm_eval": lm-eval's results dict, "metrics": flatten_scores(...)}.
+def evaluate_model(model: torch.nn.Module, tokenizer_path: str | Path, tasks: Sequence[str] | str, *,
+                   limit: int | float | None = None, batch_size: int = 16, device: str = "cpu", num_fewshot: int = 0,
+                   max_length: int | None = None, eos_token: str | None = None) -> dict[str, Any]:
+    """Score `model` with lm-eval: {"lm_eval": its results, "metrics": flatten_scores(...), "items": item_scores(...)}.
 
-    Local tasks (the YAML templates in `study/eval/tasks/`) run offline; any other name is looked
-    up among lm-eval's built-in tasks, which index slowly and fetch data from the Hugging Face Hub. `limit` caps
-    the documents per task (a fraction below 1 is a share). The model is moved to `device` and put in eval mode
-    for the call; its train/eval mode is restored afterwards.
+    Local tasks run offline; other names are lm-eval's built-in tasks (slow to index, data from the Hub). `limit`
+    caps the documents per task (below 1: a share). The model is moved to `device` and in eval mode for the call.
     """
     names = _task_list(tasks)
     hub = check_tasks(names, index=False)  # a typo of a local task is said before anything loads
@@ -211,14 +166,8 @@ def evaluate_model(
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
     tokenizer = load_tokenizer(tokenizer_path)
     check_model_embeds_tokenizer(model, tokenizer, tokenizer_path)
-    lm = StudyLM(
-        model.to(device),
-        tokenizer,
-        max_length=model_max_length(model, max_length),
-        batch_size=batch_size,
-        device=device,
-        eos_token=eos_token,
-    )
+    lm = StudyLM(model.to(device), tokenizer, max_length=model_max_length(model, max_length), batch_size=batch_size,
+                 device=device, eos_token=eos_token)
     was_training = model.training
     model.eval()
     try:
@@ -228,28 +177,16 @@ def evaluate_model(
         if num_fewshot:
             check_fewshot(_quietly_load(manager, names), num_fewshot)
         try:
-            # Scoring is deterministic; passing no global seeds leaves a caller's (a training loop's)
-            # random, numpy and torch streams untouched. Few-shot sampling keeps lm-eval's own seed.
-            results = simple_evaluate(
-                model=lm,
-                tasks=names,
-                num_fewshot=num_fewshot,
-                batch_size=batch_size,
-                device=device,
-                limit=limit,
-                task_manager=manager,
-                log_samples=True,  # per-item scores: the report's item-level bootstrap reads them
-                random_seed=None,
-                numpy_random_seed=None,
-                torch_random_seed=None,
-            )
+            # No global seeds: scoring is deterministic and a caller's (a training loop's) random streams stay
+            # untouched. log_samples keeps the per-item scores the report's item-level bootstrap reads.
+            results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, batch_size=batch_size,
+                                      device=device, limit=limit, task_manager=manager, log_samples=True,
+                                      random_seed=None, numpy_random_seed=None, torch_random_seed=None)
         except ConnectionError as error:
-            raise StudyError(
-                "tasks",
-                f"the data of hub task(s) {hub} could not be downloaded ({error})",
-                f"run where the Hugging Face Hub is reachable (or with the datasets already in "
-                f"HF_DATASETS_CACHE), or use the offline local tasks {local_task_names(LOCAL_TASK_DIR)}",
-            ) from error
+            raise StudyError("tasks", f"the data of hub task(s) {hub} could not be downloaded ({error})",
+                             "run where the Hugging Face Hub is reachable (or with the datasets already in "
+                             f"HF_DATASETS_CACHE), or use the offline local tasks "
+                             f"{local_task_names(LOCAL_TASK_DIR)}") from error
     finally:
         model.train(was_training)
     items = item_scores(results.pop("samples", {}) or {})
@@ -263,8 +200,7 @@ def evaluate_model(
 
 
 def _quietly_load(manager: TaskManager, names: list[str]) -> dict[str, Any]:
-    """The tasks `names` as lm-eval builds them, without datasets' split-generation bars: this load only counts
-    documents, and a refusal after it should be the only thing the user reads."""
+    """The tasks `names` as lm-eval builds them, without datasets' progress bars (this load only counts documents)."""
     import datasets
 
     was_shown = not datasets.are_progress_bars_disabled()
@@ -277,9 +213,8 @@ def _quietly_load(manager: TaskManager, names: list[str]) -> dict[str, Any]:
 
 
 def check_fewshot(tasks: dict[str, Any], num_fewshot: int) -> None:
-    """Every task has `num_fewshot` solved examples to draw for each document; past its count lm-eval's sampler fails
-    with a bare ValueError while building requests. Where the examples come from the split being scored, the
-    document itself is left out of its own examples, so one fewer is available."""
+    """Every task has `num_fewshot` solved examples to draw per document (one fewer where they come from the scored
+    split, which leaves the document out), refused by name before lm-eval's sampler fails with a bare ValueError."""
     for name, task in tasks.items():
         if task.get_config("num_fewshot") == 0:  # lm-eval keeps a task's explicit 0 whatever is asked
             continue
@@ -293,9 +228,8 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int) -> None:
 
 
 def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """Per task, one row per scored document: doc_id, each per-item metric lm-eval logged (acc, acc_norm, ...),
-    and for multiple-choice tasks n_choices (the document's answers, one scored response each) and ll_correct,
-    the log-likelihood of the correct choice."""
+    """Per task, one row per scored document: doc_id, each per-item metric lm-eval logged (acc, ...), and for
+    multiple-choice tasks n_choices and ll_correct (the log-likelihood of the correct choice)."""
     out: dict[str, list[dict]] = {}
     for task, rows in samples.items():
         items = []
@@ -318,8 +252,7 @@ def item_scores(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
 
 
 def task_summary(items: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per task: the documents scored and the chance level of accuracy, the mean over them of 1 / their number of
-    choices (None for tasks without choices): what a model guessing at random scores on exactly these items."""
+    """Per task: the documents scored and the chance accuracy on them, mean 1 / choices (None without choices)."""
     summary = {}
     for task, rows in items.items():
         choices = [r["n_choices"] for r in rows if "n_choices" in r]

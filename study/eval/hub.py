@@ -1,13 +1,7 @@
-"""Whether lm-eval's hub tasks can get their data here, asked before a run's model is loaded.
-
-A task that is not one of the shipped offline ones (`study/eval/tasks/`) downloads its data from the Hugging Face
-Hub. Where the Hub cannot be reached (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or its endpoint not answering one
-request), that data can only come from the local Hugging Face caches; without it, lm-eval finds out only after
-indexing its catalogue and retrying the download, seconds later, in a traceback. So the Hub is asked once, and offline
-a hub task whose dataset is in neither cache is refused by name before anything loads. A task whose dataset cannot be
-told from its YAML (a group, a task built in Python) is left to lm-eval, whose download error is refused by name too
-(study.eval.harness).
-"""
+"""Whether lm-eval's hub tasks can get their data here, asked before a run's model is loaded: where the Hugging Face
+Hub cannot be reached (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or no answer to one request), a hub task whose dataset
+is in neither local cache is refused by name, not after lm-eval indexed its catalogue and retried the download. A
+task whose dataset its YAML does not name (a group, a Python task) is left to lm-eval (study.eval.harness)."""
 
 from __future__ import annotations
 
@@ -34,13 +28,10 @@ def check_hub_data(names: Sequence[str], field: str = "tasks", task_dir: Path = 
     is in neither local cache. Local tasks, and any task while the Hub answers, pass without a look."""
     local = local_task_names(task_dir)
     hub = [name for name in names if name not in local]
-    if not hub:
-        return
-    why = hub_unreachable()
+    why = hub_unreachable() if hub else None
     if why is None:
         return
-    datasets = {name: hub_dataset(name) for name in hub}
-    missing = {name: d for name, d in datasets.items() if d is not None and not is_cached(d[0])}
+    missing = {name: d for name in hub if (d := hub_dataset(name)) is not None and not is_cached(d[0])}
     if missing:
         wanted = "; ".join(f"{name}: {path}" + (f" ({config})" if config else "")
                            for name, (path, config) in missing.items())
@@ -49,9 +40,8 @@ def check_hub_data(names: Sequence[str], field: str = "tasks", task_dir: Path = 
         raise StudyError(field, f"hub task(s) {list(missing)} need data from the Hugging Face Hub, which {why}, and "
                          f"the local Hugging Face cache does not hold it ({wanted})",
                          f"use the shipped offline tasks {local} (here tasks={','.join(_twins(missing, local))}), "
-                         "or download the data "
-                         f"once where the Hub answers (`python -c \"import datasets; {loads}\"` keeps it in the "
-                         "cache under HF_HOME) and evaluate with HF_HUB_OFFLINE=1")
+                         f"or download the data once where the Hub answers (`python -c \"import datasets; {loads}\"` "
+                         "keeps it in the cache under HF_HOME) and evaluate with HF_HUB_OFFLINE=1")
 
 
 def _twins(hub: Sequence[str], local: Sequence[str]) -> list[str]:
@@ -70,8 +60,7 @@ def hub_unreachable() -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def _probe(endpoint: str) -> str | None:
-    """One HEAD request to the endpoint (through any proxy the environment names), asked once per process: any
-    HTTP answer, an error status too, means it is reachable."""
+    """One HEAD request to the endpoint, once per process: any HTTP answer, an error status too, means reachable."""
     try:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError:
@@ -83,9 +72,8 @@ def _probe(endpoint: str) -> str | None:
 
 
 def hub_dataset(name: str) -> tuple[str, str | None] | None:
-    """(dataset_path, dataset_name) of lm-eval's task `name`, read from its YAML (and the YAMLs it includes); None
-    where no YAML names it as a task with a dataset. Reads the few files that mention the name, not lm-eval's whole
-    index (which takes about 10 s to build)."""
+    """(dataset_path, dataset_name) of lm-eval's task `name` from its YAML and those it includes (None where none
+    names it): reads the few files that mention the name, not lm-eval's whole index (about 10 s)."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -117,9 +105,7 @@ def _with_includes(path: Path, depth: int = 0) -> dict:
 
 
 def is_cached(dataset_path: str) -> bool:
-    """The dataset is in the Hugging Face hub cache (HF_HUB_CACHE) or in datasets' own cache (HF_DATASETS_CACHE),
-    where the `datasets` library looks for it offline; read from the environment now, as those libraries read it
-    when they start."""
+    """The dataset is in the hub cache or datasets' own cache, as the environment names them now."""
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                    "huggingface")).expanduser()
     hub = Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub")

@@ -1,5 +1,4 @@
-"""From what a user names (a run key, or a checkpoint folder) to the trained model and its tokenizer, in one place:
-`study eval` and lm-eval's own CLI (`--model study --model_args run=KEY`) resolve runs through here."""
+"""From a run key or a checkpoint folder to the trained model and its tokenizer, for `study eval` and lm-eval's CLI."""
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ class TrainedRun:
 
 
 def find_run(key: str, runs_root: str | Path = "runs", tracking_uri: str | None = None) -> RunSpec:
-    """The spec of the run with this key: from `<runs_root>/<experiment>/<key>/run.json`, else, when a tracking URI
-    is given, from the run directory its MLflow run recorded (so a run is found from any working directory)."""
+    """The spec of the run with this key: `<runs_root>/<experiment>/<key>/run.json`, else (given a tracking URI) the
+    run directory its MLflow run recorded."""
     if not re.fullmatch(r"[0-9a-f]{12}", key):
         raise StudyError("RUN_KEY", f"{key!r} is not a run key (12 hexadecimal characters)", _KEY_FIX)
     found = sorted(Path(runs_root).glob(f"*/{key}/run.json"))
@@ -118,17 +117,16 @@ def open_trained(spec: RunSpec, ckpt: Path | None = None, device: str = "cpu") -
 
 
 def run_eos_token(spec: RunSpec, tokenizer_path: Path) -> str | None:
-    """The end-of-document token the run trained with: the one its run directory records beside its tokenizer,
-    else its `data.eos_token` (None: the first of EOS_CANDIDATES, as the data side chose for runs that predate
-    the record)."""
+    """The end-of-document token the run trained with: the one recorded beside its tokenizer, else `data.eos_token`
+    (None: the first of EOS_CANDIDATES, as for runs that predate the record)."""
     from study.data.tokenizer import declared_eos
 
     return declared_eos(tokenizer_path.parent) or spec.config.data.eos_token
 
 
 def run_tokenizer(spec: RunSpec) -> Path:
-    """The tokenizer the run was trained with: its run directory's copy, else (a run trained before runs kept one)
-    the one beside its shards in the cache; never tokenises anything."""
+    """The tokenizer the run was trained with: its run directory's copy, else (older runs) the one beside its shards
+    in the cache; never tokenises anything."""
     if spec.run_dir.tokenizer.is_file():
         return spec.run_dir.tokenizer
     from study.data.shards import find_shards

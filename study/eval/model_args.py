@@ -1,5 +1,4 @@
-"""lm-eval's CLI builds the `study` model from strings (`--model_args run=KEY,...`): this turns them into a loaded
-run, resolved by study.eval.locate as `study eval` resolves it."""
+"""lm-eval's `--model_args run=KEY,...` for the `study` model, turned into a run loaded as `study eval` loads it."""
 
 from __future__ import annotations
 
@@ -68,11 +67,8 @@ def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
         return max_length
     config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
     if config_max is None:
-        raise StudyError(
-            "max_length",
-            f"{type(model).__name__} has no cfg.max_seq_len to take the context length from",
-            "pass max_length=<the context length the model was trained with>",
-        )
+        raise StudyError("max_length", f"{type(model).__name__} has no cfg.max_seq_len to take the context length "
+                         "from", "pass max_length=<the context length the model was trained with>")
     return int(config_max)
 
 
@@ -82,8 +78,5 @@ def check_model_embeds_tokenizer(model: torch.nn.Module, tokenizer: Tokenizer, t
 
     model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
     if model_vocab is not None and id_bound(tokenizer) > model_vocab:
-        raise StudyError(
-            "tokenizer_path",
-            f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model embeds only {model_vocab}",
-            "pass the tokenizer.json the model was trained with",
-        )
+        raise StudyError("tokenizer_path", f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model "
+                         f"embeds only {model_vocab}", "pass the tokenizer.json the model was trained with")

@@ -1,13 +1,8 @@
-"""Every evaluation of a run is its own record: `<run dir>/evals/<evaluation id>/`, mirrored among the MLflow
-run's artifacts, never replaced by an evaluation with other settings.
-
-The id names the settings (tasks, item limit, few-shot examples, checkpoint step) readably and by hash, so the
-same evaluation repeated lands in the same record and any other gets its own. An evaluation of the run's final
-checkpoint (the step its result.json records) with its configured settings (`eval.limit`, `eval.num_fewshot`; what
-`study launch` runs after training) is the run's evaluation *of record*: its scores are the schema's
-`eval/<task>/<metric>` metrics, which the report reads. Any other (a smaller `limit`, another `num_fewshot`, or a
-checkpoint of a run not finished yet, whose scores other runs' final ones must never be paired with) is logged under
-`evals/<id>/<task>/<metric>`, so it is visible beside the run's scores and never taken for them.
+"""Every evaluation of a run is its own record, `<run dir>/evals/<id>/` (mirrored among the MLflow run's artifacts),
+the id naming its settings (tasks, limit, few-shot examples, step) readably and by hash: the same evaluation lands in
+the same record. The final checkpoint scored with the configured `eval.limit` and `eval.num_fewshot` is the run's
+evaluation *of record*, whose scores are the `eval/<task>/<metric>` metrics the report reads; any other is logged
+under `evals/<id>/<task>/<metric>`, visible beside them and never taken for them.
 """
 
 from __future__ import annotations
@@ -46,9 +41,8 @@ class EvalSettings:
 
 
 def settings_for(spec: RunSpec, tasks: list[str], step: int, limit: int | None = None,
-               num_fewshot: int | None = None) -> EvalSettings:
-    """The settings of an evaluation: the run's configured `eval.limit` / `eval.num_fewshot` where not given
-    (limit 0 means every document, as in the config)."""
+                 num_fewshot: int | None = None) -> EvalSettings:
+    """The settings of an evaluation, the run's `eval.limit` / `eval.num_fewshot` where not given (limit 0: all)."""
     cfg = spec.config.eval
     limit = cfg.limit if limit is None else limit
     return EvalSettings(tuple(sorted(set(tasks))), limit or None, cfg.num_fewshot if num_fewshot is None
@@ -62,16 +56,15 @@ def final_step(spec: RunSpec) -> int | None:
 
 
 def is_of_record(spec: RunSpec, settings: EvalSettings) -> bool:
-    """Whether these are the run's configured settings on its final checkpoint, so that the scores are its
-    `eval/<task>/*` metrics."""
+    """Whether these are the run's configured settings on its final checkpoint (the scores are `eval/<task>/*`)."""
     cfg = spec.config.eval
     return (settings.limit, settings.num_fewshot, settings.step) == (cfg.limit or None, cfg.num_fewshot,
                                                                     final_step(spec))
 
 
 def write_record(spec: RunSpec, settings: EvalSettings, result: dict, summary: dict) -> Path:
-    """The evaluation's folder with its record (settings, item counts and chance levels, scores under the names
-    MLflow holds them by), lm-eval's results and the per-item scores; written whole, then moved into place."""
+    """The evaluation's folder (its record with settings, task summary and scores under their MLflow names, lm-eval's
+    results, the per-item scores), written whole and then moved into place."""
     of_record = is_of_record(spec, settings)
     prefix = EVAL_PREFIX if of_record else eval_artifact(settings.id) + "/"  # any other: `evals/<id>/`
     record = {"id": settings.id, "run_key": spec.key, "checkpoint": f"step_{settings.step:08d}", **asdict(settings),
@@ -96,8 +89,7 @@ _RECORD = {"id": TEXT, "step": COUNT, "tasks": TEXTS, "of_record": FLAG, "time":
 
 
 def read_records(spec: RunSpec) -> list[dict]:
-    """Every evaluation record of the run, oldest first. A record is written whole and moved into place, so one
-    that does not read, or lacks what a record holds, was damaged or edited: refused by name."""
+    """Every evaluation record of the run, oldest first; a damaged one is refused by name."""
     folder = spec.run_dir.evals
     records = []
     for path in sorted(folder.glob(f"*/{EVAL_RECORD}")) if folder.is_dir() else []:
@@ -109,8 +101,7 @@ def read_records(spec: RunSpec) -> list[dict]:
 
 
 def evaluated(spec: RunSpec) -> bool:
-    """Whether the run has an evaluation of record of its final checkpoint covering its configured tasks (a record
-    written as of record before the run finished, by an older version, does not count)."""
+    """Whether the run has an evaluation of record of its final checkpoint covering its configured tasks."""
     wanted, final = set(spec.config.eval.tasks), final_step(spec)
     return final is not None and any(r["of_record"] and r["step"] == final and set(r["tasks"]) >= wanted
                                      for r in read_records(spec))
