@@ -38,7 +38,6 @@ class Multiplier(JsonRecord):
     """One variant's effective compute against the baseline at one compute."""
 
     variant: str
-    """Variant compared."""
     scale: str
     """Scale name, or the fitted range (``113M–1B``) for the row read at the centre of the fit."""
     compute: float

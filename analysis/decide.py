@@ -39,11 +39,8 @@ class Decision(JsonRecord):
     """One row of the decision table."""
 
     scale: str
-    """Scale name."""
     variant: str
-    """Variant compared."""
     baseline: str
-    """Variant it is compared against."""
     metric: str
     """Final metric compared."""
     family: str
@@ -173,10 +170,8 @@ def _statistics(r: PairedResult, rule: DecisionRule, alpha: float, baseline_mean
         return row
     row["ci_low"], row["ci_high"] = t_interval(1 - alpha, n, mean, sd)
     test = paired_t(d)
-    row["p_t"] = float(test.p)
-    row["p_signflip"] = signflip_p(d)
-    row["d_z"] = mean / sd
-    row["mde"] = minimum_detectable_effect(n, sd, alpha, rule.power)
+    row.update(p_t=float(test.p), p_signflip=signflip_p(d), d_z=mean / sd,
+               mde=minimum_detectable_effect(n, sd, alpha, rule.power))
     if row["margin"] is not None:
         row["p_tost"] = float(test.tost(row["margin"]))
     return row

@@ -238,8 +238,7 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
             cells += [number(r.mean_delta, "+.4f"), _ci(r.ci_low, r.ci_high),
                       verdicts.get((metric, scale, variant), "—")]
         if with_compute:
-            k = compute.at(scale, variant)
-            cells.append(_multiplier(k) if k is not None else "—")
+            cells.append(_multiplier(compute.at(scale, variant)))
         rows.append(cells)
     counted = runs.loc[runs["scale"] == scale, "params_counted"].median()
     size = f" (≈{counted / 1e6:,.1f}M counted parameters)" if pd.notna(counted) else ""
@@ -351,12 +350,11 @@ def _compute_blocks(compute: EffectiveCompute) -> list[Block]:
                   "training compute with the scaling fits below (the same form, Huber loss and seed-cluster "
                   "bootstrap, the same draws for every variant), and the baseline's fit inverted at the variant's "
                   "fitted loss. Read at each scale's median compute and at the centre of the fitted range (the "
-                  f"geometric mean of the variant's compute). Interval: from {BOOTSTRAP_MIN_N} seeds, the 95% percentile "
-                  "interval over the paired bootstrap draws; with fewer, too few distinct resamples exist for a 95% "
-                  "interval (2 seeds give 3, 3 give 10), so the range of k over the draws is shown, marked 'range', "
-                  "with no coverage claimed; either is widened to hold k itself. 'never' where the baseline's fit does "
-                  "not come down to that loss. "
-                  f"Compute: {compute.source}.")]
+                  f"geometric mean of the variant's compute). Interval: from {BOOTSTRAP_MIN_N} seeds, the 95% "
+                  "percentile interval over the paired bootstrap draws; with fewer, too few distinct resamples exist "
+                  "for a 95% interval (2 seeds give 3, 3 give 10), so the range of k over the draws is shown, marked "
+                  "'range', with no coverage claimed; either is widened to hold k itself. 'never' where the baseline's "
+                  f"fit does not come down to that loss. Compute: {compute.source}.")]
     if compute.fallback:
         blocks.append(Paragraph(f"Fallback to {compute.source}: {compute.fallback}."))
     if not compute.rows:
@@ -414,23 +412,17 @@ def _surface_blocks(surface: SurfaceReport, plot: Plot | None) -> list[Block]:
         fits = [[f.variant, f.status, f"{f.n_points} / {f.n_sizes} / {f.n_distinct}",
                  *(_with_interval(f, name) for name in ("E", "A", "alpha", "B", "beta"))] for f in surface.fits]
         blocks.append(Table(["variant", "status", "points / sizes / distinct (N, D)", "E", "A", "α", "B", "β"], fits))
-        rows = []
-        for o in surface.optima:
-            k = surface.multiplier(o.variant, o.scale)
-            rows.append([o.variant, o.scale, f"{o.compute:.3g}", f"{o.planned_n:.3g}", f"{o.planned_d:.3g}",
-                         _sized(o.n_opt, o.n_interval), _sized(o.d_opt, o.d_interval),
-                         number(o.d_opt / o.n_opt, ".3g"), f"{number(o.planned_loss)} → {number(o.loss_opt)}",
-                         _multiplier(k) if k is not None else "—"])
+        rows = [[o.variant, o.scale, f"{o.compute:.3g}", f"{o.planned_n:.3g}", f"{o.planned_d:.3g}",
+                 _sized(o.n_opt, o.n_interval), _sized(o.d_opt, o.d_interval), number(o.d_opt / o.n_opt, ".3g"),
+                 f"{number(o.planned_loss)} → {number(o.loss_opt)}",
+                 _multiplier(surface.multiplier(o.variant, o.scale))] for o in surface.optima]
         blocks.append(Table(["variant", "scale", "planned C (FLOPs)", "planned N", "planned D", "compute-optimal N",
                              "compute-optimal D", "D/N there", f"fitted {metric}: planned → optimal",
                              f"multiplier k vs {surface.baseline}"], rows))
     else:
-        rows = []
-        for f in surface.fits:
-            k = surface.multiplier(f.variant, f.scale)
-            rows.append([f.variant, f.scale, f.status, f"{f.n_points} / {f.n_distinct}",
-                         *(_with_interval(f, name) for name in ("E", "B", "beta")),
-                         _multiplier(k) if k is not None else "—"])
+        rows = [[f.variant, f.scale, f.status, f"{f.n_points} / {f.n_distinct}",
+                 *(_with_interval(f, name) for name in ("E", "B", "beta")),
+                 _multiplier(surface.multiplier(f.variant, f.scale))] for f in surface.fits]
         blocks.append(Table(["variant", "scale", "status", "points / token counts", "E", "B", "β",
                              f"multiplier k vs {surface.baseline} at planned sizes"], rows))
     return [*blocks, *([plot] if plot is not None else [])]
@@ -520,8 +512,10 @@ def _bound(k: float) -> str:
     return "∞" if k == math.inf else "—" if not math.isfinite(k) else f"{k:.2f}"
 
 
-def _multiplier(k: Multiplier, what: str = "") -> str:
+def _multiplier(k: Multiplier | None, what: str = "") -> str:
     """``1.09x compute [1.02, 1.16] (95% CI)``, or ``(range, 3 seeds)`` where too few seeds give no 95 % interval."""
+    if k is None:
+        return "—"
     return (f"{_times(k.multiplier)}{what} [{_bound(k.ci_low)}, {_bound(k.ci_high)}] ({_interval(k)}"
             + (f"; at the {k.read_at}" if k.read_at == PLANNED else "") + ")")
 

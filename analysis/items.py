@@ -32,11 +32,8 @@ class ItemDelta(JsonRecord):
     metric: str
     """Per-item score (acc, acc_norm or ll_correct)."""
     scale: str
-    """Scale name."""
     variant: str
-    """Variant compared."""
     baseline: str
-    """Baseline variant."""
     n_seeds: int
     """Seed pairs with items on both sides."""
     n_items: int

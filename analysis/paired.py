@@ -32,15 +32,11 @@ class UnpairedRun:
     """A run left out of a comparison, and why."""
 
     run_id: str
-    """MLflow run id."""
     run_key: str | None
     """The study's run key, when known."""
     variant: str
-    """Variant of the run."""
     scale: str
-    """Scale name."""
     seed: int
-    """Seed."""
     status: str
     """MLflow status of the run."""
     reason: str
@@ -52,11 +48,8 @@ class PairedResult(JsonRecord):
     """Variant minus baseline on one metric at one scale, over the seeds both finished."""
 
     scale: str
-    """Scale name."""
     variant: str
-    """The variant compared."""
     baseline: str
-    """The variant it is compared against."""
     metric: str
     """MLflow metric key (final value)."""
     n: int
@@ -94,11 +87,8 @@ class JointResult(JsonRecord):
     """Mean across several metrics of variant minus baseline, bootstrapped with seeds resampled jointly."""
 
     scale: str
-    """Scale name."""
     variant: str
-    """The variant compared."""
     baseline: str
-    """The variant it is compared against."""
     metrics: list[str]
     """The metrics averaged."""
     n: int

@@ -22,7 +22,6 @@ class PowerRow:
     """The seeds one (scale, variant) comparison needs."""
 
     scale: str
-    """Scale name."""
     variant: str
     """Variant compared with the baseline."""
     sd: float | None

@@ -35,11 +35,8 @@ class RungVerdict(JsonRecord):
     """One (variant, scale) decided at one rung, and whether it stops there: the one record of a verdict and a stop."""
 
     variant: str
-    """Variant compared."""
     scale: str
-    """Scale name."""
     baseline: str
-    """Variant it is compared against."""
     rung: int
     """Rung index (0: the smallest branch point)."""
     at: float

@@ -28,7 +28,6 @@ class Heading:
     """A section title."""
 
     text: str
-    """Title text."""
     level: int = 2
     """1 for the page title, 2 for sections, 3 below."""
 
@@ -38,7 +37,6 @@ class Paragraph:
     """Plain prose (no markup)."""
 
     text: str
-    """The paragraph."""
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,8 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
     a = analyse(experiment, baseline, metrics, tracking_uri, n_resamples, seed, rule)
     out = Path(out_dir) / experiment
     out.mkdir(parents=True, exist_ok=True)
-    for pattern in _OWN_PLOTS:
-        for stale in out.glob(pattern):
-            stale.unlink()
+    for stale in (path for pattern in _OWN_PLOTS for path in out.glob(pattern)):
+        stale.unlink()
     plots = _plots(a, out)
     profile = reference_profile_section(a.runs, a.uri, out)
     unpaired = _unpaired(a.flat)
@@ -64,18 +63,18 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
     (out / "report.html").write_text(to_html(blocks, f"Report: {experiment}"), encoding="utf-8")
     files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv",
              out / "decisions.csv"] + [p.path for p in plots.values()] + profile.files
+    unlogged = {"status": f"no run logged {HEADLINE}"}
     summary = {
         "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
         "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
         "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes),
         "item_deltas": [i.to_dict() for i in a.items],
         "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
-        "scaling": a.scaling.to_dict() if a.scaling else {"status": f"no run logged {HEADLINE}"},
-        "racing": a.race,
-        "surface": a.surface.to_dict() if a.surface else {"status": "no decay branches" if HEADLINE in a.runs.columns
-                                                          else f"no run logged {HEADLINE}"},
-        "effective_compute": a.compute.to_dict() if a.compute else {"status": f"no run logged {HEADLINE}"},
-        "time_to_target": a.time.to_dict() if a.time else {"status": f"no run logged {HEADLINE}"},
+        "scaling": a.scaling.to_dict() if a.scaling else unlogged, "racing": a.race,
+        "surface": (a.surface.to_dict() if a.surface else {"status": "no decay branches"}
+                    if HEADLINE in a.runs.columns else unlogged),
+        "effective_compute": a.compute.to_dict() if a.compute else unlogged,
+        "time_to_target": a.time.to_dict() if a.time else unlogged,
         "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED,
                    "transfer": TRANSFER if a.tuned else None,
                    "curves": [c.to_dict() for c in a.tune_curves], "shared_runs": a.shared_runs,

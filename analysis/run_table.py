@@ -240,42 +240,31 @@ def _differences(runs: pd.DataFrame) -> str:
 
 
 def _row(run) -> dict | None:
+    """One row of the runs table (the read_study columns, then the finals); None for a run that is no training run."""
     tags, params = run.data.tags, run.data.params
     role = role_of(tags)
     if role in NOT_TRAINING or any(t not in tags for t in _REQUIRED_TAGS):
         return None
     counted = _number(params, "params.counted")
-    tune = role == Role.tune
     batch = _first(params, "recipe.global_batch", "train.global_batch")
+    seed = tags[schema.TAG_SEED]
     row = {
-        "run_id": run.info.run_id,
-        "run_name": run.info.run_name,
-        "run_key": tags.get(schema.TAG_RUN_KEY),
-        "key_schema": tags.get(TAG_KEY_SCHEMA),
-        "variant": tags[schema.TAG_VARIANT],
-        "scale": tags[schema.TAG_SCALE],
-        "seed": int(tags[schema.TAG_SEED]) if re.fullmatch(r"\d+", tags[schema.TAG_SEED]) else None,
-        "seed_tag": tags[schema.TAG_SEED],
-        "role": role,
-        "baseline": tags.get(schema.TAG_BASELINE),
-        "status": run.info.status,
-        "failure_reason": tags.get(schema.TAG_FAILURE_REASON),
-        "start_time": run.info.start_time,
+        "run_id": run.info.run_id, "run_name": run.info.run_name, "run_key": tags.get(schema.TAG_RUN_KEY),
+        "key_schema": tags.get(TAG_KEY_SCHEMA), "variant": tags[schema.TAG_VARIANT], "scale": tags[schema.TAG_SCALE],
+        "seed": int(seed) if re.fullmatch(r"\d+", seed) else None, "seed_tag": seed, "role": role,
+        "baseline": tags.get(schema.TAG_BASELINE), "status": run.info.status,
+        "failure_reason": tags.get(schema.TAG_FAILURE_REASON), "start_time": run.info.start_time,
         "params_counted": int(counted) if math.isfinite(counted) else math.nan,
-        "lr_source": tags.get(schema.TAG_LR_SOURCE) or SHARED,
-        "tune_multiple": _number(tags, schema.TAG_TUNE_MULTIPLE),
+        "lr_source": tags.get(schema.TAG_LR_SOURCE) or SHARED, "tune_multiple": _number(tags, schema.TAG_TUNE_MULTIPLE),
         "tune_status": tags.get(schema.TAG_TUNE_STATUS),
         # a tune run trains at its grid point (train.lr); a main run at its resolved recipe's LR
-        "lr": _number(params, "train.lr") if tune else _number(params, "recipe.lr"),
-        "tokens": _number(params, "recipe.tokens"),
-        "max_steps": _first(params, "recipe.max_steps", "train.max_steps"),
+        "lr": _number(params, "train.lr" if role == Role.tune else "recipe.lr"),
+        "tokens": _number(params, "recipe.tokens"), "max_steps": _first(params, "recipe.max_steps", "train.max_steps"),
         # the recipe's rule for the global batch: train.global_batch, else micro batch x accumulation
         "global_batch": batch if math.isfinite(batch)
         else _number(params, "train.micro_batch") * _number(params, "train.grad_accum"),
-        "seq_len": _number(params, "data.seq_len"),
-        "flops_per_token": _number(params, "resolved.flops_per_token"),
-        "at": _number(tags, TAG_BRANCH_AT),
-        "trunk_key": tags.get(TAG_TRUNK_KEY),
+        "seq_len": _number(params, "data.seq_len"), "flops_per_token": _number(params, "resolved.flops_per_token"),
+        "at": _number(tags, TAG_BRANCH_AT), "trunk_key": tags.get(TAG_TRUNK_KEY),
         "branch_step": _number(tags, TAG_BRANCH_STEP),
         "shared_fields": json.dumps({k: v for k, v in params.items() if _shared(k)}, sort_keys=True),
     }

@@ -39,7 +39,6 @@ class ScalingFit(JsonRecord):
     """One variant's fit of a final metric against a size N: counted parameters, or training compute."""
 
     variant: str
-    """Variant fitted."""
     metric: str
     """Metric fitted (final value)."""
     form: str

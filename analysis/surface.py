@@ -59,7 +59,6 @@ class SurfaceFit(JsonRecord):
     """One arm's fit of a final metric: the surface over (N, D), or the curve over D at one scale."""
 
     variant: str
-    """Arm fitted."""
     form: str
     """:data:`SURFACE`, :data:`TOKENS` or ``none``."""
     status: str
@@ -137,7 +136,6 @@ class Optimum:
     """One arm at one scale's planned compute: the planned run and the compute-optimal point of its surface."""
 
     variant: str
-    """Arm."""
     scale: str
     """Scale whose planned run sets the compute."""
     compute: float
@@ -167,7 +165,6 @@ class IsoFlop:
     """The fitted surface along one iso-FLOP line, for the figure."""
 
     variant: str
-    """Arm."""
     scale: str
     """Scale whose planned compute the line holds."""
     compute: float
@@ -521,7 +518,7 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
                 read = (partial(_k_frontier, variant=(rules[variant], bounds[variant]),
                                 baseline=(rules[report.baseline], bounds[report.baseline])) if where == FRONTIER
                         else partial(_k_at_size, sizes=sizes, tokens=plan["planned_d"].to_numpy(float)[chosen],
-                                     flops=rules[report.baseline](sizes) if len(sizes) else sizes))
+                                     flops=rules[report.baseline](sizes)))
                 multipliers += _multipliers(variant, [s for s, c in zip(scales, chosen) if c], compute[chosen],
                                             fit, reference, read, where)
             multipliers.sort(key=lambda m: (m.variant, order.index(m.scale)))
@@ -584,9 +581,6 @@ def _multipliers(variant: str, scales: list[str], compute: np.ndarray, fit: Surf
                   np.tile(compute, pairs)).reshape(pairs, len(scales)) if pairs else np.empty((0, len(scales))))
     seeds = min(fit.seeds, reference.seeds)
     kind = interval_kind(seeds)
-    rows = []
-    for k, scale in enumerate(scales):
-        low, high = interval(drawn[:, k], float(k_point[k]), kind)
-        rows.append(Multiplier(variant, scale, float(compute[k]), float(k_point[k]), low, high, pairs,
-                               interval=kind, seeds=seeds, read_at=read_at))
-    return rows
+    return [Multiplier(variant, scale, float(c), float(k), *interval(drawn[:, i], float(k), kind), pairs,
+                       interval=kind, seeds=seeds, read_at=read_at)
+            for i, (scale, c, k) in enumerate(zip(scales, compute, k_point))]

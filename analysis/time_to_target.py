@@ -53,9 +53,7 @@ class TimeToTarget(JsonRecord):
     """GPU-hours to the baseline's final loss at one scale: the variant against the baseline, over seed pairs."""
 
     scale: str
-    """Scale name."""
     variant: str
-    """Variant compared."""
     baseline: str
     """Variant whose final loss is the target."""
     n: int

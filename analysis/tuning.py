@@ -28,7 +28,6 @@ class TuneCurve(JsonRecord):
     """One variant's LR grid at one tune scale and what was chosen from it."""
 
     variant: str
-    """Variant tuned."""
     scale: str
     """Scale the tune runs trained at."""
     points: list[dict] = field(default_factory=list)
@@ -62,7 +61,6 @@ class VerdictPair(JsonRecord):
     family: str
     """``primary`` or ``secondary`` (as in the decision table)."""
     scale: str
-    """Scale name."""
     variant: str
     """Variant compared with the baseline."""
     shared_delta: float
