@@ -1,38 +1,21 @@
 """From a work profile to per-layer FFN widths under a fixed budget (study 2, steps 4-5).
 
-Surrogate: layer l's approximation error falls as w_l^(-a_l) and costs lambda_l c_l, with c_l the smoothed work:
+Surrogate: layer l's error falls as w_l^(-a_l) and costs lambda_l c_l, c_l the smoothed work:
 
     minimise   sum_l lambda_l c_l w_l^(-a_l)   subject to   sum_l w_l = B,   w_l >= w_min.
 
-The objective is convex and separable, so the KKT conditions are sufficient: with multiplier mu on the budget,
+Convex and separable, so KKT suffices: w_l = max(w_min, (a_l lambda_l c_l / mu)^(1 / (1 + a_l))), with the budget's
+multiplier mu found by Brent's method on log mu (sum_l w_l is decreasing in it). The widths are real; `study.budget`
+rounds them to the parameter budget. a_l = 2 / ID_l (TwoNN intrinsic dimension of the cloud entering the FFN: a
+width-w network approximates a C^2 function on a d-manifold with error O(w^(-2/d))); `exponent="constant"` uses one a.
 
-    w_l = max(w_min, (a_l lambda_l c_l / mu)^(1 / (1 + a_l))),
-
-sum_l w_l is continuous and decreasing in mu, and the one mu meeting the budget is found by Brent's method on
-log mu. Every layer above its bound then has the same marginal gain a_l lambda_l c_l w_l^(-a_l - 1) = mu. The
-widths are real numbers: `study.budget` rounds them and meets the parameter budget exactly.
-
-Exponents. a_l = 2 / ID_l, ID_l the TwoNN intrinsic dimension of the cloud entering layer l's FFN: a width-w
-network approximates a C^2 function on a d-dimensional manifold with error O(w^(-2/d)) (free-knot piecewise-linear
-rates), so the error exponent is smoothness over dimension with smoothness 2. `exponent="constant"` uses one a for
-all layers instead, which makes w_l proportional to (lambda_l c_l)^(1 / (1 + a)) away from the bound.
-
-The geometry schedule's `reverse` (the setting of the anti control) runs against the direction of the allocation it
-controls: the widths are allocated as above, from the same statistic and geometry, and then reflected. With
-x_l = w_l / u the fractions of the uniform width and f the lower bound, the width each layer holds above the bound,
-e_l = x_l - f, is reflected about its midrange and scaled to the same total:
-
-    r_l = f + s (max e + min e - e_l),   s = sum_l e_l / sum_l (max e + min e - e_l).
-
-The layer that got the most width gets the least and the reverse, in exactly the opposite order; every layer stays
-at or above the bound and the total is the budget. The reflection acts on the widths, not on the work: the widths
-also follow the exponents a_l and the sensitivities lambda_l, which a reflected work profile keeps as measured, so
-reflecting the work alone can leave the schedule's direction unchanged (a front-loaded sensitivity keeps the first
-layers wide) or flatten it to near-uniform (a profile that decays fast reflects into one with little contrast).
+The schedule's `reverse` (the anti control) reflects the allocated widths, not the work: with x_l = w_l / u and bound
+f, the excess e_l = x_l - f becomes r_l = f + s (max e + min e - e_l), s keeping the total. The order is exactly
+reversed, the bound and budget hold; reflecting the work alone could keep the direction (exponents and sensitivities
+stay as measured) or flatten it.
 """
 
 from __future__ import annotations
-
 
 import math
 import sys
@@ -68,8 +51,7 @@ def reversed_profile(values) -> np.ndarray:
 
 
 def reflect_allocation(fractions, w_min: float) -> np.ndarray:
-    """Reversed widths (the schedule's `reverse`): each layer's width above the bound `w_min` reflected about its midrange and scaled
-    to the same total, so the order is exactly reversed, the bound holds and the budget is unchanged."""
+    """Each layer's width above `w_min` reflected about its midrange and scaled to the same total (`reverse`)."""
     excess = np.asarray(fractions, dtype=np.float64) - w_min
     mirrored = reversed_profile(excess)
     if not mirrored.sum() > 0:  # every layer sits on its bound: there is no direction to reverse
@@ -81,11 +63,8 @@ def intrinsic_exponents(intrinsic_dim) -> np.ndarray:
     """a_l = SMOOTHNESS / ID_l."""
     ids = np.asarray(intrinsic_dim, dtype=np.float64)
     if not np.all(np.isfinite(ids) & (ids > 0)):
-        raise StudyError(
-            "intrinsic_dim",
-            "the profile has a missing or non-positive intrinsic dimension",
-            "profile with more tokens, or use exponent=constant",
-        )
+        raise StudyError("intrinsic_dim", "the profile has a missing or non-positive intrinsic dimension",
+                         "profile with more tokens, or use exponent=constant")
     return SMOOTHNESS / ids
 
 
@@ -98,11 +77,8 @@ def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) 
     if np.any(c < 0) or np.any(lam < 0) or np.any(a <= 0):
         raise ValueError("costs and weights must be non-negative and exponents positive")
     if n * w_min > budget * (1 + 1e-12):
-        raise StudyError(
-            "w_min_fraction",
-            f"{n} layers at the lower bound {w_min:g} already exceed the budget {budget:g}",
-            "lower w_min_fraction below 1",
-        )
+        raise StudyError("w_min_fraction", f"{n} layers at the lower bound {w_min:g} already exceed the budget "
+                         f"{budget:g}", "lower w_min_fraction below 1")
     k = a * lam * c
     if n == 1 or n * w_min >= budget:
         return np.full(n, budget / n)
@@ -139,11 +115,8 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     weights = None
     if cfg.weight_by_sensitivity:
         if profile.get("sensitivity") is None:
-            raise StudyError(
-                "weight_by_sensitivity",
-                "the profile has no perturbation sensitivity",
-                "profile again with measure_sensitivity=true, or set weight_by_sensitivity=false",
-            )
+            raise StudyError("weight_by_sensitivity", "the profile has no perturbation sensitivity",
+                             "profile again with measure_sensitivity=true, or set weight_by_sensitivity=false")
         # A layer whose scaling lowers the loss (noise, or negative curvature) gets no weight, so it sits at w_min.
         weights = np.maximum(np.asarray(profile["sensitivity"], dtype=np.float64), 0.0)
     # The work was measured on the reference at its uniform width u, so layer l's error is c_l (w / u)^(-a_l):
@@ -155,8 +128,7 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
 
 
 def read_profile(path, layers: int | None = None) -> dict:
-    """A profile.json written by `study profile`, its values checked (`check_profile`); `layers`, where given, is
-    the depth of the model the widths are for."""
+    """A profile.json written by `study profile`, checked (`check_profile`) for a model of `layers` layers."""
     from pathlib import Path
 
     from study.files import read_json
@@ -177,9 +149,8 @@ PROFILE_FIX = "profile the reference run again (`study profile RUN_KEY` rewrites
 
 
 def check_profile(profile, where: str, layers: int | None = None) -> None:
-    """A damaged or hand-edited profile (NaN or negative work, a string, a missing key, a list of the wrong length)
-    is refused naming the file and the field, before anything is allocated from it: the allocator would otherwise
-    fail deep in numpy or scipy, or silently spend the budget on a NaN."""
+    """A damaged or hand-edited profile (NaN or negative work, a missing key, a list of the wrong length) refused
+    naming the file and the field, before the allocator fails deep in scipy or spends the budget on a NaN."""
     if not isinstance(profile, dict):
         raise StudyError(where, f"is a JSON {type(profile).__name__}, not a profile", PROFILE_FIX)
     n = profile.get("layers")
@@ -195,8 +166,9 @@ def check_profile(profile, where: str, layers: int | None = None) -> None:
     for statistic in STATISTICS:
         for geometry in GEOMETRIES:
             per = stats.get(statistic)
-            _check_layers(per.get(geometry) if isinstance(per, dict) else None, f"{where}: stats.{statistic}.{geometry}",
-                          n, lambda v: v is not None and v >= 0, "a finite work >= 0")
+            _check_layers(per.get(geometry) if isinstance(per, dict) else None,
+                          f"{where}: stats.{statistic}.{geometry}", n, lambda v: v is not None and v >= 0,
+                          "a finite work >= 0")
     # a layer whose intrinsic dimension could not be estimated is written as null (intrinsic_exponents refuses it)
     if profile.get("intrinsic_dim") is not None:
         _check_layers(profile["intrinsic_dim"], f"{where}: intrinsic_dim", n, lambda v: v is None or v >= LEAST_DIM,

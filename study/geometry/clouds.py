@@ -1,22 +1,15 @@
-"""Token clouds before and after each FFN sublayer, collected with forward hooks (no model edits).
-
-Every supported block adds its FFN branch to the residual stream, out = h + F_l(h). For the sampled tokens,
-before_l = h and after_l = h + F_l(h), at the same positions in every layer. A block's FFN is located by two
-modules: one whose *input* is h, one whose *output* is the branch F_l(h):
-
-- this project's Transformer: `model.layers[l].ffn_sublayer(h)` returns F_l(h) itself (both modules are it);
-- Hugging Face decoders (`model.get_decoder().layers[l]`), by `config.model_type` in `HF_FFN_SITES`: LLaMA-style
-  pre-norm blocks (h -> post_attention_layernorm -> mlp), Gemma 2/3 sandwich blocks (h -> pre_feedforward_layernorm
-  -> mlp -> post_feedforward_layernorm), OLMo-2 reordered-norm blocks (h -> mlp -> post_feedforward_layernorm).
-
-`perturbation_sensitivity` measures how much the loss depends on each layer's branch, with the same hook sites.
-torch is imported inside the functions: the profile and allocation code import `TokenClouds` without it.
+"""Token clouds before and after each FFN sublayer (out = h + F_l(h)), collected with forward hooks on two modules per
+block: one whose input is h, one whose output is F_l(h) (this project's `layers[l].ffn_sublayer` is both; Hugging
+Face decoders by `config.model_type` in `HF_FFN_SITES`). `perturbation_sensitivity` uses the same sites. torch is
+imported inside the functions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -69,38 +62,26 @@ def _sites(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module | Non
         return [(block.ffn_sublayer, block.ffn_sublayer, getattr(block.ffn_sublayer, "fn", None)) for block in layers]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
-        raise StudyError(
-            "model",
-            f"{type(model).__name__} is neither this project's Transformer (model.layers[i].ffn_sublayer) "
-            "nor a Hugging Face model with a config",
-            "profile a checkpoint of this project or a Hugging Face causal LM loaded from a local path",
-        )
+        raise StudyError("model", f"{type(model).__name__} is neither this project's Transformer "
+                         "(model.layers[i].ffn_sublayer) nor a Hugging Face model with a config",
+                         "profile a checkpoint of this project or a Hugging Face causal LM loaded from a local path")
     if model_type not in HF_FFN_SITES:
-        raise StudyError(
-            "model",
-            f"the FFN of Hugging Face architecture {model_type!r} has no known hook sites",
-            f"use one of {', '.join(sorted(HF_FFN_SITES))}, or add its (input, branch) module names to "
-            "HF_FFN_SITES in study/geometry/clouds.py",
-        )
+        raise StudyError("model", f"the FFN of Hugging Face architecture {model_type!r} has no known hook sites",
+                         f"use one of {', '.join(sorted(HF_FFN_SITES))}, or add its (input, branch) module names to "
+                         "HF_FFN_SITES in study/geometry/clouds.py")
     input_name, branch_name = HF_FFN_SITES[model_type]
     return [(getattr(layer, input_name), getattr(layer, branch_name), getattr(layer, "mlp", None))
             for layer in model.get_decoder().layers]
 
 
 def sample_positions(shapes: Sequence[tuple[int, int]], n_tokens: int, seed: int, min_position: int) -> np.ndarray:
-    """`n_tokens` distinct (batch, row, position) triples drawn uniformly from batches of the given (B, T) shapes.
-
-    Positions below `min_position` are never drawn. The draw depends only on the shapes and the seed, and the
-    triples come back in data order.
-    """
+    """`n_tokens` distinct (batch, row, position) triples, positions >= `min_position`, drawn uniformly from batches
+    of the given (B, T) shapes by `seed` alone, in data order."""
     eligible = np.array([rows * max(length - min_position, 0) for rows, length in shapes], dtype=np.int64)
     total = int(eligible.sum())
     if n_tokens > total:
-        raise StudyError(
-            "n_tokens",
-            f"{n_tokens} tokens requested but the batches hold only {total} at positions >= {min_position}",
-            "lower n_tokens or pass more validation batches",
-        )
+        raise StudyError("n_tokens", f"{n_tokens} tokens requested but the batches hold only {total} at positions >= "
+                         f"{min_position}", "lower n_tokens or pass more validation batches")
     flat = np.sort(np.random.default_rng(seed).choice(total, size=n_tokens, replace=False))
     batch = np.searchsorted(np.cumsum(eligible), flat, side="right")
     offset = flat - np.concatenate([[0], np.cumsum(eligible)])[batch]
@@ -108,13 +89,8 @@ def sample_positions(shapes: Sequence[tuple[int, int]], n_tokens: int, seed: int
     return np.stack([batch, offset // widths, offset % widths + min_position], axis=1)
 
 
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
-def collect_clouds(
-    model: nn.Module, batches: Sequence[torch.Tensor], n_tokens: int, seed: int = 0, min_position: int = 1
-) -> TokenClouds:
+def collect_clouds(model: nn.Module, batches: Sequence[torch.Tensor], n_tokens: int, seed: int = 0,
+                   min_position: int = 1) -> TokenClouds:
     """Run `model` on `batches` of token ids (each (B, T)) and keep the sampled tokens' states around every FFN."""
     import torch
 
@@ -134,28 +110,19 @@ def collect_clouds(
         return h[rows, cols].detach().float().cpu()
 
     def input_hook(into: list[torch.Tensor]):
-        def hook(module, args, kwargs):
-            into.append(take(args[0] if args else kwargs["hidden_states"]))
-
-        return hook
+        return lambda module, args, kwargs: into.append(take(args[0] if args else kwargs["hidden_states"]))
 
     def branch_hook(into: list[torch.Tensor]):
-        def hook(module, args, output):
-            into.append(take(_first(output)))
+        return lambda module, args, output: into.append(take(output[0] if isinstance(output, tuple) else output))
 
-        return hook
-
-    device = next(model.parameters()).device
     handles = []
-    was_training = model.training
     try:
         for layer, (input_module, branch_module, ffn_module) in enumerate(sites):
             handles.append(input_module.register_forward_pre_hook(input_hook(before[layer]), with_kwargs=True))
             handles.append(branch_module.register_forward_hook(branch_hook(branch[layer])))
             if ffn_module is not None:
                 handles.append(ffn_module.register_forward_pre_hook(input_hook(received[layer]), with_kwargs=True))
-        model.eval()
-        with torch.no_grad():
+        with _scoring(model) as device:
             for index, ids in enumerate(batches):
                 mine = picks[picks[:, 0] == index]
                 if len(mine) == 0:
@@ -165,11 +132,24 @@ def collect_clouds(
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
     h = torch.stack([torch.cat(chunks) for chunks in before])
     f = torch.stack([torch.cat(chunks) for chunks in branch])
     r = torch.stack([torch.cat(chunks) for chunks in received]).numpy() if all(received) else None
     return TokenClouds(before=h.numpy(), after=(h + f).numpy(), positions=picks, received=r)
+
+
+@contextmanager
+def _scoring(model: nn.Module) -> Iterator[torch.device]:
+    """The model in eval mode without gradients for the block, its mode restored after; yields its device."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
 
 
 def _mean_loss(model: nn.Module, batches: Sequence[torch.Tensor], device) -> float:
@@ -189,34 +169,21 @@ def _mean_loss(model: nn.Module, batches: Sequence[torch.Tensor], device) -> flo
 
 
 def perturbation_sensitivity(model: nn.Module, batches: Sequence[torch.Tensor], eps: float = 0.1) -> list[float]:
-    """lambda_l: the mean next-token loss increase when layer l's FFN branch is scaled by (1 + eps) and (1 - eps).
-
-    lambda_l = (L(1 + eps) + L(1 - eps)) / 2 - L(1). The symmetric difference cancels the first-order term, which
-    carries the sign of the loss slope along the branch (near zero at a trained optimum, where scaling the branch's
-    output projection is a direction the optimiser already explored), and leaves eps^2 / 2 times the curvature:
-    how sharply the loss depends on that layer doing exactly its work. Costs 2 L + 1 passes over `batches`.
-    """
-    import torch
-
+    """lambda_l = (L(1 + eps) + L(1 - eps)) / 2 - L(1), L the mean next-token loss with layer l's FFN branch scaled:
+    the symmetric difference cancels the slope and leaves eps^2 / 2 times the curvature. 2 L + 1 passes."""
     sites = _sites(model)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            base = _mean_loss(model, batches, device)
-            sensitivity = []
-            for _, branch_module, _ in sites:
-                losses = []
-                for factor in (1.0 + eps, 1.0 - eps):
-                    handle = branch_module.register_forward_hook(lambda m, a, out, f=factor: _scaled(out, f))
-                    try:
-                        losses.append(_mean_loss(model, batches, device))
-                    finally:
-                        handle.remove()
-                sensitivity.append(sum(losses) / 2 - base)
-    finally:
-        model.train(was_training)
+    with _scoring(model) as device:
+        base = _mean_loss(model, batches, device)
+        sensitivity = []
+        for _, branch_module, _ in sites:
+            losses = []
+            for factor in (1.0 + eps, 1.0 - eps):
+                handle = branch_module.register_forward_hook(lambda m, a, out, f=factor: _scaled(out, f))
+                try:
+                    losses.append(_mean_loss(model, batches, device))
+                finally:
+                    handle.remove()
+            sensitivity.append(sum(losses) / 2 - base)
     return sensitivity
 
 

@@ -1,14 +1,10 @@
-"""Which way a per-layer curve (a work profile, a width schedule) points along depth: front-loaded or back-loaded.
-
-The direction is read from where the curve's excess over its minimum sits, its centre along relative depth
-t = l / (L - 1):
+"""Which way a per-layer curve (a work profile, a width schedule) points along depth, from the centre of its excess
+over its minimum along relative depth t = l / (L - 1):
 
     centre = sum_l t_l (v_l - min v) / sum_l (v_l - min v)      (0: all in the first layer, 1: all in the last)
 
-The excess, not the curve itself, so a constant offset (raw work in the states' units) cannot pull every curve to
-the middle; and a curve reflected about its midrange, v -> max v + min v - v (the anti control), has the excess
-max v - v; the two excesses add up to the flat curve max v - min v, whose centre is 1/2, so their centres lie on
-either side of it: reflection always flips the direction.
+The excess ignores a constant offset, and a curve reflected about its midrange (the anti control) has the excess
+max v - v, which sums with the original's to a flat curve: reflection always flips the direction.
 """
 
 from __future__ import annotations

@@ -5,14 +5,9 @@
     hyperbolic: d(x, y) = arccosh(1 + 2 |p - q|^2 / ((1 - |p|^2)(1 - |q|^2))),   p = r u, q = r v
                 (unit-normalised states placed in the Poincare ball at the fixed radius r)
 
-Both normalised distances are increasing functions of the chord c = |u - v| alone, so both are computed from it:
-the angle as 2 arcsin(c / 2), which equals arccos of the clipped cosine but keeps its precision at small angles
-where arccos loses half the digits; the Poincare distance, with |p| = |q| = r and |p - q| = r c, as
-arccosh(1 + 2 r^2 c^2 / (1 - r^2)^2). The hyperbolic distance is therefore a fixed increasing function of the angle
-(`angle_to_poincare`), which `work.py` uses to reuse the spherical persistence diagram.
-
-Everything is float64: the matrices feed a solver (GW) and a filtration (Vietoris-Rips) that both compare sums of
-many entries.
+Both normalised distances are computed from the chord c = |u - v|: the angle as 2 arcsin(c / 2) (precise at small
+angles, where arccos loses half the digits), the Poincare distance as arccosh(1 + 2 r^2 c^2 / (1 - r^2)^2), an
+increasing function of the angle (`angle_to_poincare`). Everything is float64.
 """
 
 from __future__ import annotations
@@ -53,11 +48,8 @@ def angle_to_poincare(theta: np.ndarray, radius: float) -> np.ndarray:
 
 
 def pairwise_distances(x: np.ndarray, geometry: str, radius: float = 0.9) -> np.ndarray:
-    """(n, n) distance matrix of the cloud `x` (n, d) under `geometry`.
-
-    Raw distances are computed on the centred cloud: they are translation invariant, and centring keeps the Gram
-    expansion from cancelling large norms (residual streams carry a big common component).
-    """
+    """(n, n) distance matrix of the cloud `x` (n, d) under `geometry` (raw: of the centred cloud, so the Gram
+    expansion does not cancel the stream's large common component)."""
     one_of("geometry", geometry, GEOMETRIES)
     x = np.asarray(x, dtype=np.float64)
     if geometry == "raw":

@@ -21,9 +21,8 @@ def _pyplot():
 
 
 def _draw_geometries(ax, profile: dict, statistic: str) -> None:
-    """One statistic's work per layer in each geometry, each curve divided by its own mean: raw work is in the
-    states' units and normalised work in radians, so only the shapes are comparable, and the shape (front-loaded or
-    back-loaded) is what the allocation follows."""
+    """One statistic's work per layer in each geometry, each curve divided by its own mean (the geometries' units
+    differ; the shape is what the allocation follows)."""
     layers = np.arange(profile["layers"])
     for geometry in GEOMETRIES:
         work = np.asarray(profile["stats"][statistic][geometry], dtype=np.float64)
@@ -42,8 +41,7 @@ def _save(fig, plt, path: str | Path) -> Path:
 
 
 def plot_profile(profile: dict, path: str | Path) -> Path:
-    """Work vs depth for the 9 statistic x geometry combinations, one panel per statistic, each curve divided by its
-    mean."""
+    """Work vs depth for the 9 statistic x geometry combinations, one panel per statistic."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(STATISTICS), figsize=(4.2 * len(STATISTICS), 3.4), sharey=True)
     for ax, statistic in zip(axes, STATISTICS):
@@ -56,8 +54,7 @@ def plot_profile(profile: dict, path: str | Path) -> Path:
 
 
 def plot_reference_profiles(profiles: dict[str, dict], statistics: list[str], path: str | Path) -> Path:
-    """One figure for a report: a row per reference profile (keyed by its scale), a panel per statistic, the work per
-    layer in each geometry divided by its mean, so the direction of every curve compares at a glance."""
+    """One figure for a report: a row per reference profile (keyed by its scale), a panel per statistic."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(profiles), len(statistics), figsize=(4.2 * len(statistics), 3.0 * len(profiles)),
                              squeeze=False, sharey=True)

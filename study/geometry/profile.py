@@ -1,13 +1,9 @@
 """The work profile of a model: every statistic under every geometry, layer by layer (study 2, step 3).
 
-Per layer, the six distance matrices (before/after x raw/spherical/hyperbolic) are computed once and shared by the
-statistics that need them. Persistence diagrams cost one Vietoris-Rips run per cloud for raw and one for spherical:
-the hyperbolic distance is an increasing function of the angle (`angle_to_poincare`), the filtration order is
-therefore the same, and the hyperbolic diagram is the spherical one with its birth and death values mapped.
-Layers are independent, so they are profiled in worker processes, one per core, each single-threaded: Ripser,
-the network simplex and POT's loops are serial code, and one process per core keeps every core busy where
-multi-threaded BLAS and Vietoris-Rips calls inside one process left them idle most of the time (and running both
-at once oversubscribed the cores: GW's BLAS calls ran up to 50x slower that way on 2 cores).
+Per layer the six distance matrices are computed once; the hyperbolic persistence diagram is the spherical one with
+its values mapped (`angle_to_poincare`: the same filtration order). Layers run in single-threaded worker processes,
+one per core: Ripser, the network simplex and POT's loops are serial, and threads inside one process left cores idle
+(or, mixed with processes, oversubscribed them: GW's BLAS ran up to 50x slower).
 """
 
 from __future__ import annotations
@@ -75,8 +71,7 @@ def _executor(workers: int, n_tokens: int, layers: int) -> tuple[Executor, int]:
 
 
 def _single_threaded() -> None:
-    """Worker set-up: one BLAS thread (the workers already fill the cores), and POT without its torch backend,
-    whose import costs a worker seconds and is never used on numpy arrays."""
+    """Worker set-up: one BLAS thread, and POT without its torch backend (seconds to import, unused on numpy)."""
     os.environ.setdefault("POT_BACKEND_DISABLE_PYTORCH", "1")
     from threadpoolctl import threadpool_limits
 
@@ -128,12 +123,8 @@ def profile_layer(before: np.ndarray, after: np.ndarray, received: np.ndarray | 
 
 def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list[float] | None = None) -> dict:
     """JSON-able profile: {"layers", "n_tokens", "d_model", "hyperbolic_radius", "stats": {statistic: {geometry:
-    [per-layer work]}}, "intrinsic_dim", "sensitivity", "sensitivity_eps", "timings": {phase: seconds}, "methods"}.
-
-    Timings: seconds spent per phase of the measurement summed over layers, in whichever process ran the layer;
-    "topo" includes the diagram distances' seconds ("topo_w2", a part of "topo"), so with several workers the phases
-    can sum to more than "wall".
-    """
+    [per-layer work]}}, "intrinsic_dim", "sensitivity", ..., "timings": {phase: seconds summed over layers, "topo"
+    including its part "topo_w2"}, "methods"}."""
     radius = cfg.hyperbolic_radius
     layers = clouds.layers
     backend = vr_backend(cfg.vr_backend)
@@ -150,19 +141,10 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
             timer.add(name, seconds)
     timer.add("wall", time.perf_counter() - wall)
     stats = {s: {g: [r["stats"][s][g] for r in results] for g in GEOMETRIES} for s in STATISTICS}
-    return {
-        "layers": layers,
-        "n_tokens": clouds.n_tokens,
-        "d_model": int(clouds.before.shape[2]),
-        "hyperbolic_radius": radius,
-        "n_sequences": clouds.n_sequences,
-        "stats": stats,
-        "gw_start": {g: [r["gw_start"][g] for r in results] for g in GEOMETRIES},
-        "gw_starts": cfg.gw_starts,
-        "vr_backend": backend,
-        "intrinsic_dim": [r["intrinsic_dim"] for r in results],
-        "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
-        "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None,
-        "timings": timer.seconds,
-        "methods": METHODS,
-    }
+    return {"layers": layers, "n_tokens": clouds.n_tokens, "d_model": int(clouds.before.shape[2]),
+            "hyperbolic_radius": radius, "n_sequences": clouds.n_sequences, "stats": stats,
+            "gw_start": {g: [r["gw_start"][g] for r in results] for g in GEOMETRIES}, "gw_starts": cfg.gw_starts,
+            "vr_backend": backend, "intrinsic_dim": [r["intrinsic_dim"] for r in results],
+            "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
+            "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None, "timings": timer.seconds,
+            "methods": METHODS}

@@ -28,20 +28,13 @@ def gromov_wasserstein(d_before: np.ndarray, d_after: np.ndarray, starts: str = 
 
 
 def gromov_wasserstein_starts(d_before: np.ndarray, d_after: np.ndarray, starts: str = "identity") -> tuple[float, str]:
-    """GW_2 and the start it was reached from: the solve from the identity coupling, and with `starts="both"` also
-    the solve from POT's default start (the product coupling), the lower kept.
+    """GW_2 = 1/2 (min_T sum_ijkl (D_X[i,k] - D_Y[j,l])^2 T_ij T_kl)^(1/2) and the start it was reached from: the
+    identity coupling I/n, and with `starts="both"` also POT's default product start, the lower kept.
 
-    GW_2 = 1/2 (min_T sum_ijkl (D_X[i,k] - D_Y[j,l])^2 T_ij T_kl)^(1/2), so it is in the units of the distances.
-    Both matrices are divided by one shared scale (the larger of their mean entries) before solving and the result
-    multiplied back: the solver sees entries of order 1 whatever the geometry, and a uniform scaling of one cloud
-    still shows up as distortion (raw geometry), which normalising each matrix by its own scale would hide.
-
-    In high dimensions the GW objective is nearly flat and conditional gradient from POT's default start can stop at
-    a poor local optimum (14x above the identity's cost on one synthetic cloud; 3-10x above it in every layer and
-    geometry of benchmarks/geometry_bench.py, which checks this on every run). Tokens correspond, so the identity
-    coupling I/n is the natural start: the result is never worse than the distortion of the correspondence itself.
-    The product start costs as much as the rest of the profile together and has never given the lower value, so it
-    is the opt-in `starts="both"`.
+    Both matrices are divided by one shared scale (the larger mean) and the result multiplied back, so the solver
+    sees entries of order 1 and a uniform scaling of one cloud still counts as distortion. Tokens correspond, so I/n
+    is the natural start; from the product start conditional gradient stopped 3-14x higher on the benchmark's clouds
+    (benchmarks/geometry_bench.py), at the cost of the rest of the profile, hence opt-in.
     """
     n = d_before.shape[0]
     scale = max(float(d_before.mean()), float(d_after.mean()))
@@ -53,8 +46,7 @@ def gromov_wasserstein_starts(d_before: np.ndarray, d_after: np.ndarray, starts:
         import ot
 
         weights = np.full(n, 1.0 / n)
-        # gromov_wasserstein's log holds the same value gromov_wasserstein2 returns, without the two extra n^3
-        # products gromov_wasserstein2 spends on gradients for autodiff backends.
+        # gromov_wasserstein's log holds gromov_wasserstein2's value without its two extra n^3 gradient products
         _, log = ot.gromov.gromov_wasserstein(c_before, c_after, weights, weights, "square_loss", log=True)
         losses["product"] = float(log["gw_dist"])
     start = min(losses, key=losses.get)
@@ -64,12 +56,9 @@ def gromov_wasserstein_starts(d_before: np.ndarray, d_after: np.ndarray, starts:
 def _gw_loss_from_identity(c_before: np.ndarray, c_after: np.ndarray) -> float:
     """The GW loss POT's conditional gradient reaches from the identity coupling I/n.
 
-    The solver's first step solves the linear program of the loss's gradient at I/n; when that program's solution is
-    I/n itself (the identity is a stationary point: no coupling decreases the linearised loss), the direction is
-    zero, the loss does not change and the solver stops at I/n. That first step is taken here with POT's own
-    gradient and LP solver, and then the loss of I/n is returned in closed form, mean_ik (C_X[i,k] - C_Y[i,k])^2,
-    which is exact where the solver's expansion of it cancels to ~1e-16 instead of 0; a full solve costs 2-3x more
-    (one line search and loss evaluation per iteration). Otherwise the full solve runs from I/n, as before.
+    Its first step (POT's own gradient and LP) is taken here: when the LP's solution is I/n itself, the solver would
+    stop there, and the loss of I/n is returned in closed form, mean_ik (C_X[i,k] - C_Y[i,k])^2 (exact, and 2-3x
+    cheaper than the solve). Otherwise the full solve runs from I/n.
     """
     import ot
     from ot.gromov._utils import gwggrad, init_matrix
@@ -88,8 +77,7 @@ def _gw_loss_from_identity(c_before: np.ndarray, c_after: np.ndarray) -> float:
 
 
 def vr_backend(choice: str = "auto") -> str:
-    """The Vietoris-Rips backend to use: giotto-ph (AGPL, an optional extra) for `auto` when it is installed,
-    else ripser (MIT, always installed)."""
+    """The Vietoris-Rips backend: for `auto` giotto-ph (AGPL, an optional extra) when installed, else ripser."""
     if choice != "auto":
         return choice
     try:
@@ -100,19 +88,14 @@ def vr_backend(choice: str = "auto") -> str:
 
 
 def h1_diagram(distances: np.ndarray, threads: int = 2, backend: str = "auto") -> np.ndarray:
-    """Degree-1 persistence diagram (k, 2) of the Vietoris-Rips filtration on a distance matrix, exactly the
-    diagram of the full filtration (every H1 bar dies, no infinite points), computed on a truncated one.
+    """Degree-1 persistence diagram (k, 2) of the full Vietoris-Rips filtration on a distance matrix (every bar
+    finite), rows sorted by (birth, death) so ripser and giotto-ph (same bars in float32; edge collapse off, 100x
+    slower here) return the same array.
 
-    ripser and giotto-ph run the same algorithm in float32 and find the same bars bit for bit, listed in different
-    orders; the rows are sorted by (birth, death), so the two return the same array. giotto-ph is multithreaded. Its edge collapse is left off: on transformer-like clouds it made giotto-ph 100x slower.
-
-    The filtration is cut at a threshold t and the cut is certified, so the diagram is the full one:
-    - no bar of positive length is born above `h1_birth_bound` (every longer edge closes a triangle at its own
-      length), so every bar is born at or below t when t is at least that bound;
-    - a bar born at or below t is exact in the truncated filtration unless it dies above t, when it comes back
-      infinite; then t is raised (the number of edges doubled) and the run repeated, up to the full filtration.
-    The bars end by the 10-30th percentile of the distances on the benchmark's clouds, so the cut leaves 10-30 %
-    of the edges and far fewer triangles: Ripser ran 4-13x faster, diagrams identical.
+    It is computed on a filtration cut at t, and the cut certified: no bar of positive length is born above
+    `h1_birth_bound`, and a bar born at or below t is exact unless it dies above t, when it comes back infinite and
+    the run is repeated with twice the edges. On the benchmark's clouds the cut keeps 10-30 % of the edges: 4-13x
+    faster, diagrams identical.
     """
     backend = vr_backend(backend)
     d32 = np.asarray(distances, dtype=np.float32)  # the values both backends filter by
@@ -145,14 +128,9 @@ def _vr_h1(d32: np.ndarray, threshold: float, threads: int, backend: str) -> np.
 
 def h1_birth_bound(d32: np.ndarray, candidates: int = 4, block: int = 64) -> float:
     """The length of the longest edge {u, v} with no witness w, d(u, w) < d(u, v) and d(v, w) < d(u, v): no H1 bar
-    of positive length is born above it.
-
-    With a witness, the triangle uvw enters the filtration at d(u, v) itself, right after the edge (it is the
-    triangle's strictly longest edge): the cycle the edge closes is a boundary at once, the edge is paired with a
-    triangle of its own length, and the bar it would start has length zero (neither backend reports those).
-    Computed in float32, the values the backends filter by, so ties are the backends' ties. Witnesses are looked
-    for among each vertex's `candidates` nearest neighbours first (n^2 x 4 comparisons: they witness nearly every
-    long edge), then among all vertices for the edges left.
+    of positive length is born above it (with a witness the triangle uvw enters with the edge, whose bar has length
+    zero). In float32, so ties are the backends'. Witnesses are looked for among each vertex's `candidates` nearest
+    neighbours first, then among all vertices for the edges left.
     """
     n = len(d32)
     near = np.argpartition(d32, min(candidates, n - 1), axis=1)[:, : candidates + 1]
@@ -176,13 +154,10 @@ def h1_birth_bound(d32: np.ndarray, candidates: int = 4, block: int = 64) -> flo
 
 
 def twonn_dimension(distances: np.ndarray, discard: float = 0.1) -> float:
-    """Intrinsic dimension by TwoNN (Facco, d'Errico, Rodriguez, Laio 2017, Sci. Rep. 7:12140).
-
-    mu_i = r2_i / r1_i (second over first nearest-neighbour distance) is Pareto with exponent d on a locally
-    uniform d-dimensional manifold, so -log(1 - F(mu)) = d log(mu): d is the slope of a least-squares fit through
-    the origin, after discarding the largest `discard` fraction of mu as the paper does (they come from
-    neighbourhoods too sparse for the local uniformity assumption). Points with a duplicate (r1 = 0, e.g. the same
-    token at the same position in two sequences) carry no ratio and are left out.
+    """Intrinsic dimension by TwoNN (Facco, d'Errico, Rodriguez, Laio 2017, Sci. Rep. 7:12140): mu_i = r2_i / r1_i is
+    Pareto with exponent d on a locally uniform d-manifold, so d is the slope of -log(1 - F(mu)) on log(mu) through
+    the origin, the largest `discard` fraction of mu left out as in the paper, and points with a duplicate (r1 = 0)
+    too.
     """
     d = np.array(distances, dtype=np.float64)
     np.fill_diagonal(d, np.inf)
