@@ -1,14 +1,9 @@
 """How a decay branch waits for its trunk (study.plan.branches).
 
-A branch can start once its trunk's checkpoint at its branch step is complete, while the trunk trains on: a SLURM
-dependency on the trunk's job would hold it until the trunk ends. So a branch whose trunk has not reached its step is
-submitted held (`sbatch --hold`: pending, never started, `JobHeldUser`), and the trunk's own job releases it
-(`scontrol release`) right after writing that checkpoint. A relaunch releases every held branch whose checkpoint
-exists (a trunk killed between its checkpoint and the release), so none waits for a step already written. Locally,
-the launch runs the trunks' stage before the branches' stage, so every branch finds its checkpoint at its start. A
-branch whose start no trunk job will write (the trunk trained past it without keeping it, or diverged before it) is
-a dead end, never submitted: the launch says why and how to repair it (study.launch.run_state).
-"""
+A branch starts from its trunk's checkpoint at its branch step while the trunk trains on, so a SLURM dependency on
+the trunk's job (held until the trunk ends) will not do: a branch whose start is not written yet is submitted held
+(`sbatch --hold`), and the trunk's job releases it (`scontrol release`) right after writing that checkpoint; a
+relaunch releases those whose start exists (a trunk killed before releasing). Locally the trunks' stage runs first."""
 
 from __future__ import annotations
 

@@ -2,12 +2,9 @@
 cluster preset the study will run on; the measured tokens/s (and MFU on GPUs) go to the tracking store, where
 `study plan` reads them for its GPU-hours (study/plan/throughput.py).
 
-A calibration job is an ordinary training job of a copy of one run of that shape: same model, batch, precision and
-devices, `steps` steps, no evaluation, in the MLflow experiment `study-calibration` and the run directory
-`<runs>/study-calibration/<key>`. Its figure is the median of the logged `train/tokens_per_s` after the first
-`WARMUP_FRACTION` of the steps (allocation, compilation and cache warm-up are not the steady state). A shape already
-calibrated on that profile is not submitted again (`--again` measures anew).
-"""
+A calibration job trains a copy of one run of that shape (same model, batch, precision and devices) for `steps` steps
+without evaluation, in the MLflow experiment and run folder `study-calibration`. Its figure is the median logged
+`train/tokens_per_s` after the warm-up. A shape calibrated on that preset is not submitted again unless `--again`."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from study.plan.throughput import (CALIBRATION_EXPERIMENT, MFU, PER_DEVICE, TAG_
 from study.schema import RunDir, submitit_dir
 
 WARMUP_FRACTION = 0.25
+"""The first steps left out of the figure: allocation, compilation and cache warm-up are not the steady state."""
 MIN_STEPS = 8
 """Fewer steps leave too few logged points after warm-up for a median."""
 
@@ -58,10 +56,11 @@ def calibration_specs(experiment: str, overrides: list[str], steps: int) -> list
 def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: bool = False,
               echo: Callable[[str], None] = print) -> dict[str, float]:
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
-    from study.launch.scheduler import check_slurm, outside_allocation
     from study.launch.executor import build_executor
     from study.launch.kinds import JobKind
-    from study.launch.local import check_local_layout
+    from study.launch.local import check_local_layout, failure_reason
+    from study.launch.scheduler import check_slurm, outside_allocation
+    from study.track.store import retire_runs
 
     specs = calibration_specs(experiment, overrides, steps)
     cluster = specs[0].config.cluster
@@ -76,9 +75,6 @@ def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: boo
             figure = done[shape_key(spec)][cluster.name]
             echo(f"  calibrated  {spec.name}: {figure.tokens_per_s_per_device:,.0f} tokens/s per device")
     if todo:
-        from study.launch.local import failure_reason
-        from study.track.store import retire_runs
-
         for spec in todo:
             if again:  # a fresh measurement, not a resumed one, and the only run of its key
                 shutil.rmtree(spec.run_dir.path, ignore_errors=True)

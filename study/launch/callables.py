@@ -1,13 +1,9 @@
 """What a launched job runs: the data preparation of a shard entry, training (then evaluation) of one run, the
 geometry profile of a reference run (each job kind names its class: study.launch.kinds).
 
-The callables are pickled by submitit and executed on the cluster node (or as a local process). Each holds only its
-run directory and reads the run spec there when it starts; a scheduled run's spec is completed from its
-reference's profile here, once, and written back before training. Preemption: the
-training loop saves a checkpoint when SIGUSR2/SIGTERM arrives (agreed across ranks), then rank 0 requeues the SLURM
-job while requeues remain; a plain `scontrol requeue` or node failure restarts the job, which resumes from its
-latest complete checkpoint.
-"""
+submitit pickles a callable and runs it on the node (or as a local process); it holds only its run directory and
+reads the run spec there. On SIGUSR2/SIGTERM the training loop saves a checkpoint, then rank 0 requeues the SLURM job
+while requeues remain; a requeued or restarted job resumes from its latest complete checkpoint."""
 
 from __future__ import annotations
 
@@ -65,11 +61,9 @@ class TrainJob(submitit.helpers.Checkpointable):
         outcome = train(spec, at_branch_start=_branch_releaser(spec))
         teardown()
         if outcome.status == "PREEMPTED":
-            if "TERM" in (outcome.reason or ""):
-                # SLURM itself is cancelling or requeueing the job: the checkpoint is saved, the decision is SLURM's
-                sys.exit(-1)
-            if _requeue_self(spec.config.cluster.max_requeues):
-                # exit without a result, as submitit does itself after a requeue: the job runs again
+            # the checkpoint is saved: on a TERM, SLURM itself cancels or requeues the job; once requeued here, exit
+            # without a result, as submitit does itself after a requeue
+            if "TERM" in (outcome.reason or "") or _requeue_self(spec.config.cluster.max_requeues):
                 sys.exit(-1)
             raise RuntimeError(f"run {spec.key} was stopped ({outcome.reason}) and cannot be requeued")
         if outcome.status == "FAILED":

@@ -1,9 +1,6 @@
 """The kinds of job study submits, one word each (`JobKind`): what a job of that kind is given (`Resources`), what
-it calls, and what one job works on (`Unit`). A launch's stages, the executor, the job journal and `study status`'s
-scheduler view all read a job's kind from here, so a kind is added in one place, whole.
-
-A kind's word is what a person reads (`stage train: ...`), the end of its SLURM job name (`<experiment>-train`) and
-the `stage` field of its entries in the job journal (`_launch/jobs.jsonl`): the words journals already hold."""
+it calls, and what one job works on (`Unit`): a kind is added here, in one place, whole. A kind's word is what a
+person reads (`stage train: ...`), the end of its SLURM job name and the `stage` field of its job journal entries."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class Resources(Enum):
     """One CPU-only task with `cluster.prepare_cpus` on `cluster.prepare_partition` (else the preset's own): no GPU
     waits on tokenisation."""
     controller = "one CPU"
-    """One CPU, no GPU, 4 GB, for as long as the preset lets a job run (a requeue replays it): a job that launches
-    others."""
+    """One CPU, no GPU, 4 GB, for as long as the preset lets a job run: a job that launches others."""
 
     def of(self, cluster: ClusterConfig) -> ClusterConfig:
         """The preset as a job given these resources sees it."""
@@ -110,5 +106,5 @@ class JobKind(StrEnum):
 
 
 RUN_KINDS = tuple(k for k in JobKind if k.unit is Unit.run)
-"""Kinds whose jobs belong to one run each (journal key `<prefix><run key>`); a tuple, so asking it of whatever a
-damaged journal entry holds (a list) is an answer, not a TypeError."""
+"""Kinds whose jobs belong to one run each (journal key `<prefix><run key>`); a tuple, so `in` answers for whatever
+a damaged journal entry holds (a list), never a TypeError."""

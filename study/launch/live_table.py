@@ -1,9 +1,6 @@
 """One live table across the runs of a local launch (`study launch cluster=local`, `study demo`): each run's state,
-step of total, loss, tokens/s and ETA, read from the progress.json its trainer replaces at every logged step.
-
-On a terminal the table redraws in place; into a pipe or a file there is no animation, only the launcher's plain
-`done` / `FAILED` lines, so logs stay readable.
-"""
+step of total, loss, tokens/s and ETA, read from the progress.json its trainer replaces at every logged step. It
+redraws only on a terminal: a pipe or a file gets the launcher's plain `done` / `FAILED` lines."""
 
 from __future__ import annotations
 
@@ -40,12 +37,9 @@ class LiveTable:
         """(run, state, step, loss, tokens/s, ETA) per run, as shown."""
         out = []
         for run in self.runs:
-            figures = _read(run)
-            state = self.states[run.key]
-            if figures is None:
-                out.append((run.name, state, "-", "-", "-", "-"))
-                continue
-            out.append((run.name, state, f"{figures['step']}/{figures['max_steps']}", f"{figures['loss']:.4f}",
+            figures, state = _read(run), self.states[run.key]
+            out.append((run.name, state, "-", "-", "-", "-") if figures is None else
+                       (run.name, state, f"{figures['step']}/{figures['max_steps']}", f"{figures['loss']:.4f}",
                         f"{figures['tokens_per_s']:,.0f}",
                         "-" if state in (DONE, FAILED) else _duration(figures.get("eta_s"))))
         return out

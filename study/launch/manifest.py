@@ -1,9 +1,6 @@
 """The launch manifest: what `study launch` launched (experiment, overrides, every run key), so `study status`,
-`study report` and a relaunch find the launched runs without the user repeating the overrides.
-
-Kept twice: appended to <runs>/<experiment>/_launch/manifest.jsonl (one line per launch) and, for the latest launch,
-in the MLflow experiment's tags (readable from any machine that sees the tracking server).
-"""
+`study report` and a relaunch find the launched runs without the user repeating the overrides. Kept twice: a line
+per launch in <runs>/<experiment>/_launch/manifest.jsonl, and the latest launch in the MLflow experiment's tags."""
 
 from __future__ import annotations
 
@@ -22,15 +19,14 @@ def manifest_path(runs_root: str | Path, experiment: str) -> Path:
 def write_manifest(runs_root: str | Path, experiment: str, overrides: list[str], keys: list[str],
                    tracking_uri: str = "", extra_seeds: dict | None = None) -> None:
     from study.config.secrets import redact
+    from study.track.query import write_manifest_tags
+    from study.track.store import check_answers, get_or_create_experiment, mlflow_client, resolve_tracking_uri
 
     # the masked form, here and in the MLflow tags: an override may carry a secret (`cluster.setup=[...--token X]`)
     entry = {"experiment": experiment, "overrides": redact(list(overrides)), "keys": list(keys), "time": time.time()}
     if extra_seeds:
         entry["extra_seeds"] = extra_seeds  # seeds an adaptive launch added, per scale and variant
     path = manifest_path(runs_root, experiment)
-    from study.track.query import write_manifest_tags
-    from study.track.store import check_answers, get_or_create_experiment, mlflow_client, resolve_tracking_uri
-
     uri = resolve_tracking_uri(tracking_uri)
     check_answers(uri)  # before the line is written: a launch refused for its store leaves no manifest behind
     append_lines(path, [entry])
