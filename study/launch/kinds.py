@@ -59,10 +59,7 @@ class JobKind(StrEnum):
     def __new__(cls, word: str, resources: Resources, calls: str, unit: Unit, prefix: str = ""):
         kind = str.__new__(cls, word)
         kind._value_ = word
-        kind.resources = resources
-        kind.calls = calls
-        kind.unit = unit
-        kind.prefix = prefix
+        kind.resources, kind.calls, kind.unit, kind.prefix = resources, calls, unit, prefix
         return kind
 
     prepare = "prepare", Resources.preparation, "study.launch.callables:PrepareJob", Unit.shards

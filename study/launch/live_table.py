@@ -77,9 +77,8 @@ _FIGURES = {"step": COUNT, "max_steps": COUNT, "loss": _LOSS, "tokens_per_s": NU
 def _read(run: RunSpec) -> dict | None:
     """The run's latest figures; None (shown as unknown) while it has none, or holds what is not its figures: the
     trainer replaces the file at its next logged step, so a damaged one is never a reason to stop the launch."""
-    path = run.run_dir.progress  # a link in its place is refused, as everywhere in a run directory
     try:
-        figures = read_json(path, "")
+        figures = read_json(run.run_dir.progress, "")  # a link in its place is refused, as everywhere in a run folder
     except StudyError:
         return None
     return None if shape_problem(figures, _FIGURES) else figures

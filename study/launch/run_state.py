@@ -6,8 +6,7 @@ and who trains the run now (a live process holds its lease); the scheduler (the 
 queued, running or can never start. MLflow mirrors the run directory: where they disagree the run directory wins and
 the disagreement is named. `study launch`, `study status` and `--until-decided` all ask here, so they cannot answer
 differently. A run no job can train (a dead end: its job would fail the same way at every launch) is never submitted,
-and its answer names the one command that repairs it.
-"""
+and its answer names the one command that repairs it."""
 
 from __future__ import annotations
 
