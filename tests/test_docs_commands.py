@@ -7,7 +7,7 @@ the docs quote goes through the real parser and composer.
 WAYS maps each command's pattern to how it runs:
 
 - in full: `study plan ...` and `study launch ... --dry-run` (a second each, nothing trained or submitted), and the
-  lm-eval block of docs/USAGE.md (`TASKS=...`, `python -m study.eval ...`, `lm_eval ...`) on a 6-step tiny run this
+  lm-eval block of docs/USAGE.md (`python -m study.eval ...`, `lm_eval ...`) on a 6-step tiny run this
   module trains, its key for KEY (20 documents);
 - by its plan: `study demo` (6 minutes of training) as the two steps it takes before training, `study plan demo
   cluster=local` and `study launch demo cluster=local --dry-run`, against the runs the README says it trains; a
@@ -41,7 +41,6 @@ SHELL = {"bash", "sh", "shell", "console"}
 NOT_COMMANDS = {"text", "python", "yaml", "json", "toml"}
 """Fenced blocks that hold no commands: diagrams, code, config files."""
 VENV_BIN = ROOT / ".venv" / "bin"
-ASSIGNMENT = re.compile(r"([A-Z_]+)=\$\(.*\)")
 DEMO_ARMS = {"conventional", "hourglass", "tapered"}
 
 
@@ -187,17 +186,8 @@ def script_by_its_file(command: Command, user: User) -> None:
     assert [f for f in command.args[1:] if f.startswith("--") and f not in path.read_text()] == []
 
 
-def runs_before_the_commands_after_it(command: Command, user: User) -> None:
-    """With its block: a later command of the block uses the variable, and runs after it in the same shell."""
-    (name,) = ASSIGNMENT.fullmatch(command.text).groups()
-    later = command.block[command.block.index(command.text) + 1:]
-    assert any(f"${name}" in text for text in later), f"{name} is set and never used"
-    done = user.run(f"{command.text}\necho \"${name}\"")
-    assert done.rc == 0 and done.out.strip(), done.err[-3000:]
-
-
 def lm_eval_on_a_trained_run(command: Command, user: User) -> None:
-    """In full, in the folder a tiny run trained in, KEY its key, after the block's assignments: lm-eval's results
+    """In full, in the folder a tiny run trained in, KEY its key: lm-eval's results
     table scores `arc_easy_local`. `lm_eval ...` stands for the same arguments; on the lm-eval release the guide says
     is installed, that reads no plugins, the error it ends on is the refusal the guide quotes (0.4.13 raises "Unknown
     model" first, inside the traceback, then "no model for this name found")."""
@@ -206,8 +196,10 @@ def lm_eval_on_a_trained_run(command: Command, user: User) -> None:
     if text.endswith("--model_args ..."):
         (full,) = [t for t in command.block if t.startswith("python -m study.eval ")]
         text = text.removesuffix("...") + full.split("--model_args ", 1)[1]
-    prelude = [t for t in command.block if ASSIGNMENT.fullmatch(t)]
-    done = user.run("\n".join([*prelude, text.replace("run=KEY", f"run={key}")]), folder)
+        from study.config.tasks import LOCAL_TASK_DIR
+
+        text += f" --include_path {LOCAL_TASK_DIR}"  # the guide: `lm_eval` itself needs the shipped tasks named
+    done = user.run(text.replace("run=KEY", f"run={key}"), folder)
     if text.startswith("lm_eval "):
         from importlib.metadata import version
 
@@ -226,7 +218,6 @@ WAYS = [
     (r"study plan \S+( .*)?", run_plan),
     (r"study launch \S+ (.* )?--dry-run( .*)?", run_dry_launch),
     (r"study launch (?!.*--dry-run)\S+( .*)?", launch_by_its_dry_run),
-    (ASSIGNMENT.pattern, runs_before_the_commands_after_it),
     (r"python -m study\.eval .*", lm_eval_on_a_trained_run),
     (r"lm_eval --model study --model_args \.\.\.", lm_eval_on_a_trained_run),
 ]

@@ -2,9 +2,10 @@
 older ignore the `lm_eval.models` entry point in pyproject.toml, so `lm_eval --model study` alone is unknown there):
 
     python -m study.eval --model study --model_args run=KEY,tracking_uri=sqlite:///path/mlflow.db \\
-        --tasks arc_easy_local --include_path study/eval/tasks --limit 20
+        --tasks arc_easy_local --limit 20
 
-It scores only (lm-eval prints or writes the results); `study eval` records them with the run.
+The shipped offline tasks' folder is lm-eval's `--include_path` unless the command names one. It scores only
+(lm-eval prints or writes the results); `study eval` records them with the run.
 """
 
 from __future__ import annotations
@@ -14,10 +15,21 @@ import sys
 from study.errors import StudyError
 
 
+def with_shipped_tasks(argv: list[str]) -> list[str]:
+    """lm-eval's arguments, with the shipped offline tasks (`*_local`) as `--include_path` where none is given: the
+    folder is inside the installed package, which a user outside the checkout cannot name by a relative path."""
+    from study.config.tasks import LOCAL_TASK_DIR
+
+    if any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+        return argv
+    return [*argv, "--include_path", str(LOCAL_TASK_DIR)]
+
+
 def main() -> int:
     import study.eval.harness  # noqa: F401  (registers `--model study`)
     from lm_eval.__main__ import cli_evaluate
 
+    sys.argv[1:] = with_shipped_tasks(sys.argv[1:])
     try:
         cli_evaluate()  # reads sys.argv, as `lm_eval` does
     except StudyError as error:
