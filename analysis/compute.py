@@ -1,11 +1,7 @@
-"""Effective compute: how many times a variant's training compute the baseline needs to reach the variant's loss.
-
-Each variant's final loss is fitted against its training compute with :mod:`analysis.scaling`'s fits (the same draws
-for every variant), and ``k(C) = C_base(L_variant(C)) / C``, read at each scale's median compute and at the centre of
-the fitted range. Compute is each run's ``resolved.flops_per_token`` x ``recipe.tokens``, or 6 N D for every run when
-any lacks them (one rule for all: 6 N D leaves out attention FLOPs, which differ between arms). The interval of k is
-the percentile interval of its paired draws from :data:`analysis.decide.BOOTSTRAP_MIN_N` seeds, their range below, a
-draw whose baseline never reaches the loss counting as infinite. analysis/README.md ("Effective compute") has the rest.
+"""Effective compute: how many times a variant's training compute the baseline needs to reach the variant's loss,
+``k(C) = C_base(L_variant(C)) / C`` from :mod:`analysis.scaling` fits of final loss against training compute (each
+run's FLOPs per token x tokens, or 6 N D for every run when any lacks them), read at each scale and at the centre of
+the fitted range, with the interval of its paired bootstrap draws. analysis/README.md ("Effective compute").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The decision table: one verdict per (scale, variant, metric) that a study can act on, on the paired deltas of
-:mod:`analysis.paired`. *better* / *worse* when the paired t test rejects "no difference" after the family's
-correction (Holm over the primary family, every variant x scale on the primary metric; Benjamini-Hochberg over the
-secondary metrics), *equivalent* when TOST shows the delta inside the declared margin after the same correction,
-else *undecided* with the seeds that would probably decide it. Beside each verdict stands the t interval it agrees
-with, at the level the correction tested the row at (:func:`adjusted_interval`). The sign-flip and Wilcoxon p
-(0.0625 at best with 5 pairs) are shown, never decide; the bootstrap is shown from :data:`BOOTSTRAP_MIN_N` pairs.
+"""The decision table: one verdict per (scale, variant, metric) on the paired deltas (:mod:`analysis.paired`).
+*better* / *worse* when the paired t test rejects after the family's correction (Holm over the primary family, BH over
+the secondary metrics), *equivalent* when TOST does, else *undecided* with the seeds that would probably decide it;
+beside it the t interval it agrees with (:func:`adjusted_interval`). analysis/README.md ("Deciding") says why.
 """
 
 from __future__ import annotations
@@ -54,13 +51,11 @@ class Decision(JsonRecord):
     sd_delta: float
     """Sample sd (ddof=1) of the deltas."""
     ci_low: float
-    """Lower end of the paired t interval at 1 − alpha."""
+    """ci_low and ci_high: the paired t interval at 1 − alpha."""
     ci_high: float
-    """Upper end of the paired t interval at 1 − alpha."""
     adj_ci_low: float
-    """Lower end of the multiplicity-adjusted t interval (:func:`adjusted_interval`): the interval the verdict uses."""
+    """adj_ci_low and adj_ci_high: the multiplicity-adjusted t interval the verdict uses (:func:`adjusted_interval`)."""
     adj_ci_high: float
-    """Upper end of the multiplicity-adjusted t interval."""
     p_t: float
     """Two-sided paired t p (:func:`study.plan.paired_t.paired_t`: scipy's t, as scipy.stats.ttest_rel)."""
     p_adjusted: float
@@ -88,9 +83,8 @@ class Decision(JsonRecord):
     reason: str
     """Why the verdict is what it is, in words."""
     boot_ci_low: float
-    """Bootstrap interval (descriptive), only from BOOTSTRAP_MIN_N pairs on."""
+    """boot_ci_low and boot_ci_high: the descriptive bootstrap interval, from BOOTSTRAP_MIN_N pairs on."""
     boot_ci_high: float
-    """Upper end of the descriptive bootstrap interval."""
     higher_is_better: bool
     """Direction of the metric."""
     alpha: float

@@ -198,10 +198,9 @@ def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Tabl
         "Wilcoxon p", "d_z", "P(improve)", "MDE (80%)", "TOST p (adj.)", "verdict", "seeds to decide"]
     body = []
     for d in rows:
-        level = 1 - d.alpha
         body.append(([d.metric] if with_metric else []) + [
             d.scale, d.variant, str(d.n), number(d.mean_delta, "+.4f"), _signed_pct(d.pct_delta),
-            f"{_ci(d.ci_low, d.ci_high)} ({level:.1%})" if math.isfinite(d.ci_low) else "—",
+            f"{_ci(d.ci_low, d.ci_high)} ({1 - d.alpha:.1%})" if math.isfinite(d.ci_low) else "—",
             _ci(d.adj_ci_low, d.adj_ci_high), _p(d.p_adjusted), _p(d.p_signflip), _p(d.p_wilcoxon),
             number(d.d_z, ".2f"), number(d.prob_improvement, ".0%"), number(d.mde),
             f"{_p(d.p_tost_adjusted)} (±{d.margin:g})" if d.margin is not None else "no margin",

@@ -47,9 +47,8 @@ class ItemDelta(JsonRecord):
     mean_delta: float
     """Mean over seeds and items of variant − baseline."""
     ci_low: float
-    """Lower end of the two-level bootstrap interval."""
+    """ci_low and ci_high: the two-level bootstrap interval."""
     ci_high: float
-    """Upper end of the two-level bootstrap interval."""
 
 
 def two_level_bootstrap(deltas: np.ndarray, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:

@@ -59,13 +59,11 @@ class PairedResult(JsonRecord):
     sd_delta: float
     """Sample standard deviation (ddof=1) of the deltas; NaN when n < 2."""
     ci_low: float
-    """Lower end of the paired t interval."""
+    """ci_low and ci_high: the paired t interval."""
     ci_high: float
-    """Upper end of the paired t interval."""
     boot_ci_low: float
-    """Lower end of the bootstrap interval over seeds (taken out to the mean where it misses it: `enclosing`)."""
+    """boot_ci_low and boot_ci_high: the bootstrap interval over seeds, taken out to the mean (`enclosing`)."""
     boot_ci_high: float
-    """Upper end of the bootstrap interval over seeds."""
     p_wilcoxon: float
     """Two-sided Wilcoxon signed-rank p; NaN when n < 2 or every delta is zero."""
     win_rate: float
@@ -96,9 +94,8 @@ class JointResult(JsonRecord):
     mean_delta: float
     """Mean over metrics of the mean delta."""
     boot_ci_low: float
-    """Lower end of the joint bootstrap interval (taken out to the mean where it misses it: `enclosing`)."""
+    """boot_ci_low and boot_ci_high: the joint bootstrap interval, taken out to the mean (`enclosing`)."""
     boot_ci_high: float
-    """Upper end of the joint bootstrap interval."""
     boot_method: str
     """``BCa``, ``percentile`` or ``none``."""
     seeds: list[int] = field(default_factory=list)
@@ -221,8 +218,7 @@ def _unpaired(run: pd.Series, reason: str, seed: int | None = None) -> UnpairedR
 
 
 def spread(deltas: np.ndarray) -> float:
-    """The deltas' sample sd, 0 when they are equal up to rounding (so no test reads rounding noise as spread); NaN
-    below 2 pairs."""
+    """The deltas' sample sd, 0 when equal up to rounding (no test reads rounding as spread); NaN below 2 pairs."""
     if len(deltas) < 2:
         return math.nan
     if np.allclose(deltas, deltas[0], rtol=1e-9, atol=1e-12):
@@ -257,8 +253,7 @@ def _summarise(scale: str, variant: str, baseline: str, metric: str, seeds: list
 
 
 def _bootstrap(per_seed: np.ndarray, n_resamples: int, seed: int) -> tuple[float, float, str]:
-    """The bootstrap interval of the mean over seeds: BCa where it is defined, percentile where it is degenerate,
-    nothing below two seeds."""
+    """The bootstrap interval of the mean over seeds: BCa where defined, else percentile; none below two seeds."""
     from scipy import stats
 
     def run(method: str):

@@ -167,8 +167,7 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
 
 
 def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
-    """One panel per arm with a surface, sharing the loss axis: its fitted loss along each scale's iso-FLOP line against
-    N, the compute-optimal N a dot, the planned run a cross."""
+    """One panel per arm: its fitted loss along each scale's iso-FLOP line against N, optimum ●, planned run ×."""
     variants = list(dict.fromkeys(i.variant for i in report.isoflops))
     optima = {(o.variant, o.scale): o for o in report.optima}
     fig, axes = _panels(len(variants), min(len(variants), 3), (4.4, 3.4), sharey=True)
@@ -215,8 +214,7 @@ def _shades(count: int) -> list:
 
 
 def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: str = "val/loss") -> Path:
-    """One panel per tune scale: final ``metric`` against peak LR per variant, each seed a point, the means joined, the
-    chosen LR dashed."""
+    """One panel per tune scale: final ``metric`` against peak LR per variant, means joined, the chosen LR dashed."""
     scales = list(dict.fromkeys(c.scale for c in curves))
     colors = variant_colors({c.variant for c in curves} | {baseline}, baseline)
     fig, axes = _panels(len(scales), len(scales), (5.2, 3.8))

@@ -64,8 +64,7 @@ class ProfileSection:
 
 
 def reference_profile_section(runs: pd.DataFrame, uri: str, out: Path) -> ProfileSection:
-    """The section for the experiment whose training runs are `runs` (analysis.run_table.read_runs), its figure written
-    to `out`; no blocks when no reference run was trained."""
+    """The section for the training runs `runs`, its figure written to `out`; empty when no reference run trained."""
     if "role" not in runs.columns or not (runs["role"] == Role.reference).any():
         return ProfileSection([], [], [])
     client = open_store(uri, required=True)

@@ -55,8 +55,7 @@ class PublishedDelta:
 
 
 def published_figures(experiment: str) -> Published | None:
-    """The experiment file's `published:` block; None without one or without the file (runs from elsewhere), and a
-    malformed block raises."""
+    """The experiment file's `published:` block; None without one or without the file; a malformed block raises."""
     from study.errors import StudyError
     from study.plan.experiment import load_experiment
 

@@ -1,12 +1,9 @@
 """Racing's decisions: at each decay-branch point (a *rung*) the arms still racing are decided on their branch
-endpoints as the final comparison decides them (paired seeds, :func:`analysis.decide.decide`, Holm over the arms still
-racing) at the rung's share of alpha, ``alpha * (t_r^rho - t_{r-1}^rho)`` with t_r the rung's tokens over the largest
-rung's; an arm decided worse (also equivalent, with ``stop_equivalent``) stops at that scale, the baseline never.
-Each (variant, scale) decided at a rung is one :class:`RungVerdict` (a stop is one whose ``stops`` is true), a line of
-``_launch/racing.jsonl``; the MLflow ``racing`` run holds :func:`race_record`. Rungs, costs and the simulated races a
-plan prices with are :mod:`study.plan.racing`; :func:`decide_ready` is what the launch calls when branches finish
-(:mod:`study.launch.racing`). Why the error rate holds, and what a stop saves: analysis/README.md ("Racing"). No
-MLflow or torch; pandas, scipy and the decision code are imported where a rung is decided.
+endpoints as the final comparison is decided, Holm over the arms still racing at the rung's share of alpha; an arm
+decided worse (also equivalent, with ``stop_equivalent``) stops at that scale. One :class:`RungVerdict` per verdict
+and stop, a line of ``_launch/racing.jsonl``; :func:`race_record` is the MLflow record; :func:`decide_ready` is what
+the launch calls (:mod:`study.launch.racing`). Rungs and costs: :mod:`study.plan.racing`; why the error rate holds:
+analysis/README.md ("Racing"). No MLflow or torch; pandas and scipy are imported where a rung is decided.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ class RungVerdict(JsonRecord):
     mean_delta: float
     """Mean of variant - baseline at this branch point."""
     ci_low: float
-    """Lower end of the paired t interval at 1 - alpha (this rung's alpha)."""
+    """ci_low and ci_high: the paired t interval at 1 - alpha (this rung's alpha)."""
     ci_high: float
-    """Upper end of that interval."""
     alpha: float
     """Alpha spent at this rung."""
     stops: bool

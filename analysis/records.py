@@ -26,8 +26,7 @@ def json_ready(value):
 
 
 class JsonRecord:
-    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready (NaN and infinity
-    become None)."""
+    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready."""
 
     UNRECORDED: ClassVar[tuple[str, ...]] = ()
 

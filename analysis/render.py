@@ -44,9 +44,7 @@ class Table:
     """A table of already formatted cells."""
 
     header: Sequence[str]
-    """Column titles."""
     rows: Sequence[Sequence[str]]
-    """Cells, row by row."""
 
 
 @dataclass(frozen=True)

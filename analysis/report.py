@@ -93,8 +93,7 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
 def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
             tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None
             ) -> Analysis:
-    """Read the runs and compute every comparison; no files are written. ``rule`` defaults to the experiment
-    file's `decision:` block."""
+    """Read the runs and compute every comparison (no files written); ``rule`` defaults to the experiment file's."""
     uri = resolve_tracking_uri(tracking_uri or "")
     study = run_table.read_study(experiment, uri)
     runs = study.runs

@@ -74,15 +74,10 @@ def read_runs(experiment: str, tracking_uri: str | None = None) -> pd.DataFrame:
 
 
 def read_study(experiment: str, tracking_uri: str | None = None) -> StudyRuns:
-    """Every training run of ``experiment`` (unfinished ones with their status) from one paged query, split into
-    tune runs, main runs at a tuned LR and main runs at the shared LR (:class:`StudyRuns`).
-
-    One row per run: its tags and params (:func:`_row`: identity, status, LR source, the recipe's sizes, a branch's
-    point and trunk, ``trunk_run_id``, the shared fields as JSON), then one column per final metric by its MLflow key.
-    Runs that are not training runs (report, group, untagged) and trunks are left out. With a launch manifest each
-    kind is the last launch's runs if it trained any of that kind, else all of it (so a later tuning launch keeps the
-    shared-LR runs for comparison). A run key's run is its oldest; runs of another key schema are left out and named
-    in the notes; when every decided run FAILED the StudyError says so.
+    """Every training run of ``experiment`` (one row each, :func:`_row`, unfinished ones too) from one paged query,
+    split into tune runs, main runs at a tuned LR and at the shared LR (:class:`StudyRuns`). With a launch manifest,
+    each kind is the last launch's runs if it trained any of that kind, else all of it; a run key's run is its oldest;
+    runs of another key schema are left out and named in the notes.
     """
     store = open_store(tracking_uri, required=True)
     exp_id = experiment_id(store, experiment)
@@ -290,8 +285,7 @@ def _first(values: Mapping[str, str], *keys: str) -> float:
 
 
 def trunk_links(runs: pd.DataFrame) -> dict[str, tuple[str, int]]:
-    """Run id of each decay branch among ``runs`` whose trunk's run the store holds -> (the trunk's run id, the step
-    the branch started from)."""
+    """Run id of each decay branch among ``runs`` whose trunk's run is stored -> (that run's id, the branch's start)."""
     if "trunk_run_id" not in runs.columns:
         return {}
     linked = runs[runs["trunk_run_id"].notna() & np.isfinite(runs["branch_step"].to_numpy(float))]

@@ -91,8 +91,7 @@ def seeds_to_decide(mean: float, sd: float, margin: float | None, alpha: float, 
 
 
 def seeds_phrase(seeds: int | None, n: int) -> str:
-    """"Seeds to decide" as every place shows it: the pairs in all and how many more than the ``n`` paired,
-    ``4 seed pairs (1 more)``."""
+    """"Seeds to decide" as every place shows it: ``4 seed pairs (1 more)`` than the ``n`` paired."""
     if seeds is None:
         return "no number of seed pairs in reach"
     return f"{seeds} seed pairs" + (f" ({seeds - n} more)" if seeds > n else "")

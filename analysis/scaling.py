@@ -1,10 +1,8 @@
-"""Loss-versus-size fits per variant, ``L(N) = E + A * N^(-alpha)``, and where two variants' fits cross; N is counted
-parameters, or training compute (:mod:`analysis.compute`). Besiroglu et al. (2024)'s corrections to Chinchilla's
-approach 3: a Huber loss (delta = 1e-3) of the log residuals from a grid of starts, in the centred form
-``E + exp(b - alpha (ln N - ln N_ref))`` (raw A is nearly collinear with alpha). Uncertainty is a seed-cluster
-bootstrap shared by every variant draw by draw (:func:`seed_draws`), so crossings come from paired draws. Seed noise
-leaves the Huber minimum flat between seeds, so every fit first sorts its points (:func:`in_order`) and is a function
-of the runs, not of their order. analysis/README.md ("Statistics") has the rest.
+"""Loss-versus-size fits per variant, ``L(N) = E + A * N^(-alpha)`` (N counted parameters, or training compute), and
+where two variants' fits cross: Besiroglu et al. (2024)'s Huber loss of log residuals from a grid of starts, in the
+centred form ``E + exp(b - alpha (ln N - ln N_ref))``, with a seed-cluster bootstrap every variant shares draw by
+draw (:func:`seed_draws`). Every fit first sorts its points (:func:`in_order`): seed noise leaves the Huber minimum
+flat, and row order would pick its point. analysis/README.md ("Statistics") has the rest.
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ class ScalingFit(JsonRecord):
     n_scales: int
     """Distinct scales among them."""
     n_min: float = math.nan
-    """Smallest observed N."""
     n_max: float = math.nan
-    """Largest observed N."""
     E: float = math.nan
     """Irreducible loss (0 for a pure power law)."""
     A: float = math.nan
@@ -102,9 +98,8 @@ class Crossing:
     sizes: list[float]
     """Sizes N in the searched range where the point fits are equal (empty: none in range)."""
     low: float = math.nan
-    """Lower end of the percentile interval of the first crossing over bootstrap draws that cross."""
+    """low and high: the percentile interval of the first crossing over the draws that cross."""
     high: float = math.nan
-    """Upper end of that interval."""
     share: float = math.nan
     """Share of bootstrap draws whose fits cross inside the range."""
     draws: int = 0

@@ -1,10 +1,8 @@
-"""Seeds added only where a comparison is still undecided, with error rates that survive looking after every round:
-a group-sequential procedure with Bonferroni alpha spending, look k at n_k pairs spending
-``alpha * (n_k - n_{k-1}) / max_seeds`` and deciding the whole primary family with Holm at that alpha; a verdict once
-reached is final, and only undecided comparisons get another seed pair. By the union bound the family-wise error over
-all looks is at most alpha whatever the stopping rule. :func:`until_decided` trains through ``execute`` and reads
-through ``read``, so it runs the same on real launches and on a noise model in tests; each look reads only the seeds
-planned up to it, so a rerun replays the finished looks exactly and carries on (analysis/README.md).
+"""Seeds added only where a comparison is still undecided (``study launch --until-decided``): a group-sequential
+procedure with Bonferroni alpha spending, each look deciding the primary family with Holm at its share of alpha, a
+verdict once reached final. :func:`until_decided` trains through ``execute`` and reads through ``read`` (real
+launches, or a noise model in tests); each look reads only the seeds planned up to it, so a rerun replays it.
+analysis/README.md ("Power before spending and adaptive seeds") has the argument.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Loss against parameters and training tokens per arm, ``L(N, D) = E + A / N^alpha + B / D^beta``, fitted to the
-endpoints of an experiment's finished decay branches (N counted parameters, D the branch's tokens, each seed a point;
-trunks never: a trunk's last loss is not the end of a schedule), and what the surfaces say at each scale's planned
-compute: the iso-FLOP line, the compute-optimal N and D, and the effective-compute multiplier k against the baseline.
-The fit and its seed-cluster bootstrap are :mod:`analysis.scaling`'s (draw i of every arm resamples the same seeds),
-the intervals :mod:`analysis.compute`'s. With fewer than :data:`MIN_SIZES` sizes each arm is fitted per scale as
-``L(D) = E + B / D^beta`` and k is read at the planned sizes. Compute is FLOPs from each arm's own runs, never tokens.
-analysis/README.md ("The L(N, D) surface") states the rules in full.
+"""``L(N, D) = E + A / N^alpha + B / D^beta`` per arm, fitted to the endpoints of an experiment's finished decay
+branches (each seed a point, trunks never), and what the surfaces say at each scale's planned compute: the iso-FLOP
+line, the compute-optimal N and D, and the effective-compute multiplier k against the baseline. With fewer than
+:data:`MIN_SIZES` sizes each arm is fitted per scale as ``L(D) = E + B / D^beta``. The fits and their bootstrap are
+:mod:`analysis.scaling`'s; compute is FLOPs, never tokens. analysis/README.md ("The L(N, D) surface") has the rules.
 """
 
 from __future__ import annotations

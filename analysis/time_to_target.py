@@ -1,12 +1,7 @@
-"""Time to target: the GPU-hours each arm needed to reach the baseline's final validation loss.
-
-At each scale the target of a seed's pair is the baseline run's final ``val/loss``; each run's GPU-hours to it are the
-first point of its validation curve at or below it (interpolated in steps), times its tokens per step, over its tokens
-per second per device (``study calibrate``'s measurement of its shape, else the median of its own
-``train/tokens_per_s``; one device where its spec is unreadable, said in the report). The throughput-adjusted verdict
-decides ln(GPU-hours) per seed pair as the primary family is decided (paired t, Holm over scale x variant). A run that
-never reaches the target counts its whole training's hours, a lower bound: it can make a variant *worse*, never
-*better*. analysis/README.md ("Time to target") has the rest.
+"""Time to target: the GPU-hours each arm needed to reach the final val/loss of the baseline run of its seed (along
+its validation curve, at its measured throughput), and the throughput-adjusted verdict on their log ratio, decided as
+the primary family is. A run that never reaches the target counts its whole training, a lower bound that can make a
+variant *worse*, never *better*. analysis/README.md ("Time to target") has the rules.
 """
 
 from __future__ import annotations
@@ -69,9 +64,8 @@ class TimeToTarget(JsonRecord):
     ratio: float
     """Geometric mean over pairs of variant / baseline GPU-hours (< 1: sooner); a lower bound when reached < n."""
     ci_low: float
-    """Lower end of the paired t interval of the ratio (at 1 - alpha, from the log ratios)."""
+    """ci_low and ci_high: the paired t interval of the ratio (at 1 - alpha, from the log ratios)."""
     ci_high: float
-    """Upper end of that interval."""
     p_adjusted: float
     """Holm-adjusted paired t p of the log ratio over the scale x variant family."""
     verdict: str

@@ -109,10 +109,6 @@ def tune_curves(tune: pd.DataFrame, main: pd.DataFrame, metric: str = "val/loss"
 def verdict_pairs(shared: Sequence[Decision], tuned: Sequence[Decision]) -> list[VerdictPair]:
     """Every comparison decided in both sets, in the tuned set's order, flagged where the verdict changes."""
     before = {(d.metric, d.scale, d.variant): d for d in shared}
-    pairs = []
-    for d in tuned:
-        s = before.get((d.metric, d.scale, d.variant))
-        if s is not None:
-            pairs.append(VerdictPair(d.metric, d.family, d.scale, d.variant, s.mean_delta, s.verdict, d.mean_delta,
-                                     d.verdict, s.verdict != d.verdict))
-    return pairs
+    return [VerdictPair(d.metric, d.family, d.scale, d.variant, s.mean_delta, s.verdict, d.mean_delta, d.verdict,
+                        s.verdict != d.verdict)
+            for d in tuned if (s := before.get((d.metric, d.scale, d.variant))) is not None]
