@@ -16,7 +16,6 @@ from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
-from study.launch.warm import shared
 from study.plan.planner import Plan
 
 
@@ -47,9 +46,10 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
-def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
-    """Laptop mode: stages run one after the other, `array_parallelism` processes at a time. A signal to the
-    launcher (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
+def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> list[Stage]:
+    """Laptop mode: stages run one after the other, each keeping `array_parallelism` processes busy (a job starts as
+    soon as another ends, so a short run never leaves a core idle behind a long one). A signal to the launcher
+    (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
     import signal
 
     parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
@@ -61,59 +61,52 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
         raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    warm = shared() if plan.runs[0].config.cluster.warm_start else None
     try:
         with LiveTable([r for stage in stages if not stage.on_shards for r in stage.runs]) as board:
             for stage in stages:
                 what = "shard entries to tokenise" if stage.on_shards else "runs"
                 echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
                 shown = not stage.on_shards  # the board follows runs
-                for indices in _chunks(stage, parallel):
-                    chunk = Stage(stage.kind, [stage.runs[i] for i in indices],
-                                  groups=[stage.groups[i] for i in indices] if stage.groups else [])
+                for rung in _rungs(stage):
                     if stage.kind is JobKind.branch and racing:
                         # the rungs this launch's branches completed are decided; a stopped arm's later branches
                         # are not trained
                         settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
                         stopped = stopped_keys(plan)
-                        for run in chunk.runs:
+                        for i in rung:
+                            run = stage.runs[i]
                             if run.key in stopped:
                                 board.mark(run.key, "stopped (racing)")
                                 echo(f"  skipped {run.key}  {run.name}: {stopped[run.key]}")
-                        chunk.runs = [r for r in chunk.runs if r.key not in stopped]
-                        if not chunk.runs:
-                            continue
-                    if stage.kind.trains:
-                        # a SLURM launch (or `study train`) since this launch began may have taken runs it had not
-                        # started yet
-                        queue = Queue(plan)
-                        # nor a branch whose trunk failed in this launch before writing its start
-                        chunk.runs = [r for r in chunk.runs if not queue.busy(r.key, r)
-                                      and not (stage.kind is JobKind.branch and queue.dead_end(r))]
-                        say_skipped(queue, echo)
-                        for key in queue.elsewhere:
-                            board.mark(key, "taken elsewhere")
-                        for key in queue.blocked:
-                            board.mark(key, "not submitted")
-                        if not chunk.runs:
-                            continue
-                    live[:] = submit_stage(plan, chunk, python=warm.python if warm else None)
-                    for run in chunk.runs if shown else []:
-                        board.mark(run.key, RUNNING)
-                    for run, line, job in zip(chunk.runs, stage_lines(chunk), live):
-                        try:
-                            job.results()  # every rank's: a job of several tasks has no single result
-                            if shown:
-                                board.mark(run.key, DONE)
-                            echo(f"  done    {line}")
-                        except Exception as err:  # a failed run must not stop its siblings
-                            reason = failure_reason(err)
-                            failures.append((run, reason))
-                            if shown:
-                                board.mark(run.key, FAILED)
-                            echo(f"  FAILED  {line}: {reason}")
-                    stage.job_ids += [j.job_id for j in live]
-                    live.clear()
+                        rung = [i for i in rung if stage.runs[i].key not in stopped]
+                    running: list[tuple[RunSpec, str, object]] = []
+                    while rung or running:
+                        while rung and len(running) < parallel:
+                            one = _start(plan, stage, rung.pop(0), echo, board)
+                            if one is not None:
+                                (run, line, job) = one
+                                running.append(one)
+                                live.append(job)
+                                if shown:
+                                    board.mark(run.key, RUNNING)
+                        ended = [one for one in running if one[2].done()]
+                        if running and not ended:
+                            time.sleep(poll_s)
+                        for run, line, job in ended:
+                            running.remove((run, line, job))
+                            live.remove(job)
+                            stage.job_ids.append(job.job_id)
+                            try:
+                                job.results()  # every rank's: a job of several tasks has no single result
+                                if shown:
+                                    board.mark(run.key, DONE)
+                                echo(f"  done    {line}")
+                            except Exception as err:  # a failed run must not stop its siblings
+                                reason = failure_reason(err)
+                                failures.append((run, reason))
+                                if shown:
+                                    board.mark(run.key, FAILED)
+                                echo(f"  FAILED  {line}: {reason}")
                 if stage.kind is JobKind.branch and racing:
                     settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
                 if stage.on_shards and failures:  # the runs read these shards: none can train without them
@@ -136,13 +129,34 @@ def run_local(plan: Plan, stages: list[Stage], echo) -> list[Stage]:
     return stages
 
 
-def _chunks(stage: Stage, parallel: int) -> list[list[int]]:
-    """The stage's runs `parallel` at a time; branches rung by rung (no batch mixes two branch points), so a race
-    decides each rung before the next one trains."""
+def _start(plan: Plan, stage: Stage, i: int, echo, board) -> tuple[RunSpec, str, object] | None:
+    """The stage's `i`-th job started on its own: its run, its line and its job; None when the run is not to train
+    now."""
+    one = Stage(stage.kind, [stage.runs[i]], groups=[stage.groups[i]] if stage.groups else [])
+    if stage.kind.trains:
+        # a SLURM launch (or `study train`) since this launch began may have taken the run; nor does a branch whose
+        # trunk failed in this launch before writing its start train
+        queue = Queue(plan)
+        run = one.runs[0]
+        skip = queue.busy(run.key, run) or (stage.kind is JobKind.branch and queue.dead_end(run))
+        say_skipped(queue, echo)
+        for key in queue.elsewhere:
+            board.mark(key, "taken elsewhere")
+        for key in queue.blocked:
+            board.mark(key, "not submitted")
+        if skip:
+            return None
+    (job,) = submit_stage(plan, one)
+    return one.runs[0], stage_lines(one)[0], job
+
+
+def _rungs(stage: Stage) -> list[list[int]]:
+    """The stage's jobs in the order they start; branches rung by rung (a rung's jobs all end before the next rung's
+    start), so a race decides each rung before the next one trains."""
     rungs: dict[float, list[int]] = {}
     for i, r in enumerate(stage.runs):
         rungs.setdefault(r.points[0].at if stage.kind is JobKind.branch else 0.0, []).append(i)
-    return [mine[i:i + parallel] for _, mine in sorted(rungs.items()) for i in range(0, len(mine), parallel)]
+    return [mine for _, mine in sorted(rungs.items())]
 
 
 def failure_reason(err: BaseException) -> str:
