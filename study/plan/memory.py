@@ -72,13 +72,8 @@ def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int
         cuda = t.device == "cuda" or (t.device == "auto" and c.gpus_per_node > 0)
     # as study.train.parallelize decides: bf16 when asked or auto on CUDA; it computes so on CUDA or under FSDP
     bf16 = (t.precision == "bf16" or (t.precision == "auto" and cuda)) and (world > 1 or cuda)
-    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, _sharding(t.sharding, nodes),
-                  t.activation_checkpointing)
-
-
-def _sharding(setting: str, nodes: int) -> str:
-    """`train.sharding` resolved as study.train.parallelize.sharding resolves `auto`."""
-    return ("hybrid" if nodes > 1 else "full") if setting == "auto" else setting
+    sharding = ("hybrid" if nodes > 1 else "full") if t.sharding == "auto" else t.sharding
+    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, sharding, t.activation_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -382,8 +377,9 @@ def _more_nodes(spec: RunSpec, layout: Layout, factor: int) -> Layout | None:
     if r.global_batch % world:
         return None
     micro, accum = batch_layout(r.global_batch, spec.config.train.micro_batch, world)
+    sharding = spec.config.train.sharding
     return replace(layout, world=world, nodes=nodes, micro_batch=micro, grad_accum=accum,
-                   sharding=_sharding(spec.config.train.sharding, nodes))
+                   sharding=("hybrid" if nodes > 1 else "full") if sharding == "auto" else sharding)
 
 
 def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:

@@ -80,31 +80,29 @@ def spec_json(spec: RunSpec) -> dict[str, Any]:
     from study.plan.throughput import devices
 
     m, cfg = spec.model, spec.config
-    hours, n = spec.gpu_hours(), devices(spec)
+    hours, n, layers = spec.gpu_hours(), devices(spec), range(m.n_layers)
+    depth = {"depth": m.init_depth} if m.init_rule == "depth_scaled" else {}
     return {
         "run_key": spec.key, "name": spec.name, "variant": cfg.variant, "scale": cfg.scale, "seed": cfg.seed,
         "role": cfg.role, "baseline": cfg.baseline,
         "model": {
             "block": m.block, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
             "n_kv_heads": m.kv_heads, "head_dim": m.dim_head, "vocab_size": m.vocab_size,
-            "tie_embeddings": m.tie_embeddings,
-            "layer_heads": [m.q_heads(l) for l in range(m.n_layers)],
-            "layer_kv_heads": [m.kv_heads_of(l) for l in range(m.n_layers)],
+            "tie_embeddings": m.tie_embeddings, "layer_heads": [m.q_heads(l) for l in layers],
+            "layer_kv_heads": [m.kv_heads_of(l) for l in layers],
             "ffn": {"kind": m.ffn.kind, "schedule": m.ffn.schedule.family, "widths": m.ffn.widths, "k": m.ffn.k,
                     "sub_norm": m.ffn.sub_norm if m.ffn.kind == "hourglass" else False,
                     "width_schedule": asdict(m.ffn.schedule)},
         },
         "d_model_per_layer": m.d_model / m.n_layers,
         "params": spec.params, "budget": spec.budget, "budget_mode": cfg.budget.mode, "mismatch": spec.mismatch,
-        "mismatch_total": spec.mismatch_total,
-        "pending": spec.pending, "depends_on": spec.depends_on,
+        "mismatch_total": spec.mismatch_total, "pending": spec.pending, "depends_on": spec.depends_on,
         "tokens": spec.tokens(), "flops_per_token": spec.flops_per_token, "gpu_hours": hours,
         "nodes": cfg.cluster.nodes, "devices": n, "wall_days": None if hours is None else hours / 24 / n,
         **{f: getattr(spec.planned, f) for f in RECIPE_JSON},
         "tuned": asdict(spec.tuned) if spec.tuned is not None else None,
         "points": [asdict(p) for p in spec.points], "trunk": spec.trunk,
-        "init": {"rule": m.init_rule, "std": m.init_std, **({"depth": m.init_depth} if m.init_rule == "depth_scaled"
-                                                            else {})},
+        "init": {"rule": m.init_rule, "std": m.init_std, **depth},
     }
 
 
@@ -190,29 +188,28 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
 
 
 def _check_unique(exp: Experiment) -> None:
-    if len(set(exp.scales)) != len(exp.scales):
-        dup = next(s for s in exp.scales if exp.scales.count(s) > 1)
+    if (dup := next((s for s in exp.scales if exp.scales.count(s) > 1), None)) is not None:
         raise StudyError(f"{exp.name}.yaml: scales", f"lists scale {dup} twice", "list every scale once")
     for scale, seeds in exp.seeds.items():
-        if len(set(seeds)) != len(seeds):
-            dup = next(s for s in seeds if seeds.count(s) > 1)
+        if (dup := next((s for s in seeds if seeds.count(s) > 1), None)) is not None:
             raise StudyError(f"{exp.name}.yaml: seeds", f"lists seed {dup} twice for scale {scale}",
                              "list every seed once (a repeated seed would train the same run twice)")
 
 
 def plan_experiment(name: str, overrides: list[str] | None = None,
                     extra_seeds: dict[str, dict[str, list[int]]] | None = None) -> Plan:
-    """Every run of the experiment as a spec, matched to its scale's budget.
-
-    ``extra_seeds[scale][variant]`` adds seeds beyond the experiment file's for one variant at one scale (what an
-    adaptive launch trains where a comparison is still undecided).
-    """
+    """Every run of the experiment as a spec, matched to its scale's budget; ``extra_seeds[scale][variant]`` adds
+    seeds beyond the experiment file's (what an adaptive launch trains where a comparison is undecided)."""
     from study.plan.complete import complete_spec
 
     exp = load_experiment(name)
     _check_unique(exp)
     ov, per_variant = experiment_overrides(exp, list(overrides or []))
     tunings = plan_tunings(exp, ov, per_variant) if exp.tuning else {}
+
+    def tuning_id(variant: str) -> dict[str, Any] | None:  # what a run's key hashes of the tuning its LR comes from
+        return tunings[variant].identity(exp.tuning) if exp.tuning else None
+
     runs: list[RunSpec] = []
     for scale in exp.scales:
         reference = compose_run(exp, Variant("reference", "conventional"), scale, ov)
@@ -224,7 +221,7 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
             ref_cfg = replace(bases[exp.reference[0]], seed=exp.reference[1], role=Role.reference)
             # the reference trains at its variant's tuned LR where the experiment tunes: its key hashes that tuning,
             # and the scheduled runs wait on the profile of exactly that run
-            ref_key = run_key(ref_cfg, tuning=tunings[exp.reference[0]].identity(exp.tuning) if exp.tuning else None)
+            ref_key = run_key(ref_cfg, tuning=tuning_id(exp.reference[0]))
         for variant in exp.variants:
             base = bases[variant.name]
             scheduled = base.model.ffn.schedule.family == "geometry"
@@ -232,23 +229,22 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                 raise StudyError(f"{name}.yaml: reference", f"variant {variant.name} needs a reference run to profile",
                                  "add `reference: {variant: <uniform variant>, seed: 0}` to the experiment")
             matched = None if scheduled else match_run(base)
-            tuning_id = (tunings[_tuned_variant(exp, variant.name, scheduled)].identity(exp.tuning) if exp.tuning
-                         else None)
+            tuned = tuning_id(_tuned_variant(exp, variant.name, scheduled))
             added = [s for s in (extra_seeds or {}).get(scale, {}).get(variant.name, []) if s not in exp.seeds[scale]]
             for seed in [*exp.seeds[scale], *added]:
                 role = Role.scheduled if scheduled else Role.train
                 cfg = replace(base, seed=seed, role=Role.reference if exp.reference == (variant.name, seed) else role)
                 if scheduled:
                     profile = RunDir.of(ref_cfg.paths.runs, ref_cfg.experiment, ref_key).profile
-                    spec = make_spec(cfg, run_key(cfg, [ref_key], tuning_id), None, reference, [ref_key], str(profile),
+                    spec = make_spec(cfg, run_key(cfg, [ref_key], tuned), None, reference, [ref_key], str(profile),
                                      f"profile of reference run {ref_key} ({ref_cfg.variant} seed {ref_cfg.seed})")
                     runs.append(complete_spec(spec) if profile.is_file() else spec)
                 elif exp.branches:
                     check_schedule(cfg, exp.branches, f"{name}.yaml: branches")
                     runs += expand(make_spec(cfg, "", matched, reference), exp.branches, f"{name}.yaml: branches",
-                                   tuning=tuning_id)
+                                   tuning=tuned)
                 else:
-                    runs.append(make_spec(cfg, run_key(cfg, tuning=tuning_id), matched, reference))
+                    runs.append(make_spec(cfg, run_key(cfg, tuning=tuned), matched, reference))
     if exp.tuning:
         runs = [r for t in tunings.values() for r in t.runs] + [_with_tuning(r, exp, tunings) for r in runs]
     _check_distinct(name, runs)
@@ -349,8 +345,8 @@ def _check_distinct(name: str, runs: list[RunSpec]) -> None:
 
 
 def _same_run(name: str, a: RunSpec, b: RunSpec) -> StudyError:
-    """Two planned runs that are one run, refused naming the setting that was meant to tell them apart: the tune
-    multiples (a tune run's LR is written to 6 significant digits), the tune scales, the scales, or the variants."""
+    """Two planned runs that are one run, refused naming the setting meant to tell them apart (tune multiples, tune
+    scales, scales or variants)."""
     same = f"{a.name} and {b.name} are the same run ({a.key})"
     x, y = a.config, b.config
     if a.role == b.role == Role.tune and x.variant == y.variant and x.scale == y.scale:
@@ -380,8 +376,8 @@ def plan_adhoc(items: list[str]) -> RunSpec:
 
 
 def select_run(items: list[str]) -> RunSpec:
-    """The spec `study train` acts on: `experiment=X variant=V scale=S seed=N` picks that planned run (the same spec
-    and key as `study launch`); without an experiment, the overrides compose an ad-hoc run."""
+    """The spec `study train` acts on: the planned run `experiment=X variant=V scale=S seed=N` names (as `study
+    launch` plans it), else an ad-hoc run."""
     selectors = ("experiment", "variant", "scale", "seed")
     picked = {i.split("=", 1)[0]: i.split("=", 1)[1] for i in items if "=" in i and i.split("=", 1)[0] in selectors}
     name = picked.get("experiment")
@@ -404,13 +400,11 @@ def select_run(items: list[str]) -> RunSpec:
 def filter_runs(plan: Plan, variant: list[str] | None = None, scale: list[str] | None = None,
                 seed: list[int] | None = None) -> Plan:
     """The plan restricted to some variants, scales or seeds (`--variant`, `--scale`, `--seed`)."""
-    for flag, wanted, have in (("--variant", variant, {r.config.variant for r in plan.runs}),
-                               ("--scale", scale, {r.config.scale for r in plan.runs}),
-                               ("--seed", seed, {r.config.seed for r in plan.runs})):
-        missing = sorted(set(wanted or []) - have, key=str)
-        if missing:
-            raise StudyError(flag, f"{missing[0]} is not in experiment {plan.experiment.name}",
+    wanted = {"variant": variant, "scale": scale, "seed": seed}
+    for key, values in wanted.items():
+        have = {getattr(r.config, key) for r in plan.runs}
+        if missing := sorted(set(values or []) - have, key=str):
+            raise StudyError(f"--{key}", f"{missing[0]} is not in experiment {plan.experiment.name}",
                              f"use one of {', '.join(map(str, sorted(have, key=str)))}")
-    runs = [r for r in plan.runs if (not variant or r.config.variant in variant)
-            and (not scale or r.config.scale in scale) and (not seed or r.config.seed in seed)]
-    return replace(plan, runs=runs)
+    return replace(plan, runs=[r for r in plan.runs if all(not values or getattr(r.config, key) in values
+                                                            for key, values in wanted.items())])
