@@ -386,12 +386,10 @@ def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:
     """The settings that would make every run of `unfit` fit, each with the largest peak it leaves: micro-batch auto,
     activation checkpointing, more nodes (where `nodes` allows), or the first two together when neither suffices."""
     def fits_all(change) -> list[Memory] | None:
-        out = []
-        for spec, mem in unfit:
-            layout = change(spec, mem)
-            if layout is None:
-                return None
-            out.append(run_memory(spec, layout, mem.device))
+        layouts = [change(spec, mem) for spec, mem in unfit]
+        if None in layouts:
+            return None
+        out = [run_memory(spec, layout, mem.device) for (spec, mem), layout in zip(unfit, layouts)]
         return out if all(m.fits for m in out) else None
 
     def auto(spec: RunSpec, mem: Memory, layout: Layout | None = None) -> Layout | None:
