@@ -1,4 +1,4 @@
-"""How the geometry stage measures a reference run and turns its profile into widths (study 2)."""
+"""How a reference run is measured and its geometry profile turned into per-layer widths (study 2)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def check_radius(radius: float) -> None:
 
 @dataclass
 class AllocationConfig:
-    """How the geometry stage measures a reference run and turns its profile into widths."""
+    """How a reference run is measured and its profile turned into widths."""
 
     statistic: str = "topo"
     """Work statistic the widths follow: shift, gw (Gromov-Wasserstein) or topo (H1 diagram W2)."""

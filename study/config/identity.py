@@ -126,7 +126,7 @@ WRITTEN_DEFAULTS = {"init_seed": "seed", "data_seed": "seed"}
 the same model keeps one key (`init_seed=0` for seed 0 hashes as if unset). The other fields whose default stands for
 a value are hashed as written: shipped keys hash `model.norm_eps`, `model.init`, `model.rope_theta` and
 `model.qk_norm` so, and `model.head_dim`, `model.n_kv_heads` and `train.final_lr` stop meaning their default once the
-matcher or a tuning stage moves what they derive from."""
+matcher or tuning moves what they derive from."""
 
 
 @functools.lru_cache(maxsize=1)

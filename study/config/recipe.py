@@ -100,7 +100,7 @@ PENDING = "pending"
 
 @dataclass
 class Tuned:
-    """Where a run's peak LR comes from when its experiment declares a tuning stage."""
+    """Where a run's peak LR comes from when its experiment declares tuning."""
 
     multiple: float
     """The multiple of the recipe's peak LR the run trains at: a tune point's own, or its variant's choice."""

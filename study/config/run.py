@@ -27,7 +27,7 @@ class Role(StrEnum):
     scheduled = "scheduled"
     """A run whose FFN widths come from its reference's profile (pending until the profile exists)."""
     tune = "tune"
-    """A point of a tuning stage's LR grid: never paired, decided on or fitted in the report."""
+    """A point of an arm's tuning LR grid: never paired, decided on or fitted in the report."""
     calibrate = "calibrate"
     """A short throughput measurement of one shape (`study calibrate`): no seeds to group, never analysed."""
     trunk = "trunk"
@@ -66,7 +66,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimisation."""
     geometry: AllocationConfig = field(default_factory=AllocationConfig)
-    """Geometry-scheduled widths (stage `scheduled`)."""
+    """Geometry-scheduled widths (role `scheduled`)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Downstream evaluation."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -45,11 +45,11 @@ class RunSpec:
     profile: str = ""
     """The profile a scheduled run's widths come from (its reference's profile.json)."""
     pending: str | None = None
-    """Why the widths are not known yet (the stage that will produce them)."""
+    """Why the widths are not known yet (the job that will produce them)."""
     reference_total: int | None = None
     """Every parameter, embeddings included, of the scale's reference model (for the mismatch of the total)."""
     recipe: Recipe | None = None
-    """The resolved training recipe, the same for every arm of a comparison unless a tuning stage chose the LR."""
+    """The resolved training recipe, the same for every arm of a comparison unless tuning chose the LR."""
     tuned: Tuned | None = None
     """The tuning the run's LR comes from (tune runs, and main runs of an experiment with `tune:`); else None."""
     points: list[BranchPoint] = field(default_factory=list)
@@ -76,7 +76,7 @@ class RunSpec:
     def counted(self) -> int:
         if self.params is None:
             raise StudyError("run spec", f"run {self.key} has no resolved widths yet ({self.pending})",
-                             "let its upstream stage finish first (study launch chains them)")
+                             "let the jobs it waits on finish first (study launch chains them)")
         return self.params["counted"]
 
     @property

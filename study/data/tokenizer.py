@@ -24,7 +24,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 @dataclass(frozen=True)
 class TokenizerFile:
     path: Path
-    """The tokenizer.json every stage loads."""
+    """The tokenizer.json every job of the runs loads."""
     eos_id: int
     """Id of the token placed between documents."""
     vocab_size: int

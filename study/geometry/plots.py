@@ -1,4 +1,4 @@
-"""Figures of the geometry stage: the work profile over depth and the widths it leads to (PNG, matplotlib Agg)."""
+"""Figures of the geometry profile: the work profile over depth and the widths it leads to (PNG, matplotlib Agg)."""
 
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def preflight(runs: list[RunSpec], trace: bool = True, again: bool = False,
         try:
             shape.measured = asdict(measure(shape.spec, trace=trace))
         except StepFailed as failed:
-            raise StudyError("preflight", f"run {shape.spec.name} ({shape.spec.key}) cannot be {failed.stage} at "
+            raise StudyError("preflight", f"run {shape.spec.name} ({shape.spec.key}) cannot be {failed.phase} at "
                              f"its planned layout ({shape.spec.planned.world_size} ranks on "
                              f"{shape.spec.config.cluster.nodes} node(s), micro batch "
                              f"{shape.spec.planned.micro_batch}): {failed.error}",

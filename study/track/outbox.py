@@ -10,11 +10,11 @@ from pathlib import Path
 ARTIFACT_OUTBOX = "artifacts-outbox"
 """Folder of a run directory where artifacts wait until MLflow holds them."""
 ARTIFACT_NAME = ".name"
-"""File beside a staged artifact holding the name it is stored under."""
+"""File beside a posted artifact holding the name it is stored under."""
 
 
 def waiting(outbox: Path) -> list[tuple[Path, str]]:
-    """The complete artifacts staged in `outbox`, oldest first, as (staged path, name)."""
+    """The complete artifacts posted to `outbox`, oldest first, as (copied path, name)."""
     found = []
     for folder in sorted(outbox.iterdir(), key=lambda p: p.stat().st_mtime) if outbox.is_dir() else []:
         name_file = folder / ARTIFACT_NAME
@@ -24,15 +24,15 @@ def waiting(outbox: Path) -> list[tuple[Path, str]]:
     return found
 
 
-def stage(folder: Path, source: Path | str, name: str) -> tuple[Path, str]:
-    """Copy an artifact into `folder` (a Path's file or folder, else `source` as text): (staged path, name)."""
+def post(folder: Path, source: Path | str, name: str) -> tuple[Path, str]:
+    """Copy an artifact into `folder` (a Path's file or folder, else `source` as text): (copied path, name)."""
     parts = name.strip("/").split("/")
     if not parts[-1] or ".." in parts:
         raise ValueError(f"artifact name {name!r} must be a relative path to a file")
-    staged = Path(tempfile.mkdtemp(dir=folder)) / parts[-1]
+    copied = Path(tempfile.mkdtemp(dir=folder)) / parts[-1]
     if isinstance(source, Path):
-        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, staged)
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, copied)
     else:
-        staged.write_text(source)
-    (staged.parent / ARTIFACT_NAME).write_text("/".join(parts))  # written last: a staged artifact is complete
-    return staged, "/".join(parts)
+        copied.write_text(source)
+    (copied.parent / ARTIFACT_NAME).write_text("/".join(parts))  # written last: a posted artifact is complete
+    return copied, "/".join(parts)

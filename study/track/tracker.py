@@ -27,7 +27,7 @@ from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 from study.track.metric_log import MetricLog, reconcile
-from study.track.outbox import ARTIFACT_OUTBOX, stage, waiting
+from study.track.outbox import ARTIFACT_OUTBOX, post, waiting
 from study.track.params import flatten, plain
 from study.track.store import (call_with_retries, connected, find_runs, get_or_create_experiment, is_transient,
                                jittered, open_run, resolve_tracking_uri, short)
@@ -60,9 +60,9 @@ class Tracker:
         # With a run directory, artifacts wait in its outbox until MLflow holds them: one the store refused (a full
         # file system) is sent again on the next start, as unsent metric points are.
         self._outbox = outbox
-        self._staging = outbox or Path(tempfile.mkdtemp(prefix="study-artifacts-"))
-        self._staging.mkdir(parents=True, exist_ok=True)
-        self._artifacts.extend(waiting(self._staging))
+        self._outbox_dir = outbox or Path(tempfile.mkdtemp(prefix="study-artifacts-"))
+        self._outbox_dir.mkdir(parents=True, exist_ok=True)
+        self._artifacts.extend(waiting(self._outbox_dir))
         self._wake, self._closing = threading.Event(), threading.Event()
         self._final: tuple[str | None, str | None] = ("FINISHED", None)
         self._deadline = math.inf
@@ -194,8 +194,8 @@ class Tracker:
             logger.warning("the last system metrics were not sent: %s", err)
 
     def log_artifact(self, source: Path | str, name: str) -> None:
-        """Queues an artifact stored as `name` (may contain folders), copied now (`stage`)."""
-        entry = stage(self._staging, source, name)
+        """Queues an artifact stored as `name` (may contain folders), copied now (`post`)."""
+        entry = post(self._outbox_dir, source, name)
         with self._lock:
             self._artifacts.append(entry)
 
@@ -306,14 +306,14 @@ class Tracker:
                 with self._lock:
                     self._inflight = []
             elif artifact is not None:
-                staged, name = artifact
-                if staged.is_dir():
-                    self._client.log_artifacts(self.run_id, str(staged), name)
+                copied, name = artifact
+                if copied.is_dir():
+                    self._client.log_artifacts(self.run_id, str(copied), name)
                 else:
-                    self._client.log_artifact(self.run_id, str(staged), name.rpartition("/")[0] or None)
+                    self._client.log_artifact(self.run_id, str(copied), name.rpartition("/")[0] or None)
                 with self._lock:
                     self._artifacts.popleft()
-                shutil.rmtree(staged.parent, ignore_errors=True)
+                shutil.rmtree(copied.parent, ignore_errors=True)
             else:
                 return
 
@@ -343,8 +343,8 @@ class Tracker:
                 call_with_retries(lambda: self._client.set_terminated(self.run_id, status), self._cfg, deadline, "end")
         except Exception as exc:
             logger.error("could not mark MLflow run %s %s: %s", self.run_id, status, short(exc))
-        if self._outbox is None or not waiting(self._staging):
-            shutil.rmtree(self._staging, ignore_errors=True)
+        if self._outbox is None or not waiting(self._outbox_dir):
+            shutil.rmtree(self._outbox_dir, ignore_errors=True)
         else:
             logger.error("%d artifacts of run %s did not reach MLflow; they wait in %s and the run's next start sends "
-                         "them again", len(waiting(self._staging)), self.run_id, self._staging)
+                         "them again", len(waiting(self._outbox_dir)), self.run_id, self._outbox_dir)

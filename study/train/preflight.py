@@ -62,11 +62,11 @@ class Measured:
 
 
 class StepFailed(Exception):
-    """A run's model could not be built, sharded, stepped, counted or traced (`stage`); `error` is torch's words."""
+    """A run's model could not be built, sharded, stepped, counted or traced (`phase`); `error` is torch's words."""
 
-    def __init__(self, stage: str, error: str):
-        self.stage, self.error = stage, error
-        super().__init__(f"cannot be {stage}: {error}")
+    def __init__(self, phase: str, error: str):
+        self.phase, self.error = phase, error
+        super().__init__(f"cannot be {phase}: {error}")
 
 
 MAX_ERROR = 600
@@ -74,8 +74,8 @@ MAX_ERROR = 600
 
 
 @contextmanager
-def _stage(name: str) -> Iterator[None]:
-    """Whatever goes wrong inside is a StepFailed of stage `name` (the error's own text, cut to one paragraph)."""
+def _phase(name: str) -> Iterator[None]:
+    """Whatever goes wrong inside is a StepFailed of phase `name` (the error's own text, cut to one paragraph)."""
     try:
         yield
     except StepFailed:
@@ -155,7 +155,7 @@ def _by_name(snapshot: dict) -> dict[str, int]:
 
 def measure(spec: RunSpec, trace: bool = True) -> Measured:
     """Build, shard and step `spec`'s model at its real size over a fake group of its planned world size (and trace
-    it, with `trace`). Raises StepFailed naming the stage that failed; the caller names the run."""
+    it, with `trace`). Raises StepFailed naming the phase that failed; the caller names the run."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -174,8 +174,8 @@ def measure(spec: RunSpec, trace: bool = True) -> Measured:
     micro, seq_len, vocab = recipe.micro_batch, cfg.data.seq_len, spec.model.vocab_size
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    with _stage("sharded"), fake_world(job.world_size):
-        with _stage("built"):
+    with _phase("sharded"), fake_world(job.world_size):
+        with _phase("built"):
             model = build_model(spec.model, "meta")
         # the mesh and the sharding are made on the meta device: a device mesh cannot be made under fake tensors
         model, forward = parallelize(model, cfg, here)
@@ -192,7 +192,7 @@ def measure(spec: RunSpec, trace: bool = True) -> Measured:
                            cfg.train.grad_clip, autocast_bf16=False, sharded=sharded)
 
             seconds["build"] = time.perf_counter() - start
-            with _stage("stepped"):
+            with _phase("stepped"):
                 # the first step makes the optimizer's state and fills DTensor's sharding cache: uncached, its
                 # propagation runs on global shapes under this fake mode, which the tracker would count as memory
                 step(batches[:1])
@@ -208,13 +208,13 @@ def measure(spec: RunSpec, trace: bool = True) -> Measured:
                 kept = _by_name(tracker.get_tracker_snapshot("current")[torch.device("cpu")])
             seconds["step"] = time.perf_counter() - start - seconds["build"]
     mark = time.perf_counter()
-    with _stage("counted"):
+    with _phase("counted"):
         flops = model_flops(spec.model, seq_len, micro)
     seconds["flops"] = time.perf_counter() - mark
     breaks, reasons = None, []
     if trace:
         mark = time.perf_counter()
-        with _stage("traced"):
+        with _phase("traced"):
             breaks, reasons = graph_breaks(spec, cfg)
         seconds["trace"] = time.perf_counter() - mark
     return Measured(
