@@ -1,12 +1,13 @@
 """The ladder end to end: `study launch ladder cluster=local`, then `study report ladder`, in a fresh folder.
 
 What it costs and where the CPU goes: wall seconds of the launch and of the report, CPU seconds of every process the
-launch started (the launcher, submitit's controllers, the jobs: `getrusage` of the children, which reaps them all), and of each job by what it did: tune runs, trunks, branches, the evaluation of the branches that end the
+launch started (the launcher, its warm server, submitit's clients, the jobs: `getrusage` of the children, which reaps
+them all), and of each job by what it did: tune runs, trunks, branches, the evaluation of the branches that end the
 planned runs. A job's CPU is read from `/proc` twice a second while it runs; what it spends until it releases its run
 directory's lease (`.lease`, held from the start of training to its end) is its training, what it spends after is
 its evaluation (beyond the median after-lease CPU of the jobs that do not evaluate) and `after`: racing's settle and
-the process's exit. The rest of the launch (imports, planning, MLflow parents) is `launcher`. What racing saved: the
-planned GPU-hours of the runs its stops left untrained (the racing record) as a share of all trunks' and branches', beside the share the plan predicts
+the process's exit. The rest of the launch (imports, planning, MLflow parents, the warm server) is `launcher`. What racing saved: the planned GPU-hours of the runs its stops left
+untrained (the racing record) as a share of all trunks' and branches', beside the share the plan predicts
 (`study.plan.racing.expected_saving`: every arm worse by twice the margin, no arm different, and at the effects and
 seed noise this ladder measured at its largest point). Then the report's headline numbers.
 
@@ -103,12 +104,12 @@ class JobCpu:
 
     @staticmethod
     def _is_job(pid: int) -> bool:
-        """A job: a process submitit started (its command line runs `submitit.core._submit`)."""
+        """A job: forked by the warm server (its command line is the server's) or started by submitit (cold)."""
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return False
-        return b"submitit.core._submit" in cmdline
+        return b"_serve" in cmdline or b"submitit.core._submit" in cmdline
 
     def _sample(self, pid: int) -> None:
         try:
@@ -225,9 +226,8 @@ def _headline(report: dict) -> dict:
 
 def run(quick: bool) -> list[dict]:
     folder = Path(tempfile.mkdtemp(prefix="ladder-bench-"))
-    # every job a fresh interpreter, as a user's launch starts them, and the launcher's descendant (a fork server's
-    # tasks are not)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "STUDY_LOCAL_PYTHON")}
+    # the launch's own warm server, so its jobs are the launcher's descendants (a shared one's are not)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "STUDY_WARM_SERVER")}
     if quick:
         reduced_ladder(folder / "sweeps")
         env["STUDY_SWEEPS"] = str(folder / "sweeps")

@@ -1,14 +1,11 @@
-"""A local launch of tiny runs (two arms x ten seeds: 20 runs; `--quick`: two seeds, 4 runs) with every job forked
-from the test suite's fork server (`tests/warm_server.py`, through `STUDY_LOCAL_PYTHON`) against every job started in
-a fresh interpreter (what `study` does).
+"""A local launch of tiny runs (two arms x ten seeds: 20 runs; `--quick`: two seeds, 4 runs), forked from the
+launcher's warm server against every job started in a fresh interpreter (`cluster.warm_start=false`).
 
-ours: `study launch` with `STUDY_LOCAL_PYTHON` naming the server's client: one server imports torch and MLflow, each
-job is forked from it. peer: the same launch without it: submitit's local executor starts each job as `python -m
+ours: `study launch` with warm starts (the default): one server imports torch and MLflow, each job is forked from it.
+peer: the same launch with `cluster.warm_start=false`: submitit's local executor starts each job as `python -m
 submitit.core._submit`, which imports them itself. Both in fresh folders with fresh stores, data already prepared (a
 first launch fills the data cache before anything is timed). CPU seconds of every process the launch started (the
-launcher, submitit's controllers, the jobs; a forked launch is charged the server's imports and its tasks, as if it had
-started the server itself), and wall seconds; the runs' results are checked equal. The figure that decided that the fork
-server is a test harness's, not part of `study` (benchmarks/RESULTS.md).
+launcher, the server, submitit's controllers, the jobs), and wall seconds; the runs' results are checked equal.
 """
 
 from __future__ import annotations
@@ -23,33 +20,6 @@ import time
 from pathlib import Path
 
 from benchmarks.common import load_average, median, row
-
-
-def fork_server():
-    """The test suite's fork server (`tests/warm_server.py`), started for this process."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tests" / "warm_server.py"
-    spec = importlib.util.spec_from_file_location("warm_server", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.WarmStarter()
-
-
-def _cpu(pid: int) -> float:
-    """CPU seconds process `pid` and the children it reaped have used (a server's tasks are its children, not the
-    launch's)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def _settled(pid: int) -> float:
-    """CPU seconds of the server once its imports are done (no CPU for a second)."""
-    used, deadline = -1.0, time.monotonic() + 60
-    while time.monotonic() < deadline and _cpu(pid) != used:
-        used = _cpu(pid)
-        time.sleep(1)
-    return used
 
 EXPERIMENT = """
 description: tiny runs for the launch benchmark
@@ -66,18 +36,17 @@ common:
 """
 
 
-def _launch(sweeps: Path, python: str | None) -> tuple[float, float, list]:
-    """CPU and wall seconds of one launch in a fresh folder (its jobs started by `python`, else cold), and its runs'
-    final losses."""
+def _launch(sweeps: Path, warm: bool) -> tuple[float, float, list]:
+    """CPU and wall seconds of one launch in a fresh folder, and its runs' final losses."""
     import shutil
 
     folder = Path(tempfile.mkdtemp(prefix="launch-bench-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "STUDY_LOCAL_PYTHON")}
-    env.update({"STUDY_SWEEPS": str(sweeps), **({"STUDY_LOCAL_PYTHON": python} if python else {})})
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "STUDY_SWEEPS": str(sweeps)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "study.cli", "launch", "bench", "cluster=local"], cwd=folder, env=env,
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "study.cli", "launch", "bench", "cluster=local",
+                    f"cluster.warm_start={str(warm).lower()}"], cwd=folder, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -94,27 +63,23 @@ def run(quick: bool) -> list[dict]:
     shutil.copytree(root / "sweeps", sweeps)
     seeds = 2 if quick else 10
     (sweeps / "experiment" / "bench.yaml").write_text(EXPERIMENT.replace("{seeds}", str(list(range(seeds)))))
-    _launch(sweeps, None)  # fills the data cache: neither side tokenises
+    _launch(sweeps, warm=False)  # fills the data cache: neither side tokenises
     load = load_average()
     samples: dict[str, list[tuple[float, float]]] = {"ours": [], "peer": []}
     results = set()
-    with fork_server() as server:
-        imports = _settled(server.pid)  # each forked launch is charged them, as if it had started the server itself
-        for i in range(2):
-            for side in (("ours", "peer") if i % 2 == 0 else ("peer", "ours")):
-                served = _cpu(server.pid)
-                cpu, wall, losses = _launch(sweeps, server.python if side == "ours" else None)
-                if side == "ours":
-                    cpu += imports + _cpu(server.pid) - served
-                samples[side].append((cpu, wall))
-                results.add(tuple(losses))
+    for i in range(2):
+        for side in (("ours", "peer") if i % 2 == 0 else ("peer", "ours")):
+            cpu, wall, losses = _launch(sweeps, warm=side == "ours")
+            samples[side].append((cpu, wall))
+            results.add(tuple(losses))
     if len(results) != 1 or len(next(iter(results))) != 2 * seeds:
         raise AssertionError(f"warm and cold launches trained different results: {results}")
     shutil.rmtree(sweeps.parent, ignore_errors=True)
     cpu = {side: median([c for c, _ in s]) for side, s in samples.items()}
     wall = {side: median([w for _, w in s]) for side, s in samples.items()}
     extra = dict(runs=2 * seeds, results_agree=True, load_avg=[load, load_average()])
-    return [row(f"local launch of {2 * seeds} tiny runs, CPU seconds of every process: forked vs fresh interpreters",
+    name = f"local launch of {2 * seeds} tiny runs"
+    return [row(f"{name}, CPU seconds of every process: warm starts vs fresh interpreters",
                 cpu["ours"], cpu["peer"], "s", "lower", **extra),
-            row(f"local launch of {2 * seeds} tiny runs, wall seconds: forked vs fresh interpreters",
+            row(f"{name}, wall seconds: warm starts vs fresh interpreters",
                 wall["ours"], wall["peer"], "s", "lower", **extra)]

@@ -349,21 +349,3 @@ def test_the_direct_typed_build_equals_omegaconfs_for_every_config_the_shipped_p
     monkeypatch.setenv("STUDY_TOKENIZER", "/somewhere/tokenizer.json")
     composer.clear_cache()
     assert composer.compose(overrides=["scale=tiny", "data=openwebtext"]).data.tokenizer == "/somewhere/tokenizer.json"
-
-
-def test_a_removed_field_is_refused_in_an_override_and_dropped_from_a_spec_written_while_it_existed(tmp_path):
-    """`cluster.warm_start` left `study` with the local fork server: an override or layer that sets it is refused
-    saying what took its place, and a run.json written while it existed (every run launched before) still reads, as
-    the same spec."""
-    from study.config.compose import compose
-
-    with pytest.raises(StudyError) as err:
-        compose(overrides=["scale=tiny", "cluster.warm_start=false"])
-    assert (err.value.field, err.value.problem) == ("cluster.warm_start", "was removed (in the command-line overrides)")
-    assert "STUDY_LOCAL_PYTHON" in err.value.fix
-    spec = plan_adhoc(["scale=tiny", f"paths.runs={tmp_path}"])
-    path = write_spec(spec)
-    raw = json.loads(path.read_text())
-    raw["config"]["cluster"]["warm_start"] = True  # as the version before wrote it
-    path.write_text(json.dumps(raw))
-    assert read_spec(path) == spec

@@ -491,6 +491,23 @@ def test_the_probe_asks_once_and_gives_up_after_its_timeout(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.no_store
+def test_a_local_launch_refuses_a_warm_server_in_a_folder_others_can_write_before_writing_anything(workdir,
+                                                                                                 monkeypatch, capsys):
+    """`STUDY_WARM_SERVER` naming a socket where another user could listen (each job would hand that process its
+    environment): refused by the variable's name, even with no socket there yet; no spec, manifest or store."""
+    public = workdir / "public"
+    public.mkdir()
+    public.chmod(0o1777)
+    monkeypatch.setenv("STUDY_WARM_SERVER", str(public / "socket"))
+    err = refused(["launch", "demo"], capsys)
+    assert (f"error in `STUDY_WARM_SERVER`: {public / 'socket'}: other users can write the folder {public} "
+            "(mode 1777), so the process listening there could be another user's") in err
+    assert 'Fix: serve from a folder that is yours and only you can write: `python -m study.launch.warm serve ' \
+           '"$(mktemp -d)"`' in err
+    assert list(workdir.iterdir()) == [public] and list(public.iterdir()) == []
+
+
 # bounded work
 
 BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))

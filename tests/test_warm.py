@@ -1,7 +1,7 @@
-"""The test suite's fork server for local jobs (`tests/warm_server.py`, reached through the launcher's seam
-`STUDY_LOCAL_PYTHON`): a task forked from it runs as the same command run cold would, in the client's directory,
-environment and streams, gets the client's signals and exits as it would; without a server the client runs the
-command itself. The servers here preload nothing (the suite's preloads torch and MLflow)."""
+"""Warm starts of local jobs (`study.launch.warm`): a task forked from the launch's server runs as the same command
+run cold would, in the client's directory, environment and streams, gets the client's signals and exits as it
+would; without a server the client runs the command itself. The servers here preload only `json` (a launcher's
+preloads torch and MLflow)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-import warm_server as warm
 from conftest import TRAINING_RUNS
-from warm_server import WarmStarter
+from study.launch import warm
+from study.launch.warm import WarmStarter
 
 TASK = '''
 import json, os, signal, sys, time
@@ -89,7 +89,7 @@ def test_a_forked_task_runs_in_the_clients_directory_environment_and_streams_and
 
 
 def test_without_a_server_the_client_runs_the_command_itself(task_dir, tmp_path):
-    python = f"{sys.executable} {warm.SCRIPT} {tmp_path / 'no-such-socket'}"
+    python = f"{sys.executable} -m study.launch.warm {tmp_path / 'no-such-socket'}"
     proc = client(python, task_dir, "report", "0", env={"WARM_PROBE": "cold"}, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=60)
     seen = json.loads(out)
@@ -137,6 +137,79 @@ def test_a_closed_server_finishes_its_running_task_takes_no_new_one_and_exits(ta
     running.send_signal(signal.SIGTERM)
     assert running.wait(timeout=60) == 7
     assert server.wait(timeout=30) == 0
+
+
+def _own_server(folder: Path) -> tuple[subprocess.Popen, Path]:
+    """`python -m study.launch.warm serve FOLDER` started by a parent of its own, which exits when its stdin closes."""
+    folder.mkdir(mode=0o700)
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-m', "
+                               f"'study.launch.warm', 'serve', {str(folder)!r}, '']); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, text=True)
+    sock = folder / "socket"
+    wait = time.monotonic() + 30
+    while not sock.exists() and time.monotonic() < wait:
+        time.sleep(0.02)
+    return parent, sock
+
+
+def test_a_server_named_in_the_environment_serves_every_launch_and_outlives_them(task_dir, tmp_path, monkeypatch):
+    """`python -m study.launch.warm serve DIR` started on its own: `shared()` hands out its socket while it is there
+    (no server of the process's own), closing that starter leaves it serving, and it exits when its parent does."""
+    parent, sock = _own_server(tmp_path / "srv")
+    try:
+        monkeypatch.setattr(warm, "_SHARED", [])
+        monkeypatch.setenv(warm.ENV, str(sock))
+        outside = warm.shared()
+        assert outside.python == f"{sys.executable} -m study.launch.warm {sock}" and outside.serving()
+        assert not warm._SHARED
+        outside.close()
+        first, second = (client(warm.shared(), task_dir, "report", str(code), stdout=subprocess.PIPE)
+                         for code in (0, 4))
+        seen = [json.loads(p.communicate(timeout=60)[0]) for p in (first, second)]
+        assert (first.returncode, second.returncode) == (0, 4)
+        server = seen[0]["ppid"]
+        assert seen[1]["ppid"] == server and server not in (os.getpid(), first.pid, second.pid, parent.pid)
+    finally:
+        parent.communicate("")  # the parent exits: the server stops taking jobs and removes its socket
+    wait = time.monotonic() + 30
+    while sock.exists() and time.monotonic() < wait:
+        time.sleep(0.02)
+    assert not sock.exists()
+    fallback = warm.shared()  # the named server is gone: this process starts its own
+    assert fallback.serving() and fallback.python != outside.python and warm._SHARED == [fallback]
+    fallback.close()
+
+
+def test_a_named_server_that_died_or_forks_for_another_pythonpath_is_passed_over(tmp_path, monkeypatch):
+    """A socket file its killed server left behind, or a server of another PYTHONPATH (it would refuse every job, and
+    each would start cold): `shared()` starts this process's own server instead."""
+    parent, sock = _own_server(tmp_path / "srv")
+    try:
+        monkeypatch.setattr(warm, "_SHARED", [])
+        monkeypatch.setenv(warm.ENV, str(sock))
+        mine = os.environ.get("PYTHONPATH")  # the server's too
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
+        other = warm.shared()
+        assert other.python != f"{sys.executable} -m study.launch.warm {sock}" and warm._SHARED == [other]
+        other.close()
+        if mine is None:
+            monkeypatch.delenv("PYTHONPATH")
+        else:
+            monkeypatch.setenv("PYTHONPATH", mine)
+        monkeypatch.setattr(warm, "_SHARED", [])
+        assert warm.shared().python == f"{sys.executable} -m study.launch.warm {sock}"  # the same server, matched
+        server = int(subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout)
+        os.kill(server, signal.SIGKILL)
+        wait = time.monotonic() + 30
+        while alive(server) and time.monotonic() < wait:
+            time.sleep(0.02)
+        assert sock.exists()  # left behind
+        monkeypatch.setattr(warm, "_SHARED", [])
+        own = warm.shared()
+        assert own.serving() and own.python != f"{sys.executable} -m study.launch.warm {sock}"
+        own.close()
+    finally:
+        parent.communicate("")
 
 
 def test_a_client_of_another_pythonpath_or_interpreter_is_refused_and_runs_cold(task_dir, tmp_path):
@@ -198,7 +271,9 @@ def test_a_client_of_other_thread_settings_starts_cold(task_dir):
 
 FAKE = r'''
 import json, os, socket, sys
-folder = sys.argv[1]
+folder, identity = sys.argv[1], sys.argv[2]
+with open(os.path.join(folder, "identity.json"), "w") as handle:
+    handle.write(identity)
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(os.path.join(folder, "socket"))
 listener.listen(8)
@@ -237,20 +312,21 @@ class OtherUsersServer:
         return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
     def behind_a_private_socket(self) -> Path:
-        """Its socket moved into a folder of this user's alone (0700) and made this user's (0600): only the process
-        listening on it tells."""
+        """Its socket moved into a folder of this user's alone (0700, with this process's identity beside it) and
+        made this user's (0600): only the process listening on it tells."""
         self.private.mkdir(mode=0o700)
         sock = self.private / "socket"
         os.rename(self.socket, sock)  # the same file system: the socket stays bound to its listener
         os.chown(sock, os.geteuid(), os.getegid())
         os.chmod(sock, 0o600)
+        (self.private / warm.IDENTITY).write_text(json.dumps(warm._identity()))
         return sock
 
 
 @pytest.fixture
 def other_users_server():
     """`FAKE` run as `nobody` in a folder everyone can write (mode 1777, under /tmp: the test's own folder is root's
-    alone). Needs root and a Python `nobody` can run."""
+    alone), with this process's identity beside its socket. Needs root and a Python `nobody` can run."""
     import pwd
 
     python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
@@ -259,7 +335,7 @@ def other_users_server():
     nobody = pwd.getpwnam("nobody")
     public = Path(tempfile.mkdtemp(prefix="warm-public-"))
     public.chmod(0o1777)
-    proc = subprocess.Popen([python, "-c", FAKE, str(public)], cwd=public,
+    proc = subprocess.Popen([python, "-c", FAKE, str(public), json.dumps(warm._identity())], cwd=public,
                             env={"PATH": "/usr/bin:/bin"}, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[])
     try:
         deadline = time.monotonic() + 30
@@ -293,13 +369,30 @@ WHERE = ["folder others can write", "private socket, another user's process"]
 @pytest.mark.parametrize("where", WHERE)
 def test_a_client_sends_nothing_to_another_users_server_and_starts_cold(where, other_users_server, task_dir):
     sock, why, recorded = _refusal(other_users_server, where)
-    proc = client(f"{sys.executable} {warm.SCRIPT} {sock}", task_dir, "report", "0",
+    proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
                   env={"WARM_PROBE_TOKEN": "s3cret"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=60)
     seen = json.loads(out)
     assert proc.returncode == 0 and seen["pid"] == proc.pid and seen["token"] == "s3cret"  # started cold
     assert err == (f"warm start: refused: {why}; nothing was sent to it, the job starts as a plain process\n"
                    "to stderr\n")
+    assert other_users_server.received(len(recorded)) == recorded
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_named_server_of_another_user_is_refused_by_name(where, other_users_server, monkeypatch):
+    """`STUDY_WARM_SERVER` set to it: `shared()` (and so a local launch) refuses it naming the variable, starts no
+    server of its own, and sends it nothing."""
+    from study.errors import StudyError
+
+    sock, why, recorded = _refusal(other_users_server, where)
+    monkeypatch.setattr(warm, "_SHARED", [])
+    monkeypatch.setenv(warm.ENV, str(sock))
+    with pytest.raises(StudyError) as refused:
+        warm.shared()
+    assert refused.value.field == warm.ENV and refused.value.problem.startswith(f"{sock}: {why}, so ")
+    assert 'warm serve "$(mktemp -d)"' in refused.value.fix
+    assert warm._SHARED == []
     assert other_users_server.received(len(recorded)) == recorded
 
 
@@ -380,7 +473,7 @@ def test_a_server_that_answers_nonsense_fails_the_job_saying_what_it_answered(ca
                              "answered b'{\"status\": \"done\"}' where its task's wait status belongs")}
     answer, said = answers[case]
     sock = _nonsense_server(tmp_path / "srv", answer)
-    proc = client(f"{sys.executable} {warm.SCRIPT} {sock}", task_dir, "report", "0",
+    proc = client(f"{sys.executable} -m study.launch.warm {sock}", task_dir, "report", "0",
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=30)
@@ -390,7 +483,7 @@ def test_a_server_that_answers_nonsense_fails_the_job_saying_what_it_answered(ca
             child.wait()
     assert (proc.returncode, out) == (1, "")
     assert err == (f"warm start: the server on {sock} {said}; the job is not run (stop the process listening there, "
-                   "or unset STUDY_LOCAL_PYTHON)\n")
+                   "or launch with cluster.warm_start=false)\n")
 
 
 def test_a_launch_names_the_nonsense_a_server_answered_as_its_jobs_failure(tmp_path):
@@ -401,13 +494,14 @@ def test_a_launch_names_the_nonsense_a_server_answered_as_its_jobs_failure(tmp_p
 
     sock = _nonsense_server(tmp_path / "srv", b"nonsense")
     executor = submitit.LocalExecutor(folder=str(tmp_path / "jobs"),
-                                      python=f"{sys.executable} {warm.SCRIPT} {sock}")
+                                      python=f"{sys.executable} -m study.launch.warm {sock}")
     job = executor.submit(os.getpid)
     job._results_timeout_s = 0
     job.wait()
     assert failure_reason(job.exception()) == (
         f"warm start: the server on {sock} answered b'nons'..., the start of a 1852796531-byte message, where its "
-        "task's pid belongs; the job is not run (stop the process listening there, or unset STUDY_LOCAL_PYTHON)")
+        "task's pid belongs; the job is not run (stop the process listening there, or launch with "
+        "cluster.warm_start=false)")
 
 
 def test_a_job_that_ends_without_a_result_or_a_line_is_described_not_shown_as_a_rule(tmp_path):
@@ -432,7 +526,7 @@ def test_a_job_that_ends_without_a_result_or_a_line_is_described_not_shown_as_a_
 @pytest.mark.parametrize("case", ["missing", "others can write", "another user's", "a file"])
 def test_serve_refuses_a_folder_that_is_missing_another_users_or_writable_by_others(case, tmp_path):
     folder = tmp_path / "srv"
-    problem, fix = "", 'serve from a folder that is yours and only you can write, e.g. `python tests/warm_server.py ' \
+    problem, fix = "", 'serve from a folder that is yours and only you can write, e.g. `python -m study.launch.warm ' \
                        'serve "$(mktemp -d)"`'
     if case == "missing":
         problem, fix = "no such folder", f"create it, for you alone (`mkdir -m 700 {folder}`), or {fix}"
@@ -450,34 +544,17 @@ def test_serve_refuses_a_folder_that_is_missing_another_users_or_writable_by_oth
         else:
             problem = f"other users can write the folder {folder} (mode 1777)"
     before = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else None
-    done = subprocess.run([sys.executable, warm.SCRIPT, "serve", str(folder), ""], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "study.launch.warm", "serve", str(folder), ""], capture_output=True,
                           text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == f"warm_server serve: error in `{folder}`: {problem}. Fix: {fix}\n"
+    assert done.stderr == f"study.launch.warm serve: error in `{folder}`: {problem}. Fix: {fix}\n"
     assert (sorted(p.name for p in folder.iterdir()) if folder.is_dir() else None) == before  # nothing written
 
 
-@pytest.mark.no_store
-@pytest.mark.parametrize("command,problem", [
-    ("/no/such/python -u", "starts with '/no/such/python', which is not an executable file"),
-    ("'unclosed", "cannot be read as a command (No closing quotation)")])
-def test_a_local_launch_refuses_a_job_command_no_job_could_start_with_before_writing_anything(command, problem, workdir,
-                                                                                             monkeypatch, capsys):
-    """`STUDY_LOCAL_PYTHON` (the seam the suite's fork server plugs into) naming no program: every job would fail to
-    start, so the launch is refused naming the variable, exit 2, with no spec, manifest or store written."""
-    from study.cli import main
-
-    monkeypatch.setenv("STUDY_LOCAL_PYTHON", command)
-    assert main(["launch", "demo", "cluster=local"]) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert f"error in `STUDY_LOCAL_PYTHON`: {problem}" in err and "Traceback" not in err
-    assert list(workdir.iterdir()) == []
-
-
 @pytest.mark.integration
-def test_a_local_launch_forks_its_runs_from_the_server_and_they_train_what_cold_starts_train(workdir, monkeypatch):
-    """The same run launched through the fork server (`STUDY_LOCAL_PYTHON` naming its client) and cold (unset) in two
-    directories: the same final loss and curve; the forked launch's job logs say they were forked."""
+def test_a_local_launch_forks_its_runs_from_its_server_and_they_train_what_cold_starts_train(workdir, monkeypatch):
+    """The same run launched warm (the default) and cold (`cluster.warm_start=false`) in two directories: the same
+    final loss and curve; the warm launch's server log names the task it forked in the run's job folder."""
     from mlflow import MlflowClient
 
     from slurm_helpers import private_sweeps
@@ -487,24 +564,19 @@ def test_a_local_launch_forks_its_runs_from_the_server_and_they_train_what_cold_
     monkeypatch.setenv("STUDY_SWEEPS", str(private_sweeps(workdir, "warm", variants={"h": {"model": "hourglass"}},
                                                           baseline="h")))
     curves = {}
-    with WarmStarter() as starter:
-        for mode in ("forked", "cold"):
-            where = workdir / mode
-            where.mkdir()
-            shutil.copyfile(workdir / "mlflow.db", where / "mlflow.db")
-            monkeypatch.chdir(where)
-            if mode == "forked":
-                monkeypatch.setenv("STUDY_LOCAL_PYTHON", starter.python)
-            else:
-                monkeypatch.delenv("STUDY_LOCAL_PYTHON", raising=False)
-            launch("warm", ["cluster=local"], echo=lambda line: None)
-            (run,) = plan_experiment("warm").runs
-            result = json.loads(run.run_dir.result.read_text())
-            client = MlflowClient(f"sqlite:///{where}/mlflow.db")
-            (mlrun,) = client.search_runs([client.get_experiment_by_name("warm").experiment_id], TRAINING_RUNS)
-            history = [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "train/loss")]
-            curves[mode] = (result["val_loss"], history)
-            # every job of the launch (its data preparation too, when the cache lacks the shards) says how it started
-            logs = [p.read_text() for p in (where / "runs" / "warm" / "_submitit").glob("*/*_log.err")]
-            assert logs and all(("warm start: task " in log) == (mode == "forked") for log in logs)
-    assert curves["forked"] == curves["cold"] and len(curves["forked"][1]) == 16
+    for mode in ("true", "false"):
+        where = workdir / mode
+        where.mkdir()
+        shutil.copyfile(workdir / "mlflow.db", where / "mlflow.db")
+        monkeypatch.chdir(where)
+        launch("warm", ["cluster=local", f"cluster.warm_start={mode}"], echo=lambda line: None)
+        (run,) = plan_experiment("warm").runs
+        result = json.loads(run.run_dir.result.read_text())
+        client = MlflowClient(f"sqlite:///{where}/mlflow.db")
+        (mlrun,) = client.search_runs([client.get_experiment_by_name("warm").experiment_id], TRAINING_RUNS)
+        history = [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "train/loss")]
+        curves[mode] = (result["val_loss"], history)
+        # every job of the launch (its data preparation too, when the cache lacks the shards) says how it started
+        logs = [p.read_text() for p in (where / "runs" / "warm" / "_submitit").glob("*/*_log.err")]
+        assert logs and all(("warm start: task " in log) == (mode == "true") for log in logs)
+    assert curves["true"] == curves["false"] and len(curves["true"][1]) == 16

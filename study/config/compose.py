@@ -32,37 +32,16 @@ RENAMED = {"model.ffn.cosine_start": "model.ffn.schedule.start", "model.ffn.cosi
 """Fields renamed since key schema 3, old -> new dotted name: the old name is refused, naming the new one. Keys did
 not move: study/config/identity.py hashes the schedule's fields under the names they had then."""
 
-REMOVED = {"cluster.warm_start": "local jobs start as fresh interpreters; `STUDY_LOCAL_PYTHON` names another command "
-                                 "to start them with (docs/USAGE.md)"}
-"""Fields taken out, dotted name -> what took their place: refused in a config layer or an override, saying so; a run
-spec written while they existed is read without them (none of them is part of a run key)."""
-
 SCHEDULE = "model.ffn.schedule"
 
 
-def _holder(node: Any, dotted: str) -> dict | None:
-    """The mapping in `node` that holds the dotted field's leaf, None when there is none."""
-    *parents, leaf = dotted.split(".")
-    inner = functools.reduce(lambda d, p: d.get(p) if isinstance(d, dict) else None, parents, node)
-    return inner if isinstance(inner, dict) and leaf in inner else None
-
-
 def refuse_renamed(node: Any, where: str) -> None:
-    """StudyError naming the new name when a nested mapping (a config layer, a run spec's config) holds an old one,
-    or what took its place when it holds a removed one."""
+    """StudyError naming the new name when a nested mapping (a config layer, a run spec's config) holds an old one."""
     for old in RENAMED:
-        if _holder(node, old) is not None:
+        *parents, leaf = old.split(".")
+        inner = functools.reduce(lambda d, p: d.get(p) if isinstance(d, dict) else None, parents, node)
+        if isinstance(inner, dict) and leaf in inner:
             raise _renamed(old, where)
-    for gone, instead in REMOVED.items():
-        if _holder(node, gone) is not None:
-            raise StudyError(gone, f"was removed (in {where})", f"leave it out: {instead}")
-
-
-def drop_removed(config: Any) -> None:
-    """A run spec's config without the fields this version removed (`REMOVED`), in place."""
-    for gone in REMOVED:
-        if (holder := _holder(config, gone)) is not None:
-            del holder[gone.rsplit(".", 1)[1]]
 
 
 def _renamed(old: str, where: str) -> StudyError:

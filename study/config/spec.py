@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.config.compose import drop_removed, refuse_renamed
+from study.config.compose import refuse_renamed
 from study.config.identity import SCHEMA_VERSION
 from study.config.recipe import PENDING, SCHEDULE, BranchPoint, Recipe, Tuned
 from study.config.run import Role, RunConfig
@@ -193,7 +193,6 @@ def read_spec(path: Path | str) -> RunSpec:
     if (found := raw.get("schema")) != SCHEMA_VERSION:
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
-    drop_removed(raw.get("config"))  # written while they existed: none changes what the run trains
     refuse_renamed(raw.get("config"), str(path))
     try:
         node = OmegaConf.merge(OmegaConf.structured(RunSpec), raw)

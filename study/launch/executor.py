@@ -3,43 +3,17 @@ run shows."""
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from study.config.cluster import ClusterConfig
-from study.errors import StudyError
 from study.launch.kinds import JobKind
 from study.schema import submitit_dir
 
 if TYPE_CHECKING:
     from study.plan.planner import Plan
-
-LOCAL_PYTHON = "STUDY_LOCAL_PYTHON"
-"""Environment variable: the command that starts each local job's interpreter in place of this one (submitit's local
-controller runs `COMMAND -u -m submitit.core._submit FOLDER`); unset, every local job is a fresh `python`. The test
-suite points it at its fork server's client (`tests/warm_server.py`), whose jobs skip importing torch and MLflow."""
-
-
-def local_python() -> str | None:
-    """`STUDY_LOCAL_PYTHON`'s command, None when it is unset or empty. StudyError when its program is not an
-    executable file: every job would fail to start, so the launch is refused before anything is written."""
-    command = os.environ.get(LOCAL_PYTHON, "").strip()
-    if not command:
-        return None
-    try:
-        program = shlex.split(command)[0]
-    except ValueError as err:
-        raise StudyError(LOCAL_PYTHON, f"cannot be read as a command ({err})",
-                         "quote it as a shell would, or unset it") from None
-    if not (os.path.isfile(program) and os.access(program, os.X_OK)):
-        raise StudyError(LOCAL_PYTHON, f"starts with {program!r}, which is not an executable file",
-                         "name a Python interpreter by its path (with any arguments it needs), or unset it to start "
-                         "each local job with this one")
-    return command
 
 
 def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKind, preview: bool = False,
@@ -50,14 +24,13 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKin
     layout, one rank for a profile, one CPU-only task for data preparation, one CPU for a controller). A `preview`
     one only writes the sbatch script a dry run shows, so it is built where SLURM is not installed (a laptop checking
     a cluster launch). On SLURM its jobs wait for the jobs `after` (`condition`: afterok, afterany), and are submitted
-    `held` (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by
-    `python` when given, else `STUDY_LOCAL_PYTHON`'s command when it is set (`local_python`), else by this
-    interpreter."""
+    `held` (`sbatch --hold`) when asked; local processes run in order and wait for nothing, each started by `python`
+    when given (the launching process's warm server, `study.launch.warm.shared`), else by this interpreter."""
     import submitit
 
     cluster = kind.resources.of(cluster)
     if cluster.name == "local":
-        ex = submitit.LocalExecutor(folder=str(folder), python=python or local_python())
+        ex = submitit.LocalExecutor(folder=str(folder), python=python)
         ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
         return ex
     kind = _preview_executor() if preview else submitit.SlurmExecutor

@@ -16,6 +16,7 @@ from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
+from study.launch.warm import shared
 from study.plan.planner import Plan
 
 
@@ -61,6 +62,8 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
         raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    warm = shared() if plan.runs[0].config.cluster.warm_start else None
+    python = warm.python if warm else None
     try:
         with LiveTable([r for stage in stages if not stage.on_shards for r in stage.runs]) as board:
             for stage in stages:
@@ -82,7 +85,7 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                     running: list[tuple[RunSpec, str, object]] = []
                     while rung or running:
                         while rung and len(running) < parallel:
-                            one = _start(plan, stage, rung.pop(0), echo, board)
+                            one = _start(plan, stage, rung.pop(0), echo, board, python)
                             if one is not None:
                                 (run, line, job) = one
                                 running.append(one)
@@ -129,9 +132,9 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
     return stages
 
 
-def _start(plan: Plan, stage: Stage, i: int, echo, board) -> tuple[RunSpec, str, object] | None:
-    """The stage's `i`-th job started on its own: its run, its line and its job; None when the run is not to train
-    now."""
+def _start(plan: Plan, stage: Stage, i: int, echo, board, python: str | None) -> tuple[RunSpec, str, object] | None:
+    """The stage's `i`-th job started on its own (by `python`, the warm server's client, when given): its run, its
+    line and its job; None when the run is not to train now."""
     one = Stage(stage.kind, [stage.runs[i]], groups=[stage.groups[i]] if stage.groups else [])
     if stage.kind.trains:
         # a SLURM launch (or `study train`) since this launch began may have taken the run; nor does a branch whose
@@ -146,7 +149,7 @@ def _start(plan: Plan, stage: Stage, i: int, echo, board) -> tuple[RunSpec, str,
             board.mark(key, "not submitted")
         if skip:
             return None
-    (job,) = submit_stage(plan, one)
+    (job,) = submit_stage(plan, one, python=python)
     return one.runs[0], stage_lines(one)[0], job
 
 

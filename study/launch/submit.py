@@ -29,7 +29,7 @@ from study.config.spec import held_spec, write_spec
 from study.eval.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
-from study.launch.executor import build_executor, job_name, local_python, sbatch_preview
+from study.launch.executor import build_executor, job_name, sbatch_preview
 from study.launch.kinds import JobKind
 from study.launch.local import LaunchFailed, check_local_layout, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
@@ -123,8 +123,10 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
     for data in {json.dumps(asdict(r.config.data), sort_keys=True): r.config.data for r in plan.runs}.values():
         validate_data(data)  # what every job would fail on is refused before anything is submitted
     _check_tasks(plan)
-    if cluster.name == "local":
-        local_python()  # a STUDY_LOCAL_PYTHON no job could start with is refused before anything is written
+    if cluster.name == "local" and cluster.warm_start:
+        from study.launch.warm import named_server
+
+        named_server()  # a STUDY_WARM_SERVER another user could own is refused before anything is written
     write_specs(plan, echo)
     write_manifest(runs_root(plan), experiment, plan.overrides, [r.key for r in plan.runs], tracking_uri,
                    plan.extra_seeds)

@@ -1,28 +1,38 @@
-"""The test suite's fork server for local jobs: one process imports torch and MLflow once, and each job's task is
-forked from it instead of importing them anew (about 5 of the 7 CPU seconds a tiny run takes). `scripts/test` starts
-`python tests/warm_server.py serve DIR` and points `STUDY_LOCAL_PYTHON` (the launcher's seam,
-`study.launch.executor.local_python`) at its client, `python tests/warm_server.py DIR/socket`: submitit's local
-controller then runs each task as `<client> -u -m submitit.core._submit FOLDER`. It is not part of `study`: a laptop's
-demo gains about a twentieth of its wall time from it (benchmarks/RESULTS.md), a test suite that launches hundreds of
-tiny jobs much more.
+"""Warm starts for local jobs: one process per launching process imports torch and MLflow once, and each job's task
+is forked from it instead of importing them anew (about 5 of the 7 CPU seconds a tiny run takes on a laptop).
 
-The client hands the server its command, working directory, environment and standard streams, and stands in for the
-forked task: the signals it gets go to the task (TERM stops a run at a checkpoint), and it exits as the task did (its
-code, or killed by the same signal). Where no server answers, the client runs the same command as a plain process.
-A client that is killed takes its task with it (SIGKILL).
+`shared()` (used by `study.launch.local.run_local`) starts the launcher's server, `python -m study.launch.warm serve
+DIR`, which listens on `DIR/socket` (a folder only this user can enter, and peers of another user are refused) before it
+imports anything, so a job never waits on a server that is not there. submitit's local controller runs each task as
+`python -m study.launch.warm SOCKET -u -m submitit.core._submit FOLDER` (the executor's `python`): that client hands the
+server its command, working directory, environment and standard streams, and stands in for the forked task: the
+signals it gets go to the task (TERM stops a run at a checkpoint, as before), and it exits as the task did (its code,
+or killed by the same signal). Where no server answers, the client runs the same command as a plain process, so a
+job never depends on the server. A client that is killed takes its task with it (SIGKILL), as a killed task would be.
 
-Nothing reaches a process the user does not own: before it sends anything, a client checks that the socket and its
-folder belong to its user and that no other user can write them, then that the process listening is its user's
-(SO_PEERCRED); one that fails is sent nothing and the job starts as a plain process, saying why. A server refuses a
-folder that is missing, another user's or writable by others, and a client of another user; an answer that is not a
-task's pid (one it forked) or wait status ends the client with a line that says what came back.
+Nothing reaches a process the launching user does not own. Before it sends anything, a client checks that the
+socket and its folder belong to its user and that no other user can write them (another could have put a server of
+theirs there, or replace this one's), then that the process listening is its user's (SO_PEERCRED); one that fails
+is sent nothing and the job starts as a plain process, saying why on its standard error. A server refuses a folder
+that is missing, another user's or writable by others, and a client of another user (SO_PEERCRED). A server's answer
+that is not a task's pid (one it forked) or wait status ends the client with a line that says what came back.
 
-The server holds nothing a task could share by mistake: no thread, no open store, no study module; it stops taking
-jobs on TERM or when its parent dies, and exits once its tasks have. Only the standard library is imported before the
-fork. A forked task's `os.environ` is its client's, but `/proc/PID/environ` shows the server's (only exec replaces
-that block), so `serve` runs itself again without the variables that hold secrets (`study.config.secrets`) before it
-listens. It forks only for clients of its own interpreter, PYTHONPATH and thread settings (torch fixes its thread
-count from OMP_NUM_THREADS or MKL_NUM_THREADS when imported); any other client starts cold.
+The server holds nothing a task could share by mistake: no thread, no open store, no study module but its error
+type (their settings are read from the task's own environment after the fork); it stops taking jobs when its launcher
+ends or dies, and exits once its tasks have. Only the standard library is imported here before the fork, so a client
+starts in milliseconds. A task's `os.environ` (and so `getenv`, and what its own children inherit) is its client's;
+`/proc/PID/environ` of a forked task still shows the server's environment as it was when the server started (the
+kernel shows the block that exec wrote, a fork copies it, and nothing short of exec replaces it). So `serve` runs
+itself again without the variables that hold secrets (tokens, passwords, credentials in URLs: `study.config.secrets`)
+before it listens: a launch's secrets reach its own tasks' `os.environ` only, and what the server was started with
+is readable there only where it is not secret. torch fixes its thread count from OMP_NUM_THREADS or MKL_NUM_THREADS
+when it is imported, so a client whose values differ from the server's starts cold, as one of another PYTHONPATH does.
+
+A server started on its own (`python -m study.launch.warm serve DIR`, stopped by TERM or when its parent exits) serves
+every launch whose environment names its socket in `STUDY_WARM_SERVER`: a shell or a test session that launches many
+times pays the imports once. It forks only for clients of its own interpreter, PYTHONPATH and thread settings (other
+code would run under the imports it holds); any other client, or a socket that is gone, starts its job cold. A named
+socket that fails the checks above is refused by name (`StudyError`), before a launch writes anything.
 """
 
 from __future__ import annotations
@@ -47,7 +57,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
              signal.SIGCONT)
 """What the client passes on to its task: submitit's local controller stops and warns tasks with these."""
 _HEADER = struct.Struct("!I")
-SCRIPT = os.path.abspath(__file__)
+ENV = "STUDY_WARM_SERVER"
+"""A running server's socket that `shared()` uses instead of starting one."""
+IDENTITY = "identity.json"
+"""Beside the socket: the interpreter and environment (`IMPORTED_ENV`) the server forks for (it refuses other
+clients)."""
 IMPORTED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """What the server's imports depend on besides its interpreter: the code on the path, and the thread count torch
 fixes when it is imported. A client whose values differ from the server's starts cold."""
@@ -151,21 +165,26 @@ def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict, list[in
 # --- the launcher's side -----------------------------------------------------------------------------------------
 
 class WarmStarter:
-    """A server started for this process: `python` is the client command while it serves (None when it could not
-    start: jobs then start as plain processes). Closing it lets the server finish its running tasks and exit; it
-    takes no new ones. Its own messages (a module it could not preload, a refused client) go to this process's
-    standard error."""
+    """A server: `python` is the executor's interpreter command while it serves (None when it could not start: jobs
+    then start as plain processes). Closing it lets the server finish its running tasks and exit; it takes no new
+    ones. Its own messages (a module it could not preload, a refused client) go to this process's standard error."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_s: float = 10.0):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, ready_s: float = 10.0, socket_path: str | None = None):
         import shutil
         import subprocess
         import tempfile
 
         self.python: str | None = None
+        self.identity = _identity()  # the clients its server forks for
+        self._dir: str | None = None
         self._proc = None
+        self._socket = socket_path
+        if socket_path is not None:  # someone else's server: used while it answers, never stopped here
+            self.python = f"{sys.executable} -m {__name__} {socket_path}"
+            return
         self._dir = tempfile.mkdtemp(prefix="study-warm-")  # 0700: only this user reaches the socket
         try:
-            self._proc = subprocess.Popen([sys.executable, SCRIPT, "serve", self._dir, ",".join(preload)],
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, "serve", self._dir, ",".join(preload)],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         except OSError:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -175,7 +194,7 @@ class WarmStarter:
         while not os.path.exists(sock) and self._proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if os.path.exists(sock):
-            self.python = f"{sys.executable} {SCRIPT} {sock}"
+            self.python = f"{sys.executable} -m {__name__} {sock}"
         else:
             self.close()
 
@@ -185,6 +204,11 @@ class WarmStarter:
         return self._proc.pid if self._proc is not None else None
 
     def serving(self) -> bool:
+        if self._socket is not None:
+            try:
+                return _serves_me(self._socket)
+            except Untrusted:
+                return False
         return self.python is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -193,7 +217,7 @@ class WarmStarter:
 
         self.python = None
         if self._dir is None:
-            return
+            return  # not this process's server
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)  # no new tasks; it exits once its running ones have
             try:
@@ -207,6 +231,58 @@ class WarmStarter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_SHARED: list[WarmStarter] = []
+
+
+def shared() -> WarmStarter:
+    """The server named by `STUDY_WARM_SERVER` while it answers and forks for this process (`named_server`); else this
+    process's server, started on its first local launch and closed when the process exits: a process that launches
+    again (`--until-decided`'s rounds, a script) forks every job from one. Started again when it has died or PYTHONPATH
+    or the thread settings have changed (it would refuse every job: `IMPORTED_ENV`)."""
+    import atexit
+
+    outside = named_server()
+    if outside:
+        return WarmStarter(socket_path=outside)
+    if not _SHARED or not _SHARED[0].serving() or _SHARED[0].identity != _identity():
+        if _SHARED:
+            _SHARED.pop().close(wait_s=0)
+        _SHARED.append(WarmStarter())
+        atexit.register(_SHARED[0].close)
+    return _SHARED[0]
+
+
+def named_server() -> str | None:
+    """The socket `STUDY_WARM_SERVER` names while a server answers there and forks for this process (`_serves_me`);
+    None when it names none, or one that is gone or forks for other code (this process then starts its own). One that
+    another user could have put there is refused by name (StudyError): every job would hand it its environment."""
+    sock = os.environ.get(ENV)
+    if not sock:
+        return None
+    try:
+        return sock if _serves_me(sock) else None
+    except Untrusted as err:
+        from study.errors import StudyError
+
+        raise StudyError(ENV, f"{sock}: {err}, so the process listening there could be another user's, and each job "
+                         "would hand it its environment (secrets included) and streams",
+                         "serve from a folder that is yours and only you can write: `python -m study.launch.warm serve "
+                         f"\"$(mktemp -d)\"`, then point {ENV} at that folder's socket; or unset {ENV}") from None
+
+
+def _serves_me(sock: str) -> bool:
+    """The server at `sock` answers and forks for this interpreter and environment (else its every job would start
+    cold, where a server of this process's own would fork them). Untrusted when it could be another user's."""
+    try:
+        conn, _ = _connect(sock)
+        conn.close()
+        with open(os.path.join(os.path.dirname(sock), IDENTITY)) as handle:  # in the folder just checked
+            identity = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return identity == _identity()
 
 
 def _identity(python: str = sys.executable, env=os.environ) -> dict:
@@ -314,7 +390,7 @@ def _listen(folder: str, path: str) -> socket.socket:
     handed every job's environment), or something is at `path` already."""
     from study.errors import StudyError
 
-    fix = "serve from a folder that is yours and only you can write, e.g. `python tests/warm_server.py serve " \
+    fix = "serve from a folder that is yours and only you can write, e.g. `python -m study.launch.warm serve " \
           '"$(mktemp -d)"`'
     try:
         _check_folder(folder)
@@ -328,6 +404,8 @@ def _listen(folder: str, path: str) -> socket.socket:
     if os.path.lexists(path):
         raise StudyError(path, "is there already: a server listens on it, or one that was killed left it behind",
                          "stop that server (TERM), or remove the file, or serve from another folder")
+    with open(os.path.join(folder, IDENTITY), "w") as handle:  # before the socket: whoever finds one finds both
+        json.dump(_identity(), handle)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     umask = os.umask(0o177)  # the socket is this user's alone from the moment it exists (connecting needs write)
     try:
@@ -358,7 +436,7 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
             raise ValueError(f"a client of {differ} would run other code, or other threads, than this server "
                              "imported (it starts cold)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # a request of another shape too
-        if fds or not isinstance(err, ConnectionError):  # (no request at all: a probe that it answers)
+        if fds or not isinstance(err, ConnectionError):  # (no request at all: `shared()` probing that it answers)
             print(f"warm start: request refused: {err}", file=sys.stderr, flush=True)
         for fd in fds:  # the streams of a refused client
             os.close(fd)
@@ -469,7 +547,7 @@ def _cold(argv: list[str], pending: list[int]) -> None:
 def _failed(sock: str, err: _Nonsense) -> None:
     # the launch names a failed job by its last line on standard error: this one says what happened
     print(f"warm start: the server on {sock} {err}; the job is not run (stop the process listening there, or "
-          "unset STUDY_LOCAL_PYTHON)", file=sys.stderr, flush=True)
+          "launch with cluster.warm_start=false)", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -524,11 +602,11 @@ def main(argv: list[str]) -> None:
         preload = tuple(p for p in argv[2].split(",") if p) if len(argv) > 2 else PRELOAD  # "" preloads nothing
         try:
             if len(argv) < 2:
-                raise StudyError("serve", "names no folder", 'name one only you can write: `python '
-                                 'tests/warm_server.py serve "$(mktemp -d)"`')
+                raise StudyError("serve", "names no folder", 'name one only you can write: `python -m '
+                                 'study.launch.warm serve "$(mktemp -d)"`')
             task = serve(argv[1], preload)
         except StudyError as err:
-            print(f"warm_server serve: {err.message}", file=sys.stderr, flush=True)
+            print(f"study.launch.warm serve: {err.message}", file=sys.stderr, flush=True)
             sys.exit(2)
         if task is not None:
             task.run()  # in the forked child: runs to the end like the module would, exits as it does
@@ -543,7 +621,7 @@ def _serve_without_secrets(args: list[str]) -> None:
     from study.config.secrets import mask_text
 
     kept = {name: value for name, value in os.environ.items() if mask_text(f"{name}={value}") == f"{name}={value}"}
-    os.execve(sys.executable, [sys.executable, SCRIPT, _SERVE, *args], kept)
+    os.execve(sys.executable, [sys.executable, "-m", "study.launch.warm", _SERVE, *args], kept)
 
 
 if __name__ == "__main__":
