@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -85,9 +87,26 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
         "files": [str(f) for f in files], "report_run_id": None,
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
-    if log_to_mlflow:
+    if log_to_mlflow and _writable(a.uri):
         summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files, a.decisions, a.runs)
+    elif log_to_mlflow:
+        # the files are the report: a store that can be read but not written (a shared, archived or mounted copy)
+        # still gets one, and is told why its `report` run is missing
+        from study.config.secrets import mask_text
+
+        print(f"study report: the report is complete in {out}; its `report` run was not logged, because the MLflow "
+              f"store {mask_text(a.uri)} cannot be written (read-only). Fix: report from a writable copy of the store "
+              "to log it", file=sys.stderr)
     return json_ready(summary)
+
+
+def _writable(uri: str) -> bool:
+    """Whether a SQLite store's file and folder (its journal goes there) can be written; any other store is asked by
+    writing to it."""
+    if not uri.startswith("sqlite:///"):
+        return True
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return os.access(path, os.W_OK) and os.access(os.path.dirname(path) or ".", os.W_OK)
 
 
 def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,

@@ -302,3 +302,38 @@ def test_report_out_that_cannot_take_the_report_is_refused_naming_out_and_nothin
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     finally:
         os.chmod(blocker, 0o755) if blocker.is_dir() else None
+
+
+@pytest.mark.integration
+def test_a_store_on_a_read_only_file_system_gets_its_report_and_is_told_why_no_report_run_was_logged(store, tmp_path,
+                                                                                                   capsys):
+    """`study report` of a store that can be read but not written (here a read-only bind mount of a copy): the
+    report's files are all written, the command exits 0 and says on its standard error why the store has no `report`
+    run and how to get one; the store is left as it was."""
+    import os
+    import shutil
+    import subprocess
+
+    from study.cli import main
+
+    folder = tmp_path / "shelf"
+    folder.mkdir()
+    shutil.copyfile(store.removeprefix("sqlite:///"), folder / "mlflow.db")
+    before = (folder / "mlflow.db").read_bytes()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(folder), str(folder)]).returncode:
+        pytest.skip("a read-only bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        capsys.readouterr()
+        assert main(["report", EXPERIMENT, "--tracking-uri", f"sqlite:///{folder}/mlflow.db", "--out",
+                     str(tmp_path / "out")]) == 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert (f"its `report` run was not logged, because the MLflow store sqlite:///{folder}/mlflow.db cannot be "
+                "written (read-only). Fix: report from a writable copy of the store to log it") in err
+        assert "Traceback" not in err
+        written = json.loads((tmp_path / "out" / EXPERIMENT / "report.json").read_text())
+        assert written["report_run_id"] is None and {"report.md", "report.html", "pairs.csv"} <= {
+            p.name for p in (tmp_path / "out" / EXPERIMENT).iterdir()}
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+    assert (folder / "mlflow.db").read_bytes() == before
