@@ -316,7 +316,7 @@ def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:
         Heading("Tuning curves"),
         Paragraph("Each variant's tune runs: final val/loss at each multiple of the recipe's peak LR, the mean over "
                   "seeds (each seed is a point in the figure), the grid point with the lowest mean, and the multiple "
-                  "the tuning stage chose (the minimum of a quadratic in log LR through the best point and its "
+                  "tuning chose (the minimum of a quadratic in log LR through the best point and its "
                   "neighbours, recorded on the main runs) with how it was reached: interior (the best point had a "
                   "neighbour on each side), extended (it did after points were added beyond an edge) or edge (it "
                   f"stayed at an edge). Tune runs are never paired or decided on. {TRANSFER}"),

@@ -1,5 +1,5 @@
 """The report's figures: loss curves with seed bands, the decisions as forest plots, the scaling fits, the decay
-branches' fits (iso-FLOP curves of L(N, D), or loss against tokens), the LR grids of the tuning stage. Figures are
+branches' fits (iso-FLOP curves of L(N, D), or loss against tokens), the LR grids of the tuning. Figures are
 built as ``matplotlib.figure.Figure`` and written by the Agg canvas, never pyplot: a caller's backend is left alone.
 """
 

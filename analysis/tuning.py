@@ -1,4 +1,4 @@
-"""The tuning stage in the report: each variant's LR grid (its tune runs, final loss against LR, one point per seed)
+"""Tuning in the report: each variant's LR grid (its tune runs, final loss against LR, one point per seed)
 and the LR it chose (the main runs' ``study.tune.multiple`` and ``study.tune.status``), and, where the store also holds
 the main runs at the shared LR, both sets of verdicts side by side with every flip flagged. Tune runs are shown,
 never paired.
@@ -39,7 +39,7 @@ class TuneCurve(JsonRecord):
     best_multiple: float = math.nan
     """Grid multiple with the lowest mean loss."""
     chosen_multiple: float = math.nan
-    """Multiple the tuning stage chose (the main runs' ``study.tune.multiple``); NaN when no main run says."""
+    """Multiple tuning chose (the main runs' ``study.tune.multiple``); NaN when no main run says."""
     chosen_lr: float = math.nan
     """The chosen multiple times the recipe's LR at the tune scale (a tune run's LR over its multiple)."""
     status: str | None = None

@@ -49,7 +49,7 @@ def test_a_seed_written_out_at_the_run_seed_plans_the_key_of_the_unset_seed(fiel
 
 
 UNTUNED_DEMO_SEED_0 = {"conventional": "8f726644be75", "hourglass": "cf1ad7d51758", "tapered": "5b421864b162"}
-"""The demo's seed-0 run keys before it declared a tuning stage (its shared-LR runs)."""
+"""The demo's seed-0 run keys before it declared tuning (its shared-LR runs)."""
 
 
 def test_the_demos_multiple_1_tune_points_are_its_earlier_shared_lr_seed_0_runs():

@@ -1,4 +1,4 @@
-"""The tuning stage: tune runs over a grid of LR multiples train first, each variant's main runs at the LR its own
+"""Tuning: tune runs over a grid of LR multiples train first, each variant's main runs at the LR its own
 tune runs found best (the quadratic in log LR, points added beyond an edge), recorded once, keyed by the tuning."""
 
 from __future__ import annotations

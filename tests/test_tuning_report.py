@@ -1,4 +1,4 @@
-"""The tuning stage in the report: tune runs are shown as LR curves and never paired, tuned main runs are decided on,
+"""Tuning in the report: tune runs are shown as LR curves and never paired, tuned main runs are decided on,
 and verdicts at the shared LR stand beside them with every flip flagged."""
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class JobKind(StrEnum):
     prepare = "prepare", Resources.preparation, "study.launch.callables:PrepareJob", Unit.shards
     """Tokenise a shard entry not yet in the cache, before any run reads it."""
     tune = "tune", Resources.layout, TRAIN_JOB, Unit.run
-    """Train a point of a tuning stage's LR grid (a relaunch submits the main runs once they decide)."""
+    """Train a point of an arm's tuning LR grid (a relaunch submits the main runs once they decide)."""
     train = "train", Resources.layout, TRAIN_JOB, Unit.run
     """Train a run (a trunk, a reference, an ordinary run), then evaluate it when `eval.after_train` is set."""
     branch = "branch", Resources.layout, TRAIN_JOB, Unit.run
