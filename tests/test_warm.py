@@ -39,6 +39,13 @@ if sys.argv[1] == "wait":  # exits 7 on TERM, after saying it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
     open("started", "w").write(str(os.getpid()))
     time.sleep(60)
+if sys.argv[1] == "leave":  # ends with a thread running, an atexit function and a file left open, buffered
+    import atexit, threading
+    atexit.register(lambda: open("atexit.txt", "w").write("ran"))
+    threading.Thread(target=lambda: (time.sleep(0.3), open("thread.txt", "w").write("joined"))).start()
+    LEFT_OPEN = open("buffered.txt", "w")
+    LEFT_OPEN.write("kept " * 3)
+    sys.exit(int(sys.argv[2]))
 if sys.argv[1] == "hang":
     open("started", "w").write(str(os.getpid()))
     time.sleep(60)
@@ -86,6 +93,18 @@ def test_a_forked_task_runs_in_the_clients_directory_environment_and_streams_and
     assert seen["ppid"] == server and seen["pid"] != proc.pid  # forked by the server, not started by the client
     assert seen["signals"] == [True, True, True]  # as a fresh interpreter sets them
     assert seen["json"] is True and err == f"warm start: task {seen['pid']} forked by server {server}\nto stderr\n"
+
+
+def test_a_forked_task_ends_without_the_teardown_yet_keeps_what_it_wrote_and_its_exit_status(task_dir):
+    """A task forked by the server skips tearing down the modules the server imported (most of a job's CPU after its
+    run), but ends as the interpreter would otherwise: its non-daemon thread joined, its atexit function run, a file it
+    left open flushed, its exit status passed on."""
+    with WarmStarter(preload=()) as starter:
+        proc = client(starter, task_dir, "leave", "5", stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5 and "warm start: task " in err  # forked, not run cold
+    assert (task_dir / "atexit.txt").read_text() == "ran" and (task_dir / "thread.txt").read_text() == "joined"
+    assert (task_dir / "buffered.txt").read_text() == "kept " * 3
 
 
 def test_without_a_server_the_client_runs_the_command_itself(task_dir, tmp_path):
