@@ -120,6 +120,6 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     p = command("demo", "the main job: train, evaluate and report the tiny `demo` experiment on CPU")
     p.add_argument("--ladder", action="store_true",
                    help="the longer demo: the `ladder` experiment (4 sizes x 3 arms x 3 seeds, decay branches, "
-                        "tuning, racing; about 24 minutes on 2 cores) and its L(N, D) report")
+                        "tuning, racing; about 22 minutes on 2 cores) and its L(N, D) report")
     p.add_argument("overrides", nargs="*")
     return parser
