@@ -35,7 +35,7 @@ from study import schema
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store, runs_with_role
-from study.track.store import resolve_tracking_uri
+from study.track.store import resolve_tracking_uri, sqlite_path
 
 REPORT_RUN_NAME = "report"
 """Name of the experiment-level MLflow run that holds the report artifacts."""
@@ -103,10 +103,8 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
 def _writable(uri: str) -> bool:
     """Whether a SQLite store's file and folder (its journal goes there) can be written; any other store is asked by
     writing to it."""
-    if not uri.startswith("sqlite:///"):
-        return True
-    path = uri.removeprefix("sqlite:///").split("?", 1)[0]
-    return os.access(path, os.W_OK) and os.access(os.path.dirname(path) or ".", os.W_OK)
+    path = sqlite_path(uri)
+    return path is None or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
 
 
 def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
