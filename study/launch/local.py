@@ -56,7 +56,7 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
     parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
     racing = plan.experiment.racing is not None
     failures: list[tuple[RunSpec, str]] = []
-    live: list = []
+    running: list[tuple[RunSpec, str, object]] = []  # (run, its line, its job) of each job now running
 
     def stop(signum, frame):
         raise _Stopped(signum)
@@ -82,14 +82,12 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                                 board.mark(run.key, "stopped (racing)")
                                 echo(f"  skipped {run.key}  {run.name}: {stopped[run.key]}")
                         rung = [i for i in rung if stage.runs[i].key not in stopped]
-                    running: list[tuple[RunSpec, str, object]] = []
                     while rung or running:
                         while rung and len(running) < parallel:
                             one = _start(plan, stage, rung.pop(0), echo, board, python)
                             if one is not None:
                                 (run, line, job) = one
                                 running.append(one)
-                                live.append(job)
                                 if shown:
                                     board.mark(run.key, RUNNING)
                         ended = [one for one in running if one[2].done()]
@@ -97,7 +95,6 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                             time.sleep(poll_s)
                         for run, line, job in ended:
                             running.remove((run, line, job))
-                            live.remove(job)
                             stage.job_ids.append(job.job_id)
                             try:
                                 job.results()  # every rank's: a job of several tasks has no single result
@@ -116,9 +113,9 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                     raise LaunchFailed("data preparation failed, so no run was trained: "
                                        + "; ".join(f"{r.config.data.name}: {why}" for r, why in failures))
     except (_Stopped, KeyboardInterrupt) as stopped:
-        stop_jobs(live)
+        stop_jobs([job for _, _, job in running])
         signum = getattr(stopped, "signum", signal.SIGINT)
-        echo(f"stopped by {signal.Signals(signum).name}: {len(live)} running jobs checkpointed and stopped; "
+        echo(f"stopped by {signal.Signals(signum).name}: {len(running)} running jobs checkpointed and stopped; "
              "`study launch` again resumes them")
         raise SystemExit(128 + signum) from None
     finally:
