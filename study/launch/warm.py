@@ -1,38 +1,33 @@
 """Warm starts for local jobs: one process per launching process imports torch and MLflow once, and each job's task
 is forked from it instead of importing them anew (about 5 of the 7 CPU seconds a tiny run takes on a laptop).
 
-`shared()` (used by `study.launch.local.run_local`) starts the launcher's server, `python -m study.launch.warm serve
-DIR`, which listens on `DIR/socket` (a folder only this user can enter, and peers of another user are refused) before it
-imports anything, so a job never waits on a server that is not there. submitit's local controller runs each task as
-`python -m study.launch.warm SOCKET -u -m submitit.core._submit FOLDER` (the executor's `python`): that client hands the
-server its command, working directory, environment and standard streams, and stands in for the forked task: the
-signals it gets go to the task (TERM stops a run at a checkpoint, as before), and it exits as the task did (its code,
-or killed by the same signal). Where no server answers, the client runs the same command as a plain process, so a
-job never depends on the server. A client that is killed takes its task with it (SIGKILL), as a killed task would be.
+`shared()` (used by `study.launch.local.run_local`) starts `python -m study.launch.warm serve DIR`, which listens on
+`DIR/socket` (a folder only this user can enter) before it imports anything, so no job waits on a missing server.
+submitit's local controller runs each task as `python -m study.launch.warm SOCKET -u -m submitit.core._submit FOLDER`
+(the executor's `python`): that client hands the server its command, working directory, environment and standard
+streams, then stands in for the forked task: the signals it gets go to the task (TERM stops a run at a checkpoint),
+it exits as the task did (its code, or killed by the same signal), and killed itself it takes its task with it
+(SIGKILL). Where no server answers, the client runs the same command as a plain process.
 
-Nothing reaches a process the launching user does not own. Before it sends anything, a client checks that the
-socket and its folder belong to its user and that no other user can write them (another could have put a server of
-theirs there, or replace this one's), then that the process listening is its user's (SO_PEERCRED); one that fails
-is sent nothing and the job starts as a plain process, saying why on its standard error. A server refuses a folder
-that is missing, another user's or writable by others, and a client of another user (SO_PEERCRED). A server's answer
-that is not a task's pid (one it forked) or wait status ends the client with a line that says what came back.
+Nothing reaches a process the launching user does not own. Before it sends anything a client checks that the socket
+and its folder are its user's and that no other user can write them (another could have put a server there, or
+replace this one), then that the process listening is its user's (SO_PEERCRED); failing that it sends nothing and the
+job starts as a plain process, saying why on its standard error. A server refuses a folder that is missing, another
+user's or writable by others, and a client of another user (SO_PEERCRED). An answer that is not a task's pid (one
+the server forked) or a wait status ends the client with a line that says what came back.
 
-The server holds nothing a task could share by mistake: no thread, no open store, no study module but its error
-type (their settings are read from the task's own environment after the fork); it stops taking jobs when its launcher
-ends or dies, and exits once its tasks have. Only the standard library is imported here before the fork, so a client
-starts in milliseconds. A task's `os.environ` (and so `getenv`, and what its own children inherit) is its client's;
-`/proc/PID/environ` of a forked task still shows the server's environment as it was when the server started (the
-kernel shows the block that exec wrote, a fork copies it, and nothing short of exec replaces it). So `serve` runs
-itself again without the variables that hold secrets (tokens, passwords, credentials in URLs: `study.config.secrets`)
-before it listens: a launch's secrets reach its own tasks' `os.environ` only, and what the server was started with
-is readable there only where it is not secret. torch fixes its thread count from OMP_NUM_THREADS or MKL_NUM_THREADS
-when it is imported, so a client whose values differ from the server's starts cold, as one of another PYTHONPATH does.
+The server holds nothing a task could share by mistake: no thread, no open store, no study module but its error type
+(settings are read from the task's own environment after the fork), and only the standard library before the fork,
+so a client starts in milliseconds; it stops taking jobs when its launcher ends or dies, and exits once its tasks
+have. A task's `os.environ` (so `getenv` and its children) is its client's, yet its `/proc/PID/environ` shows the
+environment the server was started with (what exec wrote; a fork copies it): so `serve` runs itself again without the
+variables that hold secrets (`study.config.secrets`) before it listens. It forks only for clients of its own
+interpreter, PYTHONPATH and OMP_NUM_THREADS / MKL_NUM_THREADS (torch fixes its thread count when imported); any other
+client, or a socket that is gone, starts its job cold.
 
 A server started on its own (`python -m study.launch.warm serve DIR`, stopped by TERM or when its parent exits) serves
-every launch whose environment names its socket in `STUDY_WARM_SERVER`: a shell or a test session that launches many
-times pays the imports once. It forks only for clients of its own interpreter, PYTHONPATH and thread settings (other
-code would run under the imports it holds); any other client, or a socket that is gone, starts its job cold. A named
-socket that fails the checks above is refused by name (`StudyError`), before a launch writes anything.
+every launch whose environment names its socket in `STUDY_WARM_SERVER`, so a shell or a test session pays the imports
+once; a named socket that fails the checks above is refused by name (`StudyError`) before a launch writes anything.
 """
 
 from __future__ import annotations
@@ -127,11 +122,9 @@ def _connect(sock: str) -> tuple[socket.socket, int]:
 
 def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
     body = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(conn, [_HEADER.pack(len(body))], fds)
-        conn.sendall(body)
-    else:
-        conn.sendall(_HEADER.pack(len(body)) + body)
+    data = _HEADER.pack(len(body)) + body
+    sent = socket.send_fds(conn, [data], fds) if fds else 0  # the descriptors ride on the first bytes
+    conn.sendall(data[sent:])
 
 
 def _exactly(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
@@ -291,33 +284,28 @@ def _identity(python: str = sys.executable, env=os.environ) -> dict:
 
 # --- the server ----------------------------------------------------------------------------------------------------
 
-class _Task:
+def _run_task(request: dict, fds: list[int]) -> None:
     """What a forked child runs: a client's command, with the client's streams, directory and environment."""
+    for sig in (*FORWARDED, signal.SIGCHLD):  # as a fresh interpreter has them (SIGPIPE stays ignored)
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # held since the fork: delivered now, to these
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        if fd > 2:
+            os.close(fd)
+    print(f"warm start: task {os.getpid()} forked by server {os.getppid()}", file=sys.stderr, flush=True)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered, module, args = _parse(request["argv"])
+    if unbuffered:
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [module, *args]
+    sys.path[0] = request["cwd"]  # as `python -m` puts it
+    import runpy
 
-    def __init__(self, request: dict, fds: list[int]):
-        self.argv, self.cwd, self.env, self.fds = request["argv"], request["cwd"], request["env"], fds
-
-    def run(self) -> None:
-        for sig in (*FORWARDED, signal.SIGCHLD):  # as a fresh interpreter has them (SIGPIPE stays ignored)
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # held since the fork: delivered now, to these
-        for target, fd in enumerate(self.fds):
-            os.dup2(fd, target)
-            if fd > 2:
-                os.close(fd)
-        print(f"warm start: task {os.getpid()} forked by server {os.getppid()}", file=sys.stderr, flush=True)
-        os.chdir(self.cwd)
-        os.environ.clear()
-        os.environ.update(self.env)
-        unbuffered, module, args = _parse(self.argv)
-        if unbuffered:
-            for stream in (sys.stdout, sys.stderr):
-                stream.reconfigure(line_buffering=True, write_through=True)
-        sys.argv = [module, *args]
-        sys.path[0] = self.cwd  # as `python -m` puts it
-        import runpy
-
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _parse(argv: list[str]) -> tuple[bool, str, list[str]]:
@@ -329,9 +317,10 @@ def _parse(argv: list[str]) -> tuple[bool, str, list[str]]:
     return unbuffered, rest[1], rest[2:]
 
 
-def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) -> _Task | None:
+def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) -> tuple[dict, list[int]] | None:
     """Take jobs on `folder/socket` until told to stop (TERM) or the launcher is gone, then wait for the running
-    ones. Returns the task to run in a forked child, None in the server when it is done."""
+    ones. Returns the task to run in a forked child (its request and streams, for `_run_task`), None in the server
+    when it is done."""
     import gc
     import importlib
 
@@ -422,7 +411,8 @@ def _listen(folder: str, path: str) -> socket.socket:
     return listener
 
 
-def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me: int) -> _Task | None:
+def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None],
+            me: int) -> tuple[dict, list[int]] | None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -454,7 +444,7 @@ def _accept(listener: socket.socket, tasks: dict[int, socket.socket | None], me:
             if other is not None:
                 other.close()
         conn.close()
-        return _Task(request, fds)
+        return request, fds
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     for fd in fds:
         os.close(fd)
@@ -525,7 +515,7 @@ def client(sock: str, argv: list[str]) -> None:
         _failed(sock, err)  # closing the connection ends the task too, as if this client were killed
     except OSError:  # closed or reset before the status came
         # the server died before its task (it never exits first): wait for the task, then say what is known
-        while _alive(pid):
+        while os.path.exists(f"/proc/{pid}"):
             time.sleep(0.5)
         print(f"warm start: lost the exit status of task {pid}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -585,16 +575,6 @@ def _forked_by(server: int, pid: int) -> bool:
     return int(fields[1]) == server
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] == ["serve"]:
         _serve_without_secrets(argv[1:])
@@ -612,7 +592,7 @@ def main(argv: list[str]) -> None:
             sys.exit(2)
         if task is not None:
             try:
-                task.run()  # in the forked child: runs to the end like the module would, exits as it does
+                _run_task(*task)  # in the forked child: runs to the end like the module would, exits as it does
             except SystemExit as done:
                 _exit_without_teardown(done.code)
             _exit_without_teardown(0)
