@@ -90,8 +90,7 @@ def until_decided(experiment: str, overrides: list[str], max_seeds: int | None, 
                   new_runs: bool = False, echo=print) -> int:
     """`study launch --until-decided`: in this shell on `cluster=local`, in a controller job on SLURM."""
     from study.launch.scheduler import check_slurm, outside_allocation
-    from study.launch.executor import build_executor, job_name
-    from study.launch.kinds import JobKind
+    from study.launch.kinds import JobKind, build_executor, job_name
     from study.plan.planner import plan_experiment
     from study.schema import submitit_dir
 

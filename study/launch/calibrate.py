@@ -56,8 +56,7 @@ def calibration_specs(experiment: str, overrides: list[str], steps: int) -> list
 def calibrate(experiment: str, overrides: list[str], steps: int = 40, again: bool = False,
               echo: Callable[[str], None] = print) -> dict[str, float]:
     """Submits what is not calibrated yet, waits for it, records the figures; returns shape -> tokens/s/device."""
-    from study.launch.executor import build_executor
-    from study.launch.kinds import JobKind
+    from study.launch.kinds import JobKind, build_executor
     from study.launch.local import check_local_layout, failure_reason
     from study.launch.scheduler import check_slurm, outside_allocation
     from study.track.store import retire_runs

@@ -14,8 +14,7 @@ from study.data.shards import find_shards
 from study.jobs.prepare import PREPARE, DataGroup, data_groups, shards_id
 from study.errors import StudyError
 from study.launch.branching import branch_ready
-from study.launch.executor import build_executor, job_name
-from study.launch.kinds import RUN_KINDS, JobKind, Unit
+from study.launch.kinds import RUN_KINDS, JobKind, Unit, build_executor, job_name
 from study.launch.racing import stopped_keys
 from study.launch.run_state import JOB_DOES, QUEUED, RUNNING, SLURM, Sources, Worker, state_of, worker_of
 from study.launch.scheduler import ACTIVE, STUCK, outside_allocation, record

@@ -29,8 +29,7 @@ from study.config.spec import held_spec, write_spec
 from study.eval.records import final_step
 from study.errors import StudyError
 from study.launch.branching import release_ready
-from study.launch.executor import build_executor, job_name, sbatch_preview
-from study.launch.kinds import JobKind
+from study.launch.kinds import JobKind, build_executor, job_name, sbatch_preview
 from study.launch.local import LaunchFailed, check_local_layout, follow, run_local
 from study.launch.manifest import latest_manifest, new_runs, write_manifest
 from study.launch.racing import write_roster
