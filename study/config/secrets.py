@@ -1,11 +1,19 @@
 """Secrets in configs and text: which keys hold one, and the masked form every config takes before it is written to
-an artifact, a run directory, a manifest or a log."""
+an artifact, a run directory, a manifest or a log. Values read from the environment through `${oc.env:NAME}` are
+recorded as they are read: such a value may be a credential (`wandb login ${oc.env:WANDB_KEY}`), so every config
+written out shows the interpolation that read it in its place. The `study.config` package imports this module, so
+OmegaConf's `oc.env` is replaced by the recording one before any config is resolved."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf._utils import _DEFAULT_MARKER_
+from omegaconf.resolvers import oc
 
 # anywhere in a word: `PGPASSWORD`, `REDIS_PASSWORD`, `clientSecret`, `AWS_SECRET_ACCESS_KEY`
 _SECRET_WORDS = ("password", "passwd", "passphrase", "secret", "credential")
@@ -28,6 +36,22 @@ _SIGNATURES = frozenset({"sig", "signature"})
 MASK = "***"
 # Hydra's `env_set` and similar sections hold environment variable values: never logged.
 ENV_SECTIONS = frozenset({"env", "environ", "env_set"})
+_READ: dict[str, str] = {}
+
+
+def _env(key: str, default: Any = _DEFAULT_MARKER_) -> str | None:
+    value = oc.env(key, default)
+    if key in os.environ and value:  # a default written in the config tree is no secret
+        _READ[value] = key
+    return value
+
+
+def read_values() -> dict[str, str]:
+    """Every non-empty value this process has read from a set environment variable -> that variable's name."""
+    return dict(_READ)
+
+
+OmegaConf.register_new_resolver("oc.env", _env, replace=True)
 
 
 def _words(name: str) -> list[str]:
@@ -169,11 +193,9 @@ def _substitute(pattern: re.Pattern, replace, text: str, read: Mapping[str, str]
 
 
 def mask_text(text: str) -> str:
-    """A string with its secrets masked: a value read from the environment (`study.config.environment`) becomes the
-    interpolation that read it, `${oc.env:NAME,***}` (a job re-reads it from the environment it inherits; a reader
-    sees the mask), and every other secret of a form `_FORMS` knows becomes `***`."""
-    from study.config.environment import read_values
-
+    """A string with its secrets masked: a value read from the environment (`read_values`) becomes the interpolation
+    that read it, `${oc.env:NAME,***}` (a job re-reads it from the environment it inherits; a reader sees the mask),
+    and every other secret of a form `_FORMS` knows becomes `***`."""
     read = sorted(read_values().items(), key=lambda kv: -len(kv[0]))
     by_value = dict(read)
     if text in by_value:
