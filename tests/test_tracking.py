@@ -400,7 +400,7 @@ def test_an_artifact_the_store_refused_waits_in_the_run_directory_and_the_next_s
     from mlflow import MlflowClient
 
     from study.config.tracking import TrackingConfig
-    from study.track.outbox import ARTIFACT_OUTBOX
+    from study.track.tracker import ARTIFACT_OUTBOX
     from study.track.tracker import Tracker
 
     uri = new_store(tmp_path / "mlflow.db")

@@ -6,10 +6,9 @@
     for x, y in val_batches(data.val, data.seq_len, batch_size=8, num_batches=4): ...
 """
 
-from study.data.batches import get_batch, num_windows, val_batches, window_ids
+from study.data.batches import BatchStream, get_batch, loader_tokens_per_s, num_windows, val_batches, window_ids
 from study.config.data import DataConfig, cache_root, validate_data
 from study.data.corpus import build_docstring_corpus
-from study.data.loader import BatchStream, loader_tokens_per_s
 from study.data.shards import PreparedData, prepare_data
 from study.data.tokenizer import load_tokenizer
 

@@ -1,4 +1,5 @@
-"""Tokenising a corpus into its shard entry as a stream, resumable after a kill.
+"""Tokenising a corpus into its shard entry as a stream, resumable after a kill; the entry's on-disk format, which
+the reader (`shards`) shares.
 
 Documents are read pass by pass, `data.chunk_docs` at a time, encoded in one batched call and appended to
 `train.bin` / `val.bin`; after each chunk the files are fsync'd and `progress.json` records atomically where the
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from study.config.data import DataConfig
-from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS, token_dtype
 from study.data.sources import Layout, Source, capped
 from study.files import COUNT, MAPPING, NUMBER, damaged, read_mapping, replace_file, shape_problem
 
@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from study.data.tokenizer import TokenizerFile
 
 PROGRESS = "progress.json"
+SHARD_FORMAT = 2
+"""Version of the entry layout; an entry of another version is rebuilt, never misread."""
+CHECKED = ("train.bin", "val.bin", "tokenizer.json")
+"""Files whose SHA-256 the entry's meta.json records (what a run's data record compares)."""
+SPLITS = ("train", "val")
+"""The splits every entry holds, in this order."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype that holds every id of a `vocab_size` vocabulary."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, cfg: DataConfig,

@@ -26,7 +26,7 @@ from study.data.cache import build_once, cache_key, sha256_file
 from study.files import file_lock, replace_file
 from study.data.flat import TokenStream, flat_streams, write_flat
 from study.data.sources import Layout, Source, capped, layout, source_key
-from study.data.shard_format import CHECKED, SHARD_FORMAT, SPLITS
+from study.data.prepare import CHECKED, SHARD_FORMAT, SPLITS, write_shards
 from study.data.tokenizer import TokenizerFile, resolve_tokenizer
 from study.errors import StudyError
 
@@ -65,8 +65,6 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
 
 def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool, progress: bool,
              after_chunk: Callable[[int], None] | None) -> PreparedData:
-    from study.data.prepare import write_shards
-
     documents = source_key(cfg)
     if cfg.tokenizer == TRAIN_BPE and model_vocab is not None and cfg.vocab_size > model_vocab:
         # refused before the BPE is trained; the trained vocabulary is checked exactly below
