@@ -1,5 +1,6 @@
 """One training run from its run spec: data, (FSDP) model, AdamW, periodic validation and checkpoints, exact
-resume, MLflow.
+resume, MLflow, and what the trainer does to its run directory (claimed for its key, the tokenizer kept, a full disk
+named as the user's problem).
 
     study train experiment=demo variant=hourglass seed=0      # one process
     study train experiment=demo variant=hourglass --nproc 2   # FSDP2 over gloo (CPU) or NCCL (GPU)
@@ -13,25 +14,26 @@ is the optimizer step, then the callbacks (study.train.callbacks); the device la
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from study import schema
 from study.config.recipe import batch_layout
 from study.config.identity import json_digest
 from study.config.run import Role
-from study.config.spec import DIVERGED, RunSpec
+from study.config.spec import DIVERGED, RunSpec, held_spec, write_spec
 from study.errors import StudyError
 from study.files import replace_file
 from study.train import checkpoint
 from study.train import restart as restarts
-from study.train.callbacks import Checkpointing, Diverged, Metrics, Run, StepOutput, Validation
+from study.train.callbacks import Checkpointing, Diverged, Metrics, Progress, Run, StepOutput, Validation
 from study.train.distributed import Dist, all_reduce_max, barrier, keep_freed_memory, setup
 from study.train.faults import FaultHooks
 from study.train.lease import acquire
 from study.train.parallelize import autocast_bf16, compute_dtype, parallelize
-from study.train.progress import Progress
-from study.train.run_directory import claim, keep_tokenizer, no_space, out_of_space, writable
 from study.train.signals import StopRequest
 from study.train.state import TrainState
 from study.train.tracking import log_job_output, open_tracker
@@ -94,14 +96,15 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
     lease = acquire(rdir, spec.key, d)
     try:
         if d.is_main:
-            claim(spec)
+            held_spec(spec)  # the run directory holds this run's spec, never another's
+            write_spec(spec)  # the run directory always holds the spec that trained it
             interrupted = restarts.interrupted(spec)
             if restart or interrupted is not None:
                 restarts.restart(spec, interrupted)
         barrier(d)  # every rank looks for checkpoints after a restart has set them aside
         return _train(spec, d, at_branch_start)
     except OSError as err:
-        if not out_of_space(err):
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):  # the file system (or the user's quota on it) is full
             raise
         raise no_space(spec, err) from None
     finally:
@@ -109,10 +112,38 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
             lease.release()
 
 
+def writable(rdir: Path) -> None:
+    """Fail before anything is tracked when the run directory cannot hold checkpoints."""
+    try:
+        rdir.mkdir(parents=True, exist_ok=True)
+        probe = rdir / f".write-probe-{os.getpid()}"  # one per process: trainers may race here
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as err:
+        fix = ("free space on that file system or point paths.runs elsewhere" if err.errno == errno.ENOSPC
+               else "point paths.runs at a writable directory (shared between nodes on a cluster)")
+        raise StudyError("paths.runs", f"cannot write the run directory {rdir} ({os.strerror(err.errno or 0)})",
+                         fix) from None
+
+
+def no_space(spec: RunSpec, err: OSError) -> StudyError:
+    """A full run directory as the user's error: where, how much is free, what to free, where a restart resumes."""
+    import shutil
+
+    rdir = spec.run_dir.path
+    last = checkpoint.latest(rdir)
+    return StudyError("paths.runs", f"no space left on {rdir} (writing {err.filename or 'to it'}; "
+                      f"{shutil.disk_usage(rdir).free >> 20} MiB free on its file system)",
+                      "free space on that file system (other runs' old checkpoints, or a lower train.keep_last), or "
+                      "move the runs folder to one with room and point paths.runs there; started again, the run "
+                      f"resumes from {last.name if last else 'step 0'}")
+
+
 def _data(spec: RunSpec, d: Dist, micro: int):
     """The run's data, checked against its validation batch and against the data it started on."""
     from study.data import prepare_data
     from study.data.batches import check_val_split
+    from study.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
     from study.train.data_record import check_data
 
     cfg = spec.config
@@ -120,7 +151,14 @@ def _data(spec: RunSpec, d: Dist, micro: int):
     check_val_split(data.val, data.seq_len, micro * d.world_size, from_files=bool(cfg.data.val_tokens))
     check_data(spec, data, write=d.rank == 0)  # before the tokenizer copy: a start on other data leaves it as it is
     if d.rank == 0:
-        keep_tokenizer(data.tokenizer_path, spec.run_dir.tokenizer, data.eos_id)
+        # the run directory keeps the tokenizer it was trained with, and the token that ended its documents in
+        # tokenizer_config.json beside it (as transformers declares one), so evaluation and export never need the data
+        # or its source directory again: a transformers directory's declared EOS is not among the tokenizer's own
+        source, copy = Path(data.tokenizer_path), spec.run_dir.tokenizer
+        config = json.dumps({"eos_token": load_tokenizer(source).id_to_token(data.eos_id)}).encode()
+        for path, content in ((copy, source.read_bytes()), (copy.with_name(TOKENIZER_CONFIG), config)):
+            if not (path.is_file() and path.read_bytes() == content):
+                replace_file(path, content)
     return data
 
 
