@@ -7,6 +7,7 @@ flat, and row order would pick its point. analysis/README.md ("Statistics") has 
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -252,16 +253,14 @@ def _fit(n: np.ndarray, loss: np.ndarray, log_ref: float, saturating: bool, star
          ) -> tuple[np.ndarray, np.ndarray]:
     """(E, b, alpha) from the grid of starts (or ``start`` alone) and their Gauss-Newton covariance of the log
     residuals; E is 0 with zero variance for the pure power law."""
-    lower, upper = _bounds(float(loss.min()), saturating)
+    lower, upper = power_bounds(float(loss.min()), 1, saturating)
     if start is not None:
         starts = np.asarray([start if saturating else start[1:]], float)
     elif saturating:
-        floor = float(loss.min())
-        starts = np.array([[e * floor, math.log(max(float(loss.mean()) - e * floor, 1e-6)), a]
-                           for e in (0.0, 0.5, 0.9) for a in (0.1, 0.3, 0.6)])
+        starts = power_starts(loss)
     else:
         starts = np.array([[math.log(float(loss.mean())), a] for a in (0.05, 0.1, 0.3, 0.6)])
-    model = _log_power_law(np.log(n) - log_ref, saturating)
+    model = power_sum([np.log(n) - log_ref], saturating)
     best = huber_fit(model, np.log(loss), starts, lower, upper)
     if best is None:
         raise RuntimeError("no start converged")
@@ -281,11 +280,23 @@ def _fit(n: np.ndarray, loss: np.ndarray, log_ref: float, saturating: bool, star
     return np.array([0.0, *best.x]), full
 
 
-def _bounds(floor: float, saturating: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Bounds of (E, b, alpha), or (b, alpha) for the pure power law: E below the lowest loss fitted."""
-    if saturating:
-        return np.array([0.0, -50.0, 0.0]), np.array([floor * (1 - 1e-9), 50.0, 5.0])
-    return np.array([-50.0, 0.0]), np.array([50.0, 5.0])
+def power_bounds(floor: float, terms: int = 1, saturating: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds of :func:`power_sum`'s parameters, E (where ``saturating``) below the lowest loss fitted ``floor``, then
+    each term's b in [-50, 50] and exponent in [0, 5]."""
+    return (np.array([0.0] * saturating + [-50.0, 0.0] * terms),
+            np.array([floor * (1 - 1e-9)] * saturating + [50.0, 5.0] * terms))
+
+
+def power_starts(loss: np.ndarray, terms: int = 1) -> np.ndarray:
+    """The grid of starts of a saturating :func:`power_sum`: E at three shares of the lowest loss, the terms sharing
+    the rest of the mean loss equally, every combination of their exponents."""
+    floor, mean = float(loss.min()), float(loss.mean())
+    rows = []
+    for e in (0.0, 0.5, 0.9):
+        b = math.log(max(mean - e * floor, 1e-6) / terms)
+        rows += [[e * floor, *(v for a in exponents for v in (b, a))]
+                 for exponents in itertools.product((0.1, 0.3, 0.6), repeat=terms)]
+    return np.array(rows)
 
 
 OUTLIER_CURVATURE = 1e-2
@@ -293,17 +304,22 @@ OUTLIER_CURVATURE = 1e-2
 leave a direction flat stalls short of its minimum (1e-4 to 1e-2 all end at the same minimum)."""
 
 
-def _log_power_law(x: np.ndarray, saturating: bool):
-    """The log of ``E + exp(b - alpha x)`` (E = 0 for the pure power law) and its Jacobian, x = ln N - ln N_ref: the
-    model :func:`huber_descent` fits."""
+def power_sum(xs: Sequence[np.ndarray], saturating: bool = True):
+    """The log of ``E + sum_i exp(b_i - alpha_i x_i)`` (no E unless ``saturating``) and its Jacobian, each x_i a
+    centred log size (ln N - ln N_ref): the model :func:`huber_descent` fits, parameters (E,) b_1, alpha_1, b_2, ..."""
 
     def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        E, b, alpha = (th[:, 0:1], th[:, 1:2], th[:, 2:3]) if saturating else (0.0, th[:, 0:1], th[:, 1:2])
-        power = np.exp(b - alpha * x)
-        total = E + power
-        share = power / total
-        return np.log(total), np.stack([1.0 / total, share, -x * share] if saturating else [share, -x * share],
-                                       axis=2)
+        first = int(saturating)
+        powers = [np.exp(th[:, first + 2 * i:first + 2 * i + 1] - th[:, first + 2 * i + 1:first + 2 * i + 2] * x)
+                  for i, x in enumerate(xs)]
+        total = th[:, 0:1] if saturating else 0.0
+        for power in powers:
+            total = total + power
+        columns = [1.0 / total] if saturating else []
+        for power, x in zip(powers, xs):
+            share = power / total
+            columns += [share, -x * share]
+        return np.log(total), np.stack(columns, axis=2)
 
     return model
 
@@ -407,9 +423,9 @@ def _bootstrap(points: pd.DataFrame, metric: str, size: str, log_ref: float, sat
     ok = np.flatnonzero(spans >= needed)
     if len(ok):
         floors = np.where(drawn[ok], loss, np.inf).min(axis=1)
-        lower, upper = zip(*(_bounds(f, saturating) for f in floors))
+        lower, upper = zip(*(power_bounds(f, 1, saturating) for f in floors))
         begin = starts[ok] if saturating else starts[ok, 1:]
-        ends, _ = huber_descent(_log_power_law(np.log(n) - log_ref, saturating), np.log(loss), weights[ok], begin,
+        ends, _ = huber_descent(power_sum([np.log(n) - log_ref], saturating), np.log(loss), weights[ok], begin,
                                 np.array(lower), np.array(upper))
         fitted[ok] = ends if saturating else np.column_stack([np.where(np.isfinite(ends[:, 0]), 0.0, math.nan), ends])
     return fitted[which]

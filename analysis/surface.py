@@ -18,13 +18,16 @@ import pandas as pd
 from analysis.compute import PERCENTILE, Multiplier, interval, interval_kind, training_compute
 from analysis.records import JsonRecord, json_ready
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import huber_descent, huber_fit, in_order, seed_draws
+from analysis.scaling import huber_descent, huber_fit, in_order, power_bounds, power_starts, power_sum, seed_draws
 
 SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
 """The two forms: the surface over (N, D), and the curve over D at one size."""
 
 PARAMETERS = {SURFACE: ("E", "A", "alpha", "B", "beta"), TOKENS: ("E", "B", "beta")}
 """Each form's parameters, in the order a fit's draws hold them."""
+
+_SIZES = {SURFACE: ("n", "d"), TOKENS: ("d",)}
+"""The sizes each form has a power term of, in the order its parameters hold them."""
 
 MIN_SIZES = 3
 """Distinct sizes (scales) a surface needs: two leave E, A and alpha underdetermined."""
@@ -385,15 +388,16 @@ def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_
         return SurfaceFit(form="none", status=why, **base)
     n, d = points["n"].to_numpy(float), points["d"].to_numpy(float)
     log_loss = np.log(points[metric].to_numpy(float))
-    refs = (float(np.mean(np.log(n))), float(np.mean(np.log(d))))
-    model = _log_model(form, np.log(n) - refs[0], np.log(d) - refs[1])
-    best = huber_fit(model, log_loss, _starts(form, points[metric].to_numpy(float)),
-                     *_bounds(form, float(np.exp(log_loss).min())))
+    logs = [np.log(points[column].to_numpy(float)) for column in _SIZES[form]]
+    refs = [float(np.mean(x)) for x in logs]
+    model = power_sum([x - ref for x, ref in zip(logs, refs)])
+    best = huber_fit(model, log_loss, power_starts(points[metric].to_numpy(float), len(refs)),
+                     *power_bounds(float(np.exp(log_loss).min()), len(refs)))
     if best is None:
         return SurfaceFit(form="none", status="no fit: no start converged", **base)
     theta = best.x
-    boots = _bootstrap(points, form, metric, refs, theta, seeds, n_boot, seed)
-    point = _uncentred(form, theta, refs)
+    boots = _bootstrap(points, form, metric, model, refs, theta, seeds, n_boot, seed)
+    point = _uncentred(theta, refs)
     kind = interval_kind(seeds)
     finite = boots[np.all(np.isfinite(boots), axis=1)]
     intervals = {name: interval(finite[:, k], point[k], kind) for k, name in enumerate(PARAMETERS[form])}
@@ -406,53 +410,14 @@ def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_
                       boots=[list(map(float, row)) for row in boots], **base)
 
 
-def _starts(form: str, loss: np.ndarray) -> np.ndarray:
-    """analysis.scaling's grid of starts (centred parameters), the power terms sharing the rest of the mean loss."""
-    floor, mean = float(loss.min()), float(loss.mean())
-    rows = []
-    for e in (0.0, 0.5, 0.9):
-        rest = max(mean - e * floor, 1e-6)
-        if form == TOKENS:
-            rows += [[e * floor, math.log(rest), beta] for beta in (0.1, 0.3, 0.6)]
-        else:
-            rows += [[e * floor, math.log(rest / 2), alpha, math.log(rest / 2), beta]
-                     for alpha in (0.1, 0.3, 0.6) for beta in (0.1, 0.3, 0.6)]
-    return np.array(rows)
+def _uncentred(theta: Sequence[float], refs: Sequence[float]) -> np.ndarray:
+    """PARAMETERS from the centred ones (E, then each term's b and exponent): A = exp(a + alpha ln N_ref), B = exp(b +
+    beta ln D_ref)."""
+    E, *terms = theta
+    return np.array([E, *(v for b, a, ref in zip(terms[::2], terms[1::2], refs) for v in (math.exp(b + a * ref), a))])
 
 
-def _bounds(form: str, floor: float) -> tuple[np.ndarray, np.ndarray]:
-    """Bounds of the centred parameters: E below the lowest loss fitted, exponents in [0, 5]."""
-    if form == TOKENS:
-        return np.array([0.0, -50.0, 0.0]), np.array([floor * (1 - 1e-9), 50.0, 5.0])
-    return np.array([0.0, -50.0, 0.0, -50.0, 0.0]), np.array([floor * (1 - 1e-9), 50.0, 5.0, 50.0, 5.0])
-
-
-def _log_model(form: str, xn: np.ndarray, xd: np.ndarray):
-    """The log of the centred form and its Jacobian, as :func:`analysis.scaling.huber_descent` takes a model."""
-    tokens = form == TOKENS
-
-    def model(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        E, b, beta = th[:, 0:1], th[:, -2:-1], th[:, -1:]
-        power_n = 0.0 if tokens else np.exp(th[:, 1:2] - th[:, 2:3] * xn)
-        power_d = np.exp(b - beta * xd)
-        total = E + power_n + power_d
-        share_n, share_d = power_n / total, power_d / total
-        columns = [1.0 / total] + ([] if tokens else [share_n, -xn * share_n]) + [share_d, -xd * share_d]
-        return np.log(total), np.stack(columns, axis=2)
-
-    return model
-
-
-def _uncentred(form: str, theta: Sequence[float], refs: tuple[float, float]) -> np.ndarray:
-    """PARAMETERS of ``form`` from the centred ones: A = exp(a + alpha ln N_ref), B = exp(b + beta ln D_ref)."""
-    if form == TOKENS:
-        E, b, beta = theta
-        return np.array([E, math.exp(b + beta * refs[1]), beta])
-    E, a, alpha, b, beta = theta
-    return np.array([E, math.exp(a + alpha * refs[0]), alpha, math.exp(b + beta * refs[1]), beta])
-
-
-def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, float], theta: np.ndarray,
+def _bootstrap(points: pd.DataFrame, form: str, metric: str, model, refs: Sequence[float], theta: np.ndarray,
                seeds: int, n_boot: int, seed: int) -> np.ndarray:
     """Row i: the parameters refitted on analysis.scaling's bootstrap draw i, NaN where the drawn seeds leave too few
     points; each multiset of seeds is fitted once from the point fit, all in one batched descent."""
@@ -466,12 +431,9 @@ def _bootstrap(points: pd.DataFrame, form: str, metric: str, refs: tuple[float, 
     if len(ok):
         loss = points[metric].to_numpy(float)
         floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
-        lower, upper = map(np.array, zip(*(_bounds(form, f) for f in floors)))
-        model = _log_model(form, np.log(points["n"].to_numpy(float)) - refs[0],
-                           np.log(points["d"].to_numpy(float)) - refs[1])
+        lower, upper = map(np.array, zip(*(power_bounds(f, len(refs)) for f in floors)))
         ends, _ = huber_descent(model, np.log(loss), weights[ok], np.tile(theta, (len(ok), 1)), lower, upper)
-        fitted[ok] = [_uncentred(form, row, refs) if np.all(np.isfinite(row)) else np.full(k, math.nan)
-                      for row in ends]
+        fitted[ok] = [_uncentred(row, refs) if np.all(np.isfinite(row)) else np.full(k, math.nan) for row in ends]
     return fitted[which]
 
 
