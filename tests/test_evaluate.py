@@ -336,7 +336,7 @@ def test_unknown_hub_task_is_a_study_error_that_says_hub_tasks_need_network(toke
 
 
 def test_model_args_recover_a_run_key_that_lm_eval_parsed_as_a_number():
-    from study.eval.model_args import parse_run_key
+    from study.eval.harness import parse_run_key
 
     # lm-eval turns an all-digit value into an int, dropping leading zeros; keys are 12 characters
     assert parse_run_key(12345) == "000000012345" and parse_run_key("0a1b2c3d4e5f") == "0a1b2c3d4e5f"

@@ -253,7 +253,7 @@ def test_evaluation_and_export_end_documents_with_the_eos_the_tokenizer_director
 
     from study.data import prepare_data
     from study.eval.harness import StudyLM
-    from study.eval.model_args import from_model_args
+    from study.eval.harness import from_model_args
 
     root, trained = runs
     tok = Tokenizer.from_file(str(trained["llama"].run_dir.tokenizer))
