@@ -69,7 +69,7 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
             for stage in stages:
                 what = "shard entries to tokenise" if stage.on_shards else "runs"
                 echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
-                shown = not stage.on_shards  # the board follows runs
+                mark = board.mark if not stage.on_shards else lambda key, state: None  # the board follows runs
                 for rung in _rungs(stage):
                     if stage.kind is JobKind.branch and racing:
                         # the rungs this launch's branches completed are decided; a stopped arm's later branches
@@ -86,10 +86,8 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                         while rung and len(running) < parallel:
                             one = _start(plan, stage, rung.pop(0), echo, board, python)
                             if one is not None:
-                                (run, line, job) = one
                                 running.append(one)
-                                if shown:
-                                    board.mark(run.key, RUNNING)
+                                mark(one[0].key, RUNNING)
                         ended = [one for one in running if one[2].done()]
                         if running and not ended:
                             time.sleep(poll_s)
@@ -98,14 +96,12 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
                             stage.job_ids.append(job.job_id)
                             try:
                                 job.results()  # every rank's: a job of several tasks has no single result
-                                if shown:
-                                    board.mark(run.key, DONE)
+                                mark(run.key, DONE)
                                 echo(f"  done    {line}")
                             except Exception as err:  # a failed run must not stop its siblings
                                 reason = failure_reason(err)
                                 failures.append((run, reason))
-                                if shown:
-                                    board.mark(run.key, FAILED)
+                                mark(run.key, FAILED)
                                 echo(f"  FAILED  {line}: {reason}")
                 if stage.kind is JobKind.branch and racing:
                     settle(runs_root(plan), plan.experiment.name, plan.runs[0].config.tracking.uri)
