@@ -23,11 +23,11 @@ class EvalConfig:
     """lm-eval task names; the shipped offline tasks are arc_easy_local, hellaswag_local, piqa_local, sciq_local."""
     after_train: bool = False
     """Evaluate the final checkpoint at the end of training."""
-    limit: int = 0
+    limit: int = field(default=0, metadata={"non_negative": True})
     """Examples per task; 0 means all."""
-    num_fewshot: int = 0
+    num_fewshot: int = field(default=0, metadata={"non_negative": True})
     """Solved examples put before each prompt (lm-eval's num_fewshot)."""
-    batch_size: int = 16
+    batch_size: int = field(default=16, metadata={"positive": True})
     """Requests per forward pass."""
 
 
@@ -60,11 +60,11 @@ class RunConfig:
     """Variant name within the experiment."""
     baseline: str = "conventional"
     """Variant this run is paired against in the report."""
-    role: Role = Role.train
+    role: Role = field(default=Role.train, metadata={"choices": tuple(Role)})
     """The run's role in the pipeline (`Role`), set by the planner; the old name `stage` is refused, naming this."""
     scale: str = "tiny"
     """Scale preset name."""
-    seed: int = 0
+    seed: int = field(default=0, metadata={"non_negative": True})
     """The run's seed: runs sharing scale and seed are paired; it seeds initialisation and data order unless
     init_seed or data_seed set them apart."""
     init_seed: int | None = None

@@ -5,39 +5,20 @@ from __future__ import annotations
 
 import math
 import re
-from operator import attrgetter
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from study.config.cluster import ClusterConfig
 from study.config.data import validate_data
 from study.config.geometry import one_of
 from study.config.recipe import batch_layout
-from study.config.run import Role, RunConfig, leaves
+from study.config.run import RunConfig, leaves
 from study.console import hidden_character
 from study.errors import StudyError
 
-CHOICES = {
-    "train.lr_schedule": ("cosine", "wsd"),
-    "train.precision": ("auto", "fp32", "bf16"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.sharding": ("auto", "full", "hybrid"),
-    "role": tuple(Role),
-}
-POSITIVE = ("train.micro_batch", "train.grad_accum", "train.val_interval", "train.val_batches",
-            "train.ckpt_interval", "train.keep_last", "train.log_interval", "train.eps", "train.gpu_peak_tflops",
-            "train.assumed_mfu", "eval.batch_size", "cluster.nodes", "cluster.tasks_per_node", "cluster.cpus_per_task",
-            "cluster.time_min", "cluster.array_parallelism", "tracking.batch_points", "tracking.max_buffer",
-            "tracking.flush_interval_s", "tracking.retry_initial_s", "tracking.retry_max_s",
-            "tracking.open_timeout_s", "tracking.checkpoint_flush_s", "tracking.terminate_timeout_s",
-            "train.collective_timeout_s")
-NON_NEGATIVE = ("seed", "train.max_steps", "train.lr", "train.final_lr", "train.warmup_steps", "train.weight_decay",
-                "train.grad_clip", "train.z_loss", "train.global_batch", "cluster.gpus_per_node",
-                "cluster.max_requeues", "cluster.signal_delay_s", "cluster.mem_gb", "cluster.gpu_mem_gb",
-                "cluster.prepare_cpus", "eval.limit", "eval.num_fewshot")
 SEED_MAX = 2**64 - 1
 """The largest seed (a run's, an experiment's `seeds:`, a tuning's `tune.seeds`): torch's generators take 64 bits."""
-AT_MOST = {"tracking.batch_points": 1000, "train.assumed_mfu": 1.0}
-"""Upper bounds: MLflow takes at most 1,000 metrics per batch; an MFU is a fraction."""
 URI_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 # one word SLURM understands: letters, digits and the punctuation of partition lists and constraint expressions
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@%&|()\[\]*!-]*$")
@@ -46,6 +27,19 @@ SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@%&|()\[\]*!-]*$")
 def is_number(value: Any) -> bool:
     """A finite int or float, never a bool (YAML's true and false are Python ints)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _declared(node: Any, prefix: str = "") -> list[tuple[str, Mapping[str, Any], Any]]:
+    """(dotted name, checks, value) of every field whose metadata declares checks: `choices`, `positive`,
+    `non_negative`, `at_most` (MLflow takes at most 1,000 metrics per batch; an MFU is a fraction)."""
+    out = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            out += _declared(value, f"{prefix}{f.name}.")
+        elif f.metadata:
+            out.append((prefix + f.name, f.metadata, value))
+    return out
 
 
 def _check_values(cfg: RunConfig) -> None:
@@ -122,13 +116,14 @@ def _check_eval(cfg: RunConfig) -> None:
 def validate_run(cfg: RunConfig) -> None:
     _check_values(cfg)
     _check_eval(cfg)
-    for name, allowed in CHOICES.items():
-        one_of(name, attrgetter(name)(cfg), allowed)
-    for name in POSITIVE:
-        if (value := attrgetter(name)(cfg)) <= 0:
+    declared = _declared(cfg)
+    for name, meta, value in declared:
+        if "choices" in meta:
+            one_of(name, value, meta["choices"])
+    for name, meta, value in declared:
+        if meta.get("positive") and value <= 0:
             raise StudyError(name, f"must be positive, got {value}", "use a value > 0")
-    for name in NON_NEGATIVE:
-        if (value := attrgetter(name)(cfg)) < 0:
+        if meta.get("non_negative") and value < 0:
             raise StudyError(name, f"cannot be negative, got {value}", "use a value >= 0")
     for name in ("init_seed", "data_seed"):
         if (value := getattr(cfg, name)) is not None and value < 0:
@@ -136,8 +131,8 @@ def validate_run(cfg: RunConfig) -> None:
     for name in ("seed", "init_seed", "data_seed"):
         if (value := getattr(cfg, name)) is not None and value > SEED_MAX:
             raise StudyError(name, f"{value} is past the largest seed torch takes", "use a seed below 2**64")
-    for name, bound in AT_MOST.items():
-        if (value := attrgetter(name)(cfg)) > bound:
+    for name, meta, value in declared:
+        if "at_most" in meta and value > (bound := meta["at_most"]):
             raise StudyError(name, f"must be at most {bound}, got {value}", f"use a value <= {bound}")
     t = cfg.train
     if not 0.0 <= t.min_lr_ratio <= 1.0:
