@@ -29,12 +29,8 @@ PARTIAL = ".partial"
 READERS = ".readers"
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return RunDir(run_dir).checkpoints
-
-
 def _folder(run_dir: Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"{PREFIX}{step:08d}"
+    return RunDir(run_dir).checkpoints / f"{PREFIX}{step:08d}"
 
 
 def _step_of(path: Path) -> int:
@@ -47,7 +43,7 @@ def is_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    root = checkpoint_dir(run_dir)
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if is_complete(p)), key=_step_of)
@@ -77,7 +73,10 @@ def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-        torch.save(_rng_state(), partial / f"rng_rank{d.rank}.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, partial / f"rng_rank{d.rank}.pt")
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -100,7 +99,7 @@ def _prune(run_dir: Path, keep_last: int, keep: frozenset[int] = frozenset()) ->
     """All but the newest `keep_last` checkpoints and those at `keep` removed, unless a reader holds its lease."""
     try:
         # O_NOFOLLOW: a link planted in the run directory is refused, never locked through
-        fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(RunDir(run_dir).checkpoints / READERS, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         # no reader yet: one that starts now chooses after this checkpoint's rename, so it reads the newest, kept here
         fd = None
@@ -122,7 +121,7 @@ def reading(run_dir: Path) -> Iterator[None]:
     """A reader's lease on the run's checkpoints: none is pruned while it is held. Take it before choosing the
     checkpoint to read (a prune in progress finishes first, so the choice sees what is left)."""
     try:
-        fd = os.open(checkpoint_dir(run_dir) / READERS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(RunDir(run_dir).checkpoints / READERS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
         # no checkpoints folder (nothing to read, as the caller will say), or one this process cannot write in:
         # read without a lease rather than refuse a read-only copy of a run
@@ -150,7 +149,10 @@ def load(path: Path, model, optimizer, d: Dist) -> TrainState:
     state = TrainState.read(path / "train_state.json")
     rng_file = path / f"rng_rank{d.rank}.pt"
     if rng_file.is_file() and state.world_size == d.world_size:
-        _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors only: a crafted file cannot run code
+        rng = torch.load(rng_file, weights_only=True)  # tensors only: a crafted file cannot run code
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return state
 
 
@@ -178,10 +180,10 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
                 print(f"checkpoint {path.name} of run {run_key} cannot be loaded ({reason}); falling back to the "
                       "previous complete checkpoint", file=sys.stderr, flush=True)
     if broken:
-        raise StudyError(str(checkpoint_dir(run_dir)), f"no checkpoint of run {run_key} loads: {'; '.join(broken)}",
-                         "restore the checkpoints from a copy, or train the run again from step 0 with `study train "
-                         "... --restart` (a launch: `study launch EXPERIMENT --restart KEY`), which sets them and its "
-                         "MLflow run aside and starts a new curve")
+        raise StudyError(str(RunDir(run_dir).checkpoints), f"no checkpoint of run {run_key} loads: "
+                         f"{'; '.join(broken)}", "restore the checkpoints from a copy, or train the run again from "
+                         "step 0 with `study train ... --restart` (a launch: `study launch EXPERIMENT --restart KEY`), "
+                         "which sets them and its MLflow run aside and starts a new curve")
     return None
 
 
@@ -198,7 +200,7 @@ def load_branch_start(trunk_dir: Path, step: int, model, optimizer, d: Dist, tru
         path = at_step(trunk_dir, step)
         if path is None:
             raise StudyError("trunk", f"trunk run {trunk_key} has no complete checkpoint at step {step} yet "
-                             f"({checkpoint_dir(trunk_dir)})", "train the trunk to that step first (study launch "
+                             f"({RunDir(trunk_dir).checkpoints})", "train the trunk to that step first (study launch "
                              "schedules a branch once its trunk's checkpoint exists)")
         _own_state(path, trunk_key, "trunk", "remove the foreign checkpoint", whose="trunk ")
         try:
@@ -236,12 +238,10 @@ def _cause(err: BaseException) -> BaseException:
 
 def _nbytes(state: Any) -> int:
     """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
-    if isinstance(state, dict):
-        return sum(_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_nbytes(v) for v in state)
-    local = state.to_local() if hasattr(state, "to_local") else state
-    return local.numel() * local.element_size() if hasattr(local, "element_size") else 0
+    from torch.utils._pytree import tree_leaves
+
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tree_leaves(state))
+    return sum(t.numel() * t.element_size() for t in local if hasattr(t, "element_size"))
 
 
 def _own_state(path: Path, run_key: str, field: str, fix: str, whose: str = "") -> TrainState | None:
@@ -270,20 +270,3 @@ def load_model_weights(path: Path, model) -> None:
                          f"restore {path} from a copy, or delete that folder to read the run's checkpoint before "
                          "it") from None
     set_model_state_dict(model, sd["model"])
-
-
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import torch
-
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
