@@ -3,7 +3,7 @@
 A llama block with uniform SwiGLU widths is `LlamaForCausalLM`, an olmo2 one `Olmo2ForCausalLM` (QK-norm over the
 full q and k projections before RoPE, norms on the sublayer outputs); both use rotate-half RoPE as ours does, so q
 and k need no permutation. Anything else (hourglass FFNs, a non-uniform width schedule) is exported in the study
-format instead (`study.export.native`).
+format instead (`study.export.load` reads it).
 
     cls = hf_architecture(cfg)                    # "LlamaForCausalLM", or None with hf_unsupported(cfg) saying why
     save_pretrained(model, "out", eos_id=0, dtype="float32")   # config.json + model.safetensors

@@ -2,7 +2,7 @@
 
 A model a transformers class computes (llama or olmo2 block, uniform SwiGLU) becomes `config.json`,
 `model.safetensors` and the tokenizer files, which transformers, lm-eval's `hf` model and vLLM load; any other is
-written in the study format (`study.export.native`). Every export also holds `study_export.json` (run key,
+written in the study format (`study.export`). Every export also holds `study_export.json` (run key,
 checkpoint, dtype, run spec). Loading the DCP checkpoint into one unsharded model consolidates it whatever world size
 trained it.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from study.config.spec import RunSpec
 from study.errors import StudyError
 from study.export.hf import hf_architecture, hf_unsupported, padded_units, save_pretrained
-from study.export.native import MANIFEST, WEIGHTS, save_weights
+from study.export import MANIFEST, WEIGHTS
 
 FORMATS = ("hf",)
 DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
@@ -64,6 +64,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     """Write the run's latest complete checkpoint to `out` (default `<run dir>/export`); every input is checked
     before anything is written, and the directory appears whole or not at all."""
     import torch
+    from safetensors.torch import save_model
 
     from study.data.tokenizer import eos_id, id_bound, load_tokenizer
     from study.eval.locate import load_trained_model, run_eos_token, run_tokenizer
@@ -103,8 +104,8 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
         eos = _write_tokenizer(tmp, tokenizer_path, end_id, spec.model.max_seq_len)
         if architecture:
             save_pretrained(model, tmp, end_id, weights_dtype)
-        else:
-            save_weights(model, tmp / WEIGHTS, getattr(torch, weights_dtype))
+        else:  # our own names (the model cast in place): a tied head is stored once, and `load_model` re-ties it
+            save_model(model.to(getattr(torch, weights_dtype)), str(tmp / WEIGHTS), metadata={"format": "pt"})
         _write_manifest(tmp, spec, exported, ckpt.name, eos)
         if earlier is None:
             os.replace(tmp, out)  # a new or empty directory: the export appears whole
