@@ -8,10 +8,11 @@ one per core: Ripser, the network simplex and POT's loops are serial, and thread
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from concurrent.futures import Executor, Future
-from contextlib import contextmanager
+from concurrent.futures import Executor
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -36,15 +37,6 @@ METHODS = {
 }
 
 
-class _Inline(Executor):
-    """Runs each task at submission: the profile's code path without worker processes."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
 def _cores() -> int:
     # The affinity mask, not os.cpu_count(): under SLURM it is the job's allocation, not the whole node.
     return len(os.sched_getaffinity(0))
@@ -54,13 +46,14 @@ def _cores() -> int:
 POOL_MIN_TOKENS = 512
 
 
-def _executor(workers: int, n_tokens: int, layers: int) -> tuple[Executor, int]:
-    """The pool layers run in, and the threads each layer's Vietoris-Rips may use."""
+def _executor(workers: int, n_tokens: int, layers: int) -> tuple[Executor | None, int]:
+    """The pool layers run in (None: in this process, one after another), and the threads each layer's
+    Vietoris-Rips may use."""
     if workers == -1:
         workers = _cores()
     workers = min(workers, layers)
     if workers <= 1 or n_tokens < POOL_MIN_TOKENS:
-        return _Inline(), _cores()
+        return None, _cores()
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -79,46 +72,40 @@ def _single_threaded() -> None:
     import ot  # noqa: F401  (imported once per worker, before the first layer's clock starts)
 
 
-class _Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        self.add(name, time.perf_counter() - start)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+@contextmanager
+def _timed(seconds: dict[str, float], name: str):
+    """Adds the block's wall time to `seconds[name]`."""
+    start = time.perf_counter()
+    yield
+    seconds[name] = seconds.get(name, 0.0) + (time.perf_counter() - start)
 
 
 def profile_layer(before: np.ndarray, after: np.ndarray, received: np.ndarray | None, radius: float,
                   gw_starts: str, backend: str, threads: int) -> dict:
     """One layer's statistics {statistic: {geometry: work}}, "gw_start", "intrinsic_dim" and "timings"."""
-    timer = _Timer()
+    seconds: dict[str, float] = {}
     stats: dict[str, dict[str, float]] = {s: {} for s in STATISTICS}
     gw_start = {}
-    with timer("distances"):
+    with _timed(seconds, "distances"):
         dist = {g: [pairwise_distances(x, g, radius) for x in (before, after)] for g in GEOMETRIES}
     for g in GEOMETRIES:
-        with timer("shift"):
+        with _timed(seconds, "shift"):
             stats["shift"][g] = shift(before, after, g, radius)
-        with timer("gw"):
+        with _timed(seconds, "gw"):
             stats["gw"][g], gw_start[g] = gromov_wasserstein_starts(*dist[g], gw_starts)
-    with timer("topo"):
+    with _timed(seconds, "topo"):
         diagrams = {g: [h1_diagram(d, threads, backend) for d in dist[g]] for g in ("raw", "spherical")}
         diagrams["hyperbolic"] = [angle_to_poincare(dgm, radius) for dgm in diagrams["spherical"]]
-    with timer("topo_w2"):
+    with _timed(seconds, "topo_w2"):
         for g in GEOMETRIES:
             stats["topo"][g] = diagram_w2(*diagrams[g])
-    timer.add("topo", timer.seconds["topo_w2"])
-    with timer("intrinsic_dim"):
+    seconds["topo"] += seconds["topo_w2"]
+    with _timed(seconds, "intrinsic_dim"):
         # on what the FFN itself receives (after a pre-norm's gains, for llama blocks), not the bare stream
         angles = dist["spherical"][0] if received is None else pairwise_distances(received, "spherical", radius)
         dim = twonn_dimension(angles)
     return {"stats": stats, "gw_start": gw_start, "intrinsic_dim": dim if np.isfinite(dim) else None,
-            "timings": timer.seconds}
+            "timings": seconds}
 
 
 def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list[float] | None = None) -> dict:
@@ -130,21 +117,20 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
     backend = vr_backend(cfg.vr_backend)
     wall = time.perf_counter()
     pool, threads = _executor(cfg.diagram_workers, clouds.n_tokens, layers)
-    with pool:
-        futures = [pool.submit(profile_layer, clouds.before[layer], clouds.after[layer],
-                               None if clouds.received is None else clouds.received[layer], radius, cfg.gw_starts,
-                               backend, threads) for layer in range(layers)]
-        results = [future.result() for future in futures]
-    timer = _Timer()
+    run = functools.partial(profile_layer, radius=radius, gw_starts=cfg.gw_starts, backend=backend, threads=threads)
+    received = [None] * layers if clouds.received is None else clouds.received
+    with pool or nullcontext():
+        results = list((pool.map if pool else map)(run, clouds.before, clouds.after, received))
+    timings: dict[str, float] = {}
     for result in results:
         for name, seconds in result["timings"].items():
-            timer.add(name, seconds)
-    timer.add("wall", time.perf_counter() - wall)
+            timings[name] = timings.get(name, 0.0) + seconds
+    timings["wall"] = time.perf_counter() - wall
     stats = {s: {g: [r["stats"][s][g] for r in results] for g in GEOMETRIES} for s in STATISTICS}
     return {"layers": layers, "n_tokens": clouds.n_tokens, "d_model": int(clouds.before.shape[2]),
             "hyperbolic_radius": radius, "n_sequences": clouds.n_sequences, "stats": stats,
             "gw_start": {g: [r["gw_start"][g] for r in results] for g in GEOMETRIES}, "gw_starts": cfg.gw_starts,
             "vr_backend": backend, "intrinsic_dim": [r["intrinsic_dim"] for r in results],
             "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
-            "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None, "timings": timer.seconds,
+            "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None, "timings": timings,
             "methods": METHODS}
