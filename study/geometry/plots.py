@@ -20,18 +20,6 @@ def _pyplot():
     return plt
 
 
-def _draw_geometries(ax, profile: dict, statistic: str) -> None:
-    """One statistic's work per layer in each geometry, each curve divided by its own mean (the geometries' units
-    differ; the shape is what the allocation follows)."""
-    layers = np.arange(profile["layers"])
-    for geometry in GEOMETRIES:
-        work = np.asarray(profile["stats"][statistic][geometry], dtype=np.float64)
-        mean = work.mean()
-        ax.plot(layers, work / mean if mean > 0 else work, marker="o", ms=3, label=geometry)
-    ax.set_xlabel("layer")
-    ax.grid(alpha=0.3)
-
-
 def _save(fig, plt, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
@@ -42,28 +30,32 @@ def _save(fig, plt, path: str | Path) -> Path:
 
 def plot_profile(profile: dict, path: str | Path) -> Path:
     """Work vs depth for the 9 statistic x geometry combinations, one panel per statistic."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(STATISTICS), figsize=(4.2 * len(STATISTICS), 3.4), sharey=True)
-    for ax, statistic in zip(axes, STATISTICS):
-        _draw_geometries(ax, profile, statistic)
-        ax.set_title(_TITLES[statistic])
-    axes[0].set_ylabel("work / mean over layers")
-    axes[-1].legend(title="geometry")
-    fig.suptitle(f"FFN work profile ({profile['n_tokens']} tokens)")
-    return _save(fig, plt, path)
+    return plot_reference_profiles({"": profile}, list(STATISTICS), path, row_height=3.4,
+                                   title=f"FFN work profile ({profile['n_tokens']} tokens)")
 
 
-def plot_reference_profiles(profiles: dict[str, dict], statistics: list[str], path: str | Path) -> Path:
-    """One figure for a report: a row per reference profile (keyed by its scale), a panel per statistic."""
+def plot_reference_profiles(profiles: dict[str, dict], statistics: list[str], path: str | Path,
+                            row_height: float = 3.0, title: str | None = None) -> Path:
+    """One figure for a report: a row per reference profile (keyed by its scale), a panel per statistic, each
+    showing the statistic's work per layer in each geometry, each curve divided by its own mean (the geometries'
+    units differ; the shape is what the allocation follows)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(profiles), len(statistics), figsize=(4.2 * len(statistics), 3.0 * len(profiles)),
-                             squeeze=False, sharey=True)
+    size = (4.2 * len(statistics), row_height * len(profiles))
+    fig, axes = plt.subplots(len(profiles), len(statistics), figsize=size, squeeze=False, sharey=True)
     for row, (scale, profile) in zip(axes, profiles.items()):
         for ax, statistic in zip(row, statistics):
-            _draw_geometries(ax, profile, statistic)
-            ax.set_title(f"{scale}: {_TITLES[statistic]}")
+            layers = np.arange(profile["layers"])
+            for geometry in GEOMETRIES:
+                work = np.asarray(profile["stats"][statistic][geometry], dtype=np.float64)
+                mean = work.mean()
+                ax.plot(layers, work / mean if mean > 0 else work, marker="o", ms=3, label=geometry)
+            ax.set_xlabel("layer")
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{scale}: {_TITLES[statistic]}" if scale else _TITLES[statistic])
         row[0].set_ylabel("work / mean over layers")
     axes[0][-1].legend(title="geometry")
+    if title:
+        fig.suptitle(title)
     return _save(fig, plt, path)
 
 
