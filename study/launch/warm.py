@@ -42,6 +42,7 @@ import stat
 import struct
 import sys
 import time
+from contextlib import AbstractContextManager, suppress
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "mlflow",
            "mlflow.store.tracking.sqlalchemy_store", "submitit", "hydra")
@@ -138,16 +139,11 @@ def _exactly(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
 
 
 def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict, list[int]]:
-    fds: list[int] = []
+    head, fds = b"", []
     try:
-        if with_fds:
+        if with_fds:  # they come with the first bytes
             head, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-            if not head:
-                raise ConnectionError("the other end closed the connection")
-            head = _exactly(conn, _HEADER.size, head)
-        else:
-            head = _exactly(conn, _HEADER.size)
-        (size,) = _HEADER.unpack(head)
+        (size,) = _HEADER.unpack(_exactly(conn, _HEADER.size, head))
         return json.loads(_exactly(conn, size)), fds
     except BaseException:
         for fd in fds:  # a message cut short: the descriptors it carried are not kept open here
@@ -157,7 +153,7 @@ def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict, list[in
 
 # --- the launcher's side -----------------------------------------------------------------------------------------
 
-class WarmStarter:
+class WarmStarter(AbstractContextManager):
     """A server: `python` is the executor's interpreter command while it serves (None when it could not start: jobs
     then start as plain processes). Closing it lets the server finish its running tasks and exit; it takes no new
     ones. Its own messages (a module it could not preload, a refused client) go to this process's standard error."""
@@ -213,14 +209,9 @@ class WarmStarter:
             return  # not this process's server
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)  # no new tasks; it exits once its running ones have
-            try:
+            with suppress(subprocess.TimeoutExpired):  # tasks still running: it exits after them
                 self._proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                pass  # tasks still running: it exits after them
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> WarmStarter:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -343,10 +334,8 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
         done = bool(stopping) or os.getppid() != launcher
         if done and listener.fileno() >= 0:
             listener.close()
-            try:
+            with suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         if done and not tasks:
             return None
         watched = [c for c in tasks.values() if c is not None] + ([] if done else [listener])
@@ -367,10 +356,8 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
                 except OSError:  # reset: the client was killed before it read its task's pid
                     gone = True
                 if gone:
-                    try:
+                    with suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                     conn.close()
                     tasks[pid] = None  # reaped on a later pass; no client is left to tell
 
@@ -466,10 +453,8 @@ def _reap(tasks: dict[int, socket.socket | None]) -> None:
             return
         conn = tasks.pop(pid, None)
         if conn is not None:
-            try:
+            with suppress(OSError):
                 _send(conn, {"status": status})
-            except OSError:
-                pass
             conn.close()
 
 
@@ -498,10 +483,8 @@ def client(sock: str, argv: list[str]) -> None:
         _cold(argv, pending)
 
     def forward(sig, _frame):
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -617,20 +600,16 @@ def _exit_without_teardown(code) -> None:
     for generation in range(3):  # the task's own objects: the server froze what it had imported (`serve`)
         for obj in gc.get_objects(generation):
             if isinstance(obj, io.IOBase):
-                try:
-                    obj.flush()  # a file the task left open: the teardown would have flushed it
-                except (OSError, ValueError):
-                    pass
+                with suppress(OSError, ValueError):  # a file the task left open: the teardown would have flushed it
+                    obj.flush()
     if code is None:
         code = 0
     elif not isinstance(code, int):  # `sys.exit("message")`: printed, status 1, as the interpreter does
         print(code, file=sys.stderr)
         code = 1
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code & 0xFF)
 
 
