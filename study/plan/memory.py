@@ -45,7 +45,7 @@ class Layout:
     bf16: bool
     """Mixed precision: bf16 compute copies of fp32 parameters (FSDP2's policy, or CUDA autocast on one rank)."""
     sharding: str
-    """`full` or `hybrid` (auto resolved as study.train.parallelize.sharding resolves it)."""
+    """`train.sharding`: `full`, `hybrid` or `auto` (hybrid across nodes, as study.train.parallelize resolves it)."""
     checkpointing: bool
     """Each block's activations are recomputed in the backward."""
 
@@ -59,7 +59,8 @@ class Layout:
         """Ranks each parameter is split over: none on one rank, a node's ranks under hybrid, else every rank."""
         if self.world == 1:
             return 1
-        return self.per_node if self.sharding == "hybrid" else self.world
+        hybrid = self.sharding == "hybrid" or (self.sharding == "auto" and self.nodes > 1)
+        return self.per_node if hybrid else self.world
 
 
 def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int | None = None,
@@ -72,8 +73,7 @@ def planned_layout(cfg: RunConfig, micro_batch: int, grad_accum: int, world: int
         cuda = t.device == "cuda" or (t.device == "auto" and c.gpus_per_node > 0)
     # as study.train.parallelize decides: bf16 when asked or auto on CUDA; it computes so on CUDA or under FSDP
     bf16 = (t.precision == "bf16" or (t.precision == "auto" and cuda)) and (world > 1 or cuda)
-    sharding = ("hybrid" if nodes > 1 else "full") if t.sharding == "auto" else t.sharding
-    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, sharding, t.activation_checkpointing)
+    return Layout(world, nodes, micro_batch, grad_accum, cuda, bf16, t.sharding, t.activation_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -377,9 +377,7 @@ def _more_nodes(spec: RunSpec, layout: Layout, factor: int) -> Layout | None:
     if r.global_batch % world:
         return None
     micro, accum = batch_layout(r.global_batch, spec.config.train.micro_batch, world)
-    sharding = spec.config.train.sharding
-    return replace(layout, world=world, nodes=nodes, micro_batch=micro, grad_accum=accum,
-                   sharding=("hybrid" if nodes > 1 else "full") if sharding == "auto" else sharding)
+    return replace(layout, world=world, nodes=nodes, micro_batch=micro, grad_accum=accum)
 
 
 def _fixes(unfit: list[tuple[RunSpec, Memory]], nodes: bool) -> list[str]:
