@@ -154,12 +154,14 @@ def shape_problem(record: Any, fields: dict[str, Kind], present: dict[str, Kind]
     """What keeps `record` from being a mapping holding each of `fields` of its kind, and each of `present` it holds
     (a field older versions did not write) of its kind; '' when nothing does."""
     if not isinstance(record, dict):
-        return f"holds a JSON {_json_type(record)}, not a mapping"
+        json_type = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(record), "number")
+        return f"holds a JSON {json_type}, not a mapping"
     if (missing := next((name for name in fields if name not in record), None)) is not None:
         return f"has no `{missing}`"
     for name, kind in {**fields, **(present or {})}.items():
         if name in record and not kind.holds(record[name]):
-            return f"has `{name}` {_shown(record[name])}, not {kind.what}"
+            shown = json.dumps(record[name])
+            return f"has `{name}` {shown if len(shown) <= 60 else shown[:57] + '...'}, not {kind.what}"
     return ""
 
 
@@ -171,12 +173,3 @@ def read_mapping(path: Path, fields: dict[str, Kind], fix: str, present: dict[st
         raise damaged(path, problem, fix)
     return record
 
-
-def _json_type(value: Any) -> str:
-    return {dict: "mapping", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number")
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."

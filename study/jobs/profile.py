@@ -9,22 +9,11 @@ from study.config.spec import RunSpec
 from study.files import replace_file
 
 
-def profiling_batches(data, n_sequences: int, n_tokens: int):
-    """Batches of `n_sequences` validation sequences (as many as the split holds, and at least enough positions for
-    twice the sampled tokens); the tokens are then drawn uniformly among all of them, a few per sequence."""
-    from study.data import val_batches
-    from study.data.batches import num_windows
-
-    per_batch = 8
-    enough = max(n_sequences, -(-2 * n_tokens // max(data.seq_len - 1, 1)))
-    wanted = min(-(-enough // per_batch), num_windows(len(data.val), data.seq_len) // per_batch)
-    return [x for x, _ in val_batches(data.val, data.seq_len, per_batch, max(wanted, 1))]
-
-
 def profile_run(spec: RunSpec, geometry=None) -> Path:
     """Profile the latest checkpoint of the run the spec describes, on the CPU; returns the profile.json path.
     `geometry` replaces the spec's profiling settings (`study profile RUN_KEY geometry.n_tokens=...`)."""
-    from study.data import prepare_data
+    from study.data import prepare_data, val_batches
+    from study.data.batches import num_windows
     from study.eval.locate import load_trained_model
     from study.geometry.allocate import geometry_widths
     from study.geometry.clouds import collect_clouds, perturbation_sensitivity
@@ -36,7 +25,12 @@ def profile_run(spec: RunSpec, geometry=None) -> Path:
     g = geometry or cfg.geometry
     model, ckpt = load_trained_model(spec)
     data = prepare_data(cfg.data, build=False)  # reads the run's validation tokens, never tokenises
-    batches = profiling_batches(data, g.n_sequences, g.n_tokens)
+    # batches of `n_sequences` validation sequences (as many as the split holds, and at least enough positions for
+    # twice the sampled tokens); the tokens are then drawn uniformly among all of them, a few per sequence
+    per_batch = 8
+    enough = max(g.n_sequences, -(-2 * g.n_tokens // max(data.seq_len - 1, 1)))
+    wanted = min(-(-enough // per_batch), num_windows(len(data.val), data.seq_len) // per_batch)
+    batches = [x for x, _ in val_batches(data.val, data.seq_len, per_batch, max(wanted, 1))]
     sensitivity = perturbation_sensitivity(model, batches, g.sensitivity_eps) if g.measure_sensitivity else None
     clouds = collect_clouds(model, batches, g.n_tokens, g.seed, g.min_position)
     profile = profile_clouds(clouds, g, sensitivity)

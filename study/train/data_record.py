@@ -33,9 +33,17 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
     rank 0). A run directory from before the record existed has its tokenizer copy as the only witness."""
     path = record_path(spec)
     now = data.meta["sha256"]
-    files = _flat_files(spec, data)
+    # the sampled content digest of every flat token file the data reads in place; none for token shards, which live
+    # in the cache and are checked by their SHA-256
+    files = (spot_digests([f["path"] for records in data.meta["files"].values() for f in records],
+                          tokenize_procs(spec.config.data)) if data.meta.get("kind") == "flat" else {})
     if path.exists():
-        record = _read(spec, path)
+        # refused by name when damaged: the checksums it holds are what the data is compared with
+        fix = (f"restore {path} from a copy; or train the run again from step 0 on the data as it is now "
+               f"(`study launch EXPERIMENT --restart {spec.key}`)")
+        digests = Kind("a mapping of file names to digests", lambda v: isinstance(v, dict) and all(
+            isinstance(x, str) for x in v.values()))
+        record = read_mapping(path, {"sha256": digests}, fix, {"files": digests})
         then = record["sha256"]
         changed = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
         if changed:
@@ -56,24 +64,6 @@ def check_data(spec: RunSpec, data, write: bool) -> None:
     if write:
         record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
         replace_file(path, json.dumps({**record, "files": files} if files else record, indent=1))
-
-
-def _read(spec: RunSpec, path: Path) -> dict:
-    """The record, refused by name when damaged: the checksums it holds are what the data is compared with."""
-    fix = (f"restore {path} from a copy; or train the run again from step 0 on the data as it is now "
-           f"(`study launch EXPERIMENT --restart {spec.key}`)")
-    digests = Kind("a mapping of file names to digests", lambda v: isinstance(v, dict) and all(
-        isinstance(x, str) for x in v.values()))
-    return read_mapping(path, {"sha256": digests}, fix, {"files": digests})
-
-
-def _flat_files(spec: RunSpec, data) -> dict[str, str]:
-    """The sampled content digest of every flat token file the data reads in place; none for token shards, which
-    live in the cache and are checked by their SHA-256."""
-    if data.meta.get("kind") != "flat":
-        return {}
-    paths = [f["path"] for records in data.meta["files"].values() for f in records]
-    return spot_digests(paths, tokenize_procs(spec.config.data))
 
 
 def _refuse(spec: RunSpec, data, what: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,8 +92,17 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
                          f"{spec.config.experiment}): it trains the tune runs first, then this one")
     d = setup(spec.config.train.device, spec.config.train.collective_timeout_s)
     rdir = spec.run_dir.path
-    if d.is_main:
-        writable(rdir)
+    if d.is_main:  # fail before anything is tracked when the run directory cannot hold checkpoints
+        try:
+            rdir.mkdir(parents=True, exist_ok=True)
+            probe = rdir / f".write-probe-{os.getpid()}"  # one per process: trainers may race here
+            probe.write_bytes(b"x" * 4096)
+            probe.unlink()
+        except OSError as err:
+            fix = ("free space on that file system or point paths.runs elsewhere" if err.errno == errno.ENOSPC
+                   else "point paths.runs at a writable directory (shared between nodes on a cluster)")
+            raise StudyError("paths.runs", f"cannot write the run directory {rdir} ({os.strerror(err.errno or 0)})",
+                             fix) from None
     lease = acquire(rdir, spec.key, d)
     try:
         if d.is_main:
@@ -106,37 +116,16 @@ def train(spec: RunSpec, restart: bool = False, at_branch_start=None) -> Outcome
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):  # the file system (or the user's quota on it) is full
             raise
-        raise no_space(spec, err) from None
+        # the user's error: where, how much is free, what to free, where a restart resumes
+        last = checkpoint.latest(rdir)
+        raise StudyError("paths.runs", f"no space left on {rdir} (writing {err.filename or 'to it'}; "
+                         f"{shutil.disk_usage(rdir).free >> 20} MiB free on its file system)",
+                         "free space on that file system (other runs' old checkpoints, or a lower train.keep_last), or "
+                         "move the runs folder to one with room and point paths.runs there; started again, the run "
+                         f"resumes from {last.name if last else 'step 0'}") from None
     finally:
         if lease is not None:
             lease.release()
-
-
-def writable(rdir: Path) -> None:
-    """Fail before anything is tracked when the run directory cannot hold checkpoints."""
-    try:
-        rdir.mkdir(parents=True, exist_ok=True)
-        probe = rdir / f".write-probe-{os.getpid()}"  # one per process: trainers may race here
-        probe.write_bytes(b"x" * 4096)
-        probe.unlink()
-    except OSError as err:
-        fix = ("free space on that file system or point paths.runs elsewhere" if err.errno == errno.ENOSPC
-               else "point paths.runs at a writable directory (shared between nodes on a cluster)")
-        raise StudyError("paths.runs", f"cannot write the run directory {rdir} ({os.strerror(err.errno or 0)})",
-                         fix) from None
-
-
-def no_space(spec: RunSpec, err: OSError) -> StudyError:
-    """A full run directory as the user's error: where, how much is free, what to free, where a restart resumes."""
-    import shutil
-
-    rdir = spec.run_dir.path
-    last = checkpoint.latest(rdir)
-    return StudyError("paths.runs", f"no space left on {rdir} (writing {err.filename or 'to it'}; "
-                      f"{shutil.disk_usage(rdir).free >> 20} MiB free on its file system)",
-                      "free space on that file system (other runs' old checkpoints, or a lower train.keep_last), or "
-                      "move the runs folder to one with room and point paths.runs there; started again, the run "
-                      f"resumes from {last.name if last else 'step 0'}")
 
 
 def _data(spec: RunSpec, d: Dist, micro: int):
