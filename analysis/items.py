@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from analysis.paired import TAILS
-from analysis.records import JsonRecord
+from analysis.records import JsonRecord, read_artifact
 from study.schema import ITEMS_ARTIFACT, TAG_EVAL, eval_artifact
 
 ITEM_METRICS = ("acc", "acc_norm", "ll_correct")
@@ -124,21 +124,16 @@ def read_items(client, run_ids) -> dict[str, pd.DataFrame]:
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per run would flood stderr
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for run_id in run_ids:
-            tasks_of: dict[str, set[str]] = {}
-            for key, eval_id in client.get_run(run_id).data.tags.items():
-                if key.startswith(TAG_EVAL):
-                    tasks_of.setdefault(eval_id, set()).add(key[len(TAG_EVAL):])
-            rows = []
-            for eval_id, tasks in sorted(tasks_of.items()):
-                if ITEMS_ARTIFACT not in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
-                        run_id, eval_artifact(eval_id))}:
-                    continue
-                os.makedirs(dst := os.path.join(tmp, run_id), exist_ok=True)
-                path = client.download_artifacts(run_id, eval_artifact(eval_id, ITEMS_ARTIFACT), dst)
-                with open(path) as f:
-                    rows += [row for row in map(json.loads, filter(str.strip, f)) if row["task"] in tasks]
-            if rows:
-                out[run_id] = pd.DataFrame(rows)
+    for run_id in run_ids:
+        tasks_of: dict[str, set[str]] = {}
+        for key, eval_id in client.get_run(run_id).data.tags.items():
+            if key.startswith(TAG_EVAL):
+                tasks_of.setdefault(eval_id, set()).add(key[len(TAG_EVAL):])
+        rows = []
+        for eval_id, tasks in sorted(tasks_of.items()):
+            lines = read_artifact(client, run_id, eval_artifact(eval_id, ITEMS_ARTIFACT),
+                                  lambda path: Path(path).read_text().splitlines()) or []
+            rows += [row for row in map(json.loads, filter(str.strip, lines)) if row["task"] in tasks]
+        if rows:
+            out[run_id] = pd.DataFrame(rows)
     return out

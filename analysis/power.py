@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
+from unittest.mock import patch
 
 from analysis.sample_size import seeds_for_difference, seeds_for_equivalence
 from study.config.decision import DecisionRule
@@ -104,20 +105,13 @@ def measured_noise(experiment: str, baseline: str, rule: DecisionRule, tracking_
                 if r.n >= MIN_PAIRS_FOR_SD and math.isfinite(r.sd_delta) and r.sd_delta > 0]
         return [rows, f"measured for {len(rows)} comparisons with at least {MIN_PAIRS_FOR_SD} finished pairs"]
 
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
     try:
-        rows, note = read_per_version(uri, ["paired noise", experiment, baseline, rule.metric], read)
+        with patch.dict(os.environ, {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}):
+            rows, note = read_per_version(uri, ["paired noise", experiment, baseline, rule.metric], read)
     except StudyError as err:
         return {}, err.problem
     except Exception as err:  # a server that is down must not stop planning; the note says so
         return {}, f"the store could not be read ({type(err).__name__})"
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return {(scale, variant): (sd, n) for scale, variant, sd, n in rows}, note
 
 

@@ -7,13 +7,13 @@ anti control) and which way it points, so an arm that runs the same way as the a
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from analysis import run_table
+from analysis.records import read_artifact
 from analysis.render import Block, Heading, Paragraph, Plot, Table
 from study.config.geometry import GEOMETRIES, STATISTICS
 from study.track.query import open_store
@@ -115,17 +115,9 @@ def _reference_profiles(client, runs: pd.DataFrame) -> dict[str, dict]:
     """scale -> the profile of that scale's newest reference run that has one, smallest scale first."""
     out: dict[str, dict] = {}
     refs = runs[runs["role"] == Role.reference].sort_values("start_time", ascending=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        for row in refs.itertuples():
-            if row.scale in out:
-                continue
-            folder = PROFILE_ARTIFACT.rsplit("/", 1)[0]
-            if PROFILE_ARTIFACT not in {a.path for a in client.list_artifacts(row.run_id, folder)}:
-                continue
-            dst = Path(tmp) / row.run_id
-            dst.mkdir()
-            out[row.scale] = json.loads(Path(client.download_artifacts(row.run_id, PROFILE_ARTIFACT, str(dst)))
-                                        .read_text())
+    for row in refs.itertuples():
+        if row.scale not in out and (profile := read_artifact(client, row.run_id, PROFILE_ARTIFACT)) is not None:
+            out[row.scale] = profile
     order = _scale_key(runs)
     return dict(sorted(out.items(), key=lambda item: order(item[0])))
 

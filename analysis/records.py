@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from dataclasses import asdict
-from typing import ClassVar
+from pathlib import Path
+from typing import Callable, ClassVar, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def json_ready(value):
@@ -35,11 +39,19 @@ class JsonRecord:
         return json_ready({k: v for k, v in asdict(self).items() if k not in self.UNRECORDED})
 
 
+def read_artifact(client, run_id: str, artifact: str, read: Callable[[str], T] = lambda path: json.loads(
+        Path(path).read_text())) -> T | None:
+    """``read`` of the local path of run ``run_id``'s artifact ``artifact``, downloaded to a temporary folder (JSON by
+    default); None when the run lists no such artifact."""
+    if artifact not in {a.path for a in client.list_artifacts(run_id, artifact.rpartition("/")[0] or None)}:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return read(client.download_artifacts(run_id, artifact, tmp))
+
+
 def latest_record(client, experiment_id: str, role: str, artifact: str):
     """The JSON artifact ``artifact`` of the experiment's latest run tagged ``study.role=role``; None when there is no
     such run or its artifact cannot be read yet."""
-    import tempfile
-
     from study.track.query import runs_with_role
 
     found = runs_with_role(client, [experiment_id], role, order_by=["attributes.start_time DESC"], max_results=1)

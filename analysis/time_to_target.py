@@ -7,7 +7,6 @@ variant *worse*, never *better*. analysis/README.md ("Time to target") has the r
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +15,7 @@ import pandas as pd
 from analysis import run_table
 from analysis.decide import decide
 from analysis.paired import paired_deltas
-from analysis.records import JsonRecord
+from analysis.records import JsonRecord, read_artifact
 from study.config.decision import DecisionRule
 from study.errors import StudyError
 from study.track.query import open_store
@@ -184,10 +183,7 @@ def _spec(client, run_id: str):
     """The run's spec (its ``run.json`` artifact); None when it logged none or another key schema wrote it."""
     from study.config.spec import read_spec
 
-    if SPEC_ARTIFACT not in {a.path for a in client.list_artifacts(run_id)}:
+    try:
+        return read_artifact(client, run_id, SPEC_ARTIFACT, read_spec)
+    except StudyError:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            return read_spec(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp))
-        except StudyError:
-            return None
