@@ -116,10 +116,14 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         _print_dry_run(plan, stages, cluster, echo)
         return stages
     from study.config.data import validate_data
+    from study.config.tasks import check_tasks
 
     for data in {json.dumps(asdict(r.config.data), sort_keys=True): r.config.data for r in plan.runs}.values():
         validate_data(data)  # what every job would fail on is refused before anything is submitted
-    _check_tasks(plan)
+    # tasks evaluated after training must exist: lm-eval's catalogue is indexed only when a run names a task that is
+    # not one of the shipped offline ones (indexing takes seconds)
+    check_tasks(sorted({t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}),
+                field="eval.tasks")
     if cluster.name == "local" and cluster.warm_start:
         from study.launch.warm import named_server
 
@@ -240,15 +244,6 @@ def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
     if not dry_run and superseded + stuck:
         cancel([e["job_id"] for e in superseded + stuck])
     say_skipped(queue, echo)
-
-
-def _check_tasks(plan: Plan) -> None:
-    """Tasks evaluated after training must exist: lm-eval's catalogue is indexed only when a run names a task that
-    is not one of the shipped offline ones (indexing takes seconds)."""
-    from study.config.tasks import check_tasks
-
-    check_tasks(sorted({t for r in plan.runs if r.config.eval.after_train for t in r.config.eval.tasks}),
-                field="eval.tasks")
 
 
 def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:
