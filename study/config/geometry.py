@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from study.errors import StudyError
 
@@ -29,15 +29,15 @@ def check_radius(radius: float) -> None:
 class AllocationConfig:
     """How a reference run is measured and its profile turned into widths."""
 
-    statistic: str = "topo"
+    statistic: str = field(default="topo", metadata={"choices": STATISTICS})
     """Work statistic the widths follow: shift, gw (Gromov-Wasserstein) or topo (H1 diagram W2)."""
-    geometry: str = "hyperbolic"
+    geometry: str = field(default="hyperbolic", metadata={"choices": GEOMETRIES})
     """Geometry the statistic is measured in: raw, spherical or hyperbolic."""
-    smoothing: str = "gaussian"
+    smoothing: str = field(default="gaussian", metadata={"choices": SMOOTHING})
     """How the per-layer work is smoothed over depth: gaussian, moving (average) or none."""
     smoothing_width: float = 1.0
     """Gaussian sigma in layers, or the moving-average window in layers (an odd integer)."""
-    exponent: str = "intrinsic"
+    exponent: str = field(default="intrinsic", metadata={"choices": EXPONENTS})
     """Error exponent a_l: intrinsic (2 / TwoNN intrinsic dimension of the layer's input) or constant."""
     exponent_const: float = 1.0
     """a for every layer when exponent is constant."""
@@ -60,10 +60,10 @@ class AllocationConfig:
     """Seed of the token sample (the same positions are used in every layer)."""
     min_position: int = 1
     """First sequence position eligible: position 0, an attention sink of outsized norm, would dominate distances."""
-    vr_backend: str = "auto"
+    vr_backend: str = field(default="auto", metadata={"choices": VR_BACKENDS})
     """Vietoris-Rips persistence: ripser (MIT, installed), gph (giotto-ph, AGPL, multithreaded: `pip install
     study[gph]`) or auto (gph when installed); both give the same diagrams bit for bit."""
-    gw_starts: str = "identity"
+    gw_starts: str = field(default="identity", metadata={"choices": GW_STARTS})
     """Starts of the Gromov-Wasserstein solver: identity (corresponding tokens) or both (also POT's product start,
     the lower value kept: about twice the time, and never lower on the benchmark's clouds)."""
     diagram_workers: int = -1
@@ -71,12 +71,9 @@ class AllocationConfig:
     Workers are spawned, so a script that profiles needs the `if __name__ == "__main__":` guard."""
 
     def __post_init__(self) -> None:
-        one_of("statistic", self.statistic, STATISTICS)
-        one_of("geometry", self.geometry, GEOMETRIES)
-        one_of("smoothing", self.smoothing, SMOOTHING)
-        one_of("exponent", self.exponent, EXPONENTS)
-        one_of("vr_backend", self.vr_backend, VR_BACKENDS)
-        one_of("gw_starts", self.gw_starts, GW_STARTS)
+        for f in fields(self):
+            if "choices" in f.metadata:
+                one_of(f.name, getattr(self, f.name), f.metadata["choices"])
         check_radius(self.hyperbolic_radius)
         if self.smoothing == "moving" and (self.smoothing_width < 1 or self.smoothing_width % 2 != 1):
             raise StudyError("smoothing_width", f"{self.smoothing_width} is not an odd window", "use 1, 3, 5, ...")
