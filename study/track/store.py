@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -12,13 +11,14 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
+from study.files import file_lock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,29 +158,10 @@ def call_with_retries(fn: Callable[[], T], cfg: TrackingConfig, deadline: float,
             delay = min(2 * delay, cfg.retry_max_s)
 
 
-@contextmanager
-def _store_lock(db: Path):
-    """Serialises first use of an SQLite store across processes (MLflow creates its tables then, and creators collide).
-    An existing store in a folder this process cannot write is opened without the lock: it can create nothing there."""
-    if not db.parent.is_dir():
-        db.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = open(db.with_name(db.name + ".lock"), "a")
-    except OSError as exc:
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and db.is_file():
-            yield
-            return
-        raise
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def mlflow_client(uri: str):
-    """An `MlflowClient` for `uri` (an SQLite store is opened under a cross-process lock)."""
+    """An `MlflowClient` for `uri`. An SQLite store is opened under a cross-process lock, as MLflow creates its tables
+    on first use and creators collide; an existing store in a folder this process cannot write is opened without the
+    lock: it can create nothing there."""
     from mlflow import MlflowClient
 
     db = sqlite_path(uri)
@@ -188,7 +169,12 @@ def mlflow_client(uri: str):
         return MlflowClient(tracking_uri=uri)
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  (a 2 s import: done before taking the lock)
 
-    with _store_lock(db):
+    with ExitStack() as held:
+        try:
+            held.enter_context(file_lock(db.with_name(db.name + ".lock")))
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not db.is_file():
+                raise
         return MlflowClient(tracking_uri=uri)
 
 
