@@ -133,8 +133,16 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKin
         ex = submitit.LocalExecutor(folder=str(folder), python=python)
         ex.update_parameters(timeout_min=cluster.time_min, tasks_per_node=cluster.tasks_per_node)
         return ex
-    kind = _preview_executor() if preview else submitit.SlurmExecutor
-    ex = kind(folder=str(folder), max_num_timeout=cluster.max_requeues)
+
+    class Preview(submitit.SlurmExecutor):
+        """submitit's SLURM executor as the dry run uses it: its sbatch writer, without submitit's check that srun
+        exists (nothing is submitted)."""
+
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    ex = (Preview if preview else submitit.SlurmExecutor)(folder=str(folder), max_num_timeout=cluster.max_requeues)
     tasks = cluster.gpus_per_node or cluster.tasks_per_node
     params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
                   cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
@@ -151,20 +159,6 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKin
         params["mem"] = f"{cluster.mem_gb}GB"
     ex.update_parameters(**params)
     return ex
-
-
-def _preview_executor():
-    import submitit
-
-    class Preview(submitit.SlurmExecutor):
-        """submitit's SLURM executor as the dry run uses it: its sbatch writer, without submitit's check that srun
-        exists (nothing is submitted)."""
-
-        @classmethod
-        def affinity(cls) -> int:
-            return 1
-
-    return Preview
 
 
 def job_name(text: str) -> str:

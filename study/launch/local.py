@@ -5,6 +5,8 @@ stops). On SLURM, `--wait`: the launch's jobs followed until none is pending or 
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 import time
 from collections import Counter
 
@@ -51,8 +53,6 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
     """Laptop mode: stages run one after the other, each keeping `array_parallelism` processes busy (a job starts as
     soon as another ends, so a short run never leaves a core idle behind a long one). A signal to the launcher
     (TERM, HUP, INT) stops its jobs first: each run checkpoints and stops, nothing keeps training."""
-    import signal
-
     parallel = max(1, plan.runs[0].config.cluster.array_parallelism)
     racing = plan.experiment.racing is not None
     failures: list[tuple[RunSpec, str]] = []
@@ -181,9 +181,6 @@ def failure_reason(err: BaseException) -> str:
 
 def stop_jobs(jobs: list, grace_s: float = 120.0) -> None:
     """TERM to each local job's controller, which forwards it to the training process (checkpoint, then stop)."""
-    import signal
-    import subprocess
-
     procs = [getattr(j, "_process", None) for j in jobs]  # submitit's LocalJob keeps its Popen here
     procs = [p for p in procs if p is not None and p.poll() is None]
     for p in procs:

@@ -62,7 +62,7 @@ IMPORTED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """What the server's imports depend on besides its interpreter: the code on the path, and the thread count torch
 fixes when it is imported. A client whose values differ from the server's starts cold."""
 _SERVE = "_serve"
-"""`serve` as it runs itself again, its environment cleared of secrets (`_serve_without_secrets`)."""
+"""`serve` as it runs itself again, its environment cleared of secrets (`main`)."""
 _ANSWER_MAX = 1 << 10
 """A server's answer is one number: a longer one is nonsense, not something to wait for."""
 _PEERCRED = struct.Struct("3i")
@@ -560,7 +560,13 @@ def _forked_by(server: int, pid: int) -> bool:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["serve"]:
-        _serve_without_secrets(argv[1:])
+        # become the server (`_SERVE ARGS`) without the variables that hold secrets (`study.config.secrets`): a forked
+        # task's /proc/PID/environ shows the server's (see the module's docstring); run again whatever the environment
+        # holds, so the server never imports what this check needs
+        from study.config.secrets import mask_text
+
+        kept = {name: value for name, value in os.environ.items() if mask_text(f"{name}={value}") == f"{name}={value}"}
+        os.execve(sys.executable, [sys.executable, "-m", "study.launch.warm", _SERVE, *argv[1:]], kept)
     if argv[:1] == [_SERVE]:
         from study.errors import StudyError
 
@@ -611,16 +617,6 @@ def _exit_without_teardown(code) -> None:
         with suppress(OSError, ValueError):
             stream.flush()
     os._exit(code & 0xFF)
-
-
-def _serve_without_secrets(args: list[str]) -> None:
-    """Become the server (`_SERVE ARGS`) with this environment less the variables that hold secrets
-    (`study.config.secrets`): a forked task's /proc/PID/environ shows the server's (see the module's docstring). Run
-    again whatever the environment holds, so the server never imports what this check needs."""
-    from study.config.secrets import mask_text
-
-    kept = {name: value for name, value in os.environ.items() if mask_text(f"{name}={value}") == f"{name}={value}"}
-    os.execve(sys.executable, [sys.executable, "-m", "study.launch.warm", _SERVE, *args], kept)
 
 
 if __name__ == "__main__":
