@@ -467,7 +467,7 @@ def test_a_damaged_train_state_is_refused_naming_the_file(study, content, proble
 ], ids=["value_text", "three_fields", "not_json"])
 def test_a_damaged_metric_log_is_refused_naming_the_file_and_line(tmp_path, content, problem):
     from study.errors import StudyError
-    from study.track.metric_log import MetricLog
+    from study.track.tracker import MetricLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(content)
@@ -478,7 +478,7 @@ def test_a_damaged_metric_log_is_refused_naming_the_file_and_line(tmp_path, cont
 
 
 def test_a_metric_line_a_crash_cut_short_is_left_out_and_removed_by_the_next_append(tmp_path):
-    from study.track.metric_log import MetricLog
+    from study.track.tracker import MetricLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('["train/loss", 3.0, 1000, 1]\n["train/loss", 2.9, 10')

@@ -13,20 +13,21 @@ import atexit
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from study import schema
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
-from study.track.metric_log import MetricLog, reconcile
+from study.files import COUNT, end_cut_line, read_json_lines
 from study.track.params import flatten, plain
 from study.track.store import (call_with_retries, connected, find_runs, get_or_create_experiment, is_transient,
                                jittered, open_run, resolve_tracking_uri, short)
@@ -37,6 +38,8 @@ STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARAMS_PER_CALL = 100
 MAX_TAG_CHARS = 8000
 _METRIC_KEY = re.compile(r"^[/\w.\- :]{1,250}$")
+Point = tuple[str, float, int, int]
+"""(key, value, timestamp in ms, step)."""
 ARTIFACT_OUTBOX = "artifacts-outbox"
 """Folder of a run directory where artifacts wait until MLflow holds them, each copied into a folder of its own
 beside a file naming where it is stored; one the store refused is sent again on the run's next start."""
@@ -69,6 +72,67 @@ def post(folder: Path, source: Path | str, name: str) -> tuple[Path, str]:
     return copied, "/".join(parts)
 
 
+class MetricLog:
+    """The run directory's own record of every metric point, `<run dir>/metrics.jsonl`: appended before a point is
+    queued for MLflow, fsync'd with every checkpoint, and replayed into the store (what it lacks, none twice) when a
+    tracker opens, so a store swap, a deleted database or an outage followed by a kill loses no point."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def read(self) -> list[Point]:
+        """Every point logged so far, without a last line a crash cut short; a damaged line is refused by name."""
+        fix = (f"delete the damaged line of {self.path}: the MLflow run keeps the points it already received, and "
+               "the line's point is lost")
+        return [(k, float(v), t, s) for k, v, t, s in read_json_lines(self.path, fix, _point_problem)]
+
+    def append(self, points: Iterable[Point]) -> None:
+        lines = "".join(json.dumps([k, v, t, s]) + "\n" for k, v, t, s in points)
+        if not lines:
+            return
+        if self._fd is None:
+            # O_NOFOLLOW: a link planted after the run directory was checked is refused, never appended through
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            end_cut_line(self._fd)  # never glue a point to a line a crash cut short
+        os.write(self._fd, lines.encode())
+
+    def sync(self) -> None:
+        """Make every point so far durable (called with each checkpoint)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _point_problem(entry) -> str:
+    """What keeps a line from being a point [key, value, timestamp, step] ('' when nothing); a value may be NaN."""
+    ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+          and isinstance(entry[1], int | float) and COUNT.holds(entry[2]) and COUNT.holds(entry[3])
+          and not any(isinstance(x, bool) for x in entry))
+    return "" if ok else f"holds {json.dumps(entry)[:60]}, not a point [key, value, time in ms, step]"
+
+
+def reconcile(log: MetricLog, logged_upto: dict[str, int], stored_steps) -> list[Point]:
+    """Raise `logged_upto` to every step the log holds and return its points whose (key, step) the store lacks
+    (`stored_steps(key)`), first occurrence of each."""
+    points = log.read()
+    stored = {k: stored_steps(k) for k in {p[0] for p in points}}
+    missing, seen = [], set()
+    for point in points:
+        key, step = point[0], point[3]
+        logged_upto[key] = max(logged_upto.get(key, step), step)
+        if step not in stored[key] and (key, step) not in seen:
+            missing.append(point)
+        seen.add((key, step))
+    if missing:
+        logger.warning("sending %d metric points the store lacks from %s", len(missing), log.path)
+    return missing
+
+
 class Tracker:
     """One MLflow run fed through a buffer that a background thread ships with `log_batch`: `Tracker.open` (training,
     rank 0) or `Tracker.attach` (adding results to a finished run). `MlflowClient`, never the fluent global run, so
@@ -82,8 +146,8 @@ class Tracker:
         self._logged_upto = logged_upto
         self._known_keys: set[str] = set()
         self._lock = threading.Lock()
-        self._buffer: deque[tuple[str, float, int, int]] = deque(replay or [])
-        self._inflight: list[tuple[str, float, int, int]] = []
+        self._buffer: deque[Point] = deque(replay or [])
+        self._inflight: list[Point] = []
         self._artifacts: deque[tuple[Path, str]] = deque()
         self._dropped = 0
         # With a run directory, artifacts wait in its outbox until MLflow holds them: one the store refused (a full
