@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from study.config.validate import is_number
+from study.config.validate import is_number, refuse_unknown
 from study.errors import StudyError
 
 
@@ -36,10 +36,8 @@ class DecisionRule:
     def from_mapping(cls, raw: Mapping[str, Any] | None, where: str = "decision") -> "DecisionRule":
         """Checked rule from an experiment file's `decision:` block (None: defaults)."""
         raw = dict(raw or {})
-        allowed = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - allowed)
-        if unknown:
-            raise StudyError(f"{where}.{unknown[0]}", "is not a decision key", f"use only {', '.join(sorted(allowed))}")
+        allowed = sorted(cls.__dataclass_fields__)
+        refuse_unknown(raw, allowed, where, "a decision key", f"use only {', '.join(allowed)}")
         if not isinstance(raw.get("metric", "val/loss"), str):
             raise StudyError(f"{where}.metric", "must be a metric name", "e.g. metric: val/loss")
         for key in ("margin", "prior_sd"):

@@ -14,9 +14,9 @@ VR_BACKENDS = ("auto", "ripser", "gph")
 GW_STARTS = ("identity", "both")
 
 
-def one_of(field: str, value: str, allowed: tuple[str, ...]) -> None:
+def one_of(field: str, value: str, allowed: tuple[str, ...], what: str = "value") -> None:
     if value not in allowed:
-        raise StudyError(field, f"unknown value {value!r}", f"use one of {', '.join(allowed)}")
+        raise StudyError(field, f"unknown {what} {value!r}", f"use one of {', '.join(allowed)}")
 
 
 def check_radius(radius: float) -> None:

@@ -29,6 +29,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def refuse_unknown(raw: dict, allowed, where: str, what: str, fix: str) -> None:
+    """Refuse the first key of block `raw` (at `where`) outside `allowed`, as not `what`."""
+    if unknown := sorted(set(raw) - set(allowed)):
+        raise StudyError(f"{where}.{unknown[0]}", f"is not {what}", fix)
+
+
 def _declared(node: Any, prefix: str = "") -> list[tuple[str, Mapping[str, Any], Any]]:
     """(dotted name, checks, value) of every field whose metadata declares checks: `choices`, `positive`,
     `non_negative`, `at_most` (MLflow takes at most 1,000 metrics per batch; an MFU is a fraction)."""

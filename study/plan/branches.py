@@ -17,7 +17,7 @@ from study.config.identity import branch_key, run_key
 from study.config.recipe import BranchPoint, decay_start
 from study.config.run import Role, RunConfig
 from study.config.spec import RunSpec
-from study.config.validate import is_number
+from study.config.validate import is_number, refuse_unknown
 from study.errors import StudyError
 from study.schema import RunDir
 
@@ -40,9 +40,7 @@ def parse_branches(raw: Any, where: str) -> Branches:
     """The `branches:` block, checked: `at` a list of distinct positive fractions, `decay` in (0, 1)."""
     if not isinstance(raw, dict):
         raise StudyError(where, "must be a mapping", "write e.g. `branches: {at: [0.25, 0.5, 1.0], decay: 0.2}`")
-    unknown = sorted(set(raw) - {"at", "decay"})
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a branches key", "use only at and decay")
+    refuse_unknown(raw, ("at", "decay"), where, "a branches key", "use only at and decay")
     at, decay = raw.get("at"), raw.get("decay", 0.2)
     if not isinstance(at, list) or not at or any(not is_number(a) or not 0 < a <= 64 for a in at):
         raise StudyError(f"{where}.at", f"{at!r} is not a list of branch lengths",

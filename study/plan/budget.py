@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from study.config.budget import BudgetConfig
+from study.config.geometry import one_of
 from study.errors import StudyError
 from study.config.model import BLOCKS, FFN_KINDS, INITS, ModelConfig
 from study.plan.widths import FIELD, schedule_shape
@@ -136,10 +137,8 @@ def check_buildable(params: ParamCount, field: str, what: str, fix: str) -> None
 
 def validate_shape(cfg: ModelConfig) -> None:
     """Reject shapes no model can have, naming the field."""
-    if cfg.block not in BLOCKS:
-        raise StudyError("model.block", f"unknown block {cfg.block!r}", f"use one of {', '.join(BLOCKS)}")
-    if cfg.ffn.kind not in FFN_KINDS:
-        raise StudyError("model.ffn.kind", f"unknown FFN {cfg.ffn.kind!r}", f"use one of {', '.join(FFN_KINDS)}")
+    one_of("model.block", cfg.block, BLOCKS, "block")
+    one_of("model.ffn.kind", cfg.ffn.kind, FFN_KINDS, "FFN")
     check_positive(cfg)
     if cfg.n_kv_heads < 0 or cfg.head_dim < 0:
         raise StudyError("model.n_kv_heads", "n_kv_heads and head_dim must be >= 0", "use 0 for the default")
@@ -288,11 +287,8 @@ def _solve_width(cfg: ModelConfig, budget: int, mode: str) -> ModelConfig:
 
 def match(cfg: ModelConfig, budget: int, budget_cfg: BudgetConfig) -> Matched:
     """Resolve the variant's free dimension so that its counted parameters meet `budget`."""
-    if budget_cfg.mode not in MODES:
-        raise StudyError("budget.mode", f"unknown mode {budget_cfg.mode!r}", f"use one of {', '.join(MODES)}")
-    if budget_cfg.match not in STRATEGIES:
-        raise StudyError("budget.match", f"unknown strategy {budget_cfg.match!r}",
-                         f"use one of {', '.join(STRATEGIES)}")
+    one_of("budget.mode", budget_cfg.mode, MODES, "mode")
+    one_of("budget.match", budget_cfg.match, STRATEGIES, "strategy")
     validate_shape(cfg)
     mode, strategy = budget_cfg.mode, budget_cfg.match
     if strategy not in ("ffn", "none") and cfg.ffn.schedule.family == "layerwise" and cfg.ffn.schedule.alpha:

@@ -10,7 +10,7 @@ from typing import Any
 
 from study.config.compose import group_file, group_options, plain_yaml, sweeps_dir
 from study.config.decision import DecisionRule
-from study.config.validate import SEED_MAX
+from study.config.validate import SEED_MAX, refuse_unknown
 from study.errors import StudyError
 from study.plan.branches import Branches, parse_branches
 from study.plan.fairness import check_compares, check_owned
@@ -99,10 +99,8 @@ def _published(name: str, raw: dict, baseline: str, scales: list[str], names: li
     """The `published:` block, validated: a value is `{value, source, verified}`, or a bare number (the older form,
     unverified) with the block's `source`."""
     where = f"{name}.yaml: published"
-    unknown = sorted(set(raw) - set(_PUBLISHED_KEYS))
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a published key",
-                         f"use only {', '.join(_PUBLISHED_KEYS)} (a block-level source serves values that name none)")
+    refuse_unknown(raw, _PUBLISHED_KEYS, where, "a published key",
+                   f"use only {', '.join(_PUBLISHED_KEYS)} (a block-level source serves values that name none)")
     metric = raw.get("metric")
     if metric not in PUBLISHED_METRICS:
         raise StudyError(f"{where}.metric", "is missing" if metric is None else
@@ -145,9 +143,7 @@ def _published_value(where: str, entry: Any, default_source: str | None) -> Publ
         return PublishedValue(_positive(where, entry), default_source.strip(), False)
     if not isinstance(entry, dict):
         raise StudyError(where, f"must be a number or a mapping, got {type(entry).__name__}", _VALUE_FORM)
-    unknown = sorted(set(entry) - set(_VALUE_KEYS))
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a key of a published value", _VALUE_FORM)
+    refuse_unknown(entry, _VALUE_KEYS, where, "a key of a published value", _VALUE_FORM)
     if not _is_number(entry.get("value")):
         raise StudyError(f"{where}.value", f"must be a number, got {entry.get('value')!r}", _VALUE_FORM)
     source = entry.get("source", default_source)

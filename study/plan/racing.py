@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from study.config.validate import refuse_unknown
 from study.errors import StudyError
 from study.plan.paired_t import VERDICTS, holm, paired_t
 
@@ -37,9 +38,7 @@ def parse_racing(raw: Any, where: str, branches: Branches | None) -> Racing | No
     if not isinstance(raw, dict):
         raise StudyError(where, f"{raw!r} is not a racing setting",
                          "write racing: false (the default), racing: true or racing: {stop_equivalent: true}")
-    unknown = sorted(set(raw) - {"stop_equivalent"})
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a racing key", "use only stop_equivalent")
+    refuse_unknown(raw, ("stop_equivalent",), where, "a racing key", "use only stop_equivalent")
     stop = raw.get("stop_equivalent", False)
     if not isinstance(stop, bool):
         raise StudyError(f"{where}.stop_equivalent", f"{stop!r} is not true or false", "write true or false")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.config.validate import SEED_MAX, is_number
+from study.config.validate import SEED_MAX, is_number, refuse_unknown
 from study.errors import StudyError
 from study.files import LARGEST, read_json, replace_file
 
@@ -51,9 +51,8 @@ def parse_tuning(raw: Any, where: str, scale_exists) -> Tuning:
     if not isinstance(raw, dict):
         raise StudyError(where, "must be a mapping",
                          "write e.g. `tune: {lr: [0.25, 0.5, 1, 2, 4], scale: 113M, seeds: [0]}`")
-    unknown = sorted(set(raw) - {"lr", "scale", "scales", "seeds", "extend"})
-    if unknown:
-        raise StudyError(f"{where}.{unknown[0]}", "is not a tuning key", "use lr, scale (or scales), seeds, extend")
+    refuse_unknown(raw, ("lr", "scale", "scales", "seeds", "extend"), where, "a tuning key",
+                   "use lr, scale (or scales), seeds, extend")
     lr = raw.get("lr")
     if not isinstance(lr, list) or len(lr) < 3 or not all(map(_number, lr)) or len(set(lr)) != len(lr):
         raise StudyError(f"{where}.lr", f"{lr!r} is not a list of three or more distinct positive multiples",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from study.config.geometry import one_of
 from study.config.model import FAMILIES, ModelConfig, WidthSchedule
 from study.errors import StudyError
 
@@ -94,8 +95,7 @@ def _check_ratio(name: str, values: list[float], counts: tuple[int, ...] = (1,))
 
 def check_schedule(s: WidthSchedule, n_layers: int) -> None:
     """Refuse an unknown family or parameters no schedule can have, naming the field."""
-    if s.family not in FAMILIES:
-        raise StudyError(FIELD, f"unknown schedule family {s.family!r}", f"use one of {', '.join(FAMILIES)}")
+    one_of(FIELD, s.family, tuple(FAMILIES), "schedule family")
     if s.family in ("linear", "cosine", "sigmoid"):
         _check_ratio("start", [s.start])
         _check_ratio("end", [s.end])
