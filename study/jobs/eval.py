@@ -39,9 +39,14 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
     folder = write_record(spec, settings, result, task_summary(result["items"]))
     record = json.loads((folder / EVAL_RECORD).read_text())
     tracker = Tracker.attach(spec.key, cfg.experiment, cfg=cfg.tracking)
+
+    def logged(client, run_id: str) -> set[str]:
+        """The metrics whose history already holds this value at the step (an earlier run of this evaluation)."""
+        return {key for key, value in record["metrics"].items() if any(
+            m.step == settings.step and m.value == value for m in client.get_metric_history(run_id, key))}
+
     # if the run's history cannot be read, a repeated point is logged rather than a new one lost
-    held = tracker.record("logged scores", lambda client, run_id: _held(client, run_id, record["metrics"],
-                                                                        settings.step)) or set()
+    held = tracker.record("logged scores", logged) or set()
     tracker.log_metrics({k: v for k, v in record["metrics"].items() if k not in held}, settings.step)
     tracker.log_artifact(folder, eval_artifact(settings.id))
     if left := tracker.close():
@@ -56,12 +61,6 @@ def evaluate_run(spec: RunSpec, tasks: list[str] | None = None, limit: int | Non
 
         tracker.record("parent summary", refresh)  # the variant's mean and spread include these scores
     return record
-
-
-def _held(client, run_id: str, metrics: dict[str, float], step: int) -> set[str]:
-    """The metrics whose history already holds this value at `step` (an earlier run of the same evaluation)."""
-    return {key for key, value in metrics.items()
-            if any(m.step == step and m.value == value for m in client.get_metric_history(run_id, key))}
 
 
 def _set_tags(spec: RunSpec, run_id: str, tags: dict[str, str]) -> None:

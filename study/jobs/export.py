@@ -66,6 +66,7 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     import torch
     from safetensors.torch import save_model
 
+    from study.config.secrets import redact
     from study.data.tokenizer import eos_id, id_bound, load_tokenizer
     from study.eval.locate import load_trained_model, run_eos_token, run_tokenizer
     from study.train.state import TrainState
@@ -106,7 +107,13 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
             save_pretrained(model, tmp, end_id, weights_dtype)
         else:  # our own names (the model cast in place): a tied head is stored once, and `load_model` re-ties it
             save_model(model.to(getattr(torch, weights_dtype)), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        _write_manifest(tmp, spec, exported, ckpt.name, eos)
+        record = {"format": exported.format, "architecture": architecture, "why_study": why_study,
+                  "loader": "transformers.AutoModelForCausalLM" if architecture else "study.export.load",
+                  "run_key": spec.key, "name": spec.name, "checkpoint": ckpt.name, "step": exported.step,
+                  "dtype": weights_dtype, "dtype_reason": reason, "padded_units": exported.padded_units,
+                  "eos_token": eos, "files": sorted([p.name for p in tmp.iterdir()] + [MANIFEST]),
+                  "spec": redact(spec.as_dict())}
+        (tmp / MANIFEST).write_text(json.dumps(record, indent=1, default=str))
         if earlier is None:
             os.replace(tmp, out)  # a new or empty directory: the export appears whole
         else:
@@ -169,18 +176,6 @@ def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int)
     written["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(written, indent=2) + "\n")
     return eos
-
-
-def _write_manifest(out: Path, spec: RunSpec, exported: Exported, checkpoint: str, eos: str) -> None:
-    from study.config.secrets import redact
-
-    record = {"format": exported.format, "architecture": exported.architecture, "why_study": exported.why_study,
-              "loader": "transformers.AutoModelForCausalLM" if exported.architecture else "study.export.load",
-              "run_key": spec.key, "name": spec.name, "checkpoint": checkpoint, "step": exported.step,
-              "dtype": exported.dtype, "dtype_reason": exported.dtype_reason, "padded_units": exported.padded_units,
-              "eos_token": eos, "files": sorted([p.name for p in out.iterdir()] + [MANIFEST]),
-              "spec": redact(spec.as_dict())}
-    (out / MANIFEST).write_text(json.dumps(record, indent=1, default=str))
 
 
 def describe(exported: Exported) -> str:

@@ -148,21 +148,21 @@ def all_reduce_max(value: float, d: Dist) -> float:
     if d.world_size == 1:
         return value
     import torch
-    import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return float(_all_reduce(torch.tensor([value], dtype=torch.float64, device=d.device), "MAX").item())
 
 
 def all_reduce_mean(t, d: Dist):
-    if d.world_size == 1:
-        return t
+    return t if d.world_size == 1 else _all_reduce(t, "SUM") / d.world_size
+
+
+def _all_reduce(t, op: str):
+    """A copy of `t` reduced over the ranks by `op` (a ReduceOp name)."""
     import torch.distributed as dist
 
     t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t / d.world_size
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    return t
 
 
 def barrier(d: Dist) -> None:
