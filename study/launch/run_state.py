@@ -139,12 +139,8 @@ def state_of(spec: RunSpec, sources: Sources) -> RunState:
     trained = final_step(spec) is not None
     # a tune run that diverged is settled, and MLflow rightly holds it FAILED, with the reason
     settled_as = "FAILED" if trained and diverged(spec) else "FINISHED"
-    if not trained:
-        needs = TRAINING
-    elif spec.config.eval.after_train and not evaluated(spec):
-        needs = EVALUATION
-    else:
-        needs = NOTHING
+    needs = (TRAINING if not trained else EVALUATION if spec.config.eval.after_train and not evaluated(spec)
+             else NOTHING)
     worker = worker_of(spec, sources)
     run = sources.mlflow.get(spec.key)
     mlflow = run.info.status if run is not None else "-"
