@@ -64,21 +64,16 @@ def plot_loss_curves(
 def plot_decisions(decisions: Sequence[Decision], path: Path) -> Path:
     """The decision table as a forest, one panel per metric: per (scale, variant) its mean Δ and the adjusted t
     interval its verdict agrees with, coloured by verdict, the equivalence margin shaded."""
-    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     metrics = list(dict.fromkeys(d.metric for d in decisions))
     rows = max(sum(d.metric == m for d in decisions) for m in metrics)
     cols = min(len(metrics), 3)
-    grid = math.ceil(len(metrics) / cols)
     # wide enough for the labels, no wider than the 1,280-pixel window the report is read in
     width = 9.0 if cols == 1 else min(4.0 * cols + 1.5, 11.5)
-    fig = Figure(figsize=(width, grid * (0.24 * rows + 1.0) + 0.4), dpi=DPI, layout="constrained")
-    axes = fig.subplots(grid, cols, squeeze=False).ravel()
+    fig, axes = _panels(len(metrics), cols, (width, 0.24 * rows + 1.0), pad=0.4)
     for ax, metric in zip(axes, metrics):
         _decision_panel(ax, [d for d in decisions if d.metric == metric])
-    for ax in axes[len(metrics):]:
-        ax.set_visible(False)
     fig.legend([Line2D([], [], color=c, marker="o", lw=1.5) for c in VERDICT_COLORS.values()], list(VERDICT_COLORS),
                loc="outside lower center", ncols=len(VERDICT_COLORS), fontsize=8, frameon=False)
     return _save(fig, path)
@@ -168,13 +163,15 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
 
 def plot_isoflops(report: SurfaceReport, path: Path) -> Path:
     """One panel per arm: its fitted loss along each scale's iso-FLOP line against N, optimum ●, planned run ×."""
+    from matplotlib import colormaps
+
     variants = list(dict.fromkeys(i.variant for i in report.isoflops))
     optima = {(o.variant, o.scale): o for o in report.optima}
     fig, axes = _panels(len(variants), min(len(variants), 3), (4.4, 3.4), sharey=True)
     for ax, variant in zip(axes, variants):
         lines = [i for i in report.isoflops if i.variant == variant]
-        shades = _shades(len(lines))
-        for line, color in zip(lines, shades):
+        # light to dark, as the lines are ordered by compute
+        for line, color in zip(lines, colormaps["viridis"](np.linspace(0.85, 0.1, len(lines)))):
             o = optima[variant, line.scale]
             ax.plot(line.n, line.loss, color=color, lw=1.3, label=f"{line.scale}: C = {line.compute:.2g} FLOPs")
             if math.isfinite(o.n_opt):
@@ -206,13 +203,6 @@ def plot_loss_tokens(report: SurfaceReport, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _shades(count: int) -> list:
-    """``count`` colours from light to dark, for lines ordered by compute."""
-    from matplotlib import colormaps
-
-    return [colormaps["viridis"](x) for x in np.linspace(0.85, 0.1, count)] if count else []
-
-
 def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: str = "val/loss") -> Path:
     """One panel per tune scale: final ``metric`` against peak LR per variant, means joined, the chosen LR dashed."""
     scales = list(dict.fromkeys(c.scale for c in curves))
@@ -234,12 +224,14 @@ def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: 
     return _save(fig, path)
 
 
-def _panels(count: int, cols: int, size: tuple[float, float], **options):
-    """A figure of ``count`` panels of ``size`` inches, ``cols`` to a row, and its axes (the spare ones hidden)."""
+def _panels(count: int, cols: int, size: tuple[float, float], pad: float | None = None, **options):
+    """A figure of ``count`` panels of ``size`` inches, ``cols`` to a row, and its axes (the spare ones hidden); with
+    ``pad``, ``size[0]`` is the whole figure's width and ``pad`` inches are added below the panels."""
     from matplotlib.figure import Figure
 
     rows = max(1, math.ceil(count / cols))
-    fig = Figure(figsize=(size[0] * cols, size[1] * rows), dpi=DPI, layout="constrained")
+    width = size[0] * cols if pad is None else size[0]
+    fig = Figure(figsize=(width, size[1] * rows + (pad or 0.0)), dpi=DPI, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, **options).ravel()
     for ax in axes[count:]:
         ax.set_visible(False)
