@@ -60,11 +60,6 @@ def _stats(entries: list[str] | None) -> list[tuple[str, str]]:
     return [(str(p.resolve()), fingerprint_path(p)) for p in paths]
 
 
-def natural_key(path: Path) -> list[Any]:
-    """`part-2` before `part-10`: runs of digits compare as numbers (at odd positions of the split, never with text)."""
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", path.as_posix()))]
-
-
 def list_token_files(entries: list[str], field: str) -> list[Path]:
     """The files of `entries` in reading order, each directory's non-hidden `.npy`/`.bin` files in natural order."""
     files: list[Path] = []
@@ -78,7 +73,9 @@ def list_token_files(entries: list[str], field: str) -> list[Path]:
             if not found:
                 raise StudyError(field, f"{entry} holds no .npy or .bin files",
                                  "name a directory of flat token files, or the files themselves")
-            files += sorted(found, key=lambda p: natural_key(p.relative_to(path)))
+            # `part-2` before `part-10`: runs of digits compare as numbers (at odd positions of the split, never text)
+            files += sorted(found, key=lambda p: [int(t) if i % 2 else t for i, t in enumerate(
+                re.split(r"(\d+)", p.relative_to(path).as_posix()))])
         else:
             raise StudyError(field, f"no token file or directory at {entry}",
                              "give existing .npy/.bin files or directories holding them (nothing is downloaded)")
@@ -268,7 +265,13 @@ def write_flat(out: Path, cfg: DataConfig, tok: TokenizerFile, progress: bool = 
     start = time.perf_counter()
     _scan_missing(layouts, scanned, dtype, record, tokenize_procs(cfg), progress, cfg.name, after_file)
     files = {field: [scanned[str(p)] for p in paths] for field, paths in lists.items()}
-    _check_ids(files, tok)
+    for field, records in files.items():  # every id is one the tokenizer emits (and the model: check_model_vocab)
+        for f in records:
+            if f["largest_id"] >= tok.vocab_size:
+                raise StudyError(f"data.{field}", f"{f['path']} holds token id {f['largest_id']}, beyond the "
+                                 f"{tok.vocab_size} ids of the tokenizer {tok.path} (and of any model that embeds "
+                                 "it)", "give the tokenizer the files were made with (data.tokenizer) and the id type "
+                                 "they were written in (data.token_dtype: uint16 ids read as uint32 are huge)")
     shutil.copyfile(tok.path, out / "tokenizer.json")
     rule: dict[str, Any] = {"val_from": "val_tokens"} if cfg.val_tokens else {
         "val_from": "fraction", "val_fraction": cfg.val_fraction, "val_block": VAL_BLOCK, "val_seed": VAL_SPLIT_SEED}
@@ -321,17 +324,6 @@ def _scan_missing(layouts: dict[str, FlatFile], scanned: dict[str, Any], dtype: 
     finally:
         pool.shutdown(cancel_futures=True)
         bar.close()
-
-
-def _check_ids(files: dict[str, list[dict[str, Any]]], tok: TokenizerFile) -> None:
-    """Every id is one the tokenizer emits (the model covers the tokenizer: study.data.shards.check_model_vocab)."""
-    for field, records in files.items():
-        for f in records:
-            if f["largest_id"] >= tok.vocab_size:
-                raise StudyError(f"data.{field}", f"{f['path']} holds token id {f['largest_id']}, beyond the "
-                                 f"{tok.vocab_size} ids of the tokenizer {tok.path} (and of any model that embeds "
-                                 "it)", "give the tokenizer the files were made with (data.tokenizer) and the id type "
-                                 "they were written in (data.token_dtype: uint16 ids read as uint32 are huge)")
 
 
 def flat_streams(meta: dict[str, Any]) -> tuple[TokenStream, TokenStream]:

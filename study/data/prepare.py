@@ -90,17 +90,7 @@ def _resume(out: Path, dtype: np.dtype) -> dict[str, Any]:
             (out / f"{name}.bin").unlink(missing_ok=True)
         return {"pass": 0, "docs": 0, "bytes": 0, "chunks": 0, "seconds": 0.0,
                 "splits": {name: {"documents": 0, "bytes": 0, "tokens": 0} for name in SPLITS}}
-    state = _read_progress(record, out)
-    for name in SPLITS:
-        with open(out / f"{name}.bin", "ab") as f:
-            f.truncate(state["splits"][name]["tokens"] * dtype.itemsize)
-    print(f"resuming the tokenisation in {out} at document {state['docs']} of pass {state['pass'] + 1} "
-          f"({sum(s['tokens'] for s in state['splits'].values())} tokens written)", file=sys.stderr, flush=True)
-    return state
-
-
-def _read_progress(record: Path, out: Path) -> dict[str, Any]:
-    """An interrupted build's progress record, refused by name when damaged (its counts cut the token files back)."""
+    # refused by name when damaged: its counts cut the token files back
     fix = f"delete {out}: the next `study prepare` (or launch) tokenises the corpus from the start"
     state = read_mapping(record, {"pass": COUNT, "docs": COUNT, "bytes": COUNT, "chunks": COUNT, "seconds": NUMBER,
                                   "splits": MAPPING}, fix)
@@ -108,6 +98,11 @@ def _read_progress(record: Path, out: Path) -> dict[str, Any]:
         problem = shape_problem(state["splits"].get(name), {"documents": COUNT, "bytes": COUNT, "tokens": COUNT})
         if problem:
             raise damaged(record, f"splits.{name} {problem}", fix)
+    for name in SPLITS:
+        with open(out / f"{name}.bin", "ab") as f:
+            f.truncate(state["splits"][name]["tokens"] * dtype.itemsize)
+    print(f"resuming the tokenisation in {out} at document {state['docs']} of pass {state['pass'] + 1} "
+          f"({sum(s['tokens'] for s in state['splits'].values())} tokens written)", file=sys.stderr, flush=True)
     return state
 
 

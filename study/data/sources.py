@@ -237,9 +237,10 @@ def layout(cfg: DataConfig, source: Source) -> Layout:
                        Pass(cfg.val_split, _share(cfg.max_docs, cfg.val_fraction),
                             _share(cfg.max_bytes, cfg.val_fraction), "val")], cfg.val_split)
     probe = Pass(cfg.train_split, cfg.max_docs, cfg.max_bytes, "train")
-    n = _known_length(source, probe)
-    if n is None:
+    if cfg.max_bytes is not None or source.kind != "disk":  # a byte cap needs the texts
         n = count(source, probe)
+    else:  # the capped split's length is known without reading texts
+        n = len(splits[cfg.train_split]) if cfg.max_docs is None else min(len(splits[cfg.train_split]), cfg.max_docs)
     if n < 2:
         raise StudyError("data.max_docs", f"{n} training document(s) cannot be split into train and validation",
                          "keep at least two documents")
@@ -248,14 +249,6 @@ def layout(cfg: DataConfig, source: Source) -> Layout:
     held_out = np.zeros(n, dtype=bool)
     held_out[order[:n_val]] = True
     return Layout([Pass(cfg.train_split, n, None, "train", held_out)], "fraction")
-
-
-def _known_length(source: Source, p: Pass) -> int | None:
-    """The capped split's length when known without reading texts (a byte cap needs the texts)."""
-    if p.max_bytes is not None or source.kind != "disk":
-        return None
-    n = len(source.splits[p.split])
-    return n if p.max_docs is None else min(n, p.max_docs)
 
 
 def _first_line(err: BaseException) -> str:

@@ -208,13 +208,6 @@ def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
-def _task_list(tasks: Sequence[str] | str) -> list[str]:
-    names = [name.strip() for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name.strip()]
-    if not names:
-        raise StudyError("tasks", "no task given", "name at least one task, e.g. tasks=arc_easy_local")
-    return names
-
-
 def evaluate_model(model: torch.nn.Module, tokenizer_path: str | Path, tasks: Sequence[str] | str, *,
                    limit: int | float | None = None, batch_size: int = 16, device: str = "cpu", num_fewshot: int = 0,
                    max_length: int | None = None, eos_token: str | None = None) -> dict[str, Any]:
@@ -223,7 +216,9 @@ def evaluate_model(model: torch.nn.Module, tokenizer_path: str | Path, tasks: Se
     Local tasks run offline; other names are lm-eval's built-in tasks (slow to index, data from the Hub). `limit`
     caps the documents per task (below 1: a share). The model is moved to `device` and in eval mode for the call.
     """
-    names = _task_list(tasks)
+    names = [name.strip() for name in (tasks.split(",") if isinstance(tasks, str) else tasks) if name.strip()]
+    if not names:
+        raise StudyError("tasks", "no task given", "name at least one task, e.g. tasks=arc_easy_local")
     hub = check_tasks(names, index=False)  # a typo of a local task is said before anything loads
     check_hub_data(hub)  # offline, a hub task without cached data is refused before lm-eval indexes and retries
     tokenizer_path = Path(tokenizer_path)

@@ -37,16 +37,13 @@ def check_hub_data(names: Sequence[str], field: str = "tasks", task_dir: Path = 
                            for name, (path, config) in missing.items())
         loads = "; ".join(f"datasets.load_dataset({path!r}" + (f", {config!r})" if config else ")")
                           for path, config in dict.fromkeys(missing.values()))
+        # the shipped offline task of each hub task that has one (`arc_easy` -> `arc_easy_local`), else the first
+        twins = [f"{name}_local" for name in missing if f"{name}_local" in local] or [local[0]]
         raise StudyError(field, f"hub task(s) {list(missing)} need data from the Hugging Face Hub, which {why}, and "
                          f"the local Hugging Face cache does not hold it ({wanted})",
-                         f"use the shipped offline tasks {local} (here tasks={','.join(_twins(missing, local))}), "
+                         f"use the shipped offline tasks {local} (here tasks={','.join(twins)}), "
                          f"or download the data once where the Hub answers (`python -c \"import datasets; {loads}\"` "
                          "keeps it in the cache under HF_HOME) and evaluate with HF_HUB_OFFLINE=1")
-
-
-def _twins(hub: Sequence[str], local: Sequence[str]) -> list[str]:
-    """The shipped offline task of each hub task that has one (`arc_easy` -> `arc_easy_local`), else the first."""
-    return [f"{name}_local" for name in hub if f"{name}_local" in local] or [local[0]]
 
 
 def hub_unreachable() -> str | None:

@@ -107,23 +107,19 @@ def h1_diagram(distances: np.ndarray, threads: int = 2, backend: str = "auto") -
     edges = min(lengths.size, int(np.searchsorted(lengths, birth_bound, side="right") * 1.25) + 1)
     while True:
         threshold = float(lengths[edges - 1]) if edges < lengths.size else np.inf
-        dgm = _vr_h1(d32, threshold, threads, backend)
+        if backend == "gph":
+            from gph import ripser_parallel
+
+            dgm = ripser_parallel(d32, metric="precomputed", maxdim=1, thresh=threshold, n_threads=threads)["dgms"][1]
+        else:
+            from ripser import ripser
+
+            dgm = ripser(d32, distance_matrix=True, maxdim=1, thresh=threshold)["dgms"][1]
+        dgm = np.asarray(dgm, dtype=np.float64).reshape(-1, 2)
+        dgm = dgm[np.lexsort((dgm[:, 1], dgm[:, 0]))]  # one order whatever the backend (they list bars differently)
         if np.isfinite(dgm[:, 1]).all() or threshold == np.inf:
             return dgm
         edges = min(lengths.size, 2 * edges)
-
-
-def _vr_h1(d32: np.ndarray, threshold: float, threads: int, backend: str) -> np.ndarray:
-    if backend == "gph":
-        from gph import ripser_parallel
-
-        dgm = ripser_parallel(d32, metric="precomputed", maxdim=1, thresh=threshold, n_threads=threads)["dgms"][1]
-    else:
-        from ripser import ripser
-
-        dgm = ripser(d32, distance_matrix=True, maxdim=1, thresh=threshold)["dgms"][1]
-    dgm = np.asarray(dgm, dtype=np.float64).reshape(-1, 2)
-    return dgm[np.lexsort((dgm[:, 1], dgm[:, 0]))]  # one order whatever the backend (they list bars differently)
 
 
 def h1_birth_bound(d32: np.ndarray, candidates: int = 4, block: int = 64) -> float:
