@@ -42,23 +42,22 @@ def race_blocks(record: dict | None, metric: str) -> list[Block]:
                      "No arm stopped: every arm trained to its last branch.")),
     ]
     if stops:
-        blocks.append(Table(["variant", "scale", "stopped at", "verdict", "pairs", "Δ", _UNADJUSTED, "alpha",
-                             "GPU-h saved"],
-                            [[s["variant"], s["scale"], f"{s['at']:g}", s["verdict"], str(s["n"]),
-                              number(s["mean_delta"], "+.4g"), _interval(s),
-                              f"{s['alpha']:.3g}", number(s.get("gpu_hours_saved"), ",.3g")] for s in stops]))
+        blocks.append(Table(["variant", "scale", "stopped at", *_SHARED, "GPU-h saved"],
+                            [[s["variant"], s["scale"], f"{s['at']:g}", *_shared(s),
+                              number(s.get("gpu_hours_saved"), ",.3g")] for s in stops]))
     if verdicts:
-        blocks.append(Table(["branch point", "variant", "scale", "verdict", "pairs", "Δ", _UNADJUSTED, "alpha",
-                             "stops"],
-                            [[f"{v['at']:g}", v["variant"], v["scale"], v["verdict"], str(v["n"]),
-                              number(v["mean_delta"], "+.4g"), _interval(v),
-                              f"{v['alpha']:.3g}", "yes" if v["stops"] else ""] for v in verdicts]))
+        blocks.append(Table(["branch point", "variant", "scale", *_SHARED, "stops"],
+                            [[f"{v['at']:g}", v["variant"], v["scale"], *_shared(v), "yes" if v["stops"] else ""]
+                             for v in verdicts]))
     return blocks
 
 
-_UNADJUSTED = "t interval (unadjusted)"
-"""The interval column: what the race records is the t interval at the point's alpha, before Holm over the arms."""
+_SHARED = ("verdict", "pairs", "Δ", "t interval (unadjusted)", "alpha")
+"""The columns both tables hold; what the race records is the t interval at the point's alpha, before Holm over the
+arms."""
 
 
-def _interval(row: dict) -> str:
-    return f"[{number(row['ci_low'], '+.4g')}, {number(row['ci_high'], '+.4g')}]"
+def _shared(row: dict) -> list[str]:
+    """A stop's or a verdict's cells under :data:`_SHARED`."""
+    return [row["verdict"], str(row["n"]), number(row["mean_delta"], "+.4g"),
+            f"[{number(row['ci_low'], '+.4g')}, {number(row['ci_high'], '+.4g')}]", f"{row['alpha']:.3g}"]
