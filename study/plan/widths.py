@@ -54,20 +54,15 @@ def sigmoid_taper(n_layers: int, base: float, start: float = 1.5, end: float = 0
 
 
 def interpolate(points: list[float], n_layers: int) -> list[float]:
-    """The piecewise-linear curve through `points`, spread evenly over the layers (two points: numpy.linspace, as
-    corenet interpolates, so OpenELM's multipliers round alike)."""
+    """The piecewise-linear curve through `points`, spread evenly over the layers (numpy.interp; two points give
+    numpy.linspace's values, as corenet interpolates, so OpenELM's multipliers round alike)."""
+    import numpy as np
+
     m = len(points)
     if n_layers == 1:
         return [(points[0] + points[-1]) / 2 if m % 2 == 0 else points[m // 2]]
     knots = [j * (n_layers - 1) / (m - 1) for j in range(m)]  # the layer position of each point
-    out = []
-    for l in range(n_layers):
-        j = max(i for i in range(m - 1) if knots[i] <= l)
-        if l == knots[j + 1]:
-            out.append(float(points[j + 1]))
-        else:
-            out.append(points[j] + (l - knots[j]) * ((points[j + 1] - points[j]) / (knots[j + 1] - knots[j])))
-    return out
+    return np.interp(range(n_layers), knots, points).tolist()
 
 
 def reflect(values: list[float]) -> list[float]:
