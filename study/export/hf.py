@@ -93,19 +93,14 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         attn, ffn = ours + "attn_sublayer.", ours + "ffn_sublayer."
-        for w, proj in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            names[f"{attn}fn.{w}.weight"] = f"{hf}self_attn.{proj}.weight"
+        pairs = [(f"{attn}fn.{w}", f"self_attn.{p}_proj") for w, p in zip(("wq", "wk", "wv", "wo"), "qkvo")]
         # SwiGLU W_u(SiLU(W_1 x) * W_2 x): W_1 is the gate, W_2 the up projection, W_u the down projection
-        for w, proj in (("w1", "gate_proj"), ("w2", "up_proj"), ("wu", "down_proj")):
-            names[f"{ffn}fn.{w}.weight"] = f"{hf}mlp.{proj}.weight"
+        pairs += [(f"{ffn}fn.{w}", f"mlp.{p}_proj") for w, p in (("w1", "gate"), ("w2", "up"), ("wu", "down"))]
         if cfg.block == "olmo2":
-            names[f"{attn}fn.q_norm.weight"] = f"{hf}self_attn.q_norm.weight"
-            names[f"{attn}fn.k_norm.weight"] = f"{hf}self_attn.k_norm.weight"
-            names[f"{attn}norm.weight"] = f"{hf}post_attention_layernorm.weight"
-            names[f"{ffn}norm.weight"] = f"{hf}post_feedforward_layernorm.weight"
-        else:
-            names[f"{attn}norm.weight"] = f"{hf}input_layernorm.weight"
-            names[f"{ffn}norm.weight"] = f"{hf}post_attention_layernorm.weight"
+            pairs += [(f"{attn}fn.{n}", f"self_attn.{n}") for n in ("q_norm", "k_norm")]
+        norms = ("post_attention", "post_feedforward") if cfg.block == "olmo2" else ("input", "post_attention")
+        pairs += [(f"{attn}norm", f"{norms[0]}_layernorm"), (f"{ffn}norm", f"{norms[1]}_layernorm")]
+        names.update({f"{a}.weight": f"{hf}{b}.weight" for a, b in pairs})
     return names
 
 
