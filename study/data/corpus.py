@@ -38,15 +38,6 @@ def is_english_prose(text: str) -> bool:
     return ascii_share >= 0.97 and letter_share >= 0.6 and stop_share >= 0.08
 
 
-def stdlib_sources(root: Path) -> Iterator[Path]:
-    """Python files under the standard library directory, in a machine-independent sorted order."""
-    for here, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-        for name in sorted(files):
-            if name.endswith(".py"):
-                yield Path(here) / name
-
-
 def docstrings(path: Path) -> Iterator[str]:
     """Module, class and function docstrings of one file, in source order."""
     try:
@@ -69,18 +60,21 @@ def _definitions(node: ast.AST) -> Iterator[ast.AST]:
 
 
 def docstring_documents(root: Path, max_docs: int | None = None, max_bytes: int | None = None) -> Iterator[str]:
-    """Distinct English docstrings under `root`, stopping at the caps."""
+    """Distinct English docstrings of the Python files under `root`, walked in a machine-independent sorted order,
+    stopping at the caps."""
     seen: set[str] = set()
     total = 0
-    for path in stdlib_sources(root):
-        for text in docstrings(path):
-            if text in seen or not is_english_prose(text):
-                continue
-            seen.add(text)
-            yield text
-            total += len(text.encode())
-            if (max_docs and len(seen) >= max_docs) or (max_bytes and total >= max_bytes):
-                return
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(f for f in files if f.endswith(".py")):
+            for text in docstrings(Path(here) / name):
+                if text in seen or not is_english_prose(text):
+                    continue
+                seen.add(text)
+                yield text
+                total += len(text.encode())
+                if (max_docs and len(seen) >= max_docs) or (max_bytes and total >= max_bytes):
+                    return
 
 
 def build_docstring_corpus(cache: Path, max_docs: int | None = None, max_bytes: int | None = None) -> Path:

@@ -59,15 +59,6 @@ def reflect_allocation(fractions, w_min: float) -> np.ndarray:
     return w_min + mirrored * (excess.sum() / mirrored.sum())
 
 
-def intrinsic_exponents(intrinsic_dim) -> np.ndarray:
-    """a_l = SMOOTHNESS / ID_l."""
-    ids = np.asarray(intrinsic_dim, dtype=np.float64)
-    if not np.all(np.isfinite(ids) & (ids > 0)):
-        raise StudyError("intrinsic_dim", "the profile has a missing or non-positive intrinsic dimension",
-                         "profile with more tokens, or use exponent=constant")
-    return SMOOTHNESS / ids
-
-
 def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) -> np.ndarray:
     """Widths minimising sum_l weights_l cost_l w_l^(-exponents_l) with sum w = budget and w >= w_min."""
     c = np.asarray(cost, dtype=np.float64)
@@ -108,8 +99,12 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
     layers = int(profile["layers"])
     # c_l: the configured statistic under the configured geometry, smoothed
     cost = smooth_profile(profile["stats"][cfg.statistic][cfg.geometry], cfg.smoothing, cfg.smoothing_width)
-    if cfg.exponent == "intrinsic":
-        exponents = intrinsic_exponents(profile.get("intrinsic_dim"))
+    if cfg.exponent == "intrinsic":  # a_l = SMOOTHNESS / ID_l
+        ids = np.asarray(profile.get("intrinsic_dim"), dtype=np.float64)
+        if not np.all(np.isfinite(ids) & (ids > 0)):
+            raise StudyError("intrinsic_dim", "the profile has a missing or non-positive intrinsic dimension",
+                             "profile with more tokens, or use exponent=constant")
+        exponents = SMOOTHNESS / ids
     else:
         exponents = np.full(layers, cfg.exponent_const)
     weights = None
@@ -169,7 +164,7 @@ def check_profile(profile, where: str, layers: int | None = None) -> None:
             _check_layers(per.get(geometry) if isinstance(per, dict) else None,
                           f"{where}: stats.{statistic}.{geometry}", n, lambda v: v is not None and v >= 0,
                           "a finite work >= 0")
-    # a layer whose intrinsic dimension could not be estimated is written as null (intrinsic_exponents refuses it)
+    # a layer whose intrinsic dimension could not be estimated is written as null (the intrinsic exponent refuses it)
     if profile.get("intrinsic_dim") is not None:
         _check_layers(profile["intrinsic_dim"], f"{where}: intrinsic_dim", n, lambda v: v is None or v >= LEAST_DIM,
                       f"a dimension of at least {LEAST_DIM:.4f} or null")

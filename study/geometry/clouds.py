@@ -178,16 +178,11 @@ def perturbation_sensitivity(model: nn.Module, batches: Sequence[torch.Tensor], 
         for _, branch_module, _ in sites:
             losses = []
             for factor in (1.0 + eps, 1.0 - eps):
-                handle = branch_module.register_forward_hook(lambda m, a, out, f=factor: _scaled(out, f))
+                handle = branch_module.register_forward_hook(
+                    lambda m, a, out, f=factor: (out[0] * f, *out[1:]) if isinstance(out, tuple) else out * f)
                 try:
                     losses.append(_mean_loss(model, batches, device))
                 finally:
                     handle.remove()
             sensitivity.append(sum(losses) / 2 - base)
     return sensitivity
-
-
-def _scaled(output, factor: float):
-    if isinstance(output, tuple):
-        return (output[0] * factor, *output[1:])
-    return output * factor
