@@ -187,15 +187,6 @@ def make_spec(cfg: RunConfig, key: str, matched: Matched | None, reference: RunC
                    list(depends_on or []), profile, None, ref_total, recipe)
 
 
-def _check_unique(exp: Experiment) -> None:
-    if (dup := next((s for s in exp.scales if exp.scales.count(s) > 1), None)) is not None:
-        raise StudyError(f"{exp.name}.yaml: scales", f"lists scale {dup} twice", "list every scale once")
-    for scale, seeds in exp.seeds.items():
-        if (dup := next((s for s in seeds if seeds.count(s) > 1), None)) is not None:
-            raise StudyError(f"{exp.name}.yaml: seeds", f"lists seed {dup} twice for scale {scale}",
-                             "list every seed once (a repeated seed would train the same run twice)")
-
-
 def plan_experiment(name: str, overrides: list[str] | None = None,
                     extra_seeds: dict[str, dict[str, list[int]]] | None = None) -> Plan:
     """Every run of the experiment as a spec, matched to its scale's budget; ``extra_seeds[scale][variant]`` adds
@@ -203,7 +194,12 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
     from study.plan.complete import complete_spec
 
     exp = load_experiment(name)
-    _check_unique(exp)
+    if (dup := next((s for s in exp.scales if exp.scales.count(s) > 1), None)) is not None:
+        raise StudyError(f"{exp.name}.yaml: scales", f"lists scale {dup} twice", "list every scale once")
+    for scale, seeds in exp.seeds.items():
+        if (dup := next((s for s in seeds if seeds.count(s) > 1), None)) is not None:
+            raise StudyError(f"{exp.name}.yaml: seeds", f"lists seed {dup} twice for scale {scale}",
+                             "list every seed once (a repeated seed would train the same run twice)")
     ov, per_variant = experiment_overrides(exp, list(overrides or []))
     tunings = plan_tunings(exp, ov, per_variant) if exp.tuning else {}
 
@@ -247,7 +243,10 @@ def plan_experiment(name: str, overrides: list[str] | None = None,
                     runs.append(make_spec(cfg, run_key(cfg, tuning=tuned), matched, reference))
     if exp.tuning:
         runs = [r for t in tunings.values() for r in t.runs] + [_with_tuning(r, exp, tunings) for r in runs]
-    _check_distinct(name, runs)
+    seen: dict[str, RunSpec] = {}
+    for r in runs:
+        if (first := seen.setdefault(r.key, r)) is not r:
+            raise _same_run(name, first, r)
     return Plan(exp, runs, list(overrides or []), extra_seeds or {}, tunings)
 
 
@@ -335,13 +334,6 @@ def _with_tuning(spec: RunSpec, exp: Experiment, tunings: dict[str, VariantTunin
     status = EDGE if EDGE in statuses else EXTENDED if EXTENDED in statuses else INTERIOR
     recipe = replace(spec.planned, lr=lr, final_lr=final_lr_for(spec.config.train, lr), lr_rule=how)
     return replace(spec, recipe=recipe, tuned=Tuned(float(f"{lr / spec.planned.lr:.6g}"), status, str(t.record)))
-
-
-def _check_distinct(name: str, runs: list[RunSpec]) -> None:
-    seen: dict[str, RunSpec] = {}
-    for r in runs:
-        if (first := seen.setdefault(r.key, r)) is not r:
-            raise _same_run(name, first, r)
 
 
 def _same_run(name: str, a: RunSpec, b: RunSpec) -> StudyError:
