@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -104,7 +105,11 @@ def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
     if run.info.status != "FINISHED" or finished_loss(spec) is not None or start >= spec.last_step:
         return
     here = spec.run_dir.path
-    where = _recorded_dir(client, run.info.run_id)
+    try:  # the run directory its `run.json` artifact names (the spec's `dir`)
+        with tempfile.TemporaryDirectory() as tmp:
+            where = json.loads(Path(client.download_artifacts(run.info.run_id, "run.json", tmp)).read_text()).get("dir")
+    except Exception:  # noqa: BLE001 - a missing, unreadable or unreachable artifact: the directory is not recorded
+        where = None
     if where is None:
         at, root = "in a run directory its MLflow run does not record", "its runs folder"
     elif Path(where) == here:
@@ -116,17 +121,6 @@ def finished_elsewhere(spec: RunSpec, start: int, client, run) -> None:
                      f"in {here} would reopen that result of record", f"use the finished run where it is (report, "
                      f"eval and export read it with paths.runs={root}); or train it again from step 0 with "
                      "`study train ... --restart`, which sets that MLflow run aside and replaces its result")
-
-
-def _recorded_dir(client, run_id: str) -> str | None:
-    """The run directory a run's `run.json` artifact names (the spec's `dir`), None when it cannot be read."""
-    import tempfile
-
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            return json.loads(Path(client.download_artifacts(run_id, "run.json", tmp)).read_text()).get("dir")
-    except Exception:  # noqa: BLE001 - a missing, unreadable or unreachable artifact: the directory is not recorded
-        return None
 
 
 def log_job_output(tracker, spec: RunSpec) -> None:
