@@ -15,7 +15,7 @@ import pandas as pd
 
 from analysis.decide import BOOTSTRAP_MIN_N
 from analysis.paired import TAILS, enclosing
-from analysis.records import JsonRecord, json_ready
+from analysis.records import JsonRecord
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import MIN_SCALES, ScalingFit, fit_variant, in_order
 
@@ -57,7 +57,7 @@ class Multiplier(JsonRecord):
 
 
 @dataclass(frozen=True)
-class EffectiveCompute:
+class EffectiveCompute(JsonRecord):
     """Every variant's compute multiplier against the baseline, and the fits it is read from."""
 
     baseline: str
@@ -74,6 +74,7 @@ class EffectiveCompute:
     """Per variant: final metric against its training compute."""
     rows: list[Multiplier] = field(default_factory=list)
     """Per variant other than the baseline: one row per scale, then the fitted range's row."""
+    EMPTY_AS_NONE = ("fallback",)
 
     def headline(self) -> dict[str, Multiplier]:
         """The fitted-range row of each variant."""
@@ -82,13 +83,6 @@ class EffectiveCompute:
     def at(self, scale: str, variant: str) -> Multiplier | None:
         """The row of ``variant`` at ``scale``, if any."""
         return next((r for r in self.rows if (r.scale, r.variant) == (scale, variant) and not r.fitted_range), None)
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN and infinity become None."""
-        return json_ready({"baseline": self.baseline, "metric": self.metric, "source": self.source,
-                           "fallback": self.fallback or None, "status": self.status,
-                           "fits": {v: f.to_dict() for v, f in self.fits.items()},
-                           "rows": [r.to_dict() for r in self.rows]})
 
 
 def training_compute(runs: pd.DataFrame) -> tuple[pd.Series, str, str]:

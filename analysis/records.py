@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, TypeVar
 
@@ -30,13 +30,30 @@ def json_ready(value):
 
 
 class JsonRecord:
-    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready."""
+    """A dataclass result whose record is every field but those in ``UNRECORDED``, JSON-ready: a record inside it by
+    its own record, another dataclass as its dict, an empty value of a field in ``EMPTY_AS_NONE`` as None."""
 
     UNRECORDED: ClassVar[tuple[str, ...]] = ()
+    EMPTY_AS_NONE: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict:
         """JSON-ready dict of every recorded field; NaN and infinity become None."""
-        return json_ready({k: v for k, v in asdict(self).items() if k not in self.UNRECORDED})
+        names = [f.name for f in fields(self) if f.name not in self.UNRECORDED]
+        return json_ready({name: (getattr(self, name) or None) if name in self.EMPTY_AS_NONE
+                           else _recorded(getattr(self, name)) for name in names})
+
+
+def _recorded(value):
+    """``value`` with each record in it replaced by its record and each other dataclass by its dict."""
+    if isinstance(value, JsonRecord):
+        return value.to_dict()
+    if is_dataclass(value):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {k: _recorded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_recorded(v) for v in value]
+    return value
 
 
 def read_artifact(client, run_id: str, artifact: str, read: Callable[[str], T] = lambda path: json.loads(

@@ -10,14 +10,14 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from analysis.paired import TAILS
-from analysis.records import JsonRecord, json_ready
+from analysis.records import JsonRecord
 from analysis.run_table import FINISHED
 
 MIN_SCALES_SATURATING = 4
@@ -124,7 +124,7 @@ class Holdout:
 
 
 @dataclass(frozen=True)
-class ScalingReport:
+class ScalingReport(JsonRecord):
     """Fits of every variant and the sizes where each variant's fit crosses the baseline's."""
 
     metric: str
@@ -139,15 +139,6 @@ class ScalingReport:
     """Per variant other than the baseline, when both have a fit."""
     holdouts: dict[str, Holdout | str] = field(default_factory=dict)
     """Per variant: how the fit without its largest scale predicted it, or why that check is not possible."""
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict; NaN becomes None."""
-        return json_ready({
-            "metric": self.metric, "baseline": self.baseline, "n_range": list(self.n_range),
-            "fits": {v: f.to_dict() for v, f in self.fits.items()},
-            "crossings": {v: asdict(c) for v, c in self.crossings.items()},
-            "holdouts": {v: h if isinstance(h, str) else asdict(h) for v, h in self.holdouts.items()},
-        })
 
 
 def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 200, seed: int = 0,

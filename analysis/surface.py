@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from analysis.compute import PERCENTILE, Multiplier, interval, interval_kind, training_compute
-from analysis.records import JsonRecord, json_ready
+from analysis.records import JsonRecord
 from analysis.run_table import FINISHED, scale_order
 from analysis.scaling import huber_descent, huber_fit, in_order, power_bounds, power_starts, power_sum, seed_draws
 
@@ -176,8 +176,9 @@ class IsoFlop:
 
 
 @dataclass(frozen=True)
-class SurfaceReport:
-    """Every arm's fit over its branch endpoints, and what they say at the planned compute."""
+class SurfaceReport(JsonRecord):
+    """Every arm's fit over its branch endpoints, and what they say at the planned compute; its record holds no
+    points and no bootstrap draws."""
 
     baseline: str
     """Arm the multipliers are measured against."""
@@ -205,6 +206,7 @@ class SurfaceReport:
     """Per arm with a surface and scale: the surface along the planned compute's iso-FLOP line."""
     points: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
     """The endpoints fitted: variant, scale, seed, at, n, d, compute and the metric (for the figures)."""
+    UNRECORDED, EMPTY_AS_NONE = ("points",), ("fallback", "why", "caveat")
 
     def fit(self, variant: str, scale: str = "") -> SurfaceFit | None:
         """The fit of ``variant`` (at ``scale``, for L(D))."""
@@ -213,15 +215,6 @@ class SurfaceReport:
     def multiplier(self, variant: str, scale: str) -> Multiplier | None:
         """k of ``variant`` at ``scale``'s planned compute, if read."""
         return next((m for m in self.multipliers if (m.variant, m.scale) == (variant, scale)), None)
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict (no points, no bootstrap draws); NaN and infinity become None."""
-        return json_ready({
-            "baseline": self.baseline, "metric": self.metric, "form": self.form, "source": self.source,
-            "fallback": self.fallback or None, "status": self.status, "why": self.why or None,
-            "caveat": self.caveat or None,
-            "fits": [f.to_dict() for f in self.fits], "optima": [asdict(o) for o in self.optima],
-            "multipliers": [m.to_dict() for m in self.multipliers], "isoflops": [asdict(i) for i in self.isoflops]})
 
 
 def surface_report(branches: pd.DataFrame, baseline: str, metric: str = "val/loss", n_boot: int = 200,
