@@ -130,34 +130,10 @@ def read_layout(path: Path, dtype: np.dtype, field: str) -> FlatFile:
     return layout
 
 
-def content_digest(path: Path) -> str:
-    """SHA-256 of the file's size and its first and last MiB (the whole file when at most 2 MiB): names a release's
+def content_digest(path: Path, blocks: int = 2, length: int = SAMPLE) -> str:
+    """SHA-256 of the file's size and `blocks` (>= 2) evenly spaced blocks of `length` bytes, first and last at the
+    ends (the whole file when at most blocks x length bytes). By default its first and last MiB: names a release's
     file wherever it lives (paths and mtimes would not), without hours of hashing terabytes."""
-    return _sampled_sha256(path, 2, SAMPLE)
-
-
-def spot_digest(path: Path) -> str:
-    """SHA-256 of the file's size and SPOT_BLOCKS evenly spaced blocks of SPOT_BLOCK bytes (the whole file when at
-    most 1 MiB): what a resume compares with the digests recorded at the run's start (study.train.data_record), so a
-    rewrite that kept size and mtime is caught. Kept per process until the file's size, mtime or ctime moves."""
-    stat = path.stat()
-    return _spot(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-
-
-@functools.cache
-def _spot(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
-    return _sampled_sha256(Path(path), SPOT_BLOCKS, SPOT_BLOCK)
-
-
-def spot_digests(paths: list[str], workers: int) -> dict[str, str]:
-    """:func:`spot_digest` of each file, `workers` at a time (the reads wait on the file system, not the GIL)."""
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="spot") as pool:
-        return dict(zip(paths, pool.map(lambda p: spot_digest(Path(p)), paths)))
-
-
-def _sampled_sha256(path: Path, blocks: int, length: int) -> str:
-    """SHA-256 of the size and `blocks` (>= 2) evenly spaced blocks of `length` bytes, first and last at the ends
-    (the whole file when at most blocks x length bytes)."""
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
@@ -168,6 +144,25 @@ def _sampled_sha256(path: Path, blocks: int, length: int) -> str:
                 f.seek(i * (size - length) // (blocks - 1))
                 h.update(f.read(length))
     return h.hexdigest()
+
+
+def spot_digest(path: Path) -> str:
+    """:func:`content_digest` of SPOT_BLOCKS blocks of SPOT_BLOCK bytes (the whole file when at most 1 MiB): what a
+    resume compares with the digests recorded at the run's start (study.train.data_record), so a rewrite that kept
+    size and mtime is caught. Kept per process until the file's size, mtime or ctime moves."""
+    stat = path.stat()
+    return _spot(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.cache
+def _spot(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    return content_digest(Path(path), SPOT_BLOCKS, SPOT_BLOCK)
+
+
+def spot_digests(paths: list[str], workers: int) -> dict[str, str]:
+    """:func:`spot_digest` of each file, `workers` at a time (the reads wait on the file system, not the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="spot") as pool:
+        return dict(zip(paths, pool.map(lambda p: spot_digest(Path(p)), paths)))
 
 
 def scan_file(layout: FlatFile, dtype: np.dtype) -> dict[str, Any]:

@@ -247,10 +247,13 @@ def open_run(client, experiment_id: str, run_key: str, run_name: str, tags: Mapp
 
 
 @contextmanager
-def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
-    """A store that refuses the block's calls, or does not answer in time, refused naming tracking.uri."""
+def connected(cfg: TrackingConfig) -> Iterator[tuple[Any, str, float]]:
+    """(client, URI, deadline) for `cfg`'s store, retried until `cfg.open_timeout_s`; a store that refuses the block's
+    calls, or does not answer in time, is refused naming tracking.uri."""
+    uri = resolve_tracking_uri(cfg.uri)
+    deadline = time.monotonic() + cfg.open_timeout_s
     try:
-        yield
+        yield call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect"), uri, deadline
     except StudyError:
         raise
     except Exception as exc:
@@ -264,16 +267,6 @@ def answering(uri: str, cfg: TrackingConfig) -> Iterator[None]:
         raise StudyError("tracking.uri", f"the MLflow store {uri} did not answer within {cfg.open_timeout_s:.0f} s "
                          f"({short(exc)})", "start the tracking server, or point MLFLOW_TRACKING_URI at a reachable "
                          "store") from exc
-
-
-@contextmanager
-def connected(cfg: TrackingConfig) -> Iterator[tuple[Any, str, float]]:
-    """(client, URI, deadline) for `cfg`'s store, retried until `cfg.open_timeout_s`; the block's failures are refused
-    naming tracking.uri (`answering`)."""
-    uri = resolve_tracking_uri(cfg.uri)
-    deadline = time.monotonic() + cfg.open_timeout_s
-    with answering(uri, cfg):
-        yield call_with_retries(lambda: mlflow_client(uri), cfg, deadline, "connect"), uri, deadline
 
 
 def retire_runs(run_key: str, experiment: str, cfg: TrackingConfig, note: str) -> list[str]:
