@@ -50,8 +50,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest(run_dir: Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
+    return next(reversed(complete_checkpoints(run_dir)), None)
 
 
 def save(run_dir: Path, model, optimizer, state: TrainState, d: Dist, keep_last: int,

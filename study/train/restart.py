@@ -31,8 +31,7 @@ def replaced(spec: RunSpec) -> Path:
 def interrupted(spec: RunSpec) -> Path | None:
     """The folder of a restart that was interrupted, if any."""
     root = replaced(spec)
-    found = sorted(root.glob(f"*{PARTIAL}")) if root.is_dir() else []
-    return found[0] if found else None
+    return min(root.glob(f"*{PARTIAL}"), default=None) if root.is_dir() else None
 
 
 def restart(spec: RunSpec, partial: Path | None = None) -> None:
