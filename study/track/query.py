@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -76,15 +76,12 @@ def experiment_of(client, experiment: str):
     return None if client is None else client.get_experiment_by_name(experiment)
 
 
-def all_runs(client, experiment_id: str, filter_string: str = "") -> Iterator:
-    """Every run of the experiment, page by page."""
-    token = None
-    while True:
-        page = client.search_runs([experiment_id], filter_string=filter_string, max_results=PAGE, page_token=token)
-        yield from page
-        token = page.token
-        if not token:
-            return
+def all_runs(client, experiment_id: str, filter_string: str = "") -> list:
+    """Every run of the experiment, page by page (MLflow's own pager)."""
+    from mlflow.utils import get_results_from_paginated_fn
+
+    return get_results_from_paginated_fn(lambda n, token: client.search_runs(
+        [experiment_id], filter_string=filter_string, max_results=n, page_token=token), PAGE)
 
 
 def runs_by_key(experiment: str, tracking_uri: str = "") -> dict[str, object]:
