@@ -15,21 +15,16 @@ import sys
 from study.errors import StudyError
 
 
-def with_shipped_tasks(argv: list[str]) -> list[str]:
-    """lm-eval's arguments, with the shipped offline tasks (`*_local`) as `--include_path` where none is given: the
-    folder is inside the installed package, which a user outside the checkout cannot name by a relative path."""
-    from study.config.tasks import LOCAL_TASK_DIR
-
-    if any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
-        return argv
-    return [*argv, "--include_path", str(LOCAL_TASK_DIR)]
-
-
 def main() -> int:
     import study.eval.harness  # noqa: F401  (registers `--model study`)
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv[1:] = with_shipped_tasks(sys.argv[1:])
+    from study.config.tasks import LOCAL_TASK_DIR
+
+    # the shipped offline tasks (`*_local`) as `--include_path` where none is given: the folder is inside the
+    # installed package, which a user outside the checkout cannot name by a relative path
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in sys.argv[1:]):
+        sys.argv += ["--include_path", str(LOCAL_TASK_DIR)]
     try:
         cli_evaluate()  # reads sys.argv, as `lm_eval` does
     except StudyError as error:
