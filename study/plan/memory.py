@@ -281,14 +281,16 @@ def host_memory() -> int:
     return total
 
 
-def device_memory(cfg: RunConfig, layout: Layout) -> int | None:
-    """Bytes one rank may use: its GPU's (`cluster.gpu_mem_gb`; None when the cluster does not say), or a CPU
-    rank's share of its host's (`cluster.mem_gb` per node, else this machine's memory)."""
+def device_memory(cfg: RunConfig, layout: Layout) -> tuple[int | None, str]:
+    """Bytes one rank may use, and where that figure comes from in words: its GPU's (`cluster.gpu_mem_gb`; None when
+    the cluster does not say), or a CPU rank's share of its host's (`cluster.mem_gb` per node, else this machine's)."""
     c = cfg.cluster
     if layout.cuda:
-        return round(c.gpu_mem_gb * GIB) if c.gpu_mem_gb else None
-    host = c.mem_gb * GIB if c.mem_gb else host_memory()
-    return host // max(1, layout.per_node)
+        return (round(c.gpu_mem_gb * GIB) if c.gpu_mem_gb else None,
+                f"cluster {c.name}: cluster.gpu_mem_gb={c.gpu_mem_gb:g}" + (f" ({c.gpu})" if c.gpu else ""))
+    host, source = ((c.mem_gb * GIB, f"cluster.mem_gb={c.mem_gb}") if c.mem_gb
+                    else (host_memory(), "this machine's memory"))
+    return host // max(1, layout.per_node), source + (f" shared by {layout.per_node} ranks" * (layout.per_node > 1))
 
 
 def estimable(m: ModelConfig, budget: int, mode: str) -> ModelConfig:
@@ -311,7 +313,7 @@ def run_memory(spec: RunSpec, layout: Layout | None = None, device: int | None =
     """The spec's memory per rank at `layout` on a device of `device` bytes (defaults: the planned ones)."""
     cfg, r = spec.config, spec.planned
     layout = layout or planned_layout(cfg, r.micro_batch, r.grad_accum)
-    device = device if device is not None else device_memory(cfg, layout)
+    device = device if device is not None else device_memory(cfg, layout)[0]
     return estimate(_model(spec), cfg.data.seq_len, layout, bool(cfg.train.z_loss), device)
 
 
@@ -339,7 +341,7 @@ def fit_micro_batch(cfg: RunConfig, model: ModelConfig, global_batch: int) -> tu
     when none does: the launch then refuses the run, naming what would fit)."""
     share = global_batch // cfg.cluster.ranks
     layout = planned_layout(cfg, share, 1)
-    device = device_memory(cfg, layout)
+    device = device_memory(cfg, layout)[0]
     if device is None:
         raise StudyError("cluster.gpu_mem_gb", f"train.micro_batch=auto needs the memory of cluster {cfg.cluster.name}"
                          "'s GPUs, which its preset does not give", "set cluster.gpu_mem_gb (80 for an H100 80GB, "
@@ -441,21 +443,12 @@ def check_fits(runs: list[tuple[RunSpec, Memory]], where: str, nodes: bool, outc
         "have)")
 
 
-def device_source(cfg: RunConfig, layout: Layout) -> str:
-    """Where a rank's memory figure comes from, in words."""
-    c = cfg.cluster
-    if layout.cuda:
-        return f"cluster {c.name}: cluster.gpu_mem_gb={c.gpu_mem_gb:g}" + (f" ({c.gpu})" if c.gpu else "")
-    host = f"cluster.mem_gb={c.mem_gb}" if c.mem_gb else "this machine's memory"
-    return host + (f" shared by {layout.per_node} ranks" if layout.per_node > 1 else "")
-
-
 def check_launch(runs: list[RunSpec]) -> None:
     """`study launch`'s refusal: every run to submit must fit its device at its planned layout."""
     if runs:
         cfg = runs[0].config
         memories = [(r, run_memory(r)) for r in runs]
-        check_fits(memories, device_source(cfg, memories[0][1].layout), nodes=cfg.cluster.name != "local",
+        check_fits(memories, device_memory(cfg, memories[0][1].layout)[1], nodes=cfg.cluster.name != "local",
                    outcome="nothing was submitted")
 
 
