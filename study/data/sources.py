@@ -116,20 +116,15 @@ class Source:
         if cfg.train_split not in splits:
             raise StudyError("data.train_split", f"{cfg.name} has no split {cfg.train_split!r} (it has "
                              f"{sorted(splits)})", f"use one of {sorted(splits)}")
-        for split in {cfg.train_split, cfg.val_split} & set(splits):
-            columns = self._columns(split)
+        for split in {cfg.train_split, cfg.val_split} & set(splits) if self.kind != "jsonl" else ():
+            ds = splits[split]
+            columns = ds.column_names
+            if columns is None:  # a stream whose features are unknown until read: its first document says
+                first = next(self._readable(lambda: ds.take(1)), None)
+                columns = None if first is None else list(first)
             if columns is not None and cfg.text_field not in columns:
                 raise StudyError("data.text_field", f"{cfg.name} has no column {cfg.text_field!r} (it has "
                                  f"{columns})", f"use one of {columns}")
-
-    def _columns(self, split: str) -> list[str] | None:
-        ds = self.splits[split]
-        if self.kind == "jsonl":
-            return None
-        if ds.column_names is None:  # a stream whose features are unknown until read: its first document says
-            first = next(self._readable(lambda: ds.take(1)), None)
-            return None if first is None else list(first)
-        return ds.column_names
 
     def _readable(self, read: Callable[[], Iterable[T]]) -> Iterator[T]:
         """What `read()` yields; a corpus that cannot be read (cut short, not UTF-8, a damaged parquet page) is refused
