@@ -60,18 +60,15 @@ def with_family(node: dict) -> dict:
 AUTO = "auto"
 
 
-def micro_batch_auto(nodes: list[tuple[dict, str]]) -> list[tuple[dict, str]]:
-    """The layers with `train.micro_batch: auto` read as `train.micro_batch_auto: true`, the number set below kept
-    (and so the global batch and run key): the planner picks the micro batch that fits. A number set above wins."""
-    out = []
-    for node, where in nodes:
-        train = node.get("train") if isinstance(node.get("train"), dict) else {}
-        if "micro_batch" in train:
-            auto = train["micro_batch"] == AUTO
-            rest = {k: v for k, v in train.items() if k != "micro_batch"} if auto else train
-            node = {**node, "train": {**rest, "micro_batch_auto": auto or rest.get("micro_batch_auto", False)}}
-        out.append((node, where))
-    return out
+def micro_batch_auto(node: dict) -> dict:
+    """A layer with `train.micro_batch: auto` read as `train.micro_batch_auto: true`, the number set below kept (and
+    so the global batch and run key): the planner picks the micro batch that fits. A number set above wins."""
+    train = node.get("train") if isinstance(node.get("train"), dict) else {}
+    if "micro_batch" not in train:
+        return node
+    auto = train["micro_batch"] == AUTO
+    rest = {k: v for k, v in train.items() if k != "micro_batch"} if auto else train
+    return {**node, "train": {**rest, "micro_batch_auto": auto or rest.get("micro_batch_auto", False)}}
 
 
 def sweeps_dir() -> Path:
@@ -154,9 +151,6 @@ class Overrides:
     """Field values by dotted key."""
     reset: list[str] = field(default_factory=list)
     """Fields restored to their typed default (`~train.lr`)."""
-
-    def keys(self) -> list[str]:
-        return [*self.groups, *self.values, *self.reset]
 
 
 def parse_overrides(items: list[str]) -> Overrides:
@@ -266,7 +260,7 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
     for node, where in nodes:
         refuse_renamed(node, where)
-    nodes = micro_batch_auto([(with_family(node), where) for node, where in nodes])
+    nodes = [(micro_batch_auto(with_family(node)), where) for node, where in nodes]
     plain = functools.reduce(merge_plain, (node for node, _ in nodes), {})
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))

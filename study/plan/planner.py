@@ -114,7 +114,7 @@ RECIPE_JSON = ("max_steps", "lr", "warmup_steps", "final_lr", "lr_schedule", "de
 def experiment_overrides(exp: Experiment, items: list[str]) -> tuple[Overrides, dict[str, dict[str, Any]]]:
     """Overrides for every run, and per-variant ones (`variants.hourglass.model.ffn.k=8`)."""
     ov = parse_overrides(items)
-    for key in ov.keys():
+    for key in [*ov.groups, *ov.values, *ov.reset]:
         if key.split(".")[0] in OWNED:
             raise StudyError(key, f"is set by the experiment file {exp.name}.yaml for each of its runs",
                              "select runs with --variant/--scale/--seed (study plan, status), change the experiment "
