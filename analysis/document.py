@@ -227,7 +227,9 @@ def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, bas
     rows = []
     for variant in [baseline] + sorted(set(runs.loc[runs["scale"] == scale, "variant"]) - {baseline}):
         values = at_scale.loc[at_scale["variant"] == variant, metric]
-        cells = [variant, str(len(values)), _mean_sd(values)]
+        # the sample sd (ddof=1) of a single value is NaN, shown as —
+        spread = f"{values.mean():.4f} ± {number(values.std(ddof=1))}" if len(values) else "—"
+        cells = [variant, str(len(values)), spread]
         if loss_like:
             cells.append(number(math.exp(values.mean()), ".2f"))
         r = by_variant.get(variant)
@@ -258,8 +260,10 @@ def _deltas_table(results: list[PairedResult]) -> Table:
 
 
 def _joint_table(joint: list[JointResult]) -> Table:
-    rows = [[_task_label(j.metrics), j.scale, j.variant, str(j.n), number(j.mean_delta, "+.4f"),
-             _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)] for j in joint]
+    # acc over arc_easy, piqa for eval/arc_easy/acc and eval/piqa/acc
+    rows = [[f"{j.metrics[0].split('/')[2]} over {', '.join(m.split('/')[1] for m in j.metrics)}", j.scale, j.variant,
+             str(j.n), number(j.mean_delta, "+.4f"), _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)]
+            for j in joint]
     header = ["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI"]
     return Table(header, rows)
 
@@ -486,12 +490,6 @@ def _missing(runs: pd.DataFrame, unpaired: list[dict], metrics: list[str]) -> li
     return blocks
 
 
-def _task_label(metrics: Sequence[str]) -> str:
-    """``acc over arc_easy, piqa`` for ``eval/arc_easy/acc`` and ``eval/piqa/acc``."""
-    parts = [m.split("/") for m in metrics]
-    return f"{parts[0][2]} over {', '.join(p[1] for p in parts)}"
-
-
 def _signed_pct(x: float) -> str:
     shown = number(x, "+.2f")
     return shown if shown == MISSING else f"{shown}%"
@@ -525,11 +523,6 @@ def _interval(k: Multiplier) -> str:
 
 def _p(p: float) -> str:
     return "—" if p is None or not math.isfinite(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
-
-
-def _mean_sd(values: pd.Series) -> str:
-    # the sample sd (ddof=1) of a single value is NaN, shown as —
-    return f"{values.mean():.4f} ± {number(values.std(ddof=1))}" if len(values) else "—"
 
 
 _INTERVALS = (

@@ -87,7 +87,10 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
         "files": [str(f) for f in files], "report_run_id": None,
     }
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
-    if log_to_mlflow and _writable(a.uri):
+    # a SQLite store's file and its folder (the journal goes there) must be writable; any other store is asked by
+    # writing to it
+    db = sqlite_path(a.uri)
+    if log_to_mlflow and (db is None or (os.access(db, os.W_OK) and os.access(db.parent, os.W_OK))):
         summary["report_run_id"] = _log_report_run(a.uri, experiment, a.baseline, files, a.decisions, a.runs)
     elif log_to_mlflow:
         # the files are the report: a store that can be read but not written (a shared, archived or mounted copy)
@@ -98,13 +101,6 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
               f"store {mask_text(a.uri)} cannot be written (read-only). Fix: report from a writable copy of the store "
               "to log it", file=sys.stderr)
     return json_ready(summary)
-
-
-def _writable(uri: str) -> bool:
-    """Whether a SQLite store's file and folder (its journal goes there) can be written; any other store is asked by
-    writing to it."""
-    path = sqlite_path(uri)
-    return path is None or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
 
 
 def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str] | None = None,
