@@ -21,18 +21,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from study.config.identity import json_digest
 from study.config.data import VAL_BLOCK, VAL_SPLIT_SEED, DataConfig, tokenize_procs
 from study.data.cache import cache_key, fingerprint_path, sha256_file
+from study.data.tokenizer import TokenizerFile
 from study.errors import StudyError
 from study.files import COUNT, TEXT, damaged, read_mapping, replace_file, shape_problem
-
-if TYPE_CHECKING:
-    from study.data.tokenizer import TokenizerFile
 
 FLAT_FORMAT = 1
 NPY_MAGIC = b"\x93NUMPY"

@@ -18,16 +18,15 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from study.config.data import DataConfig
+from study.data.cache import sha256_file
 from study.data.sources import Layout, Source, capped
+from study.data.tokenizer import TokenizerFile, load_tokenizer
 from study.files import COUNT, MAPPING, NUMBER, damaged, read_mapping, replace_file, shape_problem
-
-if TYPE_CHECKING:
-    from study.data.tokenizer import TokenizerFile
 
 PROGRESS = "progress.json"
 SHARD_FORMAT = 2
@@ -46,9 +45,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, cfg: DataConfig,
                  progress: bool = False, after_chunk: Callable[[int], None] | None = None) -> None:
     """Tokenise both splits into the build directory `out` (renamed into the cache once this returns)."""
-    from study.data.cache import sha256_file
-    from study.data.tokenizer import load_tokenizer
-
     if cfg.num_proc:
         # the tokenizer's thread pool reads this when it starts (a BPE trained in this process has started it)
         os.environ["RAYON_NUM_THREADS"] = str(cfg.num_proc)

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,8 +91,6 @@ def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool,
     try:
         return open_entry(entry, cfg)
     except BrokenEntry as broken:
-        import sys
-
         print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
         discard(entry)
         build_once(entry, build_fn, resumable=True)
@@ -182,8 +182,6 @@ def verify(entry: Path, names: tuple[str, ...] = CHECKED) -> dict[str, Any]:
 
 def discard(entry: Path) -> None:
     """Move a damaged entry out of the way (open memory maps of it stay valid) and delete it."""
-    import uuid
-
     with file_lock(entry.with_name(entry.name + ".lock")):
         if entry.is_dir():
             gone = entry.with_name(f"{entry.name}.broken-{uuid.uuid4().hex[:8]}")

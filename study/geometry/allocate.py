@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from study.config.geometry import GEOMETRIES, SMOOTHING, STATISTICS, AllocationConfig, one_of
 from study.errors import StudyError
-from study.files import LARGEST
+from study.files import LARGEST, read_json
 
 # Smoothness of the function an FFN approximates, in the error rate w^(-smoothness / intrinsic dimension).
 SMOOTHNESS = 2.0
@@ -124,10 +125,6 @@ def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationCo
 
 def read_profile(path, layers: int | None = None) -> dict:
     """A profile.json written by `study profile`, checked (`check_profile`) for a model of `layers` layers."""
-    from pathlib import Path
-
-    from study.files import read_json
-
     try:
         profile = read_json(Path(path), "point at the profile.json that `study profile RUN_KEY` wrote, or "
                             f"{PROFILE_FIX}")

@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from study import schema
 from study.config.run import Role
 from study.track.lineage import DESCRIPTION, PARENT
+from study.track.query import read_manifest_tags, runs_with_role
+from study.track.store import get_or_create_experiment, mlflow_client, oldest_first, resolve_tracking_uri
+from study.track.tags import run_tags
 
 TAG_GROUP = "study.group"
 SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)
@@ -50,9 +53,6 @@ def parent_for(client, experiment_id: str, tags: Mapping[str, str]) -> str:
 
 def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
     """The parent run of every (variant, scale) of a launch, created before any job starts (jobs would race)."""
-    from study.track.store import get_or_create_experiment, mlflow_client, resolve_tracking_uri
-    from study.track.tags import run_tags
-
     uri = resolve_tracking_uri(tracking_uri)
     client = mlflow_client(uri)
     experiment_id = get_or_create_experiment(client, uri, experiment)
@@ -62,9 +62,6 @@ def ensure_parents(tracking_uri: str, experiment: str, runs) -> None:
 
 
 def _parents(client, experiment_id: str, name: str) -> list:
-    from study.track.query import runs_with_role
-    from study.track.store import oldest_first
-
     return oldest_first(runs_with_role(client, [experiment_id], schema.ROLE_GROUP, f"tags.`{TAG_GROUP}` = '{name}'"))
 
 
@@ -91,8 +88,6 @@ def summary(children: list, keys: set[str] | None = None) -> tuple[dict[str, flo
 def refresh(client, run_id: str) -> None:
     """Recomputes the summary on the parent of seed run `run_id` (nothing when it has none)."""
     from mlflow.entities import Metric
-
-    from study.track.query import read_manifest_tags
 
     run = client.get_run(run_id)
     parent = run.data.tags.get(PARENT)

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from study import schema
+from study.config.data import study_cache
+from study.config.identity import json_digest
+from study.config.secrets import mask_text
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
-from study.files import file_lock
+from study.files import file_lock, replace_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,8 +52,6 @@ def check_answers(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    from study.config.secrets import mask_text
-
     try:
         http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, backoff_factor=0,
                      backoff_jitter=0, timeout=timeout_s, raise_on_status=False)
@@ -78,10 +79,6 @@ def sqlite_path(uri: str) -> Path | None:
 def read_per_version(uri: str, what: list, read: Callable[[], T]) -> T:
     """`read()`'s JSON answer about the store at `uri` (the question `what`), kept in study's cache until the SQLite
     file or its WAL changes size or mtime: importing MLflow costs a plan about 3 s. A server is asked every time."""
-    from study.config.data import study_cache
-    from study.config.identity import json_digest
-    from study.files import replace_file
-
     db = sqlite_path(resolve_tracking_uri(uri))
     if db is None or not db.exists():
         return read()
