@@ -467,21 +467,16 @@ def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[
                 if not chosen.any():
                     continue
                 sizes = plan["n"].to_numpy(float)[chosen]
-                read = (partial(_k_frontier, variant=(rules[variant], bounds[variant]),
-                                baseline=(rules[report.baseline], bounds[report.baseline])) if where == FRONTIER
-                        else partial(_k_at_size, sizes=sizes, tokens=plan["planned_d"].to_numpy(float)[chosen],
-                                     flops=rules[report.baseline](sizes)))
+                # between the frontiers: the baseline's compute to reach the variant's best loss at each compute
+                read = (partial(_k_at_size, sizes=sizes, tokens=plan["planned_d"].to_numpy(float)[chosen],
+                                flops=rules[report.baseline](sizes)) if where == PLANNED
+                        else lambda mine, theirs, c, v=variant: compute_to_reach(
+                            theirs, rules[report.baseline], frontier(mine, rules[v], c, bounds[v])[2], c,
+                            bounds[report.baseline]) / c)
                 multipliers += _multipliers(variant, [s for s, c in zip(scales, chosen) if c], compute[chosen],
                                             fit, reference, read, where)
             multipliers.sort(key=lambda m: (m.variant, order.index(m.scale)))
     return replace(report, optima=optima, isoflops=isoflops, multipliers=multipliers)
-
-
-def _k_frontier(mine: np.ndarray, theirs: np.ndarray, compute: np.ndarray, variant: tuple, baseline: tuple
-                ) -> np.ndarray:
-    """k per row between the arms' frontiers; ``variant`` and ``baseline`` are each arm's (FLOPs per token, N range)."""
-    target = frontier(mine, variant[0], compute, variant[1])[2]
-    return compute_to_reach(theirs, baseline[0], target, compute, baseline[1]) / compute
 
 
 def _tokens_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
