@@ -148,14 +148,13 @@ class Tracker:
         self._lock = threading.Lock()
         self._buffer: deque[Point] = deque(replay or [])
         self._inflight: list[Point] = []
-        self._artifacts: deque[tuple[Path, str]] = deque()
         self._dropped = 0
         # With a run directory, artifacts wait in its outbox until MLflow holds them: one the store refused (a full
         # file system) is sent again on the next start, as unsent metric points are.
         self._outbox = outbox
         self._outbox_dir = outbox or Path(tempfile.mkdtemp(prefix="study-artifacts-"))
         self._outbox_dir.mkdir(parents=True, exist_ok=True)
-        self._artifacts.extend(waiting(self._outbox_dir))
+        self._artifacts: deque[tuple[Path, str]] = deque(waiting(self._outbox_dir))
         self._wake, self._closing = threading.Event(), threading.Event()
         self._final: tuple[str | None, str | None] = ("FINISHED", None)
         self._deadline = math.inf
