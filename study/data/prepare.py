@@ -45,6 +45,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, cfg: DataConfig,
                  progress: bool = False, after_chunk: Callable[[int], None] | None = None) -> None:
     """Tokenise both splits into the build directory `out` (renamed into the cache once this returns)."""
+    from tqdm import tqdm
+
     if cfg.num_proc:
         # the tokenizer's thread pool reads this when it starts (a BPE trained in this process has started it)
         os.environ["RAYON_NUM_THREADS"] = str(cfg.num_proc)
@@ -53,7 +55,11 @@ def write_shards(out: Path, source: Source, parts: Layout, tok: TokenizerFile, c
     encoder = load_tokenizer(tok.path)
     with ExitStack() as stack:
         files = {name: stack.enter_context(open(out / f"{name}.bin", "ab")) for name in SPLITS}
-        bar = stack.enter_context(_bar(cfg, parts, state, progress))
+        caps = [p.max_docs for p in parts.passes]
+        bar = stack.enter_context(tqdm(
+            total=sum(caps) if None not in caps else None, unit=" docs", desc=f"tokenising {cfg.name}",
+            initial=sum(parts.passes[i].max_docs or 0 for i in range(state["pass"])) + state["docs"],
+            file=sys.stderr, disable=not progress, mininterval=1.0, dynamic_ncols=True))
         for index in range(state["pass"], len(parts.passes)):
             p = parts.passes[index]
             if index != state["pass"]:
@@ -133,13 +139,3 @@ def _write_chunk(texts: list[str], p, state: dict[str, Any], encoder, eos_id: in
     bar.update(len(texts))
     bar.set_postfix_str(f"{tokens:,} tokens, {tokens / max(state['seconds'], 1e-9) / 1e6:.2f} M tokens/s",
                         refresh=False)
-
-
-def _bar(cfg: DataConfig, parts: Layout, state: dict[str, Any], show: bool):
-    from tqdm import tqdm
-
-    caps = [p.max_docs for p in parts.passes]
-    total = sum(caps) if all(c is not None for c in caps) else None
-    done = sum(parts.passes[i].max_docs or 0 for i in range(state["pass"])) + state["docs"]
-    return tqdm(total=total, initial=done, unit=" docs", desc=f"tokenising {cfg.name}", file=sys.stderr,
-                disable=not show, mininterval=1.0, dynamic_ncols=True)
