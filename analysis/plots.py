@@ -71,7 +71,7 @@ def plot_decisions(decisions: Sequence[Decision], path: Path) -> Path:
     cols = min(len(metrics), 3)
     # wide enough for the labels, no wider than the 1,280-pixel window the report is read in
     width = 9.0 if cols == 1 else min(4.0 * cols + 1.5, 11.5)
-    fig, axes = _panels(len(metrics), cols, (width, 0.24 * rows + 1.0), pad=0.4)
+    fig, axes = _panels(len(metrics), cols, (width / cols, 0.24 * rows + 1.0), pad=0.4)
     for ax, metric in zip(axes, metrics):
         _decision_panel(ax, [d for d in decisions if d.metric == metric])
     fig.legend([Line2D([], [], color=c, marker="o", lw=1.5) for c in VERDICT_COLORS.values()], list(VERDICT_COLORS),
@@ -224,14 +224,13 @@ def plot_tuning(curves: Sequence[TuneCurve], baseline: str, path: Path, metric: 
     return _save(fig, path)
 
 
-def _panels(count: int, cols: int, size: tuple[float, float], pad: float | None = None, **options):
-    """A figure of ``count`` panels of ``size`` inches, ``cols`` to a row, and its axes (the spare ones hidden); with
-    ``pad``, ``size[0]`` is the whole figure's width and ``pad`` inches are added below the panels."""
+def _panels(count: int, cols: int, size: tuple[float, float], pad: float = 0.0, **options):
+    """A figure of ``count`` panels of ``size`` inches, ``cols`` to a row, ``pad`` inches more below them, and its axes
+    (the spare ones hidden)."""
     from matplotlib.figure import Figure
 
     rows = max(1, math.ceil(count / cols))
-    width = size[0] * cols if pad is None else size[0]
-    fig = Figure(figsize=(width, size[1] * rows + (pad or 0.0)), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(size[0] * cols, size[1] * rows + pad), dpi=DPI, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, **options).ravel()
     for ax in axes[count:]:
         ax.set_visible(False)
