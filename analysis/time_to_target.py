@@ -89,11 +89,16 @@ def time_to_target(runs: pd.DataFrame, curves: pd.DataFrame, baseline: str, rule
                    metric: str = "val/loss") -> TimeReport:
     """GPU-hours to the baseline's final ``metric`` per run, paired per seed and decided per (scale, variant);
     ``curves`` are the finished runs' histories (:func:`analysis.run_table.read_curves`, a branch's from step 0)."""
-    chosen = _newest(runs, metric)
+    # the run each pair uses, as analysis.paired chooses it: the newest finished one with a final metric
+    usable = runs[(runs["status"] == run_table.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
+    chosen = (usable.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
+              .reset_index(drop=True))
     speed = throughputs(chosen, uri)
     by_run = dict(tuple(curves.groupby("run_id")))
-    hours = [_hours(run, by_run.get(run.run_id), speed.get(run.run_id), target)
-             for run, target in zip(chosen.itertuples(), _targets(chosen, baseline, metric))]
+    # each run's target: the final metric of the baseline run of its scale and seed (NaN without one)
+    target = chosen[chosen["variant"] == baseline].set_index(["scale", "seed"])[metric]
+    hours = [_hours(run, by_run.get(run.run_id), speed.get(run.run_id), target.get((run.scale, run.seed), math.nan))
+             for run in chosen.itertuples()]
     frame = chosen.assign(hours=[h for h, _ in hours], total=[t for _, t in hours])
     # a run that never reached the target took longer than its whole training: that is its lower bound
     frame[LOG_HOURS] = np.log(frame["hours"].where(np.isfinite(frame["hours"]), frame["total"]))
@@ -154,19 +159,6 @@ def first_reach(steps: np.ndarray, values: np.ndarray, target: float) -> float:
     if i == 0:
         return float(steps[0])
     return float(np.interp(target, [values[i], values[i - 1]], [steps[i], steps[i - 1]]))
-
-
-def _newest(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """The run each pair uses, as :mod:`analysis.paired` chooses: the newest finished one with a final ``metric``."""
-    usable = runs[(runs["status"] == run_table.FINISHED) & np.isfinite(runs[metric].to_numpy(float))]
-    return (usable.sort_values("start_time").drop_duplicates(["variant", "scale", "seed"], keep="last")
-            .reset_index(drop=True))
-
-
-def _targets(runs: pd.DataFrame, baseline: str, metric: str) -> list[float]:
-    """Each run's target: the final ``metric`` of the baseline run of its scale and seed (NaN without one)."""
-    base = runs[runs["variant"] == baseline].set_index(["scale", "seed"])[metric]
-    return [float(base.get((r.scale, r.seed), math.nan)) for r in runs.itertuples()]
 
 
 def _hours(run, curve: pd.DataFrame | None, speed: Throughput | None, target: float) -> tuple[float, float]:
