@@ -107,11 +107,16 @@ def analyse(experiment: str, baseline: str | None = None, metrics: Sequence[str]
             tracking_uri: str | None = None, n_resamples: int = 9999, seed: int = 0, rule: DecisionRule | None = None
             ) -> Analysis:
     """Read the runs and compute every comparison (no files written); ``rule`` defaults to the experiment file's."""
+    from study.plan.experiment import load_experiment
+
     uri = resolve_tracking_uri(tracking_uri or "")
     study = run_table.read_study(experiment, uri)
     runs = study.runs
     baseline = choose_baseline(runs, baseline)
-    declared = _experiment_file(experiment)
+    try:  # the experiment file (its decision: rule, its tune: grid); None where this checkout has no readable one
+        declared = load_experiment(experiment)
+    except StudyError:
+        declared = None
     rule = rule or (declared.decision if declared is not None else DecisionRule(metric=HEADLINE))
     tuning = declared.tuning if declared is not None else None
     metrics = choose_metrics(runs, metrics)
@@ -167,16 +172,6 @@ def _shared_decisions(shared: pd.DataFrame, baseline: str, metrics: Sequence[str
     present = [m for m in metrics if m in shared.columns]
     results = {m: paired_deltas(shared, m, baseline, n_resamples=0) for m in present}
     return decide(results, rule, _baseline_means(shared, results))
-
-
-def _experiment_file(experiment: str):
-    """The experiment file (its `decision:` rule, its `tune:` grid); None where this checkout has no readable one."""
-    from study.plan.experiment import load_experiment
-
-    try:
-        return load_experiment(experiment)
-    except StudyError:
-        return None
 
 
 def _baseline_means(runs: pd.DataFrame, results: dict[str, list[PairedResult]]) -> dict:
