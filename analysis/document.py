@@ -14,7 +14,7 @@ import pandas as pd
 from analysis import run_table
 from analysis.compute import RANGE, EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, CORRECTION, Decision
-from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.paired import PairedResult, is_higher_better
 from analysis.sample_size import seeds_phrase
 from analysis.race_report import race_blocks
 from analysis.result import Analysis
@@ -70,7 +70,11 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
         blocks.append(Details(f"Every statistic of the {len(primary)} primary comparisons (adjusted p, sign-flip, "
                               "Wilcoxon, d_z, MDE, TOST)", [_decision_table(primary)]))
     if a.looks:
-        blocks += [Heading("Sequential looks", 3), _looks_table(a.looks)]
+        blocks += [Heading("Sequential looks", 3), Table(
+            ["look", "α this look", "α spent so far", "verdicts", "seeds added after it"],
+            [[str(look["round"]), f"{look['alpha']:.4g}", f"{look['alpha_spent']:.4g}",
+              ", ".join(f"{k} {v}" for k, v in sorted(look["verdicts"].items())), ", ".join(look["added"]) or "—"]
+             for look in a.looks])]
     if "scaling" in plots:
         blocks += [Heading(f"Scaling of final {a.scaling.metric}"), plots["scaling"]]
     if a.surface is not None:
@@ -108,7 +112,11 @@ def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
         blocks += [Heading("Mean across downstream tasks (joint bootstrap, descriptive)"),
                    Paragraph("Δ averaged over the tasks listed; each bootstrap draw resamples seeds once for all "
                              "tasks, so tasks that move together widen the interval as they should."),
-                   _joint_table(a.joint)]
+                   Table(["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI"],
+                         # acc over arc_easy, piqa for eval/arc_easy/acc and eval/piqa/acc
+                         [[f"{j.metrics[0].split('/')[2]} over {', '.join(m.split('/')[1] for m in j.metrics)}",
+                           j.scale, j.variant, str(j.n), number(j.mean_delta, "+.4f"),
+                           _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)] for j in a.joint])]
     if a.items:
         blocks += [Heading("Downstream tasks, item level (descriptive)"),
                    Paragraph("Per task and per-item score: each side's absolute mean (accuracy, or the log-likelihood "
@@ -208,13 +216,6 @@ def _decision_table(rows: Sequence[Decision], with_metric: bool = False) -> Tabl
     return Table(header, body)
 
 
-def _looks_table(looks: Sequence[dict]) -> Table:
-    rows = [[str(look["round"]), f"{look['alpha']:.4g}", f"{look['alpha_spent']:.4g}",
-             ", ".join(f"{k} {v}" for k, v in sorted(look["verdicts"].items())),
-             ", ".join(look["added"]) or "—"] for look in looks]
-    return Table(["look", "α this look", "α spent so far", "verdicts", "seeds added after it"], rows)
-
-
 def _per_scale(runs: pd.DataFrame, results: list[PairedResult], metric: str, baseline: str, scale: str,
                verdicts: dict, compute: EffectiveCompute | None) -> list[Block]:
     at_scale = runs[(runs["scale"] == scale) & (runs["status"] == run_table.FINISHED) & runs[metric].notna()]
@@ -256,15 +257,6 @@ def _deltas_table(results: list[PairedResult]) -> Table:
     rows = [[r.scale, r.variant, str(r.n), f"{number(r.mean_delta, '+.4f')} ± {number(r.sd_delta)}",
              _ci(r.ci_low, r.ci_high), _boot(r.boot_ci_low, r.boot_ci_high, r.boot_method, r.n),
              _p(r.p_wilcoxon), number(r.win_rate, ".0%")] for r in results]
-    return Table(header, rows)
-
-
-def _joint_table(joint: list[JointResult]) -> Table:
-    # acc over arc_easy, piqa for eval/arc_easy/acc and eval/piqa/acc
-    rows = [[f"{j.metrics[0].split('/')[2]} over {', '.join(m.split('/')[1] for m in j.metrics)}", j.scale, j.variant,
-             str(j.n), number(j.mean_delta, "+.4f"), _boot(j.boot_ci_low, j.boot_ci_high, j.boot_method, j.n)]
-            for j in joint]
-    header = ["metrics", "scale", "variant", "n", "mean Δ across tasks", "joint bootstrap 95% CI"]
     return Table(header, rows)
 
 

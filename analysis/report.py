@@ -58,7 +58,9 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
     profile = reference_profile_section(a.runs, a.uri, out)
     unpaired = _unpaired(a.flat)
     published = published_deltas(published_figures(experiment), a.results, a.baseline)
-    pd.DataFrame([_csv_row(r) for r in a.flat]).to_csv(out / "pairs.csv", index=False)
+    # seeds, deltas and unpaired are PairedResult's last fields, so they stay the CSV's last columns
+    pd.DataFrame([{**vars(r), "seeds": ";".join(map(str, r.seeds)), "deltas": ";".join(f"{d:.6g}" for d in r.deltas),
+                   "unpaired": len(r.unpaired)} for r in a.flat]).to_csv(out / "pairs.csv", index=False)
     pd.DataFrame([d.to_dict() for d in a.decisions]).to_csv(out / "decisions.csv", index=False)
     blocks = document(a, unpaired, plots, published, profile.blocks)
     (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
@@ -282,12 +284,6 @@ def _unpaired(results: list[PairedResult]) -> list[dict]:
             if r.metric not in entry["metrics"]:
                 entry["metrics"].append(r.metric)
     return list(merged.values())
-
-
-def _csv_row(r: PairedResult) -> dict:
-    # seeds, deltas and unpaired are PairedResult's last fields, so they stay the CSV's last columns
-    return {**vars(r), "seeds": ";".join(map(str, r.seeds)), "deltas": ";".join(f"{d:.6g}" for d in r.deltas),
-            "unpaired": len(r.unpaired)}
 
 
 REPORT_RUNS_TAG, REPORT_RUNS_ARTIFACT, REPORT_LINK_TAG = "study.report.runs", "runs.json", "study.report_run_id"

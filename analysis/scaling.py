@@ -89,7 +89,9 @@ class ScalingFit(JsonRecord):
 
     def draws(self) -> list[ScalingFit | None]:
         """The fit of every bootstrap draw in draw order (None where that draw could not be fitted)."""
-        return [_from_theta(self, row) if np.all(np.isfinite(row)) else None for row in self.boots]
+        return [ScalingFit(self.variant, self.metric, self.form, self.status, 0, 0, E=E,
+                           A=math.exp(b + alpha * self.log_ref), alpha=alpha, log_ref=self.log_ref, size=self.size)
+                if np.all(np.isfinite((E, b, alpha))) else None for E, b, alpha in self.boots]
 
 
 @dataclass(frozen=True)
@@ -215,12 +217,6 @@ def _crossing_with_interval(a: ScalingFit, b: ScalingFit, n_range: tuple[float, 
     firsts = [found[0] for found in (crossing(x, y, n_range, grid=128) for x, y in pairs) if found]
     low, high = np.quantile(firsts, TAILS) if firsts else (math.nan, math.nan)
     return Crossing(sizes, float(low), float(high), len(firsts) / len(pairs), len(pairs))
-
-
-def _from_theta(fit: ScalingFit, theta: Sequence[float]) -> ScalingFit:
-    E, b, alpha = theta
-    return ScalingFit(fit.variant, fit.metric, fit.form, fit.status, 0, 0, E=E, A=math.exp(b + alpha * fit.log_ref),
-                      alpha=alpha, log_ref=fit.log_ref, size=fit.size)
 
 
 def crossing(a: ScalingFit, b: ScalingFit, n_range: tuple[float, float], grid: int = 512) -> list[float]:
