@@ -64,7 +64,6 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     """Write the run's latest complete checkpoint to `out` (default `<run dir>/export`); every input is checked
     before anything is written, and the directory appears whole or not at all."""
     import torch
-    from safetensors.torch import save_model
 
     from study.config.secrets import redact
     from study.data.tokenizer import eos_id, id_bound, load_tokenizer
@@ -101,8 +100,19 @@ def export_run(spec: RunSpec, fmt: str = "hf", out: str | Path | None = None, fo
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    try:
-        eos = _write_tokenizer(tmp, tokenizer_path, end_id, spec.model.max_seq_len)
+    try:  # transformers and safetensors are imported once check_options has said whether they are installed
+        from safetensors.torch import save_model
+        from transformers import PreTrainedTokenizerFast
+
+        # tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`)
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), model_max_length=spec.model.max_seq_len)
+        eos = hf_tok.convert_ids_to_tokens(end_id)
+        hf_tok.eos_token = hf_tok.bos_token = eos
+        hf_tok.save_pretrained(tmp)
+        # transformers 5 names its class TokenizersBackend; PreTrainedTokenizerFast is the name 4.x and 5 both resolve
+        path = tmp / "tokenizer_config.json"
+        written = json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}
+        path.write_text(json.dumps(written, indent=2) + "\n")
         if architecture:
             save_pretrained(model, tmp, end_id, weights_dtype)
         else:  # our own names (the model cast in place): a tied head is stored once, and `load_model` re-ties it
@@ -160,22 +170,6 @@ def _weights_dtype(choice: str, computed: str, precision: str) -> tuple[str, str
         return "float32", "the run trained in fp32"
     return "float32", (f"the checkpoint does not record what train.precision={precision} computed in; fp32 keeps "
                        "its master weights exactly (--dtype bf16 halves the files)")
-
-
-def _write_tokenizer(out: Path, tokenizer_json: Path, eos_id: int, max_len: int) -> str:
-    """tokenizer.json and tokenizer_config.json, EOS as the run uses it (also BOS: see `hf_config`); returns it."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), model_max_length=max_len)
-    eos = tok.convert_ids_to_tokens(eos_id)
-    tok.eos_token = tok.bos_token = eos
-    tok.save_pretrained(out)
-    # transformers 5 names its class TokenizersBackend; PreTrainedTokenizerFast is the name 4.x and 5 both resolve
-    path = out / "tokenizer_config.json"
-    written = json.loads(path.read_text())
-    written["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(written, indent=2) + "\n")
-    return eos
 
 
 def describe(exported: Exported) -> str:
