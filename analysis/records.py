@@ -56,8 +56,8 @@ def _recorded(value):
     return value
 
 
-def read_artifact(client, run_id: str, artifact: str, read: Callable[[str], T] = lambda path: json.loads(
-        Path(path).read_text())) -> T | None:
+def read_artifact(client, run_id: str, artifact: str,
+                  read: Callable[[str], T] = lambda path: json.loads(Path(path).read_text())) -> T | None:
     """``read`` of the local path of run ``run_id``'s artifact ``artifact``, downloaded to a temporary folder (JSON by
     default); None when the run lists no such artifact."""
     if artifact not in {a.path for a in client.list_artifacts(run_id, artifact.rpartition("/")[0] or None)}:
