@@ -125,7 +125,8 @@ def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> N
     body = json.dumps(message).encode()
     data = _HEADER.pack(len(body)) + body
     sent = socket.send_fds(conn, [data], fds) if fds else 0  # the descriptors ride on the first bytes
-    conn.sendall(data[sent:])
+    if sent < len(data):  # sendall sends even nothing, to a peer that may have answered and closed by now
+        conn.sendall(data[sent:])
 
 
 def _exactly(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
