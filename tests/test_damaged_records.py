@@ -541,7 +541,7 @@ def test_damaged_build_records_of_the_data_cache_are_refused_naming_the_build(tm
     import numpy as np
 
     from study.data.flat import SCANNED, _read_scanned
-    from study.data.prepare import PROGRESS, _resume
+    from study.data.shards import PROGRESS, _resume
     from study.errors import StudyError
 
     (tmp_path / PROGRESS).write_text(json.dumps({"pass": 0, "docs": 5, "bytes": 9, "chunks": 1, "seconds": 1e308,
