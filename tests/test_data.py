@@ -26,7 +26,7 @@ from study.data import (
     window_ids,
 )
 from study.data.cache import build_once
-from study.data.corpus import is_english_prose
+from study.data.sources import is_english_prose
 from study.data.shards import token_dtype
 from study.data.sources import VAL_SPLIT_SEED
 from study.errors import StudyError

@@ -8,7 +8,7 @@
 
 from study.data.batches import BatchStream, get_batch, loader_tokens_per_s, num_windows, val_batches, window_ids
 from study.config.data import DataConfig, cache_root, validate_data
-from study.data.corpus import build_docstring_corpus
+from study.data.sources import build_docstring_corpus
 from study.data.shards import PreparedData, prepare_data
 from study.data.tokenizer import load_tokenizer
 
