@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from analysis.records import JsonRecord
+
 if TYPE_CHECKING:
     from analysis.paired import PairedResult
     from study.plan.experiment import Published
@@ -19,7 +21,7 @@ OURS = "val/loss"
 
 
 @dataclass(frozen=True)
-class PublishedDelta:
+class PublishedDelta(JsonRecord):
     scale: str
     variant: str
     baseline: str

@@ -40,19 +40,20 @@ class JsonRecord:
         """JSON-ready dict of every recorded field; NaN and infinity become None."""
         names = [f.name for f in fields(self) if f.name not in self.UNRECORDED]
         return json_ready({name: (getattr(self, name) or None) if name in self.EMPTY_AS_NONE
-                           else _recorded(getattr(self, name)) for name in names})
+                           else as_record(getattr(self, name)) for name in names})
 
 
-def _recorded(value):
-    """``value`` with each record in it replaced by its record and each other dataclass by its dict."""
+def as_record(value):
+    """``value`` with each record in it replaced by its record and each other dataclass by its dict (not JSON-ready
+    yet: json_ready does that)."""
     if isinstance(value, JsonRecord):
         return value.to_dict()
     if is_dataclass(value):
         return asdict(value)
     if isinstance(value, dict):
-        return {k: _recorded(v) for k, v in value.items()}
+        return {k: as_record(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_recorded(v) for v in value]
+        return [as_record(v) for v in value]
     return value
 
 

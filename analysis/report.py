@@ -8,7 +8,6 @@ import json
 import os
 import sys
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -23,7 +22,7 @@ from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile
 from analysis.race_report import read_race
 from analysis.published import published_deltas, published_figures
 from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, paired_deltas
-from analysis.records import json_ready
+from analysis.records import as_record, json_ready
 from analysis.render import Plot, to_html, to_markdown
 from analysis.result import HEADLINE, Analysis
 from analysis.scaling import scaling_report
@@ -68,26 +67,19 @@ def build_report(experiment: str, baseline: str | None = None, metrics: Sequence
     files = [out / "report.md", out / "report.html", out / "report.json", out / "pairs.csv",
              out / "decisions.csv"] + [p.path for p in plots.values()] + profile.files
     unlogged = {"status": f"no run logged {HEADLINE}"}
-    summary = {
-        "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics,
-        "decision_rule": asdict(a.rule), "decisions": [d.to_dict() for d in a.decisions],
-        "looks": a.looks, "sequential": a.sequential_note or None, "run_notes": list(a.run_notes),
-        "item_deltas": [i.to_dict() for i in a.items],
-        "results": [r.to_dict() for r in a.flat], "joint": [j.to_dict() for j in a.joint], "unpaired": unpaired,
-        "scaling": a.scaling.to_dict() if a.scaling else unlogged, "racing": a.race,
-        "surface": (a.surface.to_dict() if a.surface else {"status": "no decay branches"}
-                    if HEADLINE in a.runs.columns else unlogged),
-        "effective_compute": a.compute.to_dict() if a.compute else unlogged,
-        "time_to_target": a.time.to_dict() if a.time else unlogged,
+    summary = as_record({
+        "experiment": experiment, "baseline": a.baseline, "metrics": a.metrics, "decision_rule": a.rule,
+        "decisions": a.decisions, "looks": a.looks, "sequential": a.sequential_note or None,
+        "run_notes": list(a.run_notes), "item_deltas": a.items, "results": a.flat, "joint": a.joint,
+        "unpaired": unpaired, "scaling": a.scaling or unlogged, "racing": a.race,
+        "surface": a.surface or ({"status": "no decay branches"} if HEADLINE in a.runs.columns else unlogged),
+        "effective_compute": a.compute or unlogged, "time_to_target": a.time or unlogged,
         "tuning": {"decided_on": run_table.TUNED if a.tuned else run_table.SHARED,
-                   "transfer": TRANSFER if a.tuned else None,
-                   "curves": [c.to_dict() for c in a.tune_curves], "shared_runs": a.shared_runs,
-                   "shared_vs_tuned": [p.to_dict() for p in a.verdict_pairs],
-                   "flips": sum(p.flip for p in a.verdict_pairs)},
-        "published": [p.to_dict() for p in published],
-        "reference_profile": profile.summary,
+                   "transfer": TRANSFER if a.tuned else None, "curves": a.tune_curves, "shared_runs": a.shared_runs,
+                   "shared_vs_tuned": a.verdict_pairs, "flips": sum(p.flip for p in a.verdict_pairs)},
+        "published": published, "reference_profile": profile.summary,
         "files": [str(f) for f in files], "report_run_id": None,
-    }
+    })
     (out / "report.json").write_text(json.dumps(json_ready(summary), indent=2) + "\n", encoding="utf-8")
     # a SQLite store's file and its folder (the journal goes there) must be writable; any other store is asked by
     # writing to it
