@@ -77,39 +77,34 @@ def prepare_data(cfg: DataConfig, model_vocab: int | None = None, build: bool = 
     validate_data(cfg)
     cache = cache_root(cfg)
     with _writing(cache):
-        return _prepare(cfg, cache, model_vocab, build, progress, after_chunk)
-
-
-def _prepare(cfg: DataConfig, cache: Path, model_vocab: int | None, build: bool, progress: bool,
-             after_chunk: Callable[[int], None] | None) -> PreparedData:
-    documents = source_key(cfg)
-    if cfg.tokenizer == TRAIN_BPE and model_vocab is not None and cfg.vocab_size > model_vocab:
-        # refused before the BPE is trained; the trained vocabulary is checked exactly below
-        raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the {cfg.vocab_size} ids of the BPE "
-                         "(data.vocab_size)", f"set model.vocab_size >= {cfg.vocab_size} or lower data.vocab_size")
-    source = functools.cache(lambda: Source(cfg))
-    parts = functools.cache(lambda: layout(cfg, source()))
-    tok = resolve_tokenizer(cfg, cache, documents, lambda: _train_texts(source(), parts()), build=build)
-    entry = None if tok is None else shard_entry(cfg, documents, tok)
-    if not build and (entry is None or not entry.is_dir()):
-        raise StudyError("data", f"the token shards of {cfg.name} are not in the cache {cache}",
-                         "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
-                         "run's data overrides), or `study launch`, which prepares them")
-    check_model_vocab(tok, model_vocab)
-    if cfg.tokens is not None:
-        build_fn = lambda tmp: write_flat(tmp, cfg, tok, progress, after_chunk)  # noqa: E731
-    else:
-        if not entry.is_dir():
-            parts()  # the splits and the text column exist, before the build directory is made
-        build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
-    build_once(entry, build_fn, resumable=True)
-    try:
-        return open_entry(entry, cfg)
-    except BrokenEntry as broken:
-        print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
-        discard(entry)
+        documents = source_key(cfg)
+        if cfg.tokenizer == TRAIN_BPE and model_vocab is not None and cfg.vocab_size > model_vocab:
+            # refused before the BPE is trained; the trained vocabulary is checked exactly below
+            raise StudyError("model.vocab_size", f"{model_vocab} rows cannot embed the {cfg.vocab_size} ids of the BPE "
+                             "(data.vocab_size)", f"set model.vocab_size >= {cfg.vocab_size} or lower data.vocab_size")
+        source = functools.cache(lambda: Source(cfg))
+        parts = functools.cache(lambda: layout(cfg, source()))
+        tok = resolve_tokenizer(cfg, cache, documents, lambda: _train_texts(source(), parts()), build=build)
+        entry = None if tok is None else shard_entry(cfg, documents, tok)
+        if not build and (entry is None or not entry.is_dir()):
+            raise StudyError("data", f"the token shards of {cfg.name} are not in the cache {cache}",
+                             "tokenise them first: `study prepare EXPERIMENT` (or `study prepare data=...` with the "
+                             "run's data overrides), or `study launch`, which prepares them")
+        check_model_vocab(tok, model_vocab)
+        if cfg.tokens is not None:
+            build_fn = lambda tmp: write_flat(tmp, cfg, tok, progress, after_chunk)  # noqa: E731
+        else:
+            if not entry.is_dir():
+                parts()  # the splits and the text column exist, before the build directory is made
+            build_fn = lambda tmp: write_shards(tmp, source(), parts(), tok, cfg, progress, after_chunk)  # noqa: E731
         build_once(entry, build_fn, resumable=True)
-        return open_entry(entry, cfg)
+        try:
+            return open_entry(entry, cfg)
+        except BrokenEntry as broken:
+            print(f"shard cache entry {entry} is damaged ({broken}); building it again", file=sys.stderr, flush=True)
+            discard(entry)
+            build_once(entry, build_fn, resumable=True)
+            return open_entry(entry, cfg)
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
