@@ -131,7 +131,9 @@ def _writing(cache: Path) -> Iterator[None]:
 
 def shard_entry(cfg: DataConfig, documents: str, tok: TokenizerFile) -> Path:
     """The cache directory of the shards of (documents, tokenizer); its name is the cache key since format 2."""
-    return cache_root(cfg) / "shards" / f"{_slug(cfg.name)}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
+    name = Path(cfg.name).name if Path(cfg.name).expanduser().exists() else cfg.name
+    slug = re.sub(r"[^A-Za-z0-9._]+", "-", name)[-48:]
+    return cache_root(cfg) / "shards" / f"{slug}-{cache_key(documents, tok.key, SHARD_FORMAT)}"
 
 
 def find_shards(cfg: DataConfig) -> Path | None:
@@ -220,10 +222,6 @@ def open_entry(entry: Path, cfg: DataConfig) -> PreparedData:
                              f"seq_len + 1 = {cfg.seq_len + 1}", fix)
     return PreparedData(*splits, entry / "tokenizer.json", meta["vocab_size"], meta["eos_id"], cfg.seq_len, entry,
                         meta)
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._]+", "-", Path(name).name if Path(name).expanduser().exists() else name)[-48:]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
