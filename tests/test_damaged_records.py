@@ -331,6 +331,27 @@ def test_a_damaged_run_spec_is_refused_naming_the_file(study, damage, capsys, co
             f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again from its plan")
 
 
+@pytest.mark.parametrize("section,name,value,problem,fix", [
+    ("config", "train", {"lr_schedule": "bogus"}, "has `config.train.lr_schedule`: unknown value 'bogus'",
+     "use one of cosine, wsd"),
+    ("config", "train", {"beta2": 1.5}, "has `config.train.beta1`: AdamW betas must lie in [0, 1)",
+     "use e.g. beta1=0.9 beta2=0.95"),
+    ("recipe", None, {"lr_schedule": "linear"}, "has `recipe.lr_schedule`: unknown value 'linear'",
+     "use one of cosine, wsd"),
+], ids=["config_schedule", "config_beta", "recipe_schedule"])
+def test_a_hand_edited_value_in_a_run_spec_is_refused_naming_the_file_and_the_field(study, damage, capsys, section,
+                                                                                    name, value, problem, fix):
+    """A value the planner would refuse, written into run.json by hand: training failed deep inside on it (an unknown
+    schedule in the recipe) or ignored it (the config's, which the recipe overrides)."""
+    path = study["main"].run_dir.spec.relative_to(study["root"])
+    raw = json.loads(path.read_text())
+    (raw[section][name] if name else raw[section]).update(value)
+    damage(path, json.dumps(raw))
+    refused(["eval", study["main"].key, "paths.runs=runs"], capsys, path, problem,
+            f"{fix} (in that file), or delete {path}: the next `study launch EXPERIMENT` writes the run's spec again from "
+            "its plan")
+
+
 def test_a_profile_holding_1e308_is_refused_naming_the_file_and_the_layer(study, tmp_path, capsys):
     """Finite, yet past anything measured: the allocator's sums overflowed to NaN inside scipy's solver."""
     from test_bad_input import tiny_profile
