@@ -106,9 +106,11 @@ class Device:
             torch.cuda.reset_peak_memory_stats()
 
     def compile(self, model):
-        import torch
+        """`model` with each block compiled as training compiles it (`compile_blocks`)."""
+        from study.train.parallelize import compile_blocks
 
-        return torch.compile(model) if self.cuda else torch.compile(model, backend="eager")
+        compile_blocks(model, "inductor" if self.cuda else "eager")
+        return model
 
     def peak(self, step, model, optimizer) -> int:
         """Bytes at the peak of one call of `step`: the CUDA allocator's, or on CPU what torch's MemTracker counts
@@ -125,7 +127,9 @@ class Device:
 
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
-        with tracker:
+        # dynamo traces nothing under a dispatch mode (the tracker is one): compiled blocks run eagerly here, as a
+        # model compiled without fullgraph would, where it would stop the step
+        with tracker, torch.compiler.set_stance("force_eager"):
             step()
         return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 

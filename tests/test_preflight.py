@@ -91,6 +91,45 @@ def test_torch_counts_the_plans_flops_per_token_for_every_shipped_shape(workdir)
         assert model_flops(m, 16, 2) == flops_per_token(m, 16), family
 
 
+def test_a_graph_break_in_a_block_is_named_by_the_trace_and_fails_the_compiled_blocks_training_runs(cache,
+                                                                                                     monkeypatch):
+    """Training compiles each block whole (`compile_blocks`, fullgraph): a break inside one would stop a job at its
+    first step, so the pre-flight traces every distinct block (the tapered arm's four widths: four traces) and names
+    it; unbroken, the same model traces whole and runs compiled to the eager model's output."""
+    import torch
+
+    from study.models.transformer import Block, build_model
+    from study.train.parallelize import compile_blocks
+    from study.train.preflight import graph_breaks
+
+    spec = next(r for r in plan_experiment("demo", ["cluster=local"]).runs if r.config.variant == "tapered")
+    assert len(set(spec.model.ffn.widths)) == spec.model.n_layers == 4
+    assert graph_breaks(spec, spec.config) == (0, [])
+    model = build_model(spec.model, "cpu", seed=0)
+    idx = torch.randint(0, spec.model.vocab_size, (2, 16))
+    eager = model(idx)
+    compile_blocks(model, backend="eager")
+    torch._dynamo.reset()
+    assert torch.equal(model(idx), eager)
+
+    forward = Block.forward
+
+    def broken(self, x, cos, sin):
+        out = forward(self, x, cos, sin)
+        torch._dynamo.graph_break()
+        return out * 2
+
+    monkeypatch.setattr(Block, "forward", broken)
+    breaks, reasons = graph_breaks(spec, spec.config)
+    assert breaks == 4 and len(reasons) == 4 and all("graph_break" in r for r in reasons)
+    model = build_model(spec.model, "cpu", seed=0)
+    compile_blocks(model, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        model(idx)
+    torch._dynamo.reset()
+
+
 def test_a_second_preflight_reads_the_cache_and_a_damaged_or_stale_entry_is_measured_again(workdir, cache, capsys,
                                                                                             monkeypatch):
     args = ["preflight", "demo", "--variant", "hourglass", "cluster.tasks_per_node=2", "--json"]

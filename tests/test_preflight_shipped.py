@@ -2,11 +2,11 @@
 at its real size on fake tensors (`study preflight`), with torch's FLOPs per token equal to the plan's, no graph break
 in torch.compile's trace, and the plan's memory estimate of the step within 10 % of the tracked peak.
 
-Measuring every one takes about 17 CPU minutes, so the results live in `tests/golden/preflight.json`, one entry per
+Measuring every one takes about 14 CPU minutes, so the results live in `tests/golden/preflight.json`, one entry per
 shape as `study preflight` caches it. A shape's name is a digest of what its step depends on: the model, the layout,
 torch's version and the code that builds, shards and steps it (study.launch.preflight.shape_of). So an entry is read
 only while nothing it was measured with has changed; a change to any of that leaves shapes without an entry, and the
-test below names them. Taking new results into the golden file (about 10 minutes on two idle cores) is
+test below names them. Taking new results into the golden file (about 8 minutes on two idle cores) is
 `python tests/test_preflight_shipped.py`. The suite measures a few shapes again here, tiny and real, one rank and
 eight, and finds the golden entries equal to what this code measures.
 """

@@ -151,6 +151,30 @@ def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
     assert a["val_loss"] == b["val_loss"]
 
 
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_compiled_blocks_train_as_the_eager_model_on_two_fsdp_ranks_with_recomputation(workdir):
+    """`train.compile` compiles each block whole (fullgraph) inside FSDP2's hooks and the recomputation wrapper, with
+    inductor's CPU code: a sharded, checkpointed hourglass trains to the eager run's losses."""
+    import json
+
+    def run(where: str, *extra):
+        cmd = [sys.executable, "-m", "study.cli", "train", "--nproc", "2", *TINY, "model=hourglass", "experiment=unit",
+               "train.max_steps=4", "train.val_interval=4", "train.global_batch=8", f"paths.runs={where}",
+               f"tracking.uri={new_store(workdir / f'{where}.db')}", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (result,) = (workdir / where / "unit").glob("*/result.json")
+        lines = (result.parent / "metrics.jsonl").read_text().splitlines()
+        return json.loads(result.read_text())["val_loss"], [json.loads(line) for line in lines]
+
+    eager, eager_points = run("eager", "train.compile=false")
+    compiled, compiled_points = run("compiled", "train.compile=true", "train.activation_checkpointing=true")
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    loss = lambda points: [value for name, value, _, _ in points if name == "train/loss"]  # noqa: E731
+    assert len(loss(compiled_points)) == 4 and loss(compiled_points) == pytest.approx(loss(eager_points), rel=1e-4)
+
+
 @pytest.mark.no_store
 def test_a_validation_split_smaller_than_one_batch_is_refused_before_the_first_step(workdir):
     from study.errors import StudyError

@@ -68,7 +68,8 @@ class TrainConfig:
     precision: str = field(default="auto", metadata={"choices": ("auto", "fp32", "bf16")})
     """`auto` (bf16 mixed precision on CUDA, fp32 on CPU), `fp32` or `bf16`."""
     compile: bool | None = None
-    """torch.compile the model: None compiles on CUDA and not on CPU (no speed-up there); true or false decides."""
+    """torch.compile each block whole (study.train.parallelize.compile_blocks): None compiles on CUDA and not on CPU
+    (no speed-up there); true or false decides."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (GPU memory switch)."""
     sharding: str = field(default="auto", metadata={"choices": ("auto", "full", "hybrid")})

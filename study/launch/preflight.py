@@ -21,7 +21,7 @@ from pathlib import Path
 from study.config.spec import RunSpec
 from study.errors import StudyError
 
-VERSION = 1
+VERSION = 2
 """What a cached result holds and how it was measured; raised when either changes, so older results are measured
 again instead of read."""
 

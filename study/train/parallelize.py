@@ -10,13 +10,12 @@ from study.train.distributed import Dist
 
 def parallelize(model, cfg: RunConfig, d: Dist):
     """(model, step_model): the model sharded over the ranks when there are several, each block's activations
-    recomputed in the backward pass with `train.activation_checkpointing`, and the callable the batches go through,
-    compiled with `train.compile` (unset: on CUDA only). `model` owns the parameters (optimizer, checkpoints).
+    recomputed in the backward pass with `train.activation_checkpointing`, and each block compiled with
+    `train.compile` (unset: on CUDA only). `model` owns the parameters (optimizer, checkpoints); `step_model` is what
+    the batches go through (the model itself).
 
     Sharding comes first so that `fully_shard` is handed the blocks themselves (`model.layers`), not their
-    recomputation wrappers; compile comes last so that it traces the finished module."""
-    import torch
-
+    recomputation wrappers; compile comes last (`compile_blocks`)."""
     if d.world_size > 1:
         model = wrap_fsdp(model, cfg, d)
     if cfg.train.activation_checkpointing:
@@ -25,8 +24,24 @@ def parallelize(model, cfg: RunConfig, d: Dist):
         from study.models.transformer import Block
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    use_compile = d.device.startswith("cuda") if cfg.train.compile is None else bool(cfg.train.compile)
-    return model, torch.compile(model) if use_compile else model
+    if d.device.startswith("cuda") if cfg.train.compile is None else cfg.train.compile:
+        compile_blocks(model)
+    return model, model
+
+
+def blocks(model) -> list:
+    """The model's blocks themselves, inside any recomputation wrapper."""
+    return [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in model.layers]
+
+
+def compile_blocks(model, backend: str = "inductor") -> None:
+    """Each block's forward compiled whole (`fullgraph`: a graph break is an error, not a silent split), as torchtitan
+    lays a model out: FSDP2's hooks, which dynamo does not trace (a compiled sharded model breaks its graph at each),
+    and the recomputation wrapper run around the graphs; the embedding, final norm and head run eagerly."""
+    import torch
+
+    for block in blocks(model):
+        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
 
 
 def sharding(cfg: RunConfig, d: Dist) -> str:

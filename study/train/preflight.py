@@ -8,7 +8,8 @@ steps on a laptop. What it measures, as rank 0 of the job sees it:
   same state (the gradients the earlier ones left), so more reach no higher peak;
 - FLOPs per token: FlopCounterMode over one forward and backward of the plain model on the meta device, attention
   through SDPA's math kernel so that it counts as its two matrix products (fused kernels count recomputed scores);
-- graph breaks: torch._dynamo.explain of the unsharded model on the meta device, without compiling anything.
+- graph breaks: torch._dynamo.explain of what a run compiles (`compile_blocks`: each block, whole), each distinct block
+  once on the meta device, without compiling anything.
 
 The step runs the CPU's kernels, eagerly, so the tracked peak is above what a GPU holds: CUDA's fused RMSNorm keeps
 no fp32 copies of its input and a compiled step fuses more (study.plan.memory estimates both), and a one-rank bf16
@@ -247,18 +248,29 @@ def model_flops(model_cfg: ModelConfig, seq_len: int, micro_batch: int) -> float
 
 
 def graph_breaks(spec: RunSpec, cfg: RunConfig) -> tuple[int, list[str]]:
-    """(graph breaks, their reasons) of torch.compile's trace of the run's model: unsharded, on the meta device, its
-    blocks wrapped for recomputation when the run checkpoints them, one micro batch of the run's length."""
+    """(graph breaks, their reasons) of torch.compile's trace of what a run compiles (study.train.parallelize.
+    compile_blocks): each distinct block of the model (its parameters' names and shapes) once, on the meta device,
+    with one micro batch of the run's length. Training compiles each block whole, so a break named here is a job that
+    would fail at its first step."""
     import torch
 
     from study.models.transformer import build_model
-    from study.train.parallelize import parallelize
+    from study.train.parallelize import blocks
 
-    model, _ = parallelize(build_model(spec.model, "meta"), cfg, Dist(0, 1, 0, "cpu"))
-    idx = torch.zeros((spec.planned.micro_batch, cfg.data.seq_len), dtype=torch.long, device="meta")
-    torch._dynamo.reset()
+    model = build_model(spec.model, "meta")
+    x = torch.zeros((spec.planned.micro_batch, cfg.data.seq_len, spec.model.d_model), device="meta")
+    seen: set[tuple] = set()
+    breaks, reasons = 0, []
     try:
-        explained = torch._dynamo.explain(model)(idx)
+        for block in blocks(model):
+            shape = tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
+            if shape in seen:
+                continue
+            seen.add(shape)
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(block)(x, model.rope_cos, model.rope_sin)
+            breaks += explained.graph_break_count
+            reasons += [" ".join(str(b.reason).split()) for b in explained.break_reasons]
     finally:
         torch._dynamo.reset()
-    return explained.graph_break_count, [" ".join(str(b.reason).split()) for b in explained.break_reasons]
+    return breaks, reasons
