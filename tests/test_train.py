@@ -155,24 +155,22 @@ def test_two_process_fsdp_resume_reproduces_the_uninterrupted_run(workdir):
 @pytest.mark.distributed
 def test_compiled_blocks_train_as_the_eager_model_on_two_fsdp_ranks_with_recomputation(workdir):
     """`train.compile` compiles each block whole (fullgraph) inside FSDP2's hooks and the recomputation wrapper, with
-    inductor's CPU code: a sharded, checkpointed hourglass trains to the eager run's losses."""
+    inductor's CPU code: a sharded, checkpointed hourglass trains to the losses of the same run trained eagerly on one
+    rank (the same global batch, split over the ranks)."""
     import json
 
-    def run(where: str, *extra):
-        cmd = [sys.executable, "-m", "study.cli", "train", "--nproc", "2", *TINY, "model=hourglass", "experiment=unit",
-               "train.max_steps=4", "train.val_interval=4", "train.global_batch=8", f"paths.runs={where}",
-               f"tracking.uri={new_store(workdir / f'{where}.db')}", *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
-        assert done.returncode == 0, done.stderr[-3000:]
-        (result,) = (workdir / where / "unit").glob("*/result.json")
-        lines = (result.parent / "metrics.jsonl").read_text().splitlines()
-        return json.loads(result.read_text())["val_loss"], [json.loads(line) for line in lines]
-
-    eager, eager_points = run("eager", "train.compile=false")
-    compiled, compiled_points = run("compiled", "train.compile=true", "train.activation_checkpointing=true")
-    assert compiled == pytest.approx(eager, rel=1e-4)
-    loss = lambda points: [value for name, value, _, _ in points if name == "train/loss"]  # noqa: E731
-    assert len(loss(compiled_points)) == 4 and loss(compiled_points) == pytest.approx(loss(eager_points), rel=1e-4)
+    run = ["model=hourglass", "train.max_steps=4", "train.val_interval=4", "train.global_batch=8"]
+    eager = train(cfg_for(*run, "paths.runs=eager", "train.compile=false"))
+    cmd = [sys.executable, "-m", "study.cli", "train", "--nproc", "2", *TINY, "experiment=unit", *run,
+           "paths.runs=compiled", f"tracking.uri={new_store(workdir / 'compiled.db')}", "train.compile=true",
+           "train.activation_checkpointing=true"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=os.environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = (workdir / "compiled" / "unit").glob("*/result.json")
+    points = [json.loads(line) for line in (result.parent / "metrics.jsonl").read_text().splitlines()]
+    losses = {step: value for name, value, _, step in points if name == "train/loss"}
+    assert json.loads(result.read_text())["val_loss"] == pytest.approx(eager.val_loss, rel=1e-4)
+    assert sorted(losses) == [1, 2, 3, 4] and losses == pytest.approx(dict(eager.losses), rel=1e-4)
 
 
 @pytest.mark.no_store
