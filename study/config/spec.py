@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,8 +188,9 @@ def read_spec(path: Path | str) -> RunSpec:
         raise StudyError("run spec", f"{path} does not exist",
                          "give the run.json a launch wrote (<paths.runs>/<experiment>/<run key>/run.json) or its run "
                          "directory")
-    raw = read_mapping(path, {}, f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again "
-                       "from its plan (its checkpoints stay)")
+    rewrite = f"delete {path}: the next `study launch EXPERIMENT` writes the run's spec again from its plan (its " \
+              "checkpoints stay)"
+    raw = read_mapping(path, {}, rewrite)
     if (found := raw.get("schema")) != SCHEMA_VERSION:
         raise StudyError("run spec", f"{path} was written by key schema {found}, this version uses {SCHEMA_VERSION}",
                          "relaunch the experiment with this version (new run keys), or use the version that wrote it")
@@ -204,28 +205,26 @@ def read_spec(path: Path | str) -> RunSpec:
     except OmegaConfBaseException as exc:
         raise StudyError("run spec", f"{path} does not match this version's run spec ({str(exc).splitlines()[0]})",
                          "relaunch the experiment with this version") from None
-    _check_values(spec, path)
+    _check_values(spec, path, rewrite)
     return spec
 
 
-def _check_values(spec: RunSpec, path: Path) -> None:
+def _check_values(spec: RunSpec, path: Path, rewrite: str) -> None:
     """A spec's values held to what a plan of them would be (a hand edit of run.json): refused naming the file and
     the field, where training would otherwise fail deep inside, or ignore the value."""
+    from study.config.geometry import one_of
     from study.config.training import TrainConfig
     from study.config.validate import validate_run
 
     try:
         validate_run(spec.config)
         if spec.recipe is not None:
-            choices = next(f.metadata["choices"] for f in fields(TrainConfig) if f.name == "lr_schedule")
-            if spec.recipe.lr_schedule not in choices:
-                raise StudyError("recipe.lr_schedule", f"unknown value {spec.recipe.lr_schedule!r}",
-                                 f"use one of {', '.join(choices)}")
+            one_of("recipe.lr_schedule", spec.recipe.lr_schedule,
+                   TrainConfig.__dataclass_fields__["lr_schedule"].metadata["choices"])
     except StudyError as err:
         named = err.field if err.field.startswith("recipe.") else f"config.{err.field}"
         raise StudyError(str(path), f"has `{named}`: {err.problem}",
-                         f"{err.fix} (in that file), or delete {path}: the next `study launch EXPERIMENT` writes the run's spec "
-                         "again from its plan (its checkpoints stay)") from None
+                         f"{err.fix} (in that file), or {rewrite}") from None
 
 
 DIVERGED = "diverged"
