@@ -9,9 +9,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from study.command_options import command_options, whole_option
-from study.errors import StudyError
-from study.parser import build_parser
+from study.errors import LaunchFailed, StudyError
+from study.parser import build_parser, command_options, whole_option
 
 
 def _filtered(args: argparse.Namespace, plan):
@@ -141,25 +140,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from study.launch.submit import LaunchFailed, launch
+    from study.launch.submit import launch
 
     if not args.until_decided and (args.max_seeds is not None or args.max_gpu_hours is not None):
         raise StudyError("--max-seeds/--max-gpu-hours", "are caps of an adaptive launch",
                          "add --until-decided, or drop them")
     if args.restart:
         _restart(args)
-    try:
-        if args.until_decided:
-            if args.dry_run:
-                raise StudyError("--dry-run", "cannot preview an adaptive launch (its later rounds depend on results)",
-                                 "dry-run the plain launch to see the first round")
-            from study.launch.adaptive import until_decided
+    if args.until_decided:
+        if args.dry_run:
+            raise StudyError("--dry-run", "cannot preview an adaptive launch (its later rounds depend on results)",
+                             "dry-run the plain launch to see the first round")
+        from study.launch.adaptive import until_decided
 
-            return until_decided(args.experiment, args.overrides, args.max_seeds, args.max_gpu_hours, args.new_runs)
-        launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
-    except LaunchFailed as failed:
-        print(f"study launch: {failed}", file=sys.stderr)
-        return 1
+        return until_decided(args.experiment, args.overrides, args.max_seeds, args.max_gpu_hours, args.new_runs)
+    launch(args.experiment, args.overrides, dry_run=args.dry_run, wait=args.wait, new=args.new_runs)
     return 0
 
 
@@ -287,7 +282,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from analysis.headline import print_headline
     from analysis.report import build_report
-    from study.launch.submit import LaunchFailed, launch
+    from study.launch.submit import launch
     from study.track.store import resolve_tracking_uri
 
     name = "ladder" if args.ladder else "demo"
@@ -295,11 +290,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"study demo: planning and training the `{name}` experiment on this machine (local processes)",
           file=sys.stderr)
     cmd_plan(argparse.Namespace(experiment=name, overrides=overrides, json=False))
-    try:
-        launch(name, overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
-    except LaunchFailed as failed:
-        print(f"study demo: {failed}", file=sys.stderr)
-        return 1
+    launch(name, overrides, echo=lambda m: print(m, file=sys.stderr), new=True)
     result = build_report(name, out_dir=Path("reports"))
     print_headline(result)
     print(f"report: {Path(f'reports/{name}/report.md').resolve()} (and report.html); MLflow store: "
@@ -383,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         # tool prints, and its control and format characters (a right-to-left override) are shown as escapes
         print(f"study {args.command}: {for_terminal(mask_text(err.message))}", file=sys.stderr)
         return 2
+    except LaunchFailed as failed:  # each failed run is named with its reason
+        print(f"study {args.command}: {failed}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"study {args.command}: interrupted", file=sys.stderr)
         return 130

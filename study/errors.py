@@ -17,3 +17,7 @@ class StudyError(Exception):
         # one paragraph, whatever a wrapped library message brought along
         problem, fix = " ".join(str(self.problem).split()), " ".join(str(self.fix).split())
         return f"error in `{self.field}`: {problem}. Fix: {fix}"
+
+
+class LaunchFailed(Exception):
+    """Some runs of a local launch failed; the message lists each with its reason (the CLI exits with status 1)."""

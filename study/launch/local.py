@@ -12,7 +12,7 @@ from collections import Counter
 
 from study.config.cluster import ClusterConfig
 from study.config.spec import RunSpec
-from study.errors import StudyError
+from study.errors import LaunchFailed, StudyError
 from study.launch.kinds import JobKind
 from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
@@ -38,10 +38,6 @@ def check_local_layout(cluster: ClusterConfig) -> None:
                      f"set {field}=1 for a local launch; to train one run on {ranks} local ranks use "
                      f"`study train --nproc {ranks} experiment=... variant=... scale=... seed=...`, or launch on "
                      "SLURM (cluster=slurm)")
-
-
-class LaunchFailed(Exception):
-    """Some runs of a local launch failed; the message lists each with its reason."""
 
 
 class _Stopped(BaseException):

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,7 +71,9 @@ def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
 
 
 def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
-    append_lines(journal_path(runs_root, experiment), entries)
+    """The submissions appended to the job journal, each stamped with this host and the time unless it names them."""
+    stamp = {"host": socket.gethostname(), "time": time.time()}
+    append_lines(journal_path(runs_root, experiment), [stamp | e for e in entries])
 
 
 def _scheduler_lines(cmd: list[str]) -> list[str]:
