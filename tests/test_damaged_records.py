@@ -543,7 +543,7 @@ def test_a_damaged_data_record_is_refused_naming_the_file_and_the_restart(study,
     from types import SimpleNamespace
 
     from study.errors import StudyError
-    from study.train.data_record import check_data, record_path
+    from study.train.loop import check_data, record_path
 
     spec = study["main"]
     path = record_path(spec)

@@ -77,7 +77,7 @@ def test_hourglass_experiment_lists_every_variant_scale_and_seed_within_1e5(caps
 def test_olmo2_and_conventional_runs_differ_in_the_block_only():
     from dataclasses import asdict
 
-    from study.track.params import flatten
+    from study.track.tracker import flatten
 
     plan = plan_experiment("hourglass")
     by = {(r.config.variant, r.config.scale, r.config.seed): flatten(asdict(r.config)) for r in plan.runs}

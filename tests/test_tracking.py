@@ -17,8 +17,7 @@ import pytest
 from study.errors import StudyError
 from conftest import new_store
 from mlflow_server import start_server
-from study.track.null import NullTracker
-from study.track.tracker import Tracker, TrackingConfig, flatten, resolve_tracking_uri
+from study.track.tracker import NullTracker, Tracker, TrackingConfig, flatten, resolve_tracking_uri
 
 TAGS = {"study.experiment": "e", "study.variant": "hourglass", "study.scale": "tiny", "study.seed": "0",
         "study.role": "train", "study.baseline": "conventional"}  # fmt: skip

@@ -193,7 +193,7 @@ def test_callbacks_see_the_loss_then_validation_then_the_stop_then_the_checkpoin
     from mlflow import MlflowClient
 
     from study.train import checkpoint
-    from study.train.faults import FaultHooks
+    from study.train.callbacks import FaultHooks
 
     spec = cfg_for("train.max_steps=12", "train.log_interval=2", "train.val_interval=3", "train.ckpt_interval=3",
                    "faults.stop_at_step=6")

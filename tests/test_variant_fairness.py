@@ -123,8 +123,8 @@ def test_the_report_names_the_declared_difference_and_nothing_else(workdir, monk
     from analysis.run_table import read_study
     from study.config.identity import KEY, placement
     from study.plan.planner import plan_experiment
-    from study.track.params import flatten
-    from study.track.tags import run_tags
+    from study.track.lineage import run_tags
+    from study.track.tracker import flatten
 
     arms = {**ARMS, "b": {"model": "hourglass", "set": {"train.max_steps": 60}}}
     name = experiment(workdir, monkeypatch, variants=arms, compares=["train.max_steps"],

@@ -146,7 +146,7 @@ def content_digest(path: Path, blocks: int = 2, length: int = SAMPLE) -> str:
 
 def spot_digest(path: Path) -> str:
     """:func:`content_digest` of SPOT_BLOCKS blocks of SPOT_BLOCK bytes (the whole file when at most 1 MiB): what a
-    resume compares with the digests recorded at the run's start (study.train.data_record), so a rewrite that kept
+    resume compares with the digests recorded at the run's start (study.train.loop.check_data), so a rewrite that kept
     size and mtime is caught. Kept per process until the file's size, mtime or ctime moves."""
     stat = path.stat()
     return _spot(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)

@@ -17,10 +17,9 @@ from collections.abc import Mapping
 
 from study import schema
 from study.config.run import Role
-from study.track.lineage import DESCRIPTION, PARENT
+from study.track.lineage import DESCRIPTION, PARENT, run_tags
 from study.track.query import read_manifest_tags, runs_with_role
 from study.track.store import get_or_create_experiment, mlflow_client, oldest_first, resolve_tracking_uri
-from study.track.tags import run_tags
 
 TAG_GROUP = "study.group"
 SUMMARISED = (schema.VAL_LOSS, schema.VAL_PPL)

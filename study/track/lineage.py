@@ -1,16 +1,19 @@
 """Where a run came from, in MLflow's own terms, computed once at open: the code (source and git commit tags), a
-one-line description (the run page's box), and the token shards it trained on (a dataset input)."""
+one-line description (the run page's box), and the token shards it trained on (a dataset input); and the run's own
+study.schema tags, from its spec and the SLURM environment."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from study.config.identity import json_digest
-from study import installed_version
+from study import installed_version, schema
+from study.config.identity import SCHEMA_VERSION, json_digest
+from study.config.run import Role
 from study.config.spec import RunSpec
 
 # MLflow's own tag names (mlflow.utils.mlflow_tags); the UI renders them on the run page
@@ -53,6 +56,29 @@ def source_tags() -> dict[str, str]:
         tags["study.git_dirty"] = str(dirty).lower()
     if remote:
         tags[GIT_REPO] = remote
+    return tags
+
+
+def run_tags(spec: RunSpec) -> dict[str, str]:
+    """The run's study.schema tags; the SLURM job id when the run is a SLURM job."""
+    cfg = spec.config
+    tags = {schema.TAG_RUN_KEY: spec.key, schema.TAG_EXPERIMENT: cfg.experiment, schema.TAG_VARIANT: cfg.variant,
+            schema.TAG_SCALE: cfg.scale, schema.TAG_SEED: str(cfg.seed), schema.TAG_ROLE: cfg.role,
+            schema.TAG_BASELINE: cfg.baseline, schema.TAG_KEY_SCHEMA: str(SCHEMA_VERSION)}
+    tags[schema.TAG_LR_SOURCE] = "tune" if spec.tuned is not None else "recipe"
+    if spec.tuned is not None:
+        tags[schema.TAG_TUNE_MULTIPLE] = f"{spec.tuned.multiple:g}"
+        if cfg.role != Role.tune:
+            tags[schema.TAG_TUNE_STATUS] = spec.tuned.status
+    if cfg.role == Role.branch:
+        point = spec.points[0]
+        tags |= {schema.TAG_TRUNK_KEY: str(spec.trunk), schema.TAG_BRANCH_STEP: str(point.start),
+                 schema.TAG_BRANCH_AT: f"{point.at:g}"}
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    # `<array job>_<task>` for an array task (as squeue shows it), the job id otherwise
+    if job := f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID"):
+        tags[schema.TAG_SLURM_JOB] = job
+        tags[schema.TAG_SLURM_RESTARTS] = os.environ.get("SLURM_RESTART_COUNT", "0")
     return tags
 
 

@@ -1,6 +1,7 @@
 """MLflow tracking for training runs: one run per run key (the oldest active one), resumed on restart, logged off the
-training step's path. Names are study.schema's: run `<variant>-<scale>-s<seed>`, tags `study.*`, params flattened
-with dots, metrics `train/*`, `val/*`, `eval/<task>/<metric>`.
+training step's path (`NullTracker` takes the same calls on other ranks). Names are study.schema's: run
+`<variant>-<scale>-s<seed>`, tags `study.*`, params flattened with dots (secret keys left out:
+`study.config.secrets`), metrics `train/*`, `val/*`, `eval/<task>/<metric>`.
 
 A `log_metric` costs 4.5 ms on SQLite and 30-60 ms over HTTP, a `log_batch` of 1000 points 0.3 s, so
 `Tracker.log_metrics` only appends to a buffer that a background thread ships in batches; an outage keeps points
@@ -25,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from study import schema
+from study.config.secrets import ENV_SECTIONS, is_sequence, looks_secret
 from study.config.tracking import TrackingConfig
 from study.errors import StudyError
 from study.files import COUNT, end_cut_line, read_json_lines
-from study.track.params import flatten, plain
 from study.track.store import (call_with_retries, connected, find_runs, get_or_create_experiment, is_transient,
                                jittered, open_run, resolve_tracking_uri, short)
 
@@ -45,6 +46,35 @@ ARTIFACT_OUTBOX = "artifacts-outbox"
 beside a file naming where it is stored; one the store refused is sent again on the run's next start."""
 ARTIFACT_NAME = ".name"
 """File beside a posted artifact holding the name it is stored under."""
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"a.b.c": "value"} for MLflow params, without secret-looking keys and environment sections
+    (and all under them). Strings stay as they are, other values are JSON; lists of mappings flatten by index."""
+    flat: dict[str, str] = {}
+    for raw_key, value in config.items():
+        key = str(raw_key)
+        if looks_secret(key) or key in ENV_SECTIONS:
+            continue
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        elif is_sequence(value) and any(isinstance(v, Mapping) for v in value):
+            flat.update(flatten({str(i): v for i, v in enumerate(value)}, f"{dotted}."))
+        elif isinstance(value, str):
+            flat[dotted] = value
+        else:
+            flat[dotted] = json.dumps(plain(value), default=str)
+    return flat
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers and tuples -> lists and dicts that json can write (also used for logged dicts)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if is_sequence(value):
+        return [plain(v) for v in value]
+    return value
 
 
 def waiting(outbox: Path) -> list[tuple[Path, str]]:
@@ -440,3 +470,32 @@ class Tracker:
         else:
             logger.error("%d artifacts of run %s did not reach MLflow; they wait in %s and the run's next start sends "
                          "them again", len(waiting(self._outbox_dir)), self.run_id, self._outbox_dir)
+
+
+class NullTracker:
+    """What ranks other than 0 hold: the same calls, doing nothing."""
+
+    def __init__(self) -> None:
+        self.run_id = None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, source: Path | str, name: str) -> None:
+        pass
+
+    def record(self, what: str, fn: Callable[[Any, str], Any]) -> Any:
+        return None
+
+    def sync(self) -> None:
+        pass
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def close(self, status: str | None = "FINISHED", reason: str | None = None, timeout_s: float = 60.0) -> int:
+        return 0
+
+
+RunTracker = Tracker | NullTracker
+"""What training code may call on a run's tracker: what both define."""

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from study import schema
+from study.config.faults import FaultsConfig
 from study.config.spec import RunSpec
 from study.files import replace_file
-from study.track.null import RunTracker
+from study.track.tracker import RunTracker
 from study.train import checkpoint
 from study.train.distributed import Dist, all_reduce_mean
 from study.train.signals import StopRequest
@@ -172,6 +173,25 @@ class Validation(Callback):
             raise Diverged(f"validation loss is {loss} at step {step}")
         run.tracker.log_metrics({schema.VAL_LOSS: loss, schema.VAL_PPL: math.exp(min(loss, 50.0))}, step)
         run.call("on_validation", step, loss)
+
+
+class FaultHooks(Callback):
+    """Fault injection for the fault suite (`faults.*` settings), kept out of the training step: a callback and the
+    training-loss filter of Metrics; they do nothing unless a test set them."""
+
+    def __init__(self, cfg: FaultsConfig):
+        self.cfg = cfg
+
+    def loss(self, step: int, value: float) -> float:
+        """The logged loss, made NaN at `nan_at_step`."""
+        return float("nan") if step == self.cfg.nan_at_step else value
+
+    def before_stop(self, step: int, stop: StopRequest) -> None:
+        """Sleep (so signals land mid-run) and, at `stop_at_step`, behave as if SIGUSR2 arrived."""
+        if self.cfg.sleep_per_step:
+            time.sleep(self.cfg.sleep_per_step)
+        if step == self.cfg.stop_at_step:
+            stop.signal_name = "SIGUSR2 (injected)"
 
 
 class Checkpointing(Callback):

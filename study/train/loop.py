@@ -1,6 +1,6 @@
 """One training run from its run spec: data, (FSDP) model, AdamW, periodic validation and checkpoints, exact
-resume, MLflow, and what the trainer does to its run directory (claimed for its key, the tokenizer kept, a full disk
-named as the user's problem).
+resume, MLflow, and what the trainer does to its run directory (claimed for its key, the data it started on recorded
+and checked, the tokenizer kept, a full disk named as the user's problem).
 
     study train experiment=demo variant=hourglass seed=0      # one process
     study train experiment=demo variant=hourglass --nproc 2   # FSDP2 over gloo (CPU) or NCCL (GPU)
@@ -22,17 +22,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from study import schema
-from study.config.recipe import batch_layout
+from study.config.data import tokenize_procs
 from study.config.identity import json_digest
+from study.config.recipe import batch_layout
 from study.config.run import Role
 from study.config.spec import DIVERGED, RunSpec, held_spec, write_spec
 from study.errors import StudyError
-from study.files import replace_file
+from study.files import Kind, read_mapping, replace_file
+from study.schema import not_a_link
 from study.train import checkpoint
 from study.train import restart as restarts
-from study.train.callbacks import Checkpointing, Diverged, Metrics, Progress, Run, StepOutput, Validation
+from study.train.callbacks import (Checkpointing, Diverged, FaultHooks, Metrics, Progress, Run, StepOutput,
+                                   Validation)
 from study.train.distributed import Dist, all_reduce_max, barrier, keep_freed_memory, setup
-from study.train.faults import FaultHooks
 from study.train.lease import acquire
 from study.train.parallelize import autocast_bf16, compute_dtype, parallelize
 from study.train.signals import StopRequest
@@ -41,6 +43,7 @@ from study.train.tracking import log_job_output, open_tracker
 from study.train.step import train_step
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the run saved its state and wants to be started again
+DATA_RECORD = "data.json"
 
 
 @dataclass
@@ -133,7 +136,6 @@ def _data(spec: RunSpec, d: Dist, micro: int):
     from study.data import prepare_data
     from study.data.batches import check_val_split
     from study.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
-    from study.train.data_record import check_data
 
     cfg = spec.config
     data = prepare_data(cfg.data, model_vocab=spec.model.vocab_size)
@@ -149,6 +151,69 @@ def _data(spec: RunSpec, d: Dist, micro: int):
             if not (path.is_file() and path.read_bytes() == content):
                 replace_file(path, content)
     return data
+
+
+def record_path(spec: RunSpec) -> Path:
+    return not_a_link(spec.run_dir.path / DATA_RECORD)
+
+
+def check_data(spec: RunSpec, data, write: bool) -> None:
+    """Refuse a start on other data than the run started on: the SHA-256 of its token files and tokenizer (the
+    prepared data's meta.json `sha256`), recorded in the run directory (`data.json`) on its first start (when `write`:
+    rank 0) and compared on every later one. A run directory from before the record has its tokenizer copy as the
+    only witness.
+
+    The run key names the corpus (a path, a hub dataset), not its content, and a cache that sees the corpus change
+    tokenises it again (perhaps with a newly trained BPE): a checkpoint continued on it would read token ids that now
+    mean other strings; `--restart` trains again from step 0 instead. Flat token files (`data.tokens`) are read in
+    place and a rewrite can keep their size and modification time, so the record also holds each one's sampled content
+    digest (study.data.flat.spot_digest), computed again on every start; a record from before these digests gains
+    them at the run's next start."""
+    from study.data.flat import spot_digests
+
+    path = record_path(spec)
+    now = data.meta["sha256"]
+    # the sampled content digest of every flat token file the data reads in place; none for token shards, which live
+    # in the cache and are checked by their SHA-256
+    files = (spot_digests([f["path"] for records in data.meta["files"].values() for f in records],
+                          tokenize_procs(spec.config.data)) if data.meta.get("kind") == "flat" else {})
+    if path.exists():
+        # refused by name when damaged: the checksums it holds are what the data is compared with
+        fix = (f"restore {path} from a copy; or train the run again from step 0 on the data as it is now "
+               f"(`study launch EXPERIMENT --restart {spec.key}`)")
+        digests = Kind("a mapping of file names to digests", lambda v: isinstance(v, dict) and all(
+            isinstance(x, str) for x in v.values()))
+        record = read_mapping(path, {"sha256": digests}, fix, {"files": digests})
+        then = record["sha256"]
+        changed = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
+        if changed:
+            _refuse_data(spec, data, f"{', '.join(changed)} of the prepared data ({data.shard_dir}) differ from the "
+                         f"ones recorded in {path} when the run started")
+        if "files" in record:
+            moved = sorted(f for f in record["files"].keys() | files.keys() if record["files"].get(f) != files.get(f))
+            if moved:
+                _refuse_data(spec, data, f"the bytes of {', '.join(moved)} differ from the ones recorded in {path} "
+                             "when the run started (their sampled content digests, study.data.flat.spot_digest), "
+                             "whatever their size and modification time say")
+        elif files and write:
+            replace_file(path, json.dumps({**record, "files": files}, indent=1))
+        return
+    copy = spec.run_dir.tokenizer
+    if copy.is_file() and copy.read_bytes() != Path(data.tokenizer_path).read_bytes():
+        _refuse_data(spec, data, f"its tokenizer {data.tokenizer_path} differs from the run's copy {copy}")
+    if write:
+        record = {"run_key": spec.key, "name": spec.config.data.name, "shards": str(data.shard_dir), "sha256": now}
+        replace_file(path, json.dumps({**record, "files": files} if files else record, indent=1))
+
+
+def _refuse_data(spec: RunSpec, data, what: str) -> None:
+    cfg = spec.config.data
+    field = "data.tokens" if cfg.tokens else "data.name"
+    raise StudyError(field, f"run {spec.key} started on other data than {cfg.name} holds now: {what}; its checkpoints "
+                     "would continue on token ids that mean other strings",
+                     "restore the data the run started on; or train the run again from step 0 on this data with "
+                     f"`study train ... --restart` (`study launch EXPERIMENT --restart {spec.key}`), which sets its "
+                     "checkpoints and MLflow run aside; or train this data as a new run (another experiment or seed)")
 
 
 def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:

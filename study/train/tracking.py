@@ -22,7 +22,7 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     """The run's MLflow run, opened or resumed at step `start`, with its params, tags, lineage (parent run, dataset
     input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
-    from study.track.null import NullTracker
+    from study.track.tracker import NullTracker, Tracker, flatten
 
     ran_on = hosts(d)  # collective: before rank 0 alone talks to MLflow
     print(f"study: {spec.name} rank {d.rank} of {d.world_size} on host {ran_on[d.rank]}", file=sys.stderr, flush=True)
@@ -33,10 +33,7 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     from study.config.secrets import redact
     from study.track import lineage
     from study.track.groups import parent_for, share_datasets
-    from study.track.params import flatten
     from study.track.store import find_runs
-    from study.track.tags import run_tags
-    from study.track.tracker import Tracker
 
     cfg, m = spec.config, spec.model
     # the config fields the key hashes, and nothing else: a resume with another cadence, MFU estimate or device
@@ -51,7 +48,7 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     params["recipe"] = {k: v for k, v in asdict(spec.planned).items() if k not in ("micro_batch", "grad_accum",
                                                                                    "world_size", "val_windows")}
     params["params"] = spec.params
-    tags = {**run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
+    tags = {**lineage.run_tags(spec), schema.TAG_WORLD_SIZE: str(d.world_size), **lineage.source_tags(),
             lineage.DESCRIPTION: lineage.description(spec)}
     tracker = Tracker.open(spec.key, cfg.experiment, spec.name, tags, redact(params), cfg=cfg.tracking,
                            log_path=spec.run_dir.metrics, system_metrics=cfg.tracking.system_metrics_s > 0,
