@@ -86,7 +86,7 @@ def validate_data(cfg: DataConfig, files: bool = True) -> None:
                          "give the training token files in data.tokens, or drop data.val_tokens")
     elif not cfg.name:
         raise StudyError("data.name", "no dataset given", f"use `{EMBEDDED}` or a Hugging Face dataset path")
-    elif files and _looks_local(cfg.name) and not Path(cfg.name).expanduser().exists():
+    elif files and cfg.name.startswith(("/", "./", "../", "~")) and not Path(cfg.name).expanduser().exists():
         raise StudyError("data.name", f"no dataset at {cfg.name}",
                          f"give an existing directory, a hub dataset path, or `{EMBEDDED}`")
     if not cfg.text_field:
@@ -137,7 +137,3 @@ def _validate_flat(cfg: DataConfig, files: bool) -> None:
         if missing:
             raise StudyError(f"data.{name}", f"no token file or directory at {missing[0]}",
                              "give existing .npy/.bin files or directories holding them (nothing is downloaded)")
-
-
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()

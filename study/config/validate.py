@@ -111,17 +111,13 @@ def _check_tracking(cfg: RunConfig) -> None:
                          "MLFLOW_TRACKING_TOKEN) instead")
 
 
-def _check_eval(cfg: RunConfig) -> None:
+def validate_run(cfg: RunConfig) -> None:
     from study.config.tasks import check_tasks
 
+    _check_values(cfg)
     if not cfg.eval.tasks:
         raise StudyError("eval.tasks", "no task given", "name at least one task, e.g. [arc_easy_local]")
     check_tasks(cfg.eval.tasks, field="eval.tasks", index=False)  # lm-eval's names are checked where a run launches
-
-
-def validate_run(cfg: RunConfig) -> None:
-    _check_values(cfg)
-    _check_eval(cfg)
     declared = _declared(cfg)
     for name, meta, value in declared:
         if "choices" in meta:

@@ -45,12 +45,6 @@ def misaligned(m: ModelConfig) -> list[str]:
 
 def misaligned_lines(runs) -> list[str]:
     """`study plan`'s lines after the table: one per (variant, scale) whose runs have a misaligned dimension."""
-    out, seen = [], set()
-    for run in runs:
-        items = misaligned(run.model)
-        what = (run.config.variant, run.config.scale, tuple(items))
-        if items and what not in seen:
-            seen.add(what)
-            out.append(f"{run.config.variant} at {run.config.scale}: matmul dimensions not multiples of {ALIGN} "
-                       f"(slower on GPU tensor cores): {'; '.join(items)}")
-    return out
+    lines = (f"{run.config.variant} at {run.config.scale}: matmul dimensions not multiples of {ALIGN} (slower on "
+             f"GPU tensor cores): {'; '.join(items)}" for run in runs if (items := misaligned(run.model)))
+    return list(dict.fromkeys(lines))  # each (variant, scale, dimensions) once

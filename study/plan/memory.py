@@ -352,16 +352,13 @@ def fit_micro_batch(cfg: RunConfig, model: ModelConfig, global_batch: int) -> tu
 
 def auto_choices(runs: list[RunSpec], memory: dict[str, Memory]) -> list[str]:
     """`study plan`'s lines naming what `train.micro_batch: auto` chose, one per variant and scale."""
-    out, seen = [], set()
-    for run in runs:
-        r, mem = run.planned, memory[run.key]
-        what = (run.config.variant, run.config.scale)
-        if run.config.train.micro_batch_auto and what not in seen:
-            seen.add(what)
-            out.append(f"train.micro_batch=auto: {run.config.variant} at {run.config.scale} trains micro-batches of "
-                       f"{r.micro_batch} x {r.grad_accum} per rank (global batch {r.global_batch}), estimated peak "
+    out: dict[tuple[str, str], str] = {}
+    for run in (run for run in runs if run.config.train.micro_batch_auto):
+        r, mem, c = run.planned, memory[run.key], run.config
+        out.setdefault((c.variant, c.scale), f"train.micro_batch=auto: {c.variant} at {c.scale} trains micro-batches "
+                       f"of {r.micro_batch} x {r.grad_accum} per rank (global batch {r.global_batch}), estimated peak "
                        f"{_gib(mem.peak)} of {_gib(mem.device)}, {HEADROOM:.0%} kept free")
-    return out
+    return list(out.values())
 
 
 # --- the refusal --------------------------------------------------------------------------------------------------

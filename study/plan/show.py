@@ -46,12 +46,6 @@ def estimates(plan: Plan, read_store: bool = True) -> dict:
     return {run.key: estimate(run, calibrations) for run in plan.runs}
 
 
-def per_job(run) -> str:
-    """The run's job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu'."""
-    c = run.config.cluster
-    return f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu")
-
-
 def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
     from study.config.secrets import mask_text
     from study.console import for_terminal, plain_table, text_width, wrapped
@@ -75,7 +69,7 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
         m, p = run.model, run.params
         shape = f"{m.block} L{m.n_layers} d{m.d_model} h{m.n_heads}x{m.dim_head}" + (
             f" K{m.ffn.k}" if m.ffn.kind == "hourglass" else "")
-        est = cost[run.key]
+        est, c = cost[run.key], run.config.cluster
         hours = est.gpu_hours
         total_hours += hours or 0.0
         rows.append([
@@ -93,7 +87,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
             f"{run.flops_per_token / 1e9:.2f}" if p else "-",
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
-            per_job(run), memory[run.key].text(), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
+            # the job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu'
+            f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu"), memory[run.key].text(), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         ])
     # the description is the experiment file's free text: masked like any config string, and shown as it is
     title = f"{exp.name}: {for_terminal(mask_text(exp.description))} (baseline {exp.baseline})"
