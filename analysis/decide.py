@@ -13,8 +13,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from analysis.paired import PairedResult, spread, t_interval
+from analysis.power import minimum_detectable_effect, seeds_phrase, seeds_to_decide
 from analysis.records import JsonRecord
-from analysis.sample_size import minimum_detectable_effect, seeds_phrase, seeds_to_decide
 from study.config.decision import DecisionRule
 from study.plan.paired_t import holm, paired_t
 

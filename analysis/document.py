@@ -1,11 +1,13 @@
 """The report as blocks: the answer first (a sentence per scale, the forest plot, a compact decision table), then
 the scaling figure, the decay branches' fits and the race, the secondary metrics, the descriptive tables, fits,
-figures and method."""
+figures and method; all of it from one value, :class:`Analysis` (computed by `analysis.report`), so the writer never
+reaches back into the code that computes."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -14,21 +16,83 @@ import pandas as pd
 from analysis import run_table
 from analysis.compute import RANGE, EffectiveCompute, Multiplier
 from analysis.decide import BOOTSTRAP_MIN_N, CORRECTION, Decision
-from analysis.paired import PairedResult, is_higher_better
-from analysis.sample_size import seeds_phrase
-from analysis.race_report import race_blocks
-from analysis.result import Analysis
+from analysis.paired import JointResult, PairedResult, is_higher_better
+from analysis.power import seeds_phrase
 from analysis.render import MISSING, Block, Details, Heading, Paragraph, Plot, Table, number
 from analysis.scaling import ScalingReport
-from study.config.secrets import mask_text
-from study.plan.paired_t import VERDICTS
-from study.schema import TAG_EVAL, TAG_LR_SOURCE
 from analysis.surface import PLANNED, SURFACE, TOKENS, SurfaceFit, SurfaceReport
 from analysis.time_to_target import TimeReport
 from analysis.tuning import TRANSFER, TuneCurve, VerdictPair
+from study.config.decision import DecisionRule
+from study.config.secrets import mask_text
+from study.plan.paired_t import VERDICTS
+from study.schema import TAG_EVAL, TAG_LR_SOURCE
 
 if TYPE_CHECKING:
     from analysis.published import PublishedDelta
+
+
+HEADLINE = "val/loss"
+"""The metric of the headline table and of the scaling fit, when the runs logged it."""
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything the report says about one experiment, before it is written anywhere."""
+
+    experiment: str
+    """MLflow experiment name."""
+    uri: str
+    """Tracking URI it was read from."""
+    baseline: str
+    """Variant every delta is measured against."""
+    metrics: list[str]
+    """Final metrics compared; the first heads the report."""
+    runs: pd.DataFrame
+    """One row per training run decided on (analysis.run_table.read_study: the tuned runs when there are any)."""
+    results: dict[str, list[PairedResult]]
+    """Paired deltas per metric."""
+    joint: list[JointResult]
+    """Mean-across-tasks deltas."""
+    scaling: ScalingReport | None
+    """Scaling fits of val/loss, when logged."""
+    n_resamples: int
+    """Bootstrap resamples per interval."""
+    rule: DecisionRule = DecisionRule()
+    """How comparisons are decided (the experiment file's `decision:` block)."""
+    decisions: list[Decision] = field(default_factory=list)
+    """The decision table: primary family first, then secondary metrics."""
+    looks: list[dict] = field(default_factory=list)
+    """Looks of an adaptive (`--until-decided`) launch; empty for a fixed-seed one."""
+    sequential_note: str = ""
+    """How the primary verdicts were reached when the launch was adaptive."""
+    items: list = field(default_factory=list)
+    """Downstream-task deltas with two-level (seed, item) bootstrap intervals (analysis.items.ItemDelta)."""
+    curves: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """val/loss histories of the finished runs (analysis.run_table.read_curves)."""
+    tuned: bool = False
+    """The runs decided on trained at their own tuned LRs (study.lr_source = tune)."""
+    tune_curves: list[TuneCurve] = field(default_factory=list)
+    """Each variant's LR grid from its tune runs, with the LR chosen."""
+    shared_runs: int = 0
+    """Main runs at the shared LR beside the tuned ones (not decided on)."""
+    verdict_pairs: list[VerdictPair] = field(default_factory=list)
+    """Every comparison decided at the shared LR and at the tuned LRs, flips flagged."""
+    compute: EffectiveCompute | None = None
+    """Effective compute multipliers from fits of val/loss against training compute, when logged."""
+    time: TimeReport | None = None
+    """GPU-hours to the baseline's final val/loss and the throughput-adjusted verdicts, when logged."""
+    surface: SurfaceReport | None = None
+    """The L(N, D) (or L(D)) fits over the decay branches and what they say; None without branches."""
+    race: dict | None = None
+    """The racing record (analysis.racing.read_race); None for an experiment that did not race."""
+    run_notes: tuple[str, ...] = ()
+    """What the store held that the report left out (analysis.run_table.StudyRuns.notes)."""
+
+    @property
+    def flat(self) -> list[PairedResult]:
+        """Every paired result, metric by metric."""
+        return [r for m in self.metrics for r in self.results[m]]
 
 
 def document(a: Analysis, unpaired: list[dict], plots: Mapping[str, Plot],
@@ -299,6 +363,51 @@ def _flip_blocks(pairs: Sequence[VerdictPair]) -> list[Block]:
                       "every primary comparison, and any secondary one that flips."),
             Table(["metric", "scale", "variant", "Δ shared LR", "verdict shared LR", "Δ tuned LR",
                    "verdict tuned LR", "flip"], rows)]
+
+
+def race_blocks(record: dict | None, metric: str) -> list[Block]:
+    """The racing section, from the race's record (:func:`analysis.racing.race_record`): one sentence on what stopped,
+    the stops, then every rung's verdicts."""
+    if not record:
+        return []
+    stops = record.get("stops") or []
+    verdicts = [v for v in record.get("verdicts") or [] if v.get("variant")]
+    saved = sum(s.get("gpu_hours_saved") or 0.0 for s in stops)
+    points = ", ".join(f"{a:g}" for a in record.get("at") or [])
+    rule = ("worse than the baseline, or equivalent to it," if record.get("stop_equivalent") else
+            "worse than the baseline")
+    blocks: list[Block] = [
+        Heading("Racing"),
+        Paragraph(f"Arms were raced at the branch points {points} (fractions of the planned tokens): at each, the "
+                  f"branch endpoints' paired deltas on {metric} against {record.get('baseline')} were decided at that "
+                  "point's share of alpha (spent across the points, Holm over the arms still racing), and an arm "
+                  f"decided {rule} stopped training there. The interval shown is the paired t interval at the "
+                  "point's alpha, unadjusted for Holm: it can exclude 0 for an arm Holm left undecided, and the "
+                  "verdict follows Holm. "
+                  # CPU-sized plans price their runs in thousandths of a GPU-hour: three significant digits
+                  + (f"{len(stops)} arm(s) stopped, saving about {saved:,.3g} GPU-hours." if stops else
+                     "No arm stopped: every arm trained to its last branch.")),
+    ]
+    if stops:
+        blocks.append(Table(["variant", "scale", "stopped at", *_RACE_COLUMNS, "GPU-h saved"],
+                            [[s["variant"], s["scale"], f"{s['at']:g}", *_race_cells(s),
+                              number(s.get("gpu_hours_saved"), ",.3g")] for s in stops]))
+    if verdicts:
+        blocks.append(Table(["branch point", "variant", "scale", *_RACE_COLUMNS, "stops"],
+                            [[f"{v['at']:g}", v["variant"], v["scale"], *_race_cells(v), "yes" if v["stops"] else ""]
+                             for v in verdicts]))
+    return blocks
+
+
+_RACE_COLUMNS = ("verdict", "pairs", "Δ", "t interval (unadjusted)", "alpha")
+"""The columns both racing tables hold; what the race records is the t interval at the point's alpha, before Holm over
+the arms."""
+
+
+def _race_cells(row: dict) -> list[str]:
+    """A stop's or a verdict's cells under :data:`_RACE_COLUMNS`."""
+    return [row["verdict"], str(row["n"]), number(row["mean_delta"], "+.4g"),
+            f"[{number(row['ci_low'], '+.4g')}, {number(row['ci_high'], '+.4g')}]", f"{row['alpha']:.3g}"]
 
 
 def _tuning_blocks(curves: Sequence[TuneCurve]) -> list[Block]:

@@ -4,7 +4,7 @@ trained at, their worth in compute)."""
 from __future__ import annotations
 
 from analysis.compute import RANGE
-from analysis.sample_size import seeds_phrase
+from analysis.power import seeds_phrase
 
 
 def print_headline(result: dict) -> None:

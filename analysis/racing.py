@@ -1,9 +1,10 @@
 """Racing's decisions: at each decay-branch point (a *rung*) the arms still racing are decided on their branch
 endpoints as the final comparison is decided, Holm over the arms still racing at the rung's share of alpha; an arm
 decided worse (also equivalent, with ``stop_equivalent``) stops at that scale. One :class:`RungVerdict` per verdict
-and stop, a line of ``_launch/racing.jsonl``; :func:`race_record` is the MLflow record; :func:`decide_ready` is what
-the launch calls (:mod:`study.launch.racing`). Rungs and costs: :mod:`study.plan.racing`; why the error rate holds:
-analysis/README.md ("Racing"). No MLflow or torch; pandas and scipy are imported where a rung is decided.
+and stop, a line of ``_launch/racing.jsonl``; :func:`race_record` is the MLflow record (:func:`read_race` reads it
+back); :func:`decide_ready` is what the launch calls (:mod:`study.launch.racing`). Rungs and costs:
+:mod:`study.plan.racing`; why the error rate holds: analysis/README.md ("Racing"). No MLflow or torch at import;
+pandas and scipy are imported where a rung is decided.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from analysis.records import JsonRecord
+from analysis.records import JsonRecord, latest_record
 from study.config.decision import DecisionRule
 from study.config.run import Role
 from study.errors import StudyError
 from study.files import COUNT, FLAG, NUMBER, TEXT, optional, shape_problem
 from study.plan.racing import RHO, RunCost, rung_of, rungs, saved_by_stop
+from study.schema import ROLE_RACING
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -205,3 +207,12 @@ def race_record(roster: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]) -
     found = [RungVerdict.from_line(v) for v in lines if v["stops"]]
     return {"baseline": roster["baseline"], "at": roster["at"], "stop_equivalent": roster["stop_equivalent"],
             "verdicts": list(lines), "stops": [s.line() for s in hours_saved(found, costs)]}
+
+
+def read_race(client, experiment_id: str) -> dict | None:
+    """The race's record (under its old name in older stores); None when the experiment never raced."""
+    for artifact in (RACE_ARTIFACT, RACE_ARTIFACT_BEFORE):
+        record = latest_record(client, experiment_id, ROLE_RACING, artifact)
+        if record is not None:
+            return record
+    return None

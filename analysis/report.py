@@ -16,15 +16,14 @@ import pandas as pd
 from analysis import run_table
 from analysis.compute import effective_compute
 from analysis.decide import CORRECTION, Decision, decide
-from analysis.document import document
+from analysis.document import HEADLINE, Analysis, document
 from analysis.items import item_deltas, read_items
 from analysis.profile_section import FIGURE as PROFILE_FIGURE, reference_profile_section
-from analysis.race_report import read_race
+from analysis.racing import read_race
 from analysis.published import published_deltas, published_figures
 from analysis.paired import PairedResult, is_higher_better, joint_bootstrap, paired_deltas
 from analysis.records import as_record, json_ready
 from analysis.render import Plot, to_html, to_markdown
-from analysis.result import HEADLINE, Analysis
 from analysis.scaling import scaling_report
 from analysis.sequential import final_decisions, read_looks
 from analysis.surface import surface_report

@@ -271,7 +271,8 @@ def test_a_rung_decided_worse_stops_that_arm_and_no_launch_trains_it_again(workd
     per_step = trunk.gpu_hours() / 32
     assert record["stops"][0]["variant"] == "b"
     assert record["stops"][0]["gpu_hours_saved"] == pytest.approx(4 * (12 + 8) * per_step, rel=1e-6)
-    from analysis.race_report import race_blocks, read_race
+    from analysis.document import race_blocks
+    from analysis.racing import read_race
     from analysis.render import to_markdown
 
     text = to_markdown(race_blocks(read_race(client, client.get_experiment_by_name(name).experiment_id), "val/loss"))

@@ -13,8 +13,8 @@ from statsmodels.stats.power import TTestPower
 from statsmodels.stats.weightstats import ttost_paired
 
 from analysis.decide import decide, signflip_p
-from analysis.sample_size import minimum_detectable_effect, seeds_for_difference, seeds_for_equivalence, t_power
 from analysis.paired import paired_deltas
+from analysis.power import minimum_detectable_effect, seeds_for_difference, seeds_for_equivalence, t_power
 from analysis.report import build_report
 from analysis.run_table import experiment_id, read_runs
 from conftest import new_store

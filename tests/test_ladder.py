@@ -268,7 +268,7 @@ def test_study_demo_ladder_launches_and_reports_the_ladder_on_this_machine(workd
 def test_a_race_that_saved_a_cpu_ladders_thousandths_of_a_gpu_hour_says_how_many():
     """The plan prices a CPU ladder's runs at an assumed GPU's speed: a stop saves thousandths of a GPU-hour, which
     the racing section states rather than rounding to 0.0."""
-    from analysis.race_report import race_blocks
+    from analysis.document import race_blocks
     from analysis.render import to_markdown
 
     stop = {"variant": "hourglass", "scale": "cpu250k", "at": 0.25, "verdict": "worse", "n": 3, "mean_delta": 0.31,

@@ -236,7 +236,7 @@ def test_a_race_recorded_under_the_artifacts_old_name_is_still_read_and_the_new_
     a store written before the rename holds racing.json, which the report still reads."""
     from mlflow import MlflowClient
 
-    from analysis.race_report import read_race
+    from analysis.racing import read_race
     from conftest import new_store
     from study.schema import ROLE_RACING, TAG_ROLE
 

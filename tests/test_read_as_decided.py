@@ -42,7 +42,7 @@ def decided():
 def _report_md(runs, results, decisions) -> str:
     from analysis.document import document
     from analysis.render import to_markdown
-    from analysis.result import Analysis
+    from analysis.document import Analysis
 
     a = Analysis("x", "sqlite:///x.db", "base", ["val/loss"], runs, results, [], None, 0, RULE, decisions)
     return to_markdown(document(a, [], {}))
@@ -168,7 +168,7 @@ def test_train_cfg_job_prints_the_values_the_run_will_use(workdir, capsys, monke
 
 
 def test_the_race_sections_intervals_are_labelled_unadjusted_beside_holms_verdicts():
-    from analysis.race_report import race_blocks
+    from analysis.document import race_blocks
     from analysis.render import to_markdown
 
     # undecided under Holm though its interval at the point's alpha excludes 0
