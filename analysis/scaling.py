@@ -167,7 +167,16 @@ def fit_variant(points: pd.DataFrame, variant: str, metric: str, n_boot: int = 2
     sd = np.sqrt(np.clip(np.diag(cov), 0, None)) if np.all(np.isfinite(cov)) else np.full(3, math.nan)
     var_log_a = cov[1, 1] + log_ref**2 * cov[2, 2] + 2 * log_ref * cov[1, 2]
     A = math.exp(b + alpha * log_ref)
-    boots = _bootstrap(points, metric, size, log_ref, saturating, theta, n_boot, seed, draw_starts)
+    # the draws refit what the point fit fits: the pure power law no E (0 where its draw was fitted)
+    free = slice(0 if saturating else 1, None)
+    codes = pd.factorize(points["scale"])[0]
+    needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
+    boots = refit_draws(points, loss, power_sum([np.log(n) - log_ref], saturating), theta[free],
+                        lambda floor: power_bounds(floor, 1, saturating),
+                        lambda drawn: len(np.unique(codes[drawn])) >= needed, n_boot, seed,
+                        [np.asarray(row, float)[free] for row in draw_starts])
+    if not saturating:
+        boots = np.column_stack([np.where(np.isfinite(boots[:, 0]), 0.0, math.nan), boots])
     finite = boots[np.all(np.isfinite(boots), axis=1)]
     E_boot, alpha_boot = np.quantile(finite[:, [0, 2]], TAILS, axis=0).T if len(finite) else np.full((2, 2), math.nan)
     return ScalingFit(
@@ -388,33 +397,26 @@ def huber_fit(model, log_loss: np.ndarray, starts: np.ndarray, lower: np.ndarray
     return None
 
 
-def _bootstrap(points: pd.DataFrame, metric: str, size: str, log_ref: float, saturating: bool, theta: np.ndarray,
-               n_boot: int, seed: int, draw_starts: Sequence[Sequence[float]] = ()) -> np.ndarray:
-    """Row i: the refit on seed-bootstrap draw i (NaN where it cannot be fitted, so two variants' draws stay aligned).
-    Each distinct multiset of seeds (5 seeds: about 90 among 200 draws) is fitted once, from the start of the first
-    draw that made it, as weighted points in one batched descent."""
+def refit_draws(points: pd.DataFrame, loss: np.ndarray, model, theta: np.ndarray, bounds, enough, n_boot: int,
+                seed: int, draw_starts: Sequence[np.ndarray] = ()) -> np.ndarray:
+    """Row i: ``model``'s parameters refitted on seed-bootstrap draw i of ``points`` (:func:`seed_draws`), NaN where
+    the points drawn fail ``enough`` (a mask of them), so two fits' draws stay aligned; none below two seeds. Each
+    distinct multiset of seeds (5 seeds: about 90 among 200 draws) is fitted once, as weighted points in one batched
+    descent, from ``theta`` or row i of ``draw_starts`` for the draw i that first made it, within ``bounds`` of the
+    lowest loss drawn."""
     if points["seed"].nunique() < 2 or n_boot <= 0:
-        return np.empty((0, 3))
-    n = points[size].to_numpy(float)
-    loss = points[metric].to_numpy(float)
-    scale_codes = pd.factorize(points["scale"])[0]
-    needed = MIN_SCALES_SATURATING if saturating else MIN_SCALES
+        return np.empty((0, len(theta)))
     weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
-    drawn = weights > 0
-    spans = np.array([len(np.unique(scale_codes[mask])) for mask in drawn])
-    starts = np.tile(np.asarray(theta, float), (len(weights), 1))
+    starts = np.tile(theta, (len(weights), 1))
     for j, i in enumerate(np.unique(which, return_index=True)[1]):  # the draw that first made each multiset
         if i < len(draw_starts) and np.all(np.isfinite(draw_starts[i])):
-            starts[j] = np.asarray(draw_starts[i], float)
-    fitted = np.full((len(weights), 3), math.nan)
-    ok = np.flatnonzero(spans >= needed)
+            starts[j] = draw_starts[i]
+    fitted = np.full((len(weights), len(theta)), math.nan)
+    ok = np.flatnonzero([enough(w > 0) for w in weights])
     if len(ok):
-        floors = np.where(drawn[ok], loss, np.inf).min(axis=1)
-        lower, upper = zip(*(power_bounds(f, 1, saturating) for f in floors))
-        begin = starts[ok] if saturating else starts[ok, 1:]
-        ends, _ = huber_descent(power_sum([np.log(n) - log_ref], saturating), np.log(loss), weights[ok], begin,
-                                np.array(lower), np.array(upper))
-        fitted[ok] = ends if saturating else np.column_stack([np.where(np.isfinite(ends[:, 0]), 0.0, math.nan), ends])
+        floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
+        lower, upper = map(np.array, zip(*(bounds(floor) for floor in floors)))
+        fitted[ok] = huber_descent(model, np.log(loss), weights[ok], starts[ok], lower, upper)[0]
     return fitted[which]
 
 

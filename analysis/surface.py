@@ -18,7 +18,7 @@ import pandas as pd
 from analysis.compute import PERCENTILE, Multiplier, interval, interval_kind, training_compute
 from analysis.records import JsonRecord
 from analysis.run_table import FINISHED, scale_order
-from analysis.scaling import huber_descent, huber_fit, in_order, power_bounds, power_starts, power_sum, seed_draws
+from analysis.scaling import huber_fit, in_order, power_bounds, power_starts, power_sum, refit_draws
 
 SURFACE, TOKENS = "E + A/N^alpha + B/D^beta", "E + B/D^beta"
 """The two forms: the surface over (N, D), and the curve over D at one size."""
@@ -389,7 +389,7 @@ def fit_surface(points: pd.DataFrame, variant: str, metric: str = "val/loss", n_
     if best is None:
         return SurfaceFit(form="none", status="no fit: no start converged", **base)
     theta = best.x
-    boots = _bootstrap(points, form, metric, model, refs, theta, seeds, n_boot, seed)
+    boots = _bootstrap(points, form, metric, model, refs, theta, n_boot, seed)
     point = _uncentred(theta, refs)
     kind = interval_kind(seeds)
     finite = boots[np.all(np.isfinite(boots), axis=1)]
@@ -411,23 +411,15 @@ def _uncentred(theta: Sequence[float], refs: Sequence[float]) -> np.ndarray:
 
 
 def _bootstrap(points: pd.DataFrame, form: str, metric: str, model, refs: Sequence[float], theta: np.ndarray,
-               seeds: int, n_boot: int, seed: int) -> np.ndarray:
-    """Row i: the parameters refitted on analysis.scaling's bootstrap draw i, NaN where the drawn seeds leave too few
-    points; each multiset of seeds is fitted once from the point fit, all in one batched descent."""
-    k = len(PARAMETERS[form])
-    if seeds < 2 or n_boot <= 0:
-        return np.empty((0, k))
-    weights, which = seed_draws(points["seed"].to_numpy(), n_boot, seed)
+               n_boot: int, seed: int) -> np.ndarray:
+    """Row i: the parameters refitted on analysis.scaling's bootstrap draw i from the point fit
+    (:func:`analysis.scaling.refit_draws`), NaN where the drawn seeds leave too few points."""
     codes = _codes(points)
-    ok = np.flatnonzero([not _enough(form, *_counts(codes, w > 0)) for w in weights])
-    fitted = np.full((len(weights), k), math.nan)
-    if len(ok):
-        loss = points[metric].to_numpy(float)
-        floors = np.where(weights[ok] > 0, loss, np.inf).min(axis=1)
-        lower, upper = map(np.array, zip(*(power_bounds(f, len(refs)) for f in floors)))
-        ends, _ = huber_descent(model, np.log(loss), weights[ok], np.tile(theta, (len(ok), 1)), lower, upper)
-        fitted[ok] = [_uncentred(row, refs) if np.all(np.isfinite(row)) else np.full(k, math.nan) for row in ends]
-    return fitted[which]
+    centred = refit_draws(points, points[metric].to_numpy(float), model, theta,
+                          lambda floor: power_bounds(floor, len(refs)),
+                          lambda drawn: not _enough(form, *_counts(codes, drawn)), n_boot, seed)
+    return np.array([_uncentred(row, refs) if np.all(np.isfinite(row)) else np.full(len(theta), math.nan)
+                     for row in centred]).reshape(len(centred), len(theta))
 
 
 def _surface_readings(report: SurfaceReport, planned: pd.DataFrame, order: list[str]) -> SurfaceReport:
