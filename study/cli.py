@@ -13,18 +13,19 @@ from study.errors import LaunchFailed, StudyError
 from study.parser import build_parser, command_options, whole_option
 
 
-def _filtered(args: argparse.Namespace, plan):
-    from study.plan.planner import filter_runs
+def _filtered(args: argparse.Namespace, plan=None):
+    """`plan` (by default of `args.experiment` and its overrides) less what --variant, --scale and --seed leave out."""
+    from study.plan.planner import filter_runs, plan_experiment
 
+    plan = plan_experiment(args.experiment, args.overrides) if plan is None else plan
     return filter_runs(plan, getattr(args, "variant", None), getattr(args, "scale", None), getattr(args, "seed", None))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from analysis.power import plan_power_rows
-    from study.plan.planner import plan_experiment
     from study.plan.show import estimates, print_plan
 
-    plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
+    plan = _filtered(args)
     unread = _unanswered(plan)
     power, note = plan_power_rows(plan, unread)
     cost = estimates(plan, read_store=unread is None)
@@ -267,9 +268,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from study.launch.preflight import preflight, print_preflight
-    from study.plan.planner import plan_experiment
 
-    plan = _filtered(args, plan_experiment(args.experiment, args.overrides))
+    plan = _filtered(args)
     shapes, pending = preflight(plan.runs, trace=not args.no_trace, again=args.again)
     if args.json:
         print(json.dumps({"experiment": args.experiment, "shapes": [s.as_json() for s in shapes],

@@ -116,7 +116,7 @@ def test_the_report_run_lists_the_runs_it_read_and_each_points_back(nested, caps
 
 
 def test_each_trainer_leaves_its_last_figures_for_the_launch_board(nested):
-    from study.launch.live_table import DONE, LiveTable
+    from study.launch.local import DONE, LiveTable
 
     client, exp, plan = nested
     board = LiveTable(plan.runs)

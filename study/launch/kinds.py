@@ -144,20 +144,15 @@ def build_executor(cluster: ClusterConfig, folder: Path, name: str, kind: JobKin
 
     ex = (Preview if preview else submitit.SlurmExecutor)(folder=str(folder), max_num_timeout=cluster.max_requeues)
     tasks = cluster.gpus_per_node or cluster.tasks_per_node
-    params = dict(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
-                  cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
-                  array_parallelism=cluster.array_parallelism, setup=list(cluster.setup),
-                  additional_parameters={"requeue": True, **({"hold": True} if held else {})})
-    if after:
-        params["dependency"] = f"{condition}:" + ":".join(after)
-    if cluster.gpus_per_node:
-        params["gpus_per_node"] = cluster.gpus_per_node
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(cluster, key):
-            params[key] = getattr(cluster, key)
-    if cluster.mem_gb:
-        params["mem"] = f"{cluster.mem_gb}GB"
-    ex.update_parameters(**params)
+    # what the preset leaves unset is left out (sbatch's defaults); submitit writes the flags sorted
+    unless_unset = {"dependency": after and f"{condition}:" + ":".join(after), "gpus_per_node": cluster.gpus_per_node,
+                    "mem": cluster.mem_gb and f"{cluster.mem_gb}GB",
+                    **{key: getattr(cluster, key) for key in ("partition", "account", "qos", "constraint")}}
+    ex.update_parameters(job_name=name, time=cluster.time_min, nodes=cluster.nodes, ntasks_per_node=tasks,
+                         cpus_per_task=cluster.cpus_per_task, signal_delay_s=cluster.signal_delay_s,
+                         array_parallelism=cluster.array_parallelism, setup=list(cluster.setup),
+                         additional_parameters={"requeue": True, **({"hold": True} if held else {})},
+                         **{key: value for key, value in unless_unset.items() if value})
     return ex
 
 

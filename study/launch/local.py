@@ -1,25 +1,101 @@
 """The launcher's watch over the jobs it submitted. Laptop mode: a launch's stages as local processes, one stage after
 the other, `array_parallelism` at a time; a signal to the launcher stops its jobs first (each run checkpoints and
-stops). On SLURM, `--wait`: the launch's jobs followed until none is pending or running."""
+stops). Its live table shows each run's state, step of total, loss, tokens/s and ETA, read from the progress.json its
+trainer replaces at every logged step; it redraws only on a terminal: a pipe or a file gets the launcher's plain
+`done` / `FAILED` lines. On SLURM, `--wait`: the launch's jobs followed until none is pending or running."""
 
 from __future__ import annotations
 
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 
 from study.config.cluster import ClusterConfig
 from study.config.spec import RunSpec
 from study.errors import LaunchFailed, StudyError
+from study.files import COUNT, NUMBER, Kind, optional, read_json, shape_problem
 from study.launch.kinds import JobKind
-from study.launch.live_table import DONE, FAILED, RUNNING, LiveTable
 from study.launch.racing import settle, stopped_keys
 from study.launch.scheduler import ACTIVE, job_states, journal
 from study.launch.stages import Queue, Stage, runs_root, say_skipped, stage_lines, submit_stage
 from study.launch.warm import shared
 from study.plan.planner import Plan
+
+WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "FAILED"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class LiveTable:
+    """The table for `runs`; `mark(key, state)` records what the launcher knows (running, done, FAILED)."""
+
+    def __init__(self, runs: Iterable[RunSpec]):
+        self.runs = list(runs)
+        self.states = {r.key: WAITING for r in self.runs}
+        self._live = None
+
+    def mark(self, key: str, state: str) -> None:
+        self.states[key] = state
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """(run, state, step, loss, tokens/s, ETA) per run, as shown."""
+        out = []
+        for run in self.runs:
+            figures, state = _read(run), self.states[run.key]
+            out.append((run.name, state, "-", "-", "-", "-") if figures is None else
+                       (run.name, state, f"{figures['step']}/{figures['max_steps']}", f"{figures['loss']:.4f}",
+                        f"{figures['tokens_per_s']:,.0f}",
+                        "-" if state in (DONE, FAILED) else _duration(figures.get("eta_s"))))
+        return out
+
+    def table(self):
+        from rich.table import Table
+
+        done = sum(s == DONE for s in self.states.values())
+        table = Table(title=f"{done} of {len(self.runs)} runs done")
+        for col in ("run", "state", "step", "loss", "tokens/s", "ETA"):
+            table.add_column(col, justify="left" if col in ("run", "state") else "right")
+        for row in self.rows():
+            table.add_row(*row)
+        return table
+
+    def __enter__(self) -> LiveTable:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(file=sys.stderr)
+        if console.is_terminal:
+            self._live = Live(get_renderable=self.table, console=console, refresh_per_second=2, transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+_LOSS = Kind("a number, NaN once diverged", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+_FIGURES = {"step": COUNT, "max_steps": COUNT, "loss": _LOSS, "tokens_per_s": NUMBER, "eta_s": optional(NUMBER)}
+
+
+def _read(run: RunSpec) -> dict | None:
+    """The run's latest figures; None (shown as unknown) while it has none, or holds what is not its figures: the
+    trainer replaces the file at its next logged step, so a damaged one is never a reason to stop the launch."""
+    try:
+        figures = read_json(run.run_dir.progress, "")  # a link in its place is refused, as everywhere in a run folder
+    except StudyError:
+        return None
+    return None if shape_problem(figures, _FIGURES) else figures
 
 
 def check_local_layout(cluster: ClusterConfig) -> None:
@@ -64,7 +140,7 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
         with LiveTable([r for stage in stages if not stage.on_shards for r in stage.runs]) as board:
             for stage in stages:
                 what = "shard entries to tokenise" if stage.on_shards else "runs"
-                echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
+                echo(f"stage {stage.kind}: {len(stage.runs)} {what}, {parallel} at a time (local)")
                 mark = board.mark if not stage.on_shards else lambda key, state: None  # the board follows runs
                 for rung in _rungs(stage):
                     if stage.kind is JobKind.branch and racing:

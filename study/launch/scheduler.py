@@ -88,6 +88,8 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     """State per job id (array tasks as `<job>_<task>`): squeue for live jobs (sacct can lag behind a submission),
     sacct for finished ones; `VANISHED` when neither knows the job, STUCK for a pending job whose dependency SLURM
     found can never be satisfied."""
+    from submitit.slurm.slurm import read_job_id
+
     if not job_ids:
         return {}
     bases = ",".join(sorted({j.split("_")[0] for j in job_ids}))
@@ -100,10 +102,8 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
         if state == "PENDING" and reason.strip() == "DependencyNeverSatisfied":
             state = STUCK
         if "[" in jid:  # array tasks not started yet are listed as one line: 12_[3-8%4]
-            base, _, spec = jid.partition("_[")
-            for part in spec.split("%")[0].rstrip("]").split(","):
-                lo, _, hi = part.partition("-")
-                states.update({f"{base}_{task}": state for task in range(int(lo), int(hi or lo) + 1)})
+            for base, *bounds in read_job_id(jid):  # ("12", "3", "8"); ("12", "3") for one task
+                states.update({f"{base}_{task}": state for task in range(int(bounds[0]), int(bounds[-1]) + 1)})
         states[jid] = state
     return {j: states.get(j, "VANISHED") for j in job_ids}
 

@@ -154,7 +154,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         jobs = submit_stage(plan, stage)
         submitted.update({k: j.job_id for k, j in zip(stage.keys(), jobs)})
         what = "shard entries (CPU)" if stage.on_shards else "runs"
-        echo(f"stage {stage.name}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
+        echo(f"stage {stage.kind}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
         for line, job in zip(stage_lines(stage), jobs):
             echo(f"  {job.job_id}  {line}")
@@ -258,7 +258,7 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
             previous[-1].value if previous else None)
         after = stage.after + ([f"<its {upstream} in the {source} array>"] if source and upstream else [])
         what = "shard entries to tokenise (CPU only)" if stage.on_shards else "runs"
-        echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
+        echo(f"stage {stage.kind}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else "")
              + (", held (sbatch --hold): each trunk's job releases its branches as it writes their start "
                 "checkpoints" if stage.held and cluster.name != "local" else
