@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,10 +185,8 @@ def verify(entry: Path, names: tuple[str, ...] = CHECKED) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BrokenEntry(f"{type(err).__name__}: {err}") from None
     if stamp != seen:
-        try:
+        with suppress(OSError):  # a read-only cache is still verified, only again next time
             replace_file(stamp_path, json.dumps(seen))
-        except OSError:
-            pass  # a read-only cache is still verified, only again next time
     return meta
 
 
@@ -284,8 +282,7 @@ def _resume(out: Path, dtype: np.dtype) -> dict[str, Any]:
     state = read_mapping(record, {"pass": COUNT, "docs": COUNT, "bytes": COUNT, "chunks": COUNT, "seconds": NUMBER,
                                   "splits": MAPPING}, fix)
     for name in SPLITS:
-        problem = shape_problem(state["splits"].get(name), {"documents": COUNT, "bytes": COUNT, "tokens": COUNT})
-        if problem:
+        if problem := shape_problem(state["splits"].get(name), {"documents": COUNT, "bytes": COUNT, "tokens": COUNT}):
             raise damaged(record, f"splits.{name} {problem}", fix)
     for name in SPLITS:
         with open(out / f"{name}.bin", "ab") as f:

@@ -120,12 +120,9 @@ def dataset_input(data, data_cfg) -> Any:
     name = data_cfg.name if not data_cfg.config_name else f"{data_cfg.name}:{data_cfg.config_name}"
     flat = bool(data_cfg.tokens)  # pre-tokenised files read in place: they are the source
     local = flat or Path(data_cfg.name).expanduser().exists()
-    if flat:
-        source = {"tokens": list(data_cfg.tokens), "val_tokens": list(data_cfg.val_tokens or []),
-                  "shards": str(data.shard_dir)}
-    else:
-        source = {"uri": str(Path(data_cfg.name).expanduser().resolve()) if local else data_cfg.name,
-                  "shards": str(data.shard_dir)}
+    source = ({"tokens": list(data_cfg.tokens), "val_tokens": list(data_cfg.val_tokens or [])} if flat else
+              {"uri": str(Path(data_cfg.name).expanduser().resolve()) if local else data_cfg.name})
+    source["shards"] = str(data.shard_dir)
     splits = meta.get("splits", {})
     profile = {f"{split}_{what}": stats[what] for split, stats in splits.items() for what in ("tokens", "documents")
                if what in stats}

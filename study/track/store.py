@@ -11,7 +11,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,18 +85,14 @@ def read_per_version(uri: str, what: list, read: Callable[[], T]) -> T:
     version = [[st.st_size, st.st_mtime_ns] for st in (p.stat() for p in (db, db.with_name(db.name + "-wal"))
                                                        if p.exists())]
     kept = study_cache() / "store-reads" / f"{json_digest([str(db), what], 20)}.json"
-    try:
+    with suppress(OSError, ValueError, KeyError, TypeError):  # a kept answer that cannot be read is asked again
         held = json.loads(kept.read_text())
         if held["version"] == version:
             return held["answer"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     answer = read()
-    try:
+    with suppress(OSError):  # an unwritable cache only costs the next plan the read
         kept.parent.mkdir(parents=True, exist_ok=True)
         replace_file(kept, json.dumps({"version": version, "answer": answer}))
-    except OSError:  # an unwritable cache only costs the next plan the read
-        pass
     return answer
 
 

@@ -304,17 +304,6 @@ class Tracker:
                 logger.warning("tracking buffer full (%d points): dropping the oldest", self._cfg.max_buffer)
             self._dropped += max(overflow, 0)
 
-    def _publish_last_samples(self) -> None:
-        """Sends the samples MLflow's stopped monitor took since it last published (it drops them otherwise)."""
-        monitor = self._monitor
-        if not any(m._metrics for m in monitor.monitors):
-            return
-        try:
-            monitor.publish_metrics(monitor.aggregate_metrics())
-            monitor.mlflow_logger.flush()
-        except Exception as err:  # system metrics are a convenience: a failure here never fails the run
-            logger.warning("the last system metrics were not sent: %s", err)
-
     def log_artifact(self, source: Path | str, name: str) -> None:
         """Queues an artifact stored as `name` (may contain folders), copied now (`post`)."""
         entry = post(self._outbox_dir, source, name)
@@ -359,9 +348,14 @@ class Tracker:
         if not self._closed:
             self._closed = True
             atexit.unregister(self._close_at_exit)
-            if self._monitor is not None:
-                self._monitor.finish()  # its last samples land while the run is still RUNNING
-                self._publish_last_samples()
+            if (monitor := self._monitor) is not None:
+                monitor.finish()  # its last samples land while the run is still RUNNING
+                try:  # and those it took since it last published, which it drops otherwise
+                    if any(m._metrics for m in monitor.monitors):
+                        monitor.publish_metrics(monitor.aggregate_metrics())
+                        monitor.mlflow_logger.flush()
+                except Exception as err:  # system metrics are a convenience: a failure here never fails the run
+                    logger.warning("the last system metrics were not sent: %s", err)
             self._final = (status, reason)
             self._deadline = time.monotonic() + timeout_s
             self._closing.set()
@@ -396,11 +390,8 @@ class Tracker:
                 remaining = self._deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                wait = min(jittered(delay), remaining)
-                if closing:
-                    time.sleep(wait)
-                else:
-                    self._closing.wait(wait)  # a close() call cuts the wait short
+                # a close() call cuts the wait short (once it has, the event no longer waits)
+                (time.sleep if closing else self._closing.wait)(min(jittered(delay), remaining))
                 delay = min(2 * delay, self._cfg.retry_max_s)
                 continue
             if outage_since is not None:

@@ -223,7 +223,6 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     from study.train.optim import build_optimizer, build_scheduler
 
     cfg, key, recipe = spec.config, spec.key, spec.planned
-    max_steps = recipe.max_steps
     micro, _ = layout(spec, d)
     data = _data(spec, d, micro)
     if not d.device.startswith("cuda"):
@@ -235,7 +234,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     shape = json_digest(asdict(spec.model))  # a checkpoint of another model shape is refused
     state = (checkpoint.load_latest(spec.run_dir.path, model, optimizer, d, key, shape)
              or _branch_start(spec, model, optimizer, d)
-             or TrainState(max_steps=max_steps, run_key=key))
+             or TrainState(max_steps=recipe.max_steps, run_key=key))
     state.run_key, state.model_hash, state.compute_dtype = key, shape, compute_dtype(cfg, d)
     start = state.step
     scheduler = build_scheduler(optimizer, recipe, start)
