@@ -148,7 +148,7 @@ def compose_run(exp: Experiment, variant: Variant, scale: str, ov: Overrides,
               (nested(exp.per_scale.get(scale, {})), f"{exp.name}.yaml: at.{scale}"),
               (nested(variant.settings), f"{exp.name}.yaml: variants.{variant.name}"),
               (nested(variant.per_scale.get(scale, {})), f"{exp.name}.yaml: variants.{variant.name}.at.{scale}")]
-    run_ov = Overrides(groups=ov.groups, values={**ov.values, **(own or {})}, reset=ov.reset)
+    run_ov = replace(ov, values={**ov.values, **(own or {})})
     return compose({**groups, "scale": scale, "model": variant.model}, layers=layers, overrides=run_ov)
 
 
@@ -357,9 +357,8 @@ def _same_run(name: str, a: RunSpec, b: RunSpec) -> StudyError:
 def plan_adhoc(items: list[str]) -> RunSpec:
     """One run composed from overrides alone (experiment `adhoc`): `study train` and `python -m study.train` agree."""
     ov = parse_overrides(items)
-    cfg = compose(overrides=ov)
-    reference = compose(overrides=Overrides(groups={**ov.groups, "model": "conventional"}, values=ov.values,
-                                            reset=ov.reset))
+    conventional = replace(ov, groups={**ov.groups, "model": "conventional"})
+    cfg, reference = compose(overrides=ov), compose(overrides=conventional)
     cfg = with_budget(cfg, reference)
     if cfg.model.ffn.schedule.family == "geometry":
         raise StudyError("model.ffn.schedule", "a geometry-scheduled run needs the reference run of an experiment",

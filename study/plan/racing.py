@@ -91,13 +91,10 @@ def rungs(at: Sequence[float], alpha: float, rho: float = RHO) -> tuple[Rung, ..
                          "list each point once, e.g. at: [0.25, 0.5, 1.0]")
     if not rho > 0:
         raise StudyError("rho", f"is {rho!r}", "use a positive spending exponent (1: linear in tokens)")
-    out, spent_before = [], 0.0
-    for i, a in enumerate(points):
-        information = a / points[-1]
-        spent = alpha * information ** rho
-        out.append(Rung(i, a, information, spent - spent_before, spent))
-        spent_before = spent
-    return tuple(out)
+    information = [a / points[-1] for a in points]
+    spent = [alpha * t ** rho for t in information]
+    return tuple(Rung(i, a, information[i], spent[i] - (spent[i - 1] if i else 0.0), spent[i])
+                 for i, a in enumerate(points))
 
 
 def rung_of(at: float, planned: Sequence[float], alpha: float, rho: float = RHO) -> Rung:

@@ -88,7 +88,8 @@ def print_plan(plan: Plan, power: list, note: str, cost: dict) -> None:
             f"{est.tokens_per_s:,.0f} (measured)" if est.tokens_per_s else "assumed",
             f"{hours:,.1f}" if hours is not None else "-",
             # the job as nodes x devices per node: '8x8' (GPUs), '2x2 cpu'
-            f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu"), memory[run.key].text(), f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
+            f"{c.nodes}x{devices(run) // c.nodes}" + ("" if c.gpus_per_node else " cpu"), memory[run.key].text(),
+            f"{hours / 24 / devices(run):,.1f}" if hours is not None else "-",
         ])
     # the description is the experiment file's free text: masked like any config string, and shown as it is
     title = f"{exp.name}: {for_terminal(mask_text(exp.description))} (baseline {exp.baseline})"

@@ -261,15 +261,11 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
             return None, (f"{path} was computed from other tune runs than the plan's (at {scale}, x{m:g} seed {seed} "
                           f"is {grid_keys[scale][m, seed]} now, {recorded.get((m, seed), 'absent')} in the record: "
                           "the experiment changed what they train)")
-        gone = []
-        for p in choice.points:
-            for key, loss in zip(p.keys, p.losses):
-                found = result_of(key)
-                if found is None:
-                    gone.append(key)
-                elif found != loss:
-                    raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
-        if gone:
+        read = [(key, loss, result_of(key)) for p in choice.points for key, loss in zip(p.keys, p.losses)]
+        for key, loss, found in read:
+            if found is not None and found != loss:
+                raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
+        if gone := [key for key, _, found in read if found is None]:
             # a choice is only as good as the results it can be checked against: without them a consistent edit
             # would train the main runs at another LR under the same keys
             return None, (f"{path} names tune runs whose results are gone from their run directories ("
@@ -309,15 +305,10 @@ def _recorded_choice(path: Path, scale: str, raw: Any, tuning: Tuning) -> Choice
         shaped = all(isinstance(p[k], list) and len(p[k]) == len(tuning.seeds) for k in ("keys", "losses"))
         if p["seeds"] != list(tuning.seeds) or not shaped or not all(isinstance(k, str) for k in p["keys"]):
             raise _damaged(path, f"{at} must give a key and a loss for each tune seed {list(tuning.seeds)}")
-        losses = []
-        for loss in p["losses"]:
-            if loss == DIVERGED_LOSS:
-                losses.append(math.inf)
-            elif is_number(loss) and 0 <= loss <= LARGEST:
-                losses.append(float(loss))
-            else:
-                raise _damaged(path, f"{at}: loss {loss!r} is neither a finite number from 0 to {LARGEST:g} nor "
-                                     f"{DIVERGED_LOSS!r}")
+        if bad := [x for x in p["losses"] if x != DIVERGED_LOSS and not (is_number(x) and 0 <= x <= LARGEST)]:
+            raise _damaged(path, f"{at}: loss {bad[0]!r} is neither a finite number from 0 to {LARGEST:g} nor "
+                                 f"{DIVERGED_LOSS!r}")
+        losses = [math.inf if x == DIVERGED_LOSS else float(x) for x in p["losses"]]
         points.append(Point(float(p["multiple"]), losses, p["extension"], list(p["keys"])))
     return Choice(float(raw["multiple"]), raw["status"], float(raw["best"]), points)
 
