@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections import Counter
 from concurrent.futures import Executor
 from contextlib import contextmanager, nullcontext
 
@@ -121,10 +122,9 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
     received = [None] * layers if clouds.received is None else clouds.received
     with pool or nullcontext():
         results = list((pool.map if pool else map)(run, clouds.before, clouds.after, received))
-    timings: dict[str, float] = {}
+    timings: Counter[str] = Counter()  # update adds each layer's seconds
     for result in results:
-        for name, seconds in result["timings"].items():
-            timings[name] = timings.get(name, 0.0) + seconds
+        timings.update(result["timings"])
     timings["wall"] = time.perf_counter() - wall
     stats = {s: {g: [r["stats"][s][g] for r in results] for g in GEOMETRIES} for s in STATISTICS}
     return {"layers": layers, "n_tokens": clouds.n_tokens, "d_model": int(clouds.before.shape[2]),
@@ -132,5 +132,5 @@ def profile_clouds(clouds: TokenClouds, cfg: AllocationConfig, sensitivity: list
             "gw_start": {g: [r["gw_start"][g] for r in results] for g in GEOMETRIES}, "gw_starts": cfg.gw_starts,
             "vr_backend": backend, "intrinsic_dim": [r["intrinsic_dim"] for r in results],
             "sensitivity": None if sensitivity is None else [float(s) for s in sensitivity],
-            "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None, "timings": timings,
+            "sensitivity_eps": cfg.sensitivity_eps if sensitivity is not None else None, "timings": dict(timings),
             "methods": METHODS}

@@ -340,10 +340,8 @@ def serve(folder: str, preload: tuple[str, ...] = PRELOAD, poll_s: float = 0.2) 
         if done and not tasks:
             return None
         watched = [c for c in tasks.values() if c is not None] + ([] if done else [listener])
-        try:
-            readable, _, _ = select.select(watched, [], [], poll_s)
-        except InterruptedError:
-            continue
+        # a signal (TERM: stop) does not end the wait early: select retries (PEP 475), at most poll_s on
+        readable, _, _ = select.select(watched, [], [], poll_s)
         for conn in readable:
             if conn is listener:
                 child = _accept(listener, tasks, me)
