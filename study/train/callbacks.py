@@ -131,19 +131,16 @@ class Progress(Callback):
     demo`). It moves on whenever the training loss is logged."""
 
     def __init__(self, d: Dist, start: int, total: int, name: str, path: Path | None = None):
-        self.bar, self.path = None, path if d.is_main else None
-        self.start, self.total, self.t0 = start, total, time.monotonic()
-        if d.is_main:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True,
-                            mininterval=0.5 if sys.stderr.isatty() else 10.0)
-        self.last = start
+        self.path = path if d.is_main else None
+        self.start, self.total, self.t0, self.last = start, total, time.monotonic(), start
+        self.bar = tqdm(total=total, initial=start, desc=name, unit="step", dynamic_ncols=True, disable=not d.is_main,
+                        mininterval=0.5 if sys.stderr.isatty() else 10.0)
 
     def on_log(self, step: int, loss: float, tps: float) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.last)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+        self.bar.update(step - self.last)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
         self.last = step
         if self.path is not None:
             rate = (step - self.start) / max(time.monotonic() - self.t0, 1e-9)
@@ -153,8 +150,7 @@ class Progress(Callback):
                                                 "eta_s": (self.total - step) / rate if rate > 0 else None}))
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 class Validation(Callback):
