@@ -248,16 +248,13 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     primary = plain_yaml(sweeps_dir() / "train.yaml")
     chosen: dict[str, str | None] = {
         k: v for d in primary.pop("defaults", []) if not isinstance(d, str) for k, v in d.items()}
-    chosen.update(groups or {})
-    chosen.update(ov.groups)
+    chosen.update({**(groups or {}), **ov.groups})
     nodes = [(primary, "train.yaml")]
     nodes += [(plain_yaml(group_file(g, chosen[g])), f"{g}/{chosen[g]}.yaml") for g in GROUPS if chosen.get(g)]
     # an ad-hoc run is named after its presets; an experiment's identity layer renames it
-    nodes.append(({"variant": chosen.get("model") or "conventional", "scale": chosen.get("scale") or "tiny"},
-                  "the selected presets"))
-    nodes += list(layers or [])
-    nodes.append((nested(ov.values), "the command-line overrides"))
-    nodes.append((nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides"))
+    nodes += [({"variant": chosen.get("model") or "conventional", "scale": chosen.get("scale") or "tiny"},
+               "the selected presets"), *(layers or []), (nested(ov.values), "the command-line overrides"),
+              (nested({k: _default_of(k) for k in ov.reset}), "the `~` overrides")]
     for node, where in nodes:
         refuse_renamed(node, where)
     nodes = [(micro_batch_auto(with_family(node)), where) for node, where in nodes]

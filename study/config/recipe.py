@@ -78,10 +78,8 @@ def resolve_recipe(cfg: RunConfig, budget: int, fit: Callable[[int], tuple[int, 
     micro, accum = batch_layout(global_batch, t.micro_batch, world)
     tokens_per_step = global_batch * cfg.data.seq_len
     steps = t.max_steps or max(1, math.ceil(t.tokens_per_param * budget / tokens_per_step))
-    if t.lr:
-        lr, rule = t.lr, "train.lr"
-    else:
-        lr, rule = scaled_lr(budget), f"0.0047 (N / 108e6)^(-1/3) at the budget N = {budget:,}"
+    ladder = f"0.0047 (N / 108e6)^(-1/3) at the budget N = {budget:,}"
+    lr, rule = (t.lr, "train.lr") if t.lr else (scaled_lr(budget), ladder)
     recipe = Recipe(global_batch=global_batch, micro_batch=micro, grad_accum=accum, world_size=world, max_steps=steps,
                     tokens=steps * tokens_per_step, lr=lr, warmup_steps=t.warmup_steps or max(1, int(0.02 * steps)),
                     final_lr=final_lr_for(t, lr), lr_rule=rule, lr_schedule=t.lr_schedule,

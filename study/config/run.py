@@ -107,15 +107,12 @@ class RunConfig:
 def leaves(node, prefix: str = "", into_lists: bool = False) -> dict:
     """A config (a dataclass, or a nested dict such as its `asdict`) as {dotted key: leaf value}; lists are leaves
     unless `into_lists` (then their items are, keyed by index). A dataclass is read in place: no copy is made."""
-    out: dict = {}
     items = (node.items() if isinstance(node, dict)
              else ((f.name, getattr(node, f.name)) for f in fields(node)) if is_dataclass(node)
              else enumerate(node) if into_lists and isinstance(node, list) else None)
     if items is None:
         return {prefix[:-1]: node}
-    for k, v in items:
-        out.update(leaves(v, f"{prefix}{k}.", into_lists))
-    return out
+    return {dotted: leaf for k, v in items for dotted, leaf in leaves(v, f"{prefix}{k}.", into_lists).items()}
 
 
 def run_name(cfg: RunConfig) -> str:
