@@ -99,11 +99,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from study.train.loop import EXIT_PREEMPTED, train
 
     outcome = train(spec, restart=args.restart)
-    if outcome.status == "FINISHED":
-        print(f"{outcome.status} at step {outcome.step}: val/loss {outcome.val_loss:.4f}", file=sys.stderr)
-        return 0
-    print(f"{outcome.status} at step {outcome.step}: {outcome.reason}", file=sys.stderr)
-    return EXIT_PREEMPTED if outcome.status == "PREEMPTED" else 1
+    said = f"val/loss {outcome.val_loss:.4f}" if outcome.status == "FINISHED" else outcome.reason
+    print(f"{outcome.status} at step {outcome.step}: {said}", file=sys.stderr)
+    return {"FINISHED": 0, "PREEMPTED": EXIT_PREEMPTED}.get(outcome.status, 1)
 
 
 def _planned_here(spec):

@@ -55,7 +55,7 @@ def plain_table(title: str, columns: list[str], rows: list[list[str]], left: set
 
 def wrapped(text: str, width: int | None) -> str:
     """`text` as lines of at most `width` characters (one line when None: into a pipe or file)."""
-    return "\n".join(textwrap.wrap(text, width)) if width else text
+    return textwrap.fill(text, width) if width else text
 
 
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
