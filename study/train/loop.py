@@ -26,13 +26,18 @@ from pathlib import Path
 
 from study import schema
 from study.config.data import tokenize_procs
-from study.config.identity import json_digest
+from study.config.identity import KEY, SCHEDULED, json_digest, placement
 from study.config.recipe import batch_layout
 from study.config.run import Role
+from study.config.secrets import redact
 from study.config.spec import DIVERGED, RunSpec, finished_loss, held_spec, write_spec
 from study.errors import StudyError
 from study.files import Kind, read_mapping, replace_file
-from study.schema import not_a_link
+from study.schema import RunDir, not_a_link
+from study.track import lineage
+from study.track.groups import parent_for, refresh, share_datasets
+from study.track.store import find_runs
+from study.track.tracker import NullTracker, Tracker, flatten
 from study.train import checkpoint
 from study.train import restart as restarts
 from study.train.callbacks import (Checkpointing, Diverged, FaultHooks, Metrics, Progress, Run, StepOutput,
@@ -290,19 +295,10 @@ def open_tracker(spec: RunSpec, d: Dist, data, start: int):
     """The run's MLflow run, opened or resumed at step `start`, with its params, tags, lineage (parent run, dataset
     input) and the artifacts a reader of the run page wants (config, spec, parameter table, tokenizer). A key that
     FINISHED in another run directory is refused (`finished_elsewhere`)."""
-    from study.track.tracker import NullTracker, Tracker, flatten
-
     ran_on = hosts(d)  # collective: before rank 0 alone talks to MLflow
     print(f"study: {spec.name} rank {d.rank} of {d.world_size} on host {ran_on[d.rank]}", file=sys.stderr, flush=True)
     if not d.is_main:  # only rank 0 talks to MLflow: the others build nothing for it
         return NullTracker()
-    from study.config.identity import KEY, SCHEDULED, placement
-    from study.config.run import Role
-    from study.config.secrets import redact
-    from study.track import lineage
-    from study.track.groups import parent_for, share_datasets
-    from study.track.store import find_runs
-
     cfg, m = spec.config, spec.model
     # the config fields the key hashes, and nothing else: a resume with another cadence, MFU estimate or device
     # (placed out of the key) is the same run, and a param logged once cannot change value in MLflow
@@ -416,8 +412,6 @@ def _branch_start(spec: RunSpec, model, optimizer, d: Dist) -> TrainState | None
     """A decay branch without a checkpoint of its own starts from its trunk's at its branch step; others: None."""
     if spec.role != Role.branch:
         return None
-    from study.schema import RunDir
-
     trunk_dir = RunDir.of(spec.config.paths.runs, spec.config.experiment, spec.trunk).path
     state = checkpoint.load_branch_start(trunk_dir, spec.first_step, model, optimizer, d, spec.trunk)
     state.val_loss = None  # the trunk's validation loss at its stable LR is none of the branch's results
@@ -439,6 +433,4 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
     # MLflow calls a diverged run FAILED, with the reason, whatever its role
     tracker.close("FAILED" if outcome.status == "DIVERGED" else outcome.status, outcome.reason)
     if outcome.status == "FINISHED":
-        from study.track.groups import refresh
-
         tracker.record("parent summary", refresh)  # a failure is logged: the seed runs hold every number it shows
