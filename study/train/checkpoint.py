@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -159,8 +160,6 @@ def load_latest(run_dir: Path, model, optimizer, d: Dist, run_key: str, model_ha
     """Restore the newest complete checkpoint that loads, saying so when a newer one is broken; None when there is
     none. Refused by name: a checkpoint of another run key or model shape, and a run whose every checkpoint is broken
     (from step 0 its MLflow curve would disagree with its weights, the recomputed points dropped as repeats)."""
-    import sys
-
     broken = []
     for path in reversed(complete_checkpoints(run_dir)):
         state = _own_state(path, run_key, "paths.runs",

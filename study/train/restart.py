@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from study.config.spec import RunSpec
 from study import schema
+from study.config.spec import RunSpec
+from study.errors import StudyError
 from study.schema import not_a_link
+from study.track.store import retire_runs
+from study.train.lease import Lease
 
 REPLACED = "replaced"
 PARTIAL = ".partial"
@@ -37,8 +40,6 @@ def interrupted(spec: RunSpec) -> Path | None:
 def restart(spec: RunSpec, partial: Path | None = None) -> None:
     """Set the run's earlier training aside (the caller holds its lease): into `partial`, an interrupted restart's
     folder, or a new one."""
-    from study.track.store import retire_runs
-
     rdir = spec.run_dir.path
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if partial is None:
@@ -65,9 +66,6 @@ def restart(spec: RunSpec, partial: Path | None = None) -> None:
 def restart_idle(spec: RunSpec) -> None:
     """A restart before a launch submits the run (`study launch --restart KEY`): refused while a process trains the
     run (its lease is taken without waiting)."""
-    from study.errors import StudyError
-    from study.train.lease import Lease
-
     spec.run_dir.path.mkdir(parents=True, exist_ok=True)
     lease = Lease(spec.run_dir.path)
     if not lease.try_acquire():
