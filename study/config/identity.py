@@ -163,13 +163,8 @@ def identity(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str
             name, hashed = _frozen(dotted, value, cfg, scheduled)
             if hashed:
                 payload[name] = value
-    if scheduled:
-        payload["upstream"] = sorted(upstream or [])
-    if tuning is not None:
-        payload["tuning"] = tuning
-    if trunk is not None:
-        payload["trunk"] = trunk
-    return payload
+    extra = {"upstream": sorted(upstream or []) if scheduled else None, "tuning": tuning, "trunk": trunk}
+    return payload | {name: value for name, value in extra.items() if value is not None}
 
 
 def run_key(cfg: RunConfig, upstream: list[str] | None = None, tuning: dict[str, Any] | None = None,
