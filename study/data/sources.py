@@ -93,8 +93,7 @@ class Source:
         self.cfg = cfg
         local = Path(cfg.name).expanduser()
         if cfg.name == EMBEDDED:
-            self.kind = "jsonl"
-            self.path = build_docstring_corpus(cache_root(cfg), cfg.max_docs, cfg.max_bytes)
+            self.kind, self.path = "jsonl", build_docstring_corpus(cache_root(cfg), cfg.max_docs, cfg.max_bytes)
         elif local.is_dir() and any((local / f).exists() for f in ("dataset_dict.json", "state.json")):
             self.kind, self.path = "disk", local
         else:

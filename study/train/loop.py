@@ -252,13 +252,13 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     stop = StopRequest.install()
     stream = batch_stream(spec, data, d, start)
     last = spec.last_step  # a trunk stops at its last branch start, its LR still stable
-    progress = Progress(d, start, last, spec.name, spec.run_dir.progress)
     run = Run(spec, d, tracker, state)
     faults = FaultHooks(cfg.faults)
     metrics = Metrics(run, scheduler, recipe.global_batch * data.seq_len, inject=faults.loss)
     # the order callbacks are called in at each hook (study.train.callbacks says which hook each one uses)
-    run.callbacks = [metrics, progress, Validation(run, step_model, data, micro), faults,
-                             Checkpointing(run, model, optimizer, at_branch_start)]
+    run.callbacks = [metrics, Progress(d, start, last, spec.name, spec.run_dir.progress),
+                     Validation(run, step_model, data, micro), faults,
+                     Checkpointing(run, model, optimizer, at_branch_start)]
     bf16 = autocast_bf16(cfg, d)
     outcome = None
     try:
