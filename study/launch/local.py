@@ -140,7 +140,7 @@ def run_local(plan: Plan, stages: list[Stage], echo, poll_s: float = 0.2) -> lis
         with LiveTable([r for stage in stages if not stage.on_shards for r in stage.runs]) as board:
             for stage in stages:
                 what = "shard entries to tokenise" if stage.on_shards else "runs"
-                echo(f"stage {stage.kind}: {len(stage.runs)} {what}, {parallel} at a time (local)")
+                echo(f"stage {stage.name}: {len(stage.runs)} {what}, {parallel} at a time (local)")
                 mark = board.mark if not stage.on_shards else lambda key, state: None  # the board follows runs
                 for rung in _rungs(stage):
                     if stage.kind is JobKind.branch and racing:

@@ -25,8 +25,7 @@ class Stage:
     """A phase of a launch: jobs of one kind, one per run (or shard entry), submitted together as one job array."""
 
     kind: JobKind
-    """What each job of the stage does: `prepare`, `tune`, `train`, `branch`, `profile` or `scheduled` (the word a
-    person reads: `stage train: ...`)."""
+    """What each job of the stage does: `prepare`, `tune`, `train`, `branch`, `profile` or `scheduled`."""
     runs: list[RunSpec]
     """Runs (for `profile`, the reference runs to profile; for `prepare`, one run per shard entry to tokenise)."""
     after: list[str] = field(default_factory=list)
@@ -37,6 +36,11 @@ class Stage:
     """For `prepare`: the shard entries to tokenise, one job each (aligned with `runs`)."""
     held: bool = False
     """For `branch`: submitted held (`sbatch --hold`) until their trunks write their starts (study.launch.branching)."""
+
+    @property
+    def name(self) -> str:
+        """What a person reads for the stage (`stage train: ...`): its kind's word."""
+        return self.kind.value
 
     @property
     def on_shards(self) -> bool:
@@ -146,7 +150,7 @@ def to_submit(plan: Plan, queue: Queue) -> tuple[list[DataGroup], list[RunSpec],
 def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
     cfg = plan.runs[0].config
     folder = submitit_dir(cfg.paths.runs, cfg.experiment) / "%j"
-    ex = build_executor(stage.runs[0].config.cluster, folder, job_name(f"{cfg.experiment}-{stage.kind}"), stage.kind,
+    ex = build_executor(stage.runs[0].config.cluster, folder, job_name(f"{cfg.experiment}-{stage.name}"), stage.kind,
                         after=stage.after, held=stage.held, python=python)
     make = stage.kind.job
     callables = ([make(g.runs[0].dir, g.model_vocab) for g in stage.groups] if stage.on_shards
@@ -155,12 +159,12 @@ def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
         with outside_allocation(), ex.batch():
             jobs = [ex.submit(c) for c in callables]
     except Exception as err:  # sbatch's own message is the useful part
-        raise StudyError("cluster", f"submission of the {stage.kind} stage failed: {err}",
+        raise StudyError("cluster", f"submission of the {stage.name} stage failed: {err}",
                          "check the cluster preset (partition, account, qos, time limit) against `sinfo`") from None
     ids = [j.job_id for j in jobs]
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
     names = [g.data.name for g in stage.groups] if stage.on_shards else [r.name for r in stage.runs]
-    record(runs_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.kind, "scheduler": scheduler,
+    record(runs_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
                    "name": n, "after": stage.after} for k, n, j in zip(stage.keys(), names, ids)])
     stage.job_ids = ids
     return jobs

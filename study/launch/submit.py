@@ -154,7 +154,7 @@ def launch(experiment: str, overrides: list[str], dry_run: bool = False, wait: b
         jobs = submit_stage(plan, stage)
         submitted.update({k: j.job_id for k, j in zip(stage.keys(), jobs)})
         what = "shard entries (CPU)" if stage.on_shards else "runs"
-        echo(f"stage {stage.kind}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
+        echo(f"stage {stage.name}: submitted {len(jobs)} {what} as array {jobs[0].job_id.split('_')[0]}"
              + (f" (afterok {','.join(stage.after)})" if stage.after else ""))
         for line, job in zip(stage_lines(stage), jobs):
             echo(f"  {job.job_id}  {line}")
@@ -249,16 +249,15 @@ def _act_on_stale(queue: Queue, echo, dry_run: bool) -> None:
 def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo) -> None:
     if not stages:
         echo(f"{plan.experiment.name}: nothing to submit, every planned run is finished or in the queue")
-    previous: list[JobKind] = []
-    for stage in stages:
+    for i, stage in enumerate(stages):
         upstream = {JobKind.tune: "data", JobKind.train: "data", JobKind.branch: "data",
                     JobKind.profile: "reference runs", JobKind.scheduled: "profiles"}.get(stage.kind)
-        # data comes from the prepare array; reference runs and profiles from the array just before
-        source = (JobKind.prepare.value if JobKind.prepare in previous else None) if upstream == "data" else (
-            previous[-1].value if previous else None)
+        # data comes from the prepare array (the first); reference runs and profiles from the array just before
+        source = (stages[0].kind if stages[0].on_shards else None) if upstream == "data" else (
+            stages[i - 1].kind if i else None)
         after = stage.after + ([f"<its {upstream} in the {source} array>"] if source and upstream else [])
         what = "shard entries to tokenise (CPU only)" if stage.on_shards else "runs"
-        echo(f"stage {stage.kind}: array of {len(stage.runs)} {what}"
+        echo(f"stage {stage.name}: array of {len(stage.runs)} {what}"
              + (f", afterok on {', '.join(after)}" if after else "")
              + (", held (sbatch --hold): each trunk's job releases its branches as it writes their start "
                 "checkpoints" if stage.held and cluster.name != "local" else
@@ -269,7 +268,6 @@ def _print_dry_run(plan: Plan, stages: list[Stage], cluster: ClusterConfig, echo
                                                      stage.runs[0].config.cluster)))
              if cluster.name != "local"
              else "  (local processes, no sbatch script)")
-        previous.append(stage.kind)
     held = [r for r in plan.runs if r.awaits_tuning]
     if held:
         echo(f"held: {len(held)} main runs wait for their variant's tuning; they are submitted by the launch that "
