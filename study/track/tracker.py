@@ -61,10 +61,8 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             flat.update(flatten(value, f"{dotted}."))
         elif is_sequence(value) and any(isinstance(v, Mapping) for v in value):
             flat.update(flatten({str(i): v for i, v in enumerate(value)}, f"{dotted}."))
-        elif isinstance(value, str):
-            flat[dotted] = value
         else:
-            flat[dotted] = json.dumps(plain(value), default=str)
+            flat[dotted] = value if isinstance(value, str) else json.dumps(plain(value), default=str)
     return flat
 
 
