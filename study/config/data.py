@@ -133,7 +133,6 @@ def _validate_flat(cfg: DataConfig, files: bool) -> None:
             continue
         if not entries:
             raise StudyError(f"data.{name}", "is an empty list", "list token files or directories, or set it to null")
-        missing = [e for e in entries if files and not Path(e).expanduser().exists()]
-        if missing:
+        if missing := [e for e in entries if files and not Path(e).expanduser().exists()]:
             raise StudyError(f"data.{name}", f"no token file or directory at {missing[0]}",
                              "give existing .npy/.bin files or directories holding them (nothing is downloaded)")

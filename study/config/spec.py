@@ -242,8 +242,7 @@ def read_result(path: Path, key: str) -> dict | None:
     result = read_mapping(path, {"run_key": TEXT, "step": COUNT}, fix)
     if result["run_key"] != key:
         return None
-    problem = shape_problem(result, {DIVERGED: TEXT} if result.get(DIVERGED) else {"val_loss": LOSS})
-    if problem:
+    if problem := shape_problem(result, {DIVERGED: TEXT} if result.get(DIVERGED) else {"val_loss": LOSS}):
         raise damaged(path, problem, fix)
     return result
 

@@ -385,8 +385,7 @@ def _seeds(where: str, raw: Any, scales: list[str]) -> dict[str, list[int]]:
 def _per_scale(at: Any, where: str, scales: list[str]) -> dict[str, dict[str, Any]]:
     """An `at:` block: scale name -> dotted overrides, every name a scale of the experiment, none placing a run."""
     at = at or {}  # a mapping of mappings: ExperimentFile's types checked that
-    stray = sorted(set(map(str, at)) - set(scales))
-    if stray:
+    if stray := sorted(set(map(str, at)) - set(scales)):
         raise StudyError(f"{where}.{stray[0]}", "is not a scale of the experiment", f"use one of {', '.join(scales)}")
     for scale, settings in at.items():
         check_owned(settings, f"{where}.{scale}")

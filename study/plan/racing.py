@@ -172,9 +172,7 @@ def race_arrays(deltas: np.ndarray, alphas: Sequence[float], margin: float | Non
         verdict[~racing] = NOT_RACING
         verdicts[:, :, r] = verdict
         if r < n_rungs - 1:
-            stop = verdict == code["worse"]
-            if stop_equivalent:
-                stop |= verdict == code["equivalent"]
+            stop = (verdict == code["worse"]) | (stop_equivalent & (verdict == code["equivalent"]))
             stop_rung[stop] = r
             racing &= ~stop
     return RaceArrays(verdicts, stop_rung)

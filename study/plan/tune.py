@@ -132,10 +132,8 @@ def grid_with_extensions(tuning: Tuning, results: dict[float, Point]) -> tuple[l
         if any(p.mean is None for p in points):
             return points, False
         best = _best(points)
-        if 0 < best < len(points) - 1:
-            return points, True
         side = "low" if best == 0 else "high"
-        if added[side] >= tuning.extend:
+        if 0 < best < len(points) - 1 or added[side] >= tuning.extend:  # interior, or capped at an edge
             return points, True
         edge, inner = (points[0], points[1]) if side == "low" else (points[-1], points[-2])
         nxt = point(_round(edge.multiple * edge.multiple / inner.multiple))
@@ -255,8 +253,7 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
     for scale in tuning.scales:
         choice = _recorded_choice(path, scale, scales[scale], tuning)
         recorded = {(p.multiple, seed): key for p in choice.points for seed, key in zip(tuning.seeds, p.keys)}
-        changed = sorted(k for k, key in grid_keys[scale].items() if recorded.get(k) != key)
-        if changed:
+        if changed := sorted(k for k, key in grid_keys[scale].items() if recorded.get(k) != key):
             (m, seed) = changed[0]
             return None, (f"{path} was computed from other tune runs than the plan's (at {scale}, x{m:g} seed {seed} "
                           f"is {grid_keys[scale][m, seed]} now, {recorded.get((m, seed), 'absent')} in the record: "

@@ -82,8 +82,7 @@ def _check_ratio(name: str, values: list[float], counts: tuple[int, ...] = (1,))
     if len(values) not in counts:
         raise StudyError(f"{FIELD}.{name}", f"has {len(values)} points",
                          f"give {' or '.join(map(str, counts))} multipliers (first, [middle,] last layer)")
-    bad = [v for v in values if not v > 0]
-    if bad:
+    if bad := [v for v in values if not v > 0]:
         raise StudyError(f"{FIELD}.{name}", f"a width or head ratio must be positive, got {bad[0]}",
                          "use ratios > 0 (1.0 is the uniform width)")
 
