@@ -68,12 +68,6 @@ class Outcome:
     reason: str | None = None
     """Why the run did not finish."""
 
-    @property
-    def settled(self) -> bool:
-        """Whether the run's result is final: it finished, or it is a tune run whose LR diverged (a result, never
-        trained again: study.plan.tune)."""
-        return self.status in ("FINISHED", "DIVERGED")
-
 
 def batch_stream(spec: RunSpec, data, d: Dist, start: int):
     """Batches depend on the seed, the step and the global batch only, never on the architecture or the world size:
@@ -424,9 +418,11 @@ def _finish(outcome: Outcome, tracker, spec: RunSpec, d: Dist) -> None:
         tracker.log_metrics({schema.TRAIN_PREEMPTED_AT: outcome.step}, outcome.step)
         tracker.close("KILLED", outcome.reason)
         return
-    if outcome.settled and d.is_main:
+    # a final result: the run finished, or it is a tune run whose LR diverged (a result, never trained again:
+    # study.plan.tune); written whole: a damaged result.json is refused by its readers, so a kill must never leave half
+    # of one
+    if outcome.status in ("FINISHED", "DIVERGED") and d.is_main:
         result = {"val_loss": outcome.val_loss, "step": outcome.step, "run_key": spec.key}
-        # written whole: a damaged result.json is refused by its readers, so a kill must never leave half of one
         replace_file(spec.run_dir.result, json.dumps(result | ({DIVERGED: outcome.reason}
                                                                if outcome.status == "DIVERGED" else {})))
     log_job_output(tracker, spec)
