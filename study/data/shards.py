@@ -295,17 +295,15 @@ def _resume(out: Path, dtype: np.dtype) -> dict[str, Any]:
 def _write_chunk(texts: list[str], p, state: dict[str, Any], encoder, eos_id: int, dtype: np.dtype,
                  files: dict, out: Path, bar) -> None:
     start = time.perf_counter()
-    first = state["docs"]
     by_split: dict[str, list[str]] = {name: [] for name in SPLITS}
-    for i, text in enumerate(texts, first):
+    for i, text in enumerate(texts, state["docs"]):
         by_split[p.target(i)].append(text)
     for name, docs in by_split.items():
         if not docs:
             continue
         encoded = encoder.encode_batch_fast(docs, add_special_tokens=False)
         eos = np.array([eos_id], dtype=dtype)
-        pieces = [piece for e in encoded for piece in (np.asarray(e.ids, dtype=dtype), eos)]
-        flat = np.concatenate(pieces)
+        flat = np.concatenate([piece for e in encoded for piece in (np.asarray(e.ids, dtype=dtype), eos)])
         files[name].write(flat.tobytes())
         stats = state["splits"][name]
         stats["documents"] += len(docs)
