@@ -357,9 +357,8 @@ def _typed(plain_json: str) -> RunConfig:
     try:
         cfg = cfg or OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, StudyError) else None
-        if cause is not None:
-            raise cause from None
+        if isinstance(exc.__cause__, StudyError):
+            raise exc.__cause__ from None
         raise StudyError(str(getattr(exc, "full_key", "config")), f"cannot be resolved ({exc})",
                          "fix the value or the interpolation") from None
     for name in ("experiment", "variant", "scale"):  # they name directories, MLflow experiments and jobs

@@ -181,9 +181,7 @@ def read_spec(path: Path | str) -> RunSpec:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    path = Path(path)
-    if path.is_dir():
-        path = RunDir(path).spec
+    path = RunDir(path).spec if Path(path).is_dir() else Path(path)
     if not path.exists() and not path.is_symlink():  # nothing to repair: the fix is another path
         raise StudyError("run spec", f"{path} does not exist",
                          "give the run.json a launch wrote (<paths.runs>/<experiment>/<run key>/run.json) or its run "
