@@ -108,13 +108,10 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
                  deltas: Sequence[PairedResult] = ()) -> Path:
     """Left: final metric against counted parameters per variant, with fits (dashed past the data). Right: each
     fit minus the baseline's, with the paired deltas (mean and t interval) on top at each scale's median N."""
-    from matplotlib.figure import Figure
-
     metric = report.metric
     used = runs[(runs["status"] == FINISHED) & runs[metric].notna() & runs["params_counted"].notna()]
     colors = variant_colors(runs["variant"].unique(), report.baseline)
-    fig = Figure(figsize=(11, 4.3), dpi=DPI, layout="constrained")
-    ax, gap_ax = fig.subplots(1, 2)
+    fig, (ax, gap_ax) = _panels(2, 2, (5.5, 4.3))
     top = report.n_range[1]
     for variant, g in used.groupby("variant"):
         color = colors[variant]
@@ -147,17 +144,10 @@ def plot_scaling(runs: pd.DataFrame, report: ScalingReport, path: Path,
             gap_ax.errorbar(sizes[r.scale] * dodge, r.mean_delta, yerr=half, fmt="o", ms=4, capsize=3,
                             color=colors.get(r.variant, "grey"))
     gap_ax.axhline(0.0, color="black", lw=0.8)
-    for a in (ax, gap_ax):
-        a.set_xscale("log")
-        a.set_xlabel("counted parameters N")
-        a.grid(alpha=0.3, which="both")
-    ax.set_ylabel(f"final {metric}")
-    ax.legend(fontsize=7)
-    ax.set_title(f"Final {metric} with fits (dashed: extrapolation)", fontsize=9)
-    gap_ax.set_ylabel(f"Δ {metric} vs {report.baseline}")
-    gap_ax.set_title("Fit minus baseline fit; points: paired deltas with t 95% CI", fontsize=9)
-    if gap_ax.get_legend_handles_labels()[0]:
-        gap_ax.legend(fontsize=7)
+    _log_panel(ax, "counted parameters N", f"final {metric}", f"Final {metric} with fits (dashed: extrapolation)")
+    _log_panel(gap_ax, "counted parameters N", f"Δ {metric} vs {report.baseline}",
+               "Fit minus baseline fit; points: paired deltas with t 95% CI",
+               legend=bool(gap_ax.get_legend_handles_labels()[0]))
     return _save(fig, path)
 
 
@@ -237,14 +227,15 @@ def _panels(count: int, cols: int, size: tuple[float, float], pad: float = 0.0, 
     return fig, axes
 
 
-def _log_panel(ax, xlabel: str, ylabel: str, title: str) -> None:
-    """A panel's log x axis, labels, small title, grid and legend."""
+def _log_panel(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
+    """A panel's log x axis, labels, small title, grid and (unless told not to) legend."""
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    if legend:
+        ax.legend(fontsize=7)
 
 
 def _fitted(ax, lo: float, hi: float, top: float, curve, color: str, label: str | None = None) -> None:
