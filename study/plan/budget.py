@@ -182,9 +182,7 @@ def validate_shape(cfg: ModelConfig) -> None:
 
 def target_width(cfg: ModelConfig) -> int:
     """The per-sub-MLP hidden width the variant asks for (d_ff, or d_h = hidden_ratio * d_model)."""
-    if cfg.ffn.hidden_ratio > 0:
-        return max(1, round(cfg.ffn.hidden_ratio * cfg.d_model))
-    return cfg.ffn.width
+    return max(1, round(cfg.ffn.hidden_ratio * cfg.d_model)) if cfg.ffn.hidden_ratio > 0 else cfg.ffn.width
 
 
 def round_widths(ideal: list[float], units: int, multiple: int) -> list[int]:

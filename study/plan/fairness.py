@@ -29,9 +29,7 @@ ALSO_SHARED = ("train.val_batches",)
 
 def shared(dotted: str) -> bool:
     """Whether the arms of a comparison must agree on a config field."""
-    if dotted in ALSO_SHARED:
-        return True
-    return dotted.startswith(SHARED_PREFIXES) and placement(dotted)[0] == KEY
+    return dotted in ALSO_SHARED or (dotted.startswith(SHARED_PREFIXES) and placement(dotted)[0] == KEY)
 
 
 def check_owned(settings: dict[str, Any], where: str) -> None:
