@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -70,9 +71,8 @@ class StudyLM(TemplateLM):
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
             inputs = [self._input_tokens(*requests[i][1:]) for i in batch]
-            idx = torch.full((len(batch), max(map(len, inputs))), self._eos_id, dtype=torch.long)
-            for row, tokens in enumerate(inputs):
-                idx[row, : len(tokens)] = torch.tensor(tokens)
+            idx = pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in inputs], batch_first=True,
+                               padding_value=self._eos_id)
             with torch.inference_mode():
                 logprobs = F.log_softmax(self.model(idx.to(self._device)).float(), dim=-1).cpu()
             for row, i in enumerate(batch):
