@@ -32,18 +32,18 @@ def tracked_peak(spec, d, micro: int, accum: int) -> int:
 
     cfg, m = spec.config, spec.model
     sharded = d.world_size > 1
-    model, forward = parallelize(build_model(m, "cpu"), cfg, d)
+    model = parallelize(build_model(m, "cpu"), cfg, d)
     optimizer = build_optimizer(model, cfg.train, 1e-3)
     batches = batches_of(m.vocab_size, micro, cfg.data.seq_len, accum, seed=d.rank)
     z = cfg.train.z_loss
-    train_step(model, forward, optimizer, None, batches, "cpu", z, sharded=sharded)
+    train_step(model, model, optimizer, None, batches, "cpu", z, sharded=sharded)
     tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
     if not sharded:
         tracker.track_external(model, optimizer)
 
     def tracked(x):
         tracker.reset_mod_stats()  # the tracker takes one forward per module per step; a step has `accum`
-        return forward(x)
+        return model(x)
 
     with tracker:
         train_step(model, tracked, optimizer, None, batches, "cpu", z, sharded=sharded)
@@ -63,8 +63,8 @@ def update_difference(spec, d, micro: int, accum: int) -> dict[str, float]:
     from study.train.step import train_step
 
     cfg, m, seq = spec.config, spec.model, spec.config.data.seq_len
-    model, forward = parallelize(build_model(m, "cpu"), cfg, d)
-    _, norm = train_step(model, forward, build_optimizer(model, cfg.train, 1e-3), None,
+    model = parallelize(build_model(m, "cpu"), cfg, d)
+    _, norm = train_step(model, model, build_optimizer(model, cfg.train, 1e-3), None,
                          batches_of(m.vocab_size, micro, seq, accum, seed=d.rank), "cpu", sharded=True)
     reference = build_model(m, "cpu")
     every = [b for rank in range(d.world_size) for b in batches_of(m.vocab_size, micro, seq, accum, seed=rank)]

@@ -231,7 +231,7 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     if not d.device.startswith("cuda"):
         keep_freed_memory()
     torch.manual_seed(cfg.weights_seed)
-    model, step_model = parallelize(build_model(spec.model, d.device, seed=cfg.weights_seed), cfg, d)
+    model = parallelize(build_model(spec.model, d.device, seed=cfg.weights_seed), cfg, d)
     optimizer = build_optimizer(model, cfg.train, recipe.lr)
 
     shape = json_digest(asdict(spec.model))  # a checkpoint of another model shape is refused
@@ -251,14 +251,14 @@ def _train(spec: RunSpec, d: Dist, at_branch_start=None) -> Outcome:
     metrics = Metrics(run, scheduler, recipe.global_batch * data.seq_len, inject=faults.loss)
     # the order callbacks are called in at each hook (study.train.callbacks says which hook each one uses)
     run.callbacks = [metrics, Progress(d, start, last, spec.name, spec.run_dir.progress),
-                     Validation(run, step_model, data, micro), faults,
+                     Validation(run, model, data, micro), faults,
                      Checkpointing(run, model, optimizer, at_branch_start)]
     bf16 = autocast_bf16(cfg, d)
     outcome = None
     try:
         for step in range(start + 1, last + 1):
             batches = next(stream)
-            loss_sum, grad_norm = train_step(model, step_model, optimizer, scheduler, batches, d.device,
+            loss_sum, grad_norm = train_step(model, model, optimizer, scheduler, batches, d.device,
                                              cfg.train.z_loss, cfg.train.grad_clip, bf16, sharded=d.world_size > 1)
             run.call("on_step", step, StepOutput(loss_sum, len(batches), grad_norm))  # log, validate
             run.call("before_stop", step, stop)

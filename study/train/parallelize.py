@@ -9,10 +9,8 @@ from study.train.distributed import Dist
 
 
 def parallelize(model, cfg: RunConfig, d: Dist):
-    """(model, step_model): the model sharded over the ranks when there are several, each block's activations
-    recomputed in the backward pass with `train.activation_checkpointing`, and each block compiled with
-    `train.compile` (unset: on CUDA only). `model` owns the parameters (optimizer, checkpoints); `step_model` is what
-    the batches go through (the model itself).
+    """The model sharded over the ranks when there are several, each block's activations recomputed in the backward
+    pass with `train.activation_checkpointing`, and each block compiled with `train.compile` (unset: on CUDA only).
 
     Sharding comes first so that `fully_shard` is handed the blocks themselves (`model.layers`), not their
     recomputation wrappers; compile comes last (`compile_blocks`)."""
@@ -26,7 +24,7 @@ def parallelize(model, cfg: RunConfig, d: Dist):
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     if d.device.startswith("cuda") if cfg.train.compile is None else cfg.train.compile:
         compile_blocks(model)
-    return model, model
+    return model
 
 
 def blocks(model) -> list:

@@ -179,7 +179,7 @@ def measure(spec: RunSpec, trace: bool = True) -> Measured:
         with _phase("built"):
             model = build_model(spec.model, "meta")
         # the mesh and the sharding are made on the meta device: a device mesh cannot be made under fake tensors
-        model, forward = parallelize(model, cfg, here)
+        model = parallelize(model, cfg, here)
         with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
             model.to_empty(device="cpu")
             model.tie_weights()
@@ -189,7 +189,7 @@ def measure(spec: RunSpec, trace: bool = True) -> Measured:
             batches = [(x, y)] * min(2, recipe.grad_accum)
 
             def step(micro_batches) -> None:
-                train_step(model, forward, optimizer, None, micro_batches, "cpu", cfg.train.z_loss,
+                train_step(model, model, optimizer, None, micro_batches, "cpu", cfg.train.z_loss,
                            cfg.train.grad_clip, autocast_bf16=False, sharded=sharded)
 
             seconds["build"] = time.perf_counter() - start
