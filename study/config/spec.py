@@ -83,8 +83,9 @@ class RunSpec:
     def mismatch_total(self) -> float | None:
         """(total - reference total) / reference total: what matching the non-embedding budget leaves in the
         embeddings."""
-        total, reference = (self.params or {}).get("total"), self.reference_total
-        return None if total is None or not reference else (total - reference) / reference
+        if self.params is None or not self.reference_total:
+            return None
+        return (self.params["total"] - self.reference_total) / self.reference_total
 
     @property
     def first_step(self) -> int:
@@ -105,8 +106,9 @@ class RunSpec:
     def tokens(self) -> int:
         """Tokens this run trains itself (a branch: from its trunk step on; a trunk: up to its last branch)."""
         r = self.planned
-        own = self.role in (Role.trunk, Role.branch)
-        return (self.last_step - self.first_step) * r.tokens // max(1, r.max_steps) if own else r.tokens
+        if self.role in (Role.trunk, Role.branch):
+            return (self.last_step - self.first_step) * r.tokens // max(1, r.max_steps)
+        return r.tokens
 
     @property
     def awaits_tuning(self) -> bool:
