@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("study.plan", "study.jobs"),  # the planner; what a job does with a run directory
     ("analysis",),  # reading a study back from MLflow: decisions, fits, the report
     ("study.launch",),  # submitting jobs, the queue's view, status
-    ("study.parser", "study.command_options"),  # the command line's shape and its own options
+    ("study.parser",),  # the command line's shape and a command's own key=value options
     ("study.cli", "study.train.__main__", "study.eval.__main__"),  # entry points
 )
 """A module may import from its own package (the longest prefix it matches here) or from a lower layer; packages
