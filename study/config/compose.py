@@ -333,11 +333,8 @@ def _hints(cls: type) -> dict[str, Any]:
 def merge_plain(base: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
     """`node` over `base` as OmegaConf merges them (mappings merge key by key; anything else, lists included, is
     replaced), on plain containers: one typed merge of the result is much cheaper than one per layer."""
-    out = dict(base)
-    for key, value in node.items():
-        out[key] = merge_plain(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else value
-    return out
+    return {**base, **{key: merge_plain(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
+                       else value for key, value in node.items()}}
 
 
 @functools.lru_cache(maxsize=512)
