@@ -262,9 +262,7 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))
     except OmegaConfBaseException as exc:  # only now merge layer by layer, to name the layer and field at fault
-        merged = typed_defaults()
-        for node, where in nodes:
-            merged = merge_checked(merged, node, where)
+        functools.reduce(lambda merged, layer: merge_checked(merged, *layer), nodes, typed_defaults())
         raise StudyError(str(getattr(exc, "full_key", None) or "config"), f"is not valid ({str(exc).splitlines()[0]})",
                          "check the spelling and type against the typed config in study/config/") from None
     return copy.deepcopy(cfg)  # callers get their own: a cached config is never shared
