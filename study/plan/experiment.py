@@ -317,12 +317,10 @@ def load_experiment(name: str) -> Experiment:
     if f["baseline"] not in names:
         raise StudyError(f"{y}: baseline", f"{f['baseline']!r} is not one of the variants",
                          f"use one of {', '.join(names)}")
-    reference = None
-    if f["reference"] is not None:
-        if f["reference"]["variant"] not in names:
-            raise StudyError(f"{y}: reference.variant", f"{f['reference']['variant']!r} is not a variant",
-                             f"use one of {', '.join(names)}")
-        reference = (f["reference"]["variant"], f["reference"]["seed"])
+    reference = None if f["reference"] is None else (f["reference"]["variant"], f["reference"]["seed"])
+    if reference is not None and reference[0] not in names:
+        raise StudyError(f"{y}: reference.variant", f"{reference[0]!r} is not a variant",
+                         f"use one of {', '.join(names)}")
     common = f["common"]
     per_scale = _per_scale(f["at"], f"{y}: at", scales)
     # every block is refused here, before anything is planned
