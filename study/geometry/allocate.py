@@ -93,15 +93,11 @@ def allocate_widths(cost, budget: float, w_min: float, exponents, weights=None) 
     return widths(log_mu)
 
 
-def geometry_widths(profile: dict, uniform_width: float, n_layers: int, cfg: AllocationConfig,
-                    reverse: bool = False) -> list[float]:
-    """Real-valued FFN widths, one per layer, spending the same total width as `n_layers` uniform layers of
-    `uniform_width` (the budget matcher rounds them); `reverse` (the geometry schedule's) reflects them against the
-    allocation's direction (`reflect_allocation`)."""
+def allocate_from_profile(profile: dict, uniform_width: float, cfg: AllocationConfig,
+                          reverse: bool = False) -> list[float]:
+    """Real-valued FFN widths, one per layer, spending the same total width as `uniform_width` in every layer;
+    `reverse` (the geometry schedule's) reflects them against the allocation's direction (`reflect_allocation`)."""
     layers = int(profile["layers"])
-    if layers != n_layers:
-        raise StudyError("profile", f"the profile has {profile['layers']} layers, the model {n_layers}",
-                         "profile a reference run with the same depth as the scheduled runs")
     # c_l: the configured statistic under the configured geometry, smoothed
     cost = smooth_profile(profile["stats"][cfg.statistic][cfg.geometry], cfg.smoothing, cfg.smoothing_width)
     if cfg.exponent == "intrinsic":  # a_l = SMOOTHNESS / ID_l
@@ -187,3 +183,12 @@ def _check_layers(values, field: str, layers: int, allowed, what: str) -> None:
                              PROFILE_FIX)
         if not (v is None or number) or (number and not math.isfinite(v)) or not allowed(v):
             raise StudyError(field, f"layer {layer} holds {v!r}, not {what}", PROFILE_FIX)
+
+
+def geometry_widths(profile: dict, uniform_width: float, n_layers: int, alloc: AllocationConfig,
+                    reverse: bool = False) -> list[float]:
+    """Real-valued per-layer widths with the total of `n_layers` uniform layers (the budget matcher rounds them)."""
+    if int(profile["layers"]) != n_layers:
+        raise StudyError("profile", f"the profile has {profile['layers']} layers, the model {n_layers}",
+                         "profile a reference run with the same depth as the scheduled runs")
+    return allocate_from_profile(profile, uniform_width, alloc, reverse)
