@@ -11,10 +11,10 @@ its whole state, so `BatchStream(..., start_step=s)` resumes exactly.
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -123,8 +123,7 @@ Step = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class BatchStream:
-    """For consecutive steps from `step`, the list of `accum_steps` micro batches (x, y) of this rank, built
-    `prefetch` steps ahead in one background thread; a failed build raises at its step."""
+    """For consecutive steps from `step`, the list of `accum_steps` micro batches (x, y) of this rank."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, data_seed: int, micro_batch: int, accum_steps: int = 1,
                  rank: int = 0, world_size: int = 1, start_step: int = 0, device: str | torch.device = "cpu",
@@ -137,26 +136,46 @@ class BatchStream:
         self.device = torch.device(device)
         # Pinned host memory lets the host-to-device copy overlap the previous step's compute.
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-stream")
-        self._ahead = deque(self._pool.submit(self.build, s) for s in range(start_step, start_step + prefetch))
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(start_step,), daemon=True, name="batch-stream")
+        self._thread.start()
 
     def build(self, step: int) -> Step:
         return [get_batch(self.tokens, self.seq_len, self.data_seed, step, self.micro_batch, self.accum_steps, a,
                           self.rank, self.world_size, pin=self._pin) for a in range(self.accum_steps)]
 
+    def _fill(self, step: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item: Step | BaseException = self.build(step)
+            except BaseException as err:  # handed to the consumer, which re-raises it with its traceback
+                item = err
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            step += 1
+
     def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> Step:
-        item = self._ahead.popleft().result()  # the build's own exception, with its traceback
-        self._ahead.append(self._pool.submit(self.build, self.step + len(self._ahead) + 1))
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
         self.step += 1
         if self.device.type == "cpu":
             return item
         return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in item]
 
     def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)
+        self._stop.set()
+        self._thread.join()
 
     def __enter__(self) -> BatchStream:
         return self

@@ -168,25 +168,30 @@ def from_model_args(cls, args: dict[str, Any]):
         logger.warning("device %s requested but CUDA is not available: scoring on the CPU", device)
         device = "cpu"
     run = open_trained(spec, ckpt, device)
+    tokenizer = load_tokenizer(run.tokenizer_path)
+    check_model_embeds_tokenizer(run.model, tokenizer, run.tokenizer_path)
     batch = str(args.get("batch_size", ""))
-    return _study_lm(cls, run.model, run.tokenizer_path, args.get("max_length") or None,
-                     batch_size=int(batch) if batch.isdigit() else spec.config.eval.batch_size, device=device,
-                     eos_token=run_eos_token(spec, run.tokenizer_path))
+    return cls(run.model, tokenizer, max_length=int(args.get("max_length") or model_max_length(run.model, None)),
+               batch_size=int(batch) if batch.isdigit() else spec.config.eval.batch_size, device=device,
+               eos_token=run_eos_token(spec, run.tokenizer_path))
 
 
-def _study_lm(cls, model: torch.nn.Module, tokenizer_path: Path, max_length: int | str | None, **kwargs) -> StudyLM:
-    """`cls` (StudyLM) on `model` and the tokenizer at `tokenizer_path`, refused unless the model's embedding has a
-    row for every id the tokenizer emits; `max_length` defaults to the model's `cfg.max_seq_len`."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    cfg = getattr(model, "cfg", None)
-    model_vocab = getattr(cfg, "vocab_size", None)
+def model_max_length(model: torch.nn.Module, max_length: int | None) -> int:
+    if max_length is not None:
+        return max_length
+    config_max = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if config_max is None:
+        raise StudyError("max_length", f"{type(model).__name__} has no cfg.max_seq_len to take the context length "
+                         "from", "pass max_length=<the context length the model was trained with>")
+    return int(config_max)
+
+
+def check_model_embeds_tokenizer(model: torch.nn.Module, tokenizer: Tokenizer, tokenizer_path: Path) -> None:
+    """The model's embedding has a row for every id the tokenizer emits."""
+    model_vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
     if model_vocab is not None and id_bound(tokenizer) > model_vocab:
         raise StudyError("tokenizer_path", f"{tokenizer_path} emits ids up to {id_bound(tokenizer) - 1} but the model "
                          f"embeds only {model_vocab}", "pass the tokenizer.json the model was trained with")
-    if max_length is None and (max_length := getattr(cfg, "max_seq_len", None)) is None:
-        raise StudyError("max_length", f"{type(model).__name__} has no cfg.max_seq_len to take the context length "
-                         "from", "pass max_length=<the context length the model was trained with>")
-    return cls(model, tokenizer, max_length=int(max_length), **kwargs)
 
 
 def flatten_scores(results: dict[str, Any]) -> dict[str, float]:
@@ -219,8 +224,10 @@ def evaluate_model(model: torch.nn.Module, tokenizer_path: str | Path, tasks: Se
     tokenizer_path = Path(tokenizer_path)
     if not tokenizer_path.is_file():
         raise StudyError("tokenizer_path", f"{tokenizer_path} does not exist", "pass the run's tokenizer.json")
-    lm = _study_lm(StudyLM, model.to(device), tokenizer_path, max_length, batch_size=batch_size, device=device,
-                   eos_token=eos_token)
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_model_embeds_tokenizer(model, tokenizer, tokenizer_path)
+    lm = StudyLM(model.to(device), tokenizer, max_length=model_max_length(model, max_length), batch_size=batch_size,
+                 device=device, eos_token=eos_token)
     was_training = model.training
     model.eval()
     try:

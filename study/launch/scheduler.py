@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,9 +70,7 @@ def journal(runs_root: str | Path, experiment: str) -> dict[str, dict]:
 
 
 def record(runs_root: str | Path, experiment: str, entries: list[dict]) -> None:
-    """The submissions appended to the job journal, each stamped with this host and the time unless it names them."""
-    stamp = {"host": socket.gethostname(), "time": time.time()}
-    append_lines(journal_path(runs_root, experiment), [stamp | e for e in entries])
+    append_lines(journal_path(runs_root, experiment), entries)
 
 
 def _scheduler_lines(cmd: list[str]) -> list[str]:

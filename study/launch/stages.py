@@ -4,6 +4,8 @@ a phase of a launch: jobs of one kind (study.launch.kinds) waiting on jobs of ea
 
 from __future__ import annotations
 
+import socket
+import time
 from dataclasses import dataclass, field
 
 from study.config.run import Role
@@ -165,7 +167,8 @@ def submit_stage(plan: Plan, stage: Stage, python: str | None = None) -> list:
     scheduler = "local" if cfg.cluster.name == "local" else "slurm"
     names = [g.data.name for g in stage.groups] if stage.on_shards else [r.name for r in stage.runs]
     record(runs_root(plan), plan.experiment.name, [{"key": k, "job_id": j, "stage": stage.name, "scheduler": scheduler,
-                   "name": n, "after": stage.after} for k, n, j in zip(stage.keys(), names, ids)])
+                   "name": n, "after": stage.after, "host": socket.gethostname(), "time": time.time()}
+                  for k, n, j in zip(stage.keys(), names, ids)])
     stage.job_ids = ids
     return jobs
 

@@ -20,6 +20,8 @@ silently. This module decides what to submit; study.launch.local watches the loc
 from __future__ import annotations
 
 import json
+import socket
+import time
 from dataclasses import asdict, dataclass, field, replace
 
 from study.config.cluster import ClusterConfig
@@ -214,9 +216,10 @@ def _relaunch_after(plan: Plan, overrides: list[str], after: list[str], tried: f
                         condition="afterany")
     with outside_allocation():
         job = ex.submit(RelaunchJob(plan.experiment.name, list(overrides), sorted(tried)))
-    record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id, "after": after,
-                                                    "stage": JobKind.relaunch.value, "scheduler": "slurm",
-                                                    "name": "after tuning"}])
+    record(runs_root(plan), plan.experiment.name, [{"key": "relaunch:tune", "job_id": job.job_id,
+                                                    "stage": JobKind.relaunch.value,
+                                                    "scheduler": "slurm", "name": "after tuning", "after": after,
+                                                    "host": socket.gethostname(), "time": time.time()}])
     echo(f"stage relaunch: job {job.job_id} (afterany {','.join(after)}) launches the main runs once tuning decides")
 
 
