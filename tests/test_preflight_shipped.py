@@ -97,14 +97,13 @@ def test_every_shape_of_a_shipped_experiment_steps_counts_its_flops_traces_whole
 
 
 def shapes_of(name: str):
+    from study.cli import HANDLERS, _filtered
     from study.launch.preflight import distinct_shapes
-    from study.plan.planner import plan_experiment
+    from study.parser import build_parser
 
     experiment, args = SHIPPED[name]
-    overrides = [a for a in args if "=" in a]
-    scales = [args[i + 1] for i, a in enumerate(args) if a == "--scale"]
-    runs = [r for r in plan_experiment(experiment, overrides).runs if not scales or r.config.scale in scales]
-    return distinct_shapes(runs)[0]
+    # the runs `study preflight` selects from these arguments, read by its own parser and filter
+    return distinct_shapes(_filtered(build_parser(HANDLERS).parse_args(["preflight", experiment, *args])).runs)[0]
 
 
 def test_the_golden_file_holds_the_shipped_shapes_and_nothing_else(workdir, tmp_path, monkeypatch):
