@@ -127,13 +127,15 @@ def validate_run(cfg: RunConfig) -> None:
             raise StudyError(name, f"must be positive, got {value}", "use a value > 0")
         if meta.get("non_negative") and value < 0:
             raise StudyError(name, f"cannot be negative, got {value}", "use a value >= 0")
-        if "at_most" in meta and value > (bound := meta["at_most"]):
-            raise StudyError(name, f"must be at most {bound}, got {value}", f"use a value <= {bound}")
-    for name in ("seed", "init_seed", "data_seed"):  # `seed` is declared non-negative; the others may be null
+    for name in ("init_seed", "data_seed"):
         if (value := getattr(cfg, name)) is not None and value < 0:
             raise StudyError(name, f"cannot be negative, got {value}", "use a value >= 0, or null for `seed`")
-        if value is not None and value > SEED_MAX:
+    for name in ("seed", "init_seed", "data_seed"):
+        if (value := getattr(cfg, name)) is not None and value > SEED_MAX:
             raise StudyError(name, f"{value} is past the largest seed torch takes", "use a seed below 2**64")
+    for name, meta, value in declared:
+        if "at_most" in meta and value > (bound := meta["at_most"]):
+            raise StudyError(name, f"must be at most {bound}, got {value}", f"use a value <= {bound}")
     t = cfg.train
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise StudyError("train.min_lr_ratio", f"{t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")

@@ -258,11 +258,15 @@ def read_record(path: Path, tuning: Tuning, grid_keys: dict[str, dict[tuple[floa
             return None, (f"{path} was computed from other tune runs than the plan's (at {scale}, x{m:g} seed {seed} "
                           f"is {grid_keys[scale][m, seed]} now, {recorded.get((m, seed), 'absent')} in the record: "
                           "the experiment changed what they train)")
-        read = [(key, loss, result_of(key)) for p in choice.points for key, loss in zip(p.keys, p.losses)]
-        for key, loss, found in read:
-            if found is not None and found != loss:
-                raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
-        if gone := [key for key, _, found in read if found is None]:
+        gone = []
+        for p in choice.points:
+            for key, loss in zip(p.keys, p.losses):
+                found = result_of(key)
+                if found is None:
+                    gone.append(key)
+                elif found != loss:
+                    raise _damaged(path, f"it records loss {loss} for tune run {key}, whose result.json says {found}")
+        if gone:
             # a choice is only as good as the results it can be checked against: without them a consistent edit
             # would train the main runs at another LR under the same keys
             return None, (f"{path} names tune runs whose results are gone from their run directories ("
