@@ -27,7 +27,7 @@ THROUGHPUT = "train/tokens_per_s"
 """The metric a training run logs its whole job's tokens per second under."""
 
 SPEC_ARTIFACT = "run.json"
-"""The artifact a training run logs its spec under (study.train.loop.open_tracker)."""
+"""The artifact a training run logs its spec under (study.train.tracking)."""
 
 
 @dataclass(frozen=True)

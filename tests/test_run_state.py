@@ -143,7 +143,7 @@ def test_where_mlflow_and_the_run_directory_disagree_the_run_directory_wins_and_
 def test_a_finished_run_whose_run_directory_was_removed_is_not_submitted_and_the_launch_names_its_repair(
         workdir, monkeypatch):
     """MLflow holds the run FINISHED and its run directory is gone: its job would refuse to reopen that result of
-    record at every launch (study.train.loop.finished_elsewhere), so no launch submits it; the launch and
+    record at every launch (study.train.tracking.finished_elsewhere), so no launch submits it; the launch and
     status name the one command that repairs it, and after that command's restart it is submitted."""
     from study import schema
     from study.launch.submit import launch

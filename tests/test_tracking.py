@@ -161,7 +161,7 @@ def test_reopening_a_run_key_resumes_the_same_run_and_skips_steps_already_logged
 def test_other_ranks_get_a_tracker_that_logs_nothing(store, client, tmp_path):
     from study.plan.planner import plan_adhoc
     from study.train.distributed import Dist
-    from study.train.loop import open_tracker
+    from study.train.tracking import open_tracker
 
     spec = plan_adhoc(["experiment=ranks", f"tracking.uri={store}", f"paths.runs={tmp_path}"])
     tracker = open_tracker(spec, Dist(rank=1, world_size=2, local_rank=1, device="cpu"), data=None, start=0)
