@@ -262,7 +262,9 @@ def compose(groups: dict[str, str] | None = None, layers: list[tuple[dict, str]]
     try:
         cfg = _typed(json.dumps(plain, sort_keys=True, default=str))
     except OmegaConfBaseException as exc:  # only now merge layer by layer, to name the layer and field at fault
-        functools.reduce(lambda merged, layer: merge_checked(merged, *layer), nodes, typed_defaults())
+        merged = typed_defaults()
+        for node, where in nodes:
+            merged = merge_checked(merged, node, where)
         raise StudyError(str(getattr(exc, "full_key", None) or "config"), f"is not valid ({str(exc).splitlines()[0]})",
                          "check the spelling and type against the typed config in study/config/") from None
     return copy.deepcopy(cfg)  # callers get their own: a cached config is never shared
@@ -297,12 +299,16 @@ def _value(kind: Any, value: Any) -> tuple[bool, Any]:
         return built is not None, built
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return (True, kind(value)) if value in {m.value for m in kind} else (False, None)
-    if origin in (list, dict):  # items checked by the last type argument (a dict's keys must be strings)
-        if not isinstance(value, origin) or (origin is dict and args[0] is not str):
+    if origin is list:
+        if not isinstance(value, list):
             return False, None
-        items = {k: _value(args[-1], v) for k, v in (value.items() if origin is dict else enumerate(value))}
-        out = {k: v for k, (_, v) in items.items()}
-        return all(ok for ok, _ in items.values()), out if origin is dict else list(out.values())
+        items = [_value(args[0], v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        if not isinstance(value, dict) or args[0] is not str:
+            return False, None
+        items = {k: _value(args[1], v) for k, v in value.items()}
+        return all(ok for ok, _ in items.values()), {k: v for k, (_, v) in items.items()}
     if kind is float and type(value) is int:
         return True, float(value)
     if kind is str and isinstance(value, str) and "${" in value:

@@ -253,7 +253,9 @@ def finished_result(spec: RunSpec) -> dict | None:
 def finished_loss(spec: RunSpec) -> float | None:
     """A finished run's final validation loss (None until it finished; inf for a tune run that diverged)."""
     result = finished_result(spec)
-    return None if result is None else math.inf if result.get(DIVERGED) else float(result["val_loss"])
+    if result is None:
+        return None
+    return math.inf if result.get(DIVERGED) else float(result["val_loss"])
 
 
 def diverged(spec: RunSpec) -> str | None:

@@ -175,9 +175,12 @@ def _grid_variants(grid: dict[str, Any]) -> list[Variant]:
     settings = grid.get("set") or {}
     swept = [k for k, v in settings.items() if isinstance(v, list)]
     fixed = {k: v for k, v in settings.items() if k not in swept}
-    points = [dict(zip(swept, values)) for values in itertools.product(*(settings[k] for k in swept))]
-    return [Variant(grid["model"] + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in point.items()), grid["model"],
-                    {**fixed, **point}) for point in points]
+    out = []
+    for values in itertools.product(*(settings[k] for k in swept)):
+        point = dict(zip(swept, values))
+        name = grid["model"] + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in point.items())
+        out.append(Variant(name, grid["model"], {**fixed, **point}))
+    return out
 
 
 @dataclass

@@ -252,8 +252,10 @@ def estimate(m: ModelConfig, seq_len: int, layout: Layout, z_loss: bool = False,
         grads += 4 * (block_shards[l] if fsdp else sum(n for _, n in blocks[l]))
     # the backward's end: every gradient and the embedding's (accumulated into a held or tied one: a second copy);
     # under FSDP2 the root's whole gradients, their reduce-scatter input and output (the held shards beside it)
-    end = ((c + 4) * root_whole + 4 * root_shard + (sharded_grads if held else 4 * sum(block_shards)) if fsdp
-           else sharded_grads + (4 * v * d if held or m.tie_embeddings else 0))
+    if fsdp:
+        end = (c + 4) * root_whole + 4 * root_shard + (sharded_grads if held else 4 * sum(block_shards))
+    else:
+        end = sharded_grads + (4 * v * d if held or m.tie_embeddings else 0)
     phases.append(end + 8 * tokens + stream)
     peak = params + optimizer + gathered + max(phases)
     if fsdp:

@@ -28,8 +28,10 @@ def fmt_widths(widths: list[int] | None) -> str:
 
 def fmt_tokens(tokens: int) -> str:
     """Token counts at a glance: 2.27B, 18.0M, 122,880."""
-    units = (("T", 1e12), ("B", 1e9), ("M", 1e6))
-    return next((f"{tokens / size:.3g}{unit}" for unit, size in units if tokens >= size), f"{tokens:,}")
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if tokens >= size:
+            return f"{tokens / size:.3g}{unit}"
+    return f"{tokens:,}"
 
 
 def fmt_heads(heads: list[int]) -> str:
